@@ -1,0 +1,36 @@
+"""A character-level tokenizer built in code and saved in Hugging Face layout (tokenizer.json), so
+the tiny models load through `AutoTokenizer.from_pretrained(dir)` exactly like real checkpoints."""
+from __future__ import annotations
+
+from pathlib import Path
+
+CHARSET = "0123456789+-*/=()., abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ:?!'\"\n<>{}\\_^"
+SPECIAL = ("<pad>", "<eos>", "<bos>", "<unk>")
+
+
+def build_char_tokenizer(charset: str = CHARSET):
+    """A `PreTrainedTokenizerFast` with one token per character plus <pad>/<eos>/<bos>/<unk>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
+    for ch in dict.fromkeys(charset):
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
+    )
+
+
+def load_tokenizer(directory: str | Path):
+    """Load a tokenizer from a local HF directory; pad falls back to eos (Qwen3 checkpoints)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(directory))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if tok.eos_token_id is None:
+        raise ValueError(f"{directory}: the tokenizer has no eos token; generation could never finish")
+    return tok

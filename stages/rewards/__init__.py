@@ -1,0 +1,19 @@
+"""Rewards: the scorer interface (`base`), rule-based and model-based scorers, and the reward
+service (`server`, `client`)."""
+from stages.rewards.base import (
+    AGGREGATIONS,
+    ScoreBatch,
+    ScoreResult,
+    Scorer,
+    ScorerError,
+    aggregate,
+    build_scorer,
+    register_scorer,
+    run_scorer,
+    scorer_names,
+)
+
+__all__ = [
+    "AGGREGATIONS", "ScoreBatch", "ScoreResult", "Scorer", "ScorerError", "aggregate",
+    "build_scorer", "register_scorer", "run_scorer", "scorer_names",
+]

@@ -1,0 +1,153 @@
+"""The scorer interface every reward speaks, the registry that builds scorers by recipe name,
+and the aggregation of several scorers into one reward.
+
+A scorer takes a `ScoreBatch` (prompts, decoded text and/or images/video frames, per-sample
+metadata) and returns a `ScoreResult`: one finite float per sample plus optional named components.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+AGGREGATIONS = ("weighted_sum", "mean", "min", "max")
+
+
+@dataclass
+class ScoreBatch:
+    """What a scorer sees. Every list has one entry per sample, in `sample_ids` order.
+
+    `images` holds PIL images (RGB); `videos` holds one list of PIL frames per sample.
+    `metadata` carries the data source's per-sample fields (e.g. `answer` for arithmetic).
+    """
+
+    sample_ids: list[str]
+    prompts: list[str]
+    texts: list[str] | None = None
+    images: list[Any] | None = None
+    videos: list[list[Any]] | None = None
+    metadata: list[dict[str, Any]] = field(default_factory=list)
+    finish_reasons: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.sample_ids)
+        if not self.metadata:
+            self.metadata = [{} for _ in range(n)]
+        for name in ("prompts", "texts", "images", "videos", "metadata", "finish_reasons"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"ScoreBatch.{name} has {len(value)} entries for {n} samples")
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+
+@dataclass
+class ScoreResult:
+    """`scores`: (N,) float64. `components`: name -> (N,) float64, logged as `reward/<name>`."""
+
+    scores: np.ndarray
+    components: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class Scorer(Protocol):
+    name: str
+
+    def __call__(self, batch: ScoreBatch) -> ScoreResult: ...
+
+
+class ScorerError(RuntimeError):
+    """A scorer failed or returned a non-finite value; the message names the scorer and sample."""
+
+
+_REGISTRY: dict[str, Callable[..., Scorer]] = {}
+
+
+def register_scorer(name: str) -> Callable[[Callable[..., Scorer]], Callable[..., Scorer]]:
+    """Class/factory decorator: make a scorer buildable by `name` from a recipe."""
+
+    def wrap(factory: Callable[..., Scorer]) -> Callable[..., Scorer]:
+        if name in _REGISTRY and _REGISTRY[name] is not factory:
+            raise ValueError(f"scorer name {name!r} is registered twice")
+        _REGISTRY[name] = factory
+        return factory
+
+    return wrap
+
+
+def scorer_names() -> list[str]:
+    _load_builtin_scorers()
+    return sorted(_REGISTRY)
+
+
+def build_scorer(name: str, **params: Any) -> Scorer:
+    _load_builtin_scorers()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown scorer {name!r} (allowed: {', '.join(sorted(_REGISTRY))})")
+    return _REGISTRY[name](**params)
+
+
+def _load_builtin_scorers() -> None:
+    # Importing a module registers its scorers; model-based ones import torch lazily on build.
+    import importlib
+    import pkgutil
+
+    import stages.rewards as pkg
+
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name not in ("base", "server", "client") and not info.name.startswith("_"):
+            importlib.import_module(f"stages.rewards.{info.name}")
+
+
+def run_scorer(scorer: Scorer, batch: ScoreBatch) -> ScoreResult:
+    """Call a scorer and check its output: right length, every value finite. Errors name the
+    scorer and the first offending sample; a failure is never turned into a silent zero."""
+    name = getattr(scorer, "name", type(scorer).__name__)
+    try:
+        result = scorer(batch)
+    except ScorerError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised with the scorer's name
+        raise ScorerError(f"scorer {name!r} failed: {type(exc).__name__}: {exc}") from exc
+    arrays = {"": np.asarray(result.scores, dtype=np.float64)}
+    arrays.update({k: np.asarray(v, dtype=np.float64) for k, v in result.components.items()})
+    for key, arr in arrays.items():
+        label = f"scorer {name!r}" + (f" component {key!r}" if key else "")
+        if arr.shape != (len(batch),):
+            raise ScorerError(f"{label} returned shape {arr.shape} for {len(batch)} samples")
+        bad = np.flatnonzero(~np.isfinite(arr))
+        if bad.size:
+            i = int(bad[0])
+            raise ScorerError(f"{label} returned {arr[i]} for sample {batch.sample_ids[i]!r}")
+    return ScoreResult(arrays[""], {k: v for k, v in arrays.items() if k})
+
+
+def aggregate(
+    results: dict[str, ScoreResult], weights: dict[str, float], mode: str = "weighted_sum"
+) -> ScoreResult:
+    """Combine scorers into one reward. `weighted_sum`: sum_i w_i s_i; `mean`: (1/n) sum_i s_i;
+    `min` / `max`: elementwise over scorers (weights ignored except in weighted_sum).
+    Components of the result: each scorer's total as `<scorer>` and its own components as
+    `<scorer>/<component>`."""
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {mode!r} (allowed: {', '.join(AGGREGATIONS)})")
+    if not results:
+        raise ValueError("aggregate needs at least one scorer result")
+    names = list(results)
+    stacked = np.stack([results[n].scores for n in names])
+    if mode == "weighted_sum":
+        w = np.array([weights.get(n, 1.0) for n in names], dtype=np.float64)[:, None]
+        total = (w * stacked).sum(axis=0)
+    elif mode == "mean":
+        total = stacked.mean(axis=0)
+    elif mode == "min":
+        total = stacked.min(axis=0)
+    else:
+        total = stacked.max(axis=0)
+    components: dict[str, np.ndarray] = {}
+    for n in names:
+        components[n] = results[n].scores
+        for k, v in results[n].components.items():
+            components[f"{n}/{k}"] = v
+    return ScoreResult(total, components)

@@ -1,0 +1,29 @@
+"""Rule-based scorers for text answers."""
+from __future__ import annotations
+
+import numpy as np
+
+from stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
+
+
+def extract_answer(text: str) -> str:
+    """The model's answer: the text up to the end-of-sequence marker, without surrounding space."""
+    return text.strip()
+
+
+@register_scorer("exact_match")
+class ExactMatch:
+    """1.0 when the response equals the sample's `answer` metadata exactly (after stripping
+    surrounding whitespace), else 0.0. A sample without an `answer` is an error naming it."""
+
+    name = "exact_match"
+
+    def __call__(self, batch: ScoreBatch) -> ScoreResult:
+        if batch.texts is None:
+            raise ValueError("exact_match needs decoded texts")
+        scores = np.zeros(len(batch), dtype=np.float64)
+        for i, (text, meta) in enumerate(zip(batch.texts, batch.metadata)):
+            if "answer" not in meta:
+                raise ValueError(f"sample {batch.sample_ids[i]!r} has no 'answer' metadata")
+            scores[i] = float(extract_answer(text) == str(meta["answer"]).strip())
+        return ScoreResult(scores)

@@ -1,0 +1,83 @@
+"""Creating and reopening a run folder: recipe.yaml, run.json and the initial weights v000000."""
+from __future__ import annotations
+
+import subprocess
+import tempfile
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from stages.recipe import Recipe
+from stages.storage import RunStorage, join
+from stages.workers.checkpoint import MANIFEST, write_weights_dir
+
+
+class RunMismatchError(ValueError):
+    """Resuming a run with a recipe that would change what was already computed."""
+
+
+def code_version() -> str:
+    try:
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        if out.returncode == 0:
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("unirl")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def open_run(recipe: Recipe, run_name: str) -> tuple[RunStorage, dict[str, Any]]:
+    """Create the run (or reopen it to resume). A resumed run must have the same recipe
+    fingerprint (everything but iterations, storage and tracking)."""
+    storage = RunStorage(recipe.storage.root, run_name, recipe.storage.options)
+    if storage.exists("run.json"):
+        info = storage.read_json("run.json")
+        if info["recipe_hash"] != recipe.fingerprint():
+            raise RunMismatchError(
+                f"{storage.url('run.json')}: run {run_name!r} was started with a different recipe "
+                f"(see {storage.url('recipe.yaml')}); resume with the same recipe or pick a new --run-name"
+            )
+        if recipe.iterations != info.get("iterations"):
+            info["iterations"] = recipe.iterations
+            storage.write_json("run.json", info)
+            storage.write_text("recipe.yaml", recipe.to_yaml())
+        return storage, info
+    info = {
+        "run_id": uuid.uuid4().hex, "run_name": run_name, "code_version": code_version(),
+        "recipe_hash": recipe.fingerprint(), "created": datetime.now(timezone.utc).isoformat(),
+        "iterations": recipe.iterations, "mlflow_run_id": None,
+    }
+    storage.write_text("recipe.yaml", recipe.to_yaml())
+    storage.write_json("run.json", info)
+    return storage, info
+
+
+def update_run_info(storage: RunStorage, **fields: Any) -> dict[str, Any]:
+    info = storage.read_json("run.json")
+    info.update(fields)
+    storage.write_json("run.json", info)
+    return info
+
+
+def initial_weights(storage: RunStorage, recipe: Recipe) -> str:
+    """Relative path of weights v000000: the recipe's `model.path` copied in, or the tiny seeded
+    model built and saved in HF layout, so every rank loads through the same from-directory path."""
+    from stages.models import check_model_dir, save_tiny_qwen3
+
+    rel = storage.weights_rel(0)
+    if storage.exists(join(rel, MANIFEST)):
+        return rel
+    with tempfile.TemporaryDirectory() as tmp:
+        if recipe.model.path:
+            src = check_model_dir(recipe.model.path)
+        else:
+            src = save_tiny_qwen3(Path(tmp) / "tiny", recipe.model.tiny)
+        write_weights_dir(storage, src, rel, {"version": 0, "source": recipe.model.path or "tiny"})
+    return rel

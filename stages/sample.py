@@ -1,0 +1,200 @@
+"""Sample shards: the Arrow IPC file format every stage reads and writes (DESIGN.md section 2).
+
+One row per generated sample. Columns every rollout shard has: `sample_id` ("{group_id}/{j}"),
+`group_id`, `iteration`, `policy_version`, `parts` (the ordered segment kinds of the row, e.g.
+["text"] or ["text", "latent"]) and `metadata` (JSON of the prompt source's fields). Each segment
+kind adds its own columns (`SEGMENT_COLUMNS`). Rewards and advantages are separate files keyed by
+`sample_id`. A shard that does not match its schema fails naming the file and the column.
+"""
+from __future__ import annotations
+
+import io
+import json
+from typing import Any, Iterable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from stages.storage import RunStorage
+
+SCHEMA_VERSION = 1
+
+_LIST_I32 = pa.list_(pa.int32())
+_LIST_F32 = pa.list_(pa.float32())
+
+BASE_COLUMNS: dict[str, pa.DataType] = {
+    "sample_id": pa.string(),
+    "group_id": pa.string(),
+    "iteration": pa.int32(),
+    "policy_version": pa.int32(),
+    "parts": pa.list_(pa.string()),
+    "metadata": pa.string(),
+}
+
+SEGMENT_COLUMNS: dict[str, dict[str, pa.DataType]] = {
+    "text": {
+        "prompt": pa.string(),
+        "prompt_ids": _LIST_I32,
+        "response_ids": _LIST_I32,
+        "response_logprobs": _LIST_F32,
+        "finish_reason": pa.string(),
+        "text": pa.string(),
+    },
+    # Diffusion segment: sigmas [T+1], chosen SDE step indices [S], latents at the stored steps
+    # (flattened; `latent_shape` gives the per-step shape), per-step log-probs [S], the seed of the
+    # initial noise, and the encoded image for rewards and previews.
+    "latent": {
+        "sigmas": _LIST_F32,
+        "sde_indices": _LIST_I32,
+        "latents": _LIST_F32,
+        "latent_shape": _LIST_I32,
+        "sde_logprobs": _LIST_F32,
+        "noise_seed": pa.int64(),
+        "media_png": pa.binary(),
+    },
+}
+
+REQUEST_COLUMNS: dict[str, pa.DataType] = {
+    "group_id": pa.string(),
+    "prompt": pa.string(),
+    "metadata": pa.string(),
+    "group_size": pa.int32(),
+    "iteration": pa.int32(),
+}
+
+REWARD_COLUMNS: dict[str, pa.DataType] = {"sample_id": pa.string(), "group_id": pa.string(), "reward": pa.float64()}
+ADVANTAGE_COLUMNS: dict[str, pa.DataType] = {"sample_id": pa.string(), "group_id": pa.string(), "advantage": pa.float32()}
+
+KINDS: dict[str, dict[str, pa.DataType]] = {
+    "requests": REQUEST_COLUMNS,
+    "rewards": REWARD_COLUMNS,
+    "advantages": ADVANTAGE_COLUMNS,
+}
+
+
+class ShardSchemaError(ValueError):
+    """A shard that is not what its stage expects; the message names the file and the column."""
+
+
+def rollout_schema(segments: Iterable[str]) -> pa.Schema:
+    fields = [pa.field(n, t) for n, t in BASE_COLUMNS.items()]
+    for seg in segments:
+        fields += [pa.field(n, t) for n, t in SEGMENT_COLUMNS[seg].items()]
+    return pa.schema(fields, metadata={"unirl.schema_version": str(SCHEMA_VERSION), "unirl.kind": "rollouts"})
+
+
+def table_from_rows(rows: list[dict[str, Any]], kind: str, segments: Iterable[str] = ()) -> pa.Table:
+    """Build a shard table from plain rows (dicts). `metadata` values may be dicts (stored as JSON)."""
+    if kind == "rollouts":
+        schema = rollout_schema(segments)
+    else:
+        schema = pa.schema(
+            [pa.field(n, t) for n, t in KINDS[kind].items()],
+            metadata={"unirl.schema_version": str(SCHEMA_VERSION), "unirl.kind": kind},
+        )
+    extra = sorted({k for r in rows for k in r} - set(schema.names))
+    for name in extra:  # e.g. reward/<component>
+        schema = schema.append(pa.field(name, pa.float64()))
+    columns = {}
+    for field in schema:
+        values = [r.get(field.name) for r in rows]
+        if field.name == "metadata":
+            values = [v if isinstance(v, str) else json.dumps(v or {}, sort_keys=True) for v in values]
+        columns[field.name] = pa.array(values, type=field.type)
+    return pa.Table.from_pydict(columns, schema=schema)
+
+
+def to_ipc_bytes(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    with ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue()
+
+
+def write_shard(storage: RunStorage, rel: str, table: pa.Table) -> dict[str, Any]:
+    """Write one shard whole; returns its small manifest entry (path, rows)."""
+    storage.write_bytes(rel, to_ipc_bytes(table))
+    return {"path": rel, "rows": table.num_rows}
+
+
+def read_shard(storage: RunStorage, rel: str, kind: str) -> pa.Table:
+    """Open a shard (memory-mapped on local disk, so list columns read zero-copy) and check it."""
+    where = storage.url(rel)
+    try:
+        if storage.local:
+            source = pa.memory_map(storage.path(rel), "r")
+        else:
+            source = pa.py_buffer(storage.read_bytes(rel))
+        table = ipc.open_file(source).read_all()
+    except FileNotFoundError:
+        raise ShardSchemaError(f"{where}: shard is missing; rerun the stage that writes it") from None
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise ShardSchemaError(f"{where}: not an Arrow IPC file ({exc}); delete it and rerun the stage") from None
+    validate(table, kind, where)
+    return table
+
+
+def validate(table: pa.Table, kind: str, where: str) -> None:
+    """Check columns and types; name the file and the first bad column."""
+    if kind == "rollouts":
+        expected = dict(BASE_COLUMNS)
+        for seg in ("text", "latent"):
+            if seg in table.schema.names or any(n in table.schema.names for n in SEGMENT_COLUMNS[seg]):
+                expected.update(SEGMENT_COLUMNS[seg])
+    else:
+        expected = KINDS[kind]
+    for name, dtype in expected.items():
+        if name not in table.schema.names:
+            raise ShardSchemaError(f"{where}: column {name!r} is missing (a {kind} shard needs {sorted(expected)})")
+        actual = table.schema.field(name).type
+        if actual != dtype:
+            raise ShardSchemaError(f"{where}: column {name!r} has type {actual}, expected {dtype}")
+    if kind == "rollouts" and "prompt_ids" in expected:
+        ids = table.column("sample_id").to_pylist()
+        for sid, resp, lps in zip(ids, table.column("response_ids").to_pylist(), table.column("response_logprobs").to_pylist()):
+            if len(resp) != len(lps):
+                raise ShardSchemaError(
+                    f"{where}: sample {sid!r}: column 'response_logprobs' has {len(lps)} values for {len(resp)} response tokens"
+                )
+    version = (table.schema.metadata or {}).get(b"unirl.schema_version")
+    if version is not None and int(version) > SCHEMA_VERSION:
+        raise ShardSchemaError(f"{where}: schema version {int(version)} is newer than this unirl ({SCHEMA_VERSION}); upgrade")
+
+
+def list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(values, offsets) of a list column as numpy views without copying (single-chunk tables):
+    row i is values[offsets[i]:offsets[i+1]]."""
+    col = table.column(name).combine_chunks()
+    if col.null_count:
+        raise ShardSchemaError(f"column {name!r} has null rows")
+    offsets = col.offsets.to_numpy(zero_copy_only=False)
+    values = col.values.to_numpy(zero_copy_only=True)
+    return values[offsets[0]:offsets[-1]], offsets - offsets[0]
+
+
+def metadata(table: pa.Table) -> list[dict[str, Any]]:
+    return [json.loads(s) for s in table.column("metadata").to_pylist()]
+
+
+def read_rollouts(storage: RunStorage, paths: list[str]) -> pa.Table:
+    """All rollout shards of an iteration as one table, sorted by sample_id."""
+    tables = [read_shard(storage, p, "rollouts") for p in paths]
+    if not tables:
+        raise ShardSchemaError(f"{storage.url()}: no rollout shards given")
+    table = pa.concat_tables(tables, promote_options="none")
+    return table.sort_by("sample_id")
+
+
+def join_on_sample_id(left: pa.Table, right: pa.Table, columns: list[str], where: str) -> pa.Table:
+    """Add `columns` of `right` to `left`, matched by sample_id; every left row must match."""
+    index = {sid: i for i, sid in enumerate(right.column("sample_id").to_pylist())}
+    rows = []
+    for sid in left.column("sample_id").to_pylist():
+        if sid not in index:
+            raise ShardSchemaError(f"{where}: no row for sample {sid!r}")
+        rows.append(index[sid])
+    taken = right.take(pa.array(rows, type=pa.int64()))
+    for name in columns:
+        left = left.append_column(name, taken.column(name))
+    return left

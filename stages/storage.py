@@ -1,0 +1,180 @@
+"""The run layout (DESIGN.md section 2) on any fsspec URL.
+
+Commit protocol: every file is written whole (temp file then rename on local disk; object stores
+make a single PUT visible atomically), and a stage's outputs count only once its manifest
+(`iter-NNNNNN/manifests/<stage>.json`) exists; the manifest is written last. An iteration is done
+when `iter-NNNNNN/_SUCCESS` exists; a run resumes after the last one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+ITER_RE = re.compile(r"^iter-(\d{6})$")
+CKPT_RE = re.compile(r"^(\d{6})$")
+WEIGHTS_RE = re.compile(r"^v(\d{6})$")
+
+
+def iter_dir(iteration: int) -> str:
+    return f"iter-{iteration:06d}"
+
+
+def join(*parts: str) -> str:
+    return posixpath.join(*parts)
+
+
+class RunStorage:
+    """Files of one run: `{root}/{run}/...`, addressed by paths relative to the run folder."""
+
+    def __init__(self, root: str, run: str, options: dict[str, Any] | None = None):
+        if not run or "/" in run or run.startswith("."):
+            raise ValueError(f"run name {run!r} must be a plain folder name")
+        self.root = root
+        self.run = run
+        self.options = dict(options or {})
+        self.fs, base = fsspec.core.url_to_fs(root, **self.options)
+        self.local = isinstance(self.fs, LocalFileSystem)
+        if self.local:
+            base = str(Path(base).resolve())
+        self.base = join(base.rstrip("/") or "/", run)
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        self.protocol = protocol
+
+    # -- addressing -------------------------------------------------------------------------
+    def path(self, rel: str = "") -> str:
+        return join(self.base, rel) if rel else self.base
+
+    def url(self, rel: str = "") -> str:
+        """A URL another process can open (never memory:// across processes)."""
+        p = self.path(rel)
+        return p if self.local else f"{self.protocol}://{p.lstrip('/')}" if self.protocol != "memory" else f"memory://{p}"
+
+    def local_path(self, rel: str = "") -> Path | None:
+        return Path(self.path(rel)) if self.local else None
+
+    # -- writing ----------------------------------------------------------------------------
+    def write_bytes(self, rel: str, data: bytes) -> str:
+        """Write a whole file so that readers see all of it or nothing."""
+        target = self.path(rel)
+        parent = posixpath.dirname(target)
+        if self.local:
+            os.makedirs(parent, exist_ok=True)
+            tmp = join(parent, f".{posixpath.basename(target)}.{uuid.uuid4().hex}.tmp")
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, target)
+        else:
+            self.fs.makedirs(parent, exist_ok=True)
+            self.fs.pipe_file(target, data)
+        return target
+
+    def write_json(self, rel: str, obj: Any) -> str:
+        return self.write_bytes(rel, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+    def write_text(self, rel: str, text: str) -> str:
+        return self.write_bytes(rel, text.encode())
+
+    def put_file(self, local: str | Path, rel: str) -> str:
+        with open(local, "rb") as fh:
+            return self.write_bytes(rel, fh.read())
+
+    # -- reading ----------------------------------------------------------------------------
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self.path(rel))
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self.fs.cat_file(self.path(rel))
+
+    def read_json(self, rel: str) -> Any:
+        return json.loads(self.read_bytes(rel))
+
+    def read_text(self, rel: str) -> str:
+        return self.read_bytes(rel).decode()
+
+    def listdir(self, rel: str = "") -> list[str]:
+        """Names (not paths) directly under `rel`; empty when it does not exist."""
+        try:
+            entries = self.fs.ls(self.path(rel), detail=False, refresh=True) if not self.local else os.listdir(self.path(rel))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries)
+
+    def get_dir(self, rel: str, local_dir: str | Path) -> Path:
+        """Copy a folder of the run to a local directory (for libraries that need local files)."""
+        local_dir = Path(local_dir)
+        local_dir.mkdir(parents=True, exist_ok=True)
+        for name in self.listdir(rel):
+            src = join(rel, name)
+            if self.fs.isdir(self.path(src)):
+                self.get_dir(src, local_dir / name)
+            else:
+                (local_dir / name).write_bytes(self.read_bytes(src))
+        return local_dir
+
+    # -- stage commits ----------------------------------------------------------------------
+    def manifest_rel(self, iteration: int, stage: str) -> str:
+        return join(iter_dir(iteration), "manifests", f"{stage}.json")
+
+    def commit_stage(self, iteration: int, stage: str, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Mark a stage's outputs as complete by writing its manifest (after all its files)."""
+        for rel in manifest.get("files", []):
+            if not self.exists(rel):
+                raise FileNotFoundError(f"{stage} manifest lists {self.url(rel)}, which was not written")
+        self.write_json(self.manifest_rel(iteration, stage), manifest)
+        return manifest
+
+    def stage_manifest(self, iteration: int, stage: str) -> dict[str, Any] | None:
+        rel = self.manifest_rel(iteration, stage)
+        return self.read_json(rel) if self.exists(rel) else None
+
+    def mark_success(self, iteration: int, summary: dict[str, Any]) -> None:
+        self.write_json(join(iter_dir(iteration), "_SUCCESS"), summary)
+
+    def is_success(self, iteration: int) -> bool:
+        return self.exists(join(iter_dir(iteration), "_SUCCESS"))
+
+    def iterations(self) -> list[int]:
+        return [int(m.group(1)) for n in self.listdir() if (m := ITER_RE.match(n))]
+
+    def last_success(self) -> int:
+        """Index of the last finished iteration with every earlier one finished too, else -1."""
+        done = -1
+        for i in self.iterations():
+            if i != done + 1 or not self.is_success(i):
+                break
+            done = i
+        return done
+
+    # -- checkpoints and weights ------------------------------------------------------------
+    def checkpoint_rel(self, version: int) -> str:
+        return join("checkpoints", f"{version:06d}")
+
+    def checkpoints(self) -> list[int]:
+        """Committed checkpoint versions, ascending."""
+        out = []
+        for name in self.listdir("checkpoints"):
+            m = CKPT_RE.match(name)
+            if m and self.exists(join("checkpoints", name, "_COMMITTED")):
+                out.append(int(m.group(1)))
+        return out
+
+    def weights_rel(self, version: int) -> str:
+        return join("weights", f"v{version:06d}")
+
+    def weights_versions(self) -> list[int]:
+        out = []
+        for name in self.listdir("weights"):
+            m = WEIGHTS_RE.match(name)
+            if m and self.exists(join("weights", name, "manifest.json")):
+                out.append(int(m.group(1)))
+        return out

@@ -1,0 +1,1 @@
+"""The torchrun worker group: `group` (client), `policy` (per rank), `control` (channel)."""

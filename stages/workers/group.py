@@ -1,0 +1,231 @@
+"""The client side of the worker group: launch `torchrun -m stages.workers`, send it commands,
+notice when it died, and bring it back at the right policy version.
+
+A group lives across iterations (weights and optimizer load once). Relaunching restores the
+latest committed checkpoint at or below the wanted version, then replays the train steps of the
+iterations in between from their stored rollouts and advantages (deterministic on the same
+world size), so a crash between checkpoints loses nothing and counts nothing twice.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from stages.recipe import Recipe
+from stages.storage import RunStorage, iter_dir, join
+from stages.workers.control import recv_json, send_json
+
+
+class WorkerError(RuntimeError):
+    """A command failed inside the worker group (the message carries the remote traceback)."""
+
+
+class WorkerGroupDied(WorkerError):
+    """The worker group's processes exited; the message carries the end of its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerGroup:
+    def __init__(self, recipe: Recipe, storage: RunStorage, *, init_weights: str, log: Callable[[str], None] = print):
+        self.recipe = recipe
+        self.storage = storage
+        self.init_weights = init_weights
+        self.log = log
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
+        self.version: int | None = None
+        self.token = secrets.token_hex(16)
+        self.scratch = Path(tempfile.mkdtemp(prefix=f"unirl-{storage.run}-"))
+        self.log_path = self.scratch / "workers.log"
+        self._lock = threading.Lock()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, checkpoint: int | None) -> None:
+        """Launch the group, loading `checkpoint` (a committed version) or the initial weights."""
+        self.stop()
+        t = self.recipe.train
+        ready = self.scratch / "ready.json"
+        ready.unlink(missing_ok=True)
+        spec = {
+            "recipe": self.recipe.model_dump(mode="json"), "root": self.storage.root, "run": self.storage.run,
+            "options": self.storage.options, "init_weights": self.init_weights, "init_version": 0,
+            "checkpoint": checkpoint, "backend": t.backend, "ready_file": str(ready),
+            "scratch": str(self.scratch), "threads_per_rank": max(1, (os.cpu_count() or 1) // t.nproc),
+        }
+        spec_path = self.scratch / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(t.nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
+            "-m", "stages.workers", "--spec", str(spec_path),
+        ]
+        env = {**os.environ, "UNIRL_CONTROL_TOKEN": self.token, "OMP_NUM_THREADS": str(spec["threads_per_rank"])}
+        what = f"checkpoint {checkpoint}" if checkpoint is not None else "initial weights"
+        self.log(f"starting worker group: {t.nproc} rank(s), {what}")
+        logf = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent, start_new_session=True,
+        )
+        logf.close()
+        _LIVE.add(self)
+        deadline = time.monotonic() + t.startup_timeout_s
+        while not ready.exists():
+            if not self.alive():
+                raise WorkerGroupDied(f"worker group exited while starting:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise WorkerGroupDied(f"worker group not ready after {t.startup_timeout_s}s:\n{self.log_tail()}")
+            time.sleep(0.2)
+        info = json.loads(ready.read_text())
+        self.port, self.version = info["port"], info["version"]
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc is None:
+            return
+        if self.alive():
+            try:
+                self._send("shutdown", {}, timeout=timeout)
+            except WorkerError:
+                pass
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        kill_tree(self.proc)
+        self.proc = None
+        self.version = None
+        _LIVE.discard(self)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    # -- commands ---------------------------------------------------------------------------
+    def _send(self, cmd: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        if not self.alive():
+            raise WorkerGroupDied(f"worker group is not running:\n{self.log_tail()}")
+        with self._lock, socket.create_connection(("127.0.0.1", self.port), timeout=30) as sock:
+            send_json(sock, {"token": self.token, "cmd": cmd, "args": args})
+            sock.settimeout(1.0)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                try:
+                    reply = recv_json(sock)
+                    break
+                except socket.timeout:
+                    if not self.alive():
+                        raise WorkerGroupDied(f"worker group died during {cmd!r}:\n{self.log_tail()}") from None
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise WorkerError(f"{cmd!r} took longer than {timeout}s") from None
+                except ConnectionError:
+                    time.sleep(0.5)
+                    raise WorkerGroupDied(f"worker group closed the connection during {cmd!r}:\n{self.log_tail()}") from None
+        if not reply.get("ok"):
+            if cmd != "shutdown":
+                try:
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    kill_tree(self.proc)
+            raise WorkerError(f"worker command {cmd!r} failed:\n{reply.get('error')}")
+        return reply["result"]
+
+    def call(self, cmd: str, **args: Any) -> dict[str, Any]:
+        result = self._send(cmd, args)
+        if "policy_version" in result:
+            self.version = result["policy_version"]
+        elif "version" in result:
+            self.version = result["version"]
+        return result
+
+    # -- bringing the group to a version ------------------------------------------------------
+    def ensure(self, version: int) -> None:
+        """Make the live group hold policy `version` (weights after `version` train steps)."""
+        if self.alive() and self.version == version:
+            return
+        if not self.alive() or self.version is None or self.version > version:
+            candidates = [v for v in self.storage.checkpoints() if v <= version]
+            self.start(max(candidates) if candidates else None)
+        while self.version < version:
+            self.replay(self.version)
+
+    def replay(self, iteration: int) -> dict[str, Any]:
+        """Redo iteration `iteration`'s train step from its committed rollouts and advantages."""
+        gen = self.storage.stage_manifest(iteration, "generate")
+        adv = self.storage.stage_manifest(iteration, "advantage")
+        if gen is None or adv is None:
+            raise WorkerError(
+                f"cannot rebuild policy version {iteration + 1}: {self.storage.url(iter_dir(iteration))} has no committed "
+                "rollouts/advantages and no checkpoint covers it"
+            )
+        self.log(f"replaying the train step of {iter_dir(iteration)} from storage")
+        return self.call("train", iteration=iteration, rollouts=gen["files"], advantages=adv["files"][0])
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the torchrun agent and every rank (they share its process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+_LIVE: set[WorkerGroup] = set()
+_GROUPS: dict[str, WorkerGroup] = {}
+
+
+def get_group(key: str, factory: Callable[[], WorkerGroup]) -> WorkerGroup:
+    """The process-wide group of a run (tasks of one flow run share it)."""
+    group = _GROUPS.get(key)
+    if group is None:
+        group = _GROUPS[key] = factory()
+    return group
+
+
+def close_group(key: str) -> None:
+    group = _GROUPS.pop(key, None)
+    if group is not None:
+        group.stop()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for group in list(_LIVE):
+        try:
+            kill_tree(group.proc) if group.proc else None
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass

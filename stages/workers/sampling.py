@@ -1,0 +1,116 @@
+"""Autoregressive sampling inside the worker group, with fp32 log-probs recorded at sampling time.
+
+Each sample draws its randomness from its own generator, seeded from (run seed, iteration,
+sample id), so a sample's tokens do not depend on the batch it was in, the rank that made it, or
+whether the run was resumed. Every rank runs the same number of forward passes (FSDP2 gathers
+parameters collectively), stopping only when all ranks' samples are finished.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed from any parts, stable across processes and Python versions."""
+    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class SampleOutput:
+    response_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of tokens whose mass reaches `top_p`, renormalized. probs: (B, V)."""
+    if top_p >= 1.0:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p
+    sorted_p = torch.where(before < top_p, sorted_p, torch.zeros_like(sorted_p))
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token per row whose CDF interval contains u. probs: (B, V), u: (B,) in [0, 1)."""
+    cdf = probs.cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return idx.clamp(max=probs.shape[-1] - 1)
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    seeds: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    eos_id: int,
+    pad_id: int,
+    device: torch.device,
+    greedy: bool = False,
+) -> SampleOutput:
+    """Sample one response per prompt. The recorded log-prob of a token is
+    log softmax(logits / temperature) at that token, in fp32 (the quantity training recomputes)."""
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    empty = not prompts
+    if empty:  # this rank has nothing to do but must take part in every forward
+        prompts, seeds = [[eos_id]], [0]
+    from transformers import DynamicCache
+
+    batch = len(prompts)
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((batch, width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        attn[i, width - len(p):] = 1
+    input_ids, attn = input_ids.to(device), attn.to(device)
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    cache = DynamicCache()
+    out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache, use_cache=True)
+    logits = out.logits[:, -1, :]
+    next_pos = positions[:, -1] + 1
+    finished = torch.zeros(batch, dtype=torch.bool)
+    responses: list[list[int]] = [[] for _ in range(batch)]
+    logprobs: list[list[float]] = [[] for _ in range(batch)]
+    for step in range(max_new_tokens):
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1).cpu()
+        if greedy:
+            tokens = logp.argmax(-1)
+        else:
+            u = torch.cat([torch.rand(1, generator=g) for g in generators])
+            tokens = inverse_cdf(top_p_filter(logp.exp(), top_p), u)
+        token_logp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        for i in range(batch):
+            if not finished[i]:
+                responses[i].append(int(tokens[i]))
+                logprobs[i].append(float(token_logp[i]))
+        finished |= tokens == eos_id
+        pending = torch.tensor([0 if bool(finished.all()) else 1], dtype=torch.int64, device=device)
+        if distributed:
+            dist.all_reduce(pending, op=dist.ReduceOp.MAX)
+        if int(pending.item()) == 0 or step == max_new_tokens - 1:
+            break
+        feed = torch.where(finished, torch.full_like(tokens, pad_id), tokens).to(device)
+        attn = torch.cat([attn, torch.ones((batch, 1), dtype=attn.dtype, device=device)], dim=1)
+        out = model(
+            input_ids=feed.unsqueeze(-1), attention_mask=attn, position_ids=next_pos.unsqueeze(-1),
+            past_key_values=cache, use_cache=True,
+        )
+        logits = out.logits[:, -1, :]
+        next_pos = next_pos + 1
+    reasons = ["stop" if r and r[-1] == eos_id else "length" for r in responses]
+    if empty:
+        return SampleOutput([], [], [])
+    return SampleOutput(responses, logprobs, reasons)

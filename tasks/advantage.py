@@ -1,0 +1,17 @@
+"""advantage: advantages.arrow from rewards.arrow (group z-scores)."""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from stages import iteration as it
+from stages.recipe import Recipe
+from tasks.common import storage_of
+
+
+@task(name="advantage", cache_policy=NO_CACHE)
+def advantage(recipe: Recipe, run_name: str, iteration: int, rewards: str) -> dict[str, Any]:
+    storage = storage_of(recipe, run_name)
+    return it.committed(storage, iteration, "advantage", lambda: it.advantages(storage, recipe, iteration, rewards))

@@ -1,0 +1,26 @@
+"""generate: requests.arrow, then rollouts/part-*.arrow from the worker group (trainside)."""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from stages import iteration as it
+from stages.recipe import Recipe
+from stages.storage import iter_dir, join
+from tasks.common import group_of, storage_of
+
+
+@task(name="generate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1)
+def generate(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any]:
+    storage = storage_of(recipe, run_name)
+    requests = it.committed(storage, iteration, "requests", lambda: it.write_requests(storage, recipe, iteration))
+
+    def make() -> dict[str, Any]:
+        group = group_of(recipe, storage)
+        group.ensure(iteration)
+        return group.call("generate", iteration=iteration, requests=requests["files"][0],
+                          out_dir=join(iter_dir(iteration), "rollouts"))
+
+    return it.committed(storage, iteration, "generate", make)

@@ -1,0 +1,17 @@
+"""score: rewards.arrow from the rollouts and the recipe's scorers."""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from stages import iteration as it
+from stages.recipe import Recipe
+from tasks.common import storage_of
+
+
+@task(name="score", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+def score(recipe: Recipe, run_name: str, iteration: int, rollouts: list[str]) -> dict[str, Any]:
+    storage = storage_of(recipe, run_name)
+    return it.committed(storage, iteration, "score", lambda: it.score(storage, recipe, iteration, rollouts))
