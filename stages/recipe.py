@@ -30,6 +30,9 @@ class TinyQwen3(Section):
     intermediate_size: int = Field(128, ge=8, description="MLP width.")
     max_position_embeddings: int = Field(256, ge=16, description="Longest sequence the model takes.")
     seed: int = Field(0, description="Seed of the random initialisation.")
+    charset: str = Field(
+        "0123456789+-*=() ", min_length=1, description="Characters of the tiny model's character-level tokenizer."
+    )
 
 
 class ModelConfig(Section):
@@ -285,7 +288,7 @@ def format_errors(exc: ValidationError, model: type[BaseModel] | None = None) ->
             msg = f"invalid value {got!r} (allowed: {err.get('ctx', {}).get('expected')})"
         elif kind == "union_tag_invalid":
             ctx = err.get("ctx", {})
-            msg = f"unknown {ctx.get('discriminator', 'name')} {ctx.get('tag')!r} (allowed: {ctx.get('expected_tags')})"
+            msg = f"unknown {str(ctx.get('discriminator', 'name')).strip(chr(39))} {ctx.get('tag')!r} (allowed: {ctx.get('expected_tags')})"
         elif kind != "missing" and not isinstance(got, dict):
             msg = f"{msg}; got {got!r}"
         lines.append(f"{where}: {msg}")

@@ -38,7 +38,7 @@ def save_tiny_qwen3(directory: str | Path, tiny: Any) -> Path:
     from stages.models.tokenizer import build_char_tokenizer
 
     directory = Path(directory)
-    tok = build_char_tokenizer()
+    tok = build_char_tokenizer(tiny.charset)
     config = tiny_qwen3_config(tiny, len(tok), tok.eos_token_id, tok.pad_token_id, tok.bos_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(tiny.seed)

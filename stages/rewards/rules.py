@@ -1,9 +1,13 @@
 """Rule-based scorers for text answers."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
+
+_INTEGER = re.compile(r"-?\d+")
 
 
 def extract_answer(text: str) -> str:
@@ -27,3 +31,16 @@ class ExactMatch:
                 raise ValueError(f"sample {batch.sample_ids[i]!r} has no 'answer' metadata")
             scores[i] = float(extract_answer(text) == str(meta["answer"]).strip())
         return ScoreResult(scores)
+
+
+@register_scorer("integer_format")
+class IntegerFormat:
+    """1.0 when the response (stripped) is a signed integer such as `12` or `-3`, else 0.0:
+    a format reward that gives an untrained model a signal before it gets answers right."""
+
+    name = "integer_format"
+
+    def __call__(self, batch: ScoreBatch) -> ScoreResult:
+        if batch.texts is None:
+            raise ValueError("integer_format needs decoded texts")
+        return ScoreResult(np.array([float(_INTEGER.fullmatch(t.strip()) is not None) for t in batch.texts]))

@@ -56,9 +56,13 @@ def _unflatten(tensors: dict[str, torch.Tensor], model_sd: dict, optim_sd: dict,
     optim_sd["param_groups"] = extra["param_groups"]
 
 
-def _target(worker: "PolicyWorker", rel: str) -> str:
-    storage = worker.storage
-    return storage.path(rel) if storage.local else storage.url(rel)
+def _local_state_dir(worker: "PolicyWorker", rel: str) -> Path:
+    """DCP's safetensors writer needs a local folder: object stores get a per-rank staging copy."""
+    if worker.storage.local:
+        return worker.storage.local_path(rel)
+    staged = worker.scratch / "staging" / rel
+    staged.mkdir(parents=True, exist_ok=True)
+    return staged
 
 
 def save(worker: "PolicyWorker") -> dict[str, Any]:
@@ -70,7 +74,12 @@ def save(worker: "PolicyWorker") -> dict[str, Any]:
         return {"version": worker.version, "path": rel, "seconds": 0.0, "existing": True}
     model_sd, optim_sd = get_state_dict(worker.model, worker.optimizer)
     tensors, extra = _flatten(model_sd, optim_sd)
-    dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(_target(worker, join(rel, "state")), save_distributed=True))
+    state_rel = join(rel, "state")
+    local = _local_state_dir(worker, state_rel)
+    dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(local), save_distributed=True))
+    if not storage.local:  # each rank uploads the shard files it wrote
+        for path in sorted(p for p in local.rglob("*") if p.is_file()):
+            storage.put_file(path, join(state_rel, path.relative_to(local).as_posix()))
     dist.barrier()
     if worker.rank == 0:
         storage.write_json(join(rel, "extra.json"), {"version": worker.version, "optimizer": extra, "world_size": worker.world})
@@ -87,7 +96,9 @@ def load(worker: "PolicyWorker", version: int) -> int:
         raise FileNotFoundError(f"{storage.url(rel)}: checkpoint is not committed")
     model_sd, optim_sd = get_state_dict(worker.model, worker.optimizer)
     tensors, _ = _flatten(model_sd, optim_sd)
-    dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(_target(worker, join(rel, "state"))))
+    state_rel = join(rel, "state")
+    local = storage.local_path(state_rel) if storage.local else storage.get_dir(state_rel, worker.scratch / "restore" / rel)
+    dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(local)))
     extra = storage.read_json(join(rel, "extra.json"))
     _unflatten(tensors, model_sd, optim_sd, extra["optimizer"])
     set_state_dict(worker.model, worker.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)

@@ -1,0 +1,123 @@
+"""Image scorers: toy GenEval, JPEG (in)compressibility (as in DDPO), brightness, colorfulness.
+
+Every scorer reads `ScoreBatch.images` (PIL RGB images, one per sample) and returns one float
+per sample. Values are raw (not standardised): advantages are normalised per group later, so a
+constant offset or scale in a reward does not change the policy gradient of a single scorer,
+but does change its weight in a `weighted_sum` with other scorers.
+"""
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+
+from stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
+
+GENEVAL_MODES = ("strict", "mean")
+
+
+def _images(batch: ScoreBatch, scorer: str) -> list[Any]:
+    if batch.images is None:
+        raise ValueError(f"scorer {scorer!r} scores images, but the batch has none (ScoreBatch.images is None)")
+    return batch.images
+
+
+def _rgb(image: Any) -> np.ndarray:
+    """(H, W, 3) float64 in [0, 255]."""
+    if hasattr(image, "convert"):
+        image = image.convert("RGB")
+    return np.asarray(image, dtype=np.float64)
+
+
+@register_scorer("geneval")
+class GenEvalScorer:
+    """Toy GenEval (stages.geneval): the image against its sample's prompt.
+    mode "strict": 1 when object, colour, count and position all hold, else 0 (GenEval's score);
+    mode "mean": the mean of the four components (a denser signal). Components are logged
+    either way: strict, object, colour, count, position."""
+
+    name = "geneval"
+
+    def __init__(self, mode: str = "strict") -> None:
+        if mode not in GENEVAL_MODES:
+            raise ValueError(f"geneval mode {mode!r} is not one of {', '.join(GENEVAL_MODES)}")
+        self.mode = mode
+
+    def __call__(self, batch: ScoreBatch) -> ScoreResult:
+        from stages.geneval import score
+
+        results = [score(image, prompt).as_dict() for image, prompt in zip(_images(batch, self.name), batch.prompts)]
+        if not results:
+            return ScoreResult(np.zeros(0))
+        components = {k: np.array([r[k] for r in results], dtype=np.float64) for k in results[0]}
+        if self.mode == "strict":
+            scores = components["strict"]
+        else:
+            scores = np.mean([components[k] for k in ("object", "colour", "count", "position")], axis=0)
+        return ScoreResult(scores, components)
+
+
+def jpeg_kilobytes(image: Any, quality: int = 95) -> float:
+    """Size of the image saved as JPEG at `quality`, in kB (1 kB = 1000 bytes), headers included
+    (about 0.6 kB at any resolution, a constant that group advantages cancel)."""
+    buf = io.BytesIO()
+    image.convert("RGB").save(buf, format="JPEG", quality=quality)
+    return buf.tell() / 1000.0
+
+
+@register_scorer("jpeg_compressibility")
+class JpegCompressibility:
+    """DDPO's compressibility reward: -(JPEG size in kB at quality 95). Higher = smaller file.
+    Not normalised by resolution: compare only images of one size."""
+
+    name = "jpeg_compressibility"
+    sign = -1.0
+
+    def __init__(self, quality: int = 95) -> None:
+        if not 1 <= quality <= 100:
+            raise ValueError(f"{self.name}: JPEG quality must be in 1..100, got {quality}")
+        self.quality = quality
+
+    def __call__(self, batch: ScoreBatch) -> ScoreResult:
+        kb = np.array([jpeg_kilobytes(im, self.quality) for im in _images(batch, self.name)], dtype=np.float64)
+        return ScoreResult(self.sign * kb, {"jpeg_kb": kb})
+
+
+@register_scorer("jpeg_incompressibility")
+class JpegIncompressibility(JpegCompressibility):
+    """DDPO's incompressibility reward: +(JPEG size in kB at quality 95)."""
+
+    name = "jpeg_incompressibility"
+    sign = 1.0
+
+
+@register_scorer("brightness")
+class Brightness:
+    """Mean luma in [0, 1]: (0.299 R + 0.587 G + 0.114 B) / 255 (ITU-R BT.601), averaged over pixels."""
+
+    name = "brightness"
+
+    def __call__(self, batch: ScoreBatch) -> ScoreResult:
+        weights = np.array([0.299, 0.587, 0.114])
+        values = [float((_rgb(im) @ weights).mean() / 255.0) for im in _images(batch, self.name)]
+        return ScoreResult(np.array(values, dtype=np.float64))
+
+
+@register_scorer("colorfulness")
+class Colorfulness:
+    """Hasler & Suesstrunk (2003) colourfulness, divided by 255: with rg = R - G and
+    yb = (R + G) / 2 - B over pixels, M = sqrt(std(rg)^2 + std(yb)^2) + 0.3 sqrt(mean(rg)^2 + mean(yb)^2).
+    0 for any grey image; about 0.4-0.7 for saturated colour fields."""
+
+    name = "colorfulness"
+
+    def __call__(self, batch: ScoreBatch) -> ScoreResult:
+        values = []
+        for im in _images(batch, self.name):
+            rgb = _rgb(im)
+            rg = rgb[..., 0] - rgb[..., 1]
+            yb = 0.5 * (rgb[..., 0] + rgb[..., 1]) - rgb[..., 2]
+            m = np.hypot(rg.std(), yb.std()) + 0.3 * np.hypot(rg.mean(), yb.mean())
+            values.append(float(m / 255.0))
+        return ScoreResult(np.array(values, dtype=np.float64))

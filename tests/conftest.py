@@ -1,0 +1,39 @@
+"""Shared fixtures: an isolated environment for real `unirl` / Prefect subprocesses."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "ar" / "tiny.yaml"
+
+
+def isolated_env(tmp: Path) -> dict[str, str]:
+    """Each test gets its own Prefect home (SQLite), no MLflow URI from outside, no telemetry."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env.update({
+        "PREFECT_HOME": str(tmp / "prefect-home"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+    })
+    return env
+
+
+@pytest.fixture
+def unirl_env(tmp_path: Path) -> dict[str, str]:
+    return isolated_env(tmp_path)
+
+
+def run_unirl(args: list[str], env: dict[str, str], timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"unirl {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}")
+    return proc

@@ -1,0 +1,178 @@
+"""The whole RL loop through the real CLI: Prefect's ephemeral API, a torchrun FSDP2 worker
+group (gloo), Arrow shards in storage, MLflow on SQLite."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pyarrow.ipc as ipc
+import pytest
+from mlflow.tracking import MlflowClient
+
+from stages.advantage import group_advantages
+from tests.conftest import REPO, TINY, run_unirl
+
+pytestmark = pytest.mark.slow
+
+# integer_format gives the random tiny model a reward signal, so the policy really changes.
+SIGNAL = "reward.scorers=[{name: integer_format}]"
+STAGE_FILES = ["requests.arrow", "rewards.arrow", "advantages.arrow", "train.json", "_SUCCESS"]
+
+
+def check_layout(run: Path, iterations: int) -> None:
+    assert (run / "recipe.yaml").is_file() and (run / "run.json").is_file()
+    for i in range(iterations):
+        d = run / f"iter-{i:06d}"
+        for name in STAGE_FILES:
+            assert (d / name).is_file(), f"{d / name} missing"
+        assert sorted(p.name for p in (d / "rollouts").iterdir()) == [f"part-{k:03d}.arrow" for k in range(len(list((d / "rollouts").iterdir())))]
+    assert (run / "weights" / "v000000" / "manifest.json").is_file()
+
+
+def assert_no_pickles(run: Path) -> None:
+    for path in run.rglob("*"):
+        if path.is_file():
+            head = path.read_bytes()[:2]
+            assert not (head[:1] == b"\x80" and head[1:2] in bytes(range(2, 6))), f"{path} is a pickle"
+            assert path.suffix not in (".pt", ".pkl", ".pickle", ".distcp", ".bin"), f"{path} is a torch/pickle file"
+
+
+def test_three_iterations_layout_shards_advantages_and_mlflow(tmp_path, unirl_env):
+    root = tmp_path / "runs"
+    out = run_unirl(["run", str(TINY), "iterations=3", f"storage.root={root}", SIGNAL], unirl_env)
+    assert "[unirl] iter-000002 (3/3)" in out.stdout
+    run = root / "tiny"
+    check_layout(run, 3)
+    assert_no_pickles(run)
+    # Every shard opens with plain pyarrow.
+    for shard in run.rglob("*.arrow"):
+        ipc.open_file(str(shard)).read_all()
+    # The group z-score recomputed from rewards.arrow matches advantages.arrow.
+    for i in range(3):
+        rewards = ipc.open_file(str(run / f"iter-{i:06d}/rewards.arrow")).read_all()
+        adv = ipc.open_file(str(run / f"iter-{i:06d}/advantages.arrow")).read_all()
+        r = np.array(rewards.column("reward").to_pylist())
+        groups = rewards.column("group_id").to_pylist()
+        expected = np.zeros_like(r)
+        for g in set(groups):
+            idx = [k for k, x in enumerate(groups) if x == g]
+            std = r[idx].std()
+            expected[idx] = 0.0 if np.all(r[idx] == r[idx][0]) else (r[idx] - r[idx].mean()) / (std + 1e-6)
+        got = dict(zip(adv.column("sample_id").to_pylist(), adv.column("advantage").to_pylist()))
+        np.testing.assert_allclose([got[s] for s in rewards.column("sample_id").to_pylist()], expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(group_advantages(r, groups).numpy(), expected, rtol=1e-5, atol=1e-6)
+        # samples carry the version of the weights that produced them
+        rollouts = ipc.open_file(str(run / f"iter-{i:06d}/rollouts/part-000.arrow")).read_all()
+        assert set(rollouts.column("policy_version").to_pylist()) == {i}
+    # The policy learned something: it was trained on a non-zero signal.
+    train = [json.loads((run / f"iter-{i:06d}/train.json").read_text()) for i in range(3)]
+    assert all(t["metrics"]["grad_norm"] > 0 for t in train)
+    assert all(t["metrics"]["ratio_mean"] == 1.0 for t in train)
+    # MLflow on SQLite in the run folder: params from the recipe, metrics per iteration.
+    info = json.loads((run / "run.json").read_text())
+    client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
+    mlrun = client.get_run(info["mlflow_run_id"])
+    assert mlrun.data.params["train.lr"] == "0.001"
+    assert mlrun.data.params["rollout.group_size"] == "4"
+    for key in ["rollout/reward_mean", "rollout/reward_std", "rollout/zero_std_group_frac", "train/loss",
+                "train/clip_frac", "train/approx_kl", "train/grad_norm", "time/generate_s", "time/train_s"]:
+        steps = [m.step for m in client.get_metric_history(info["mlflow_run_id"], key)]
+        assert steps == [0, 1, 2], key
+    assert mlrun.info.status == "FINISHED"
+    # checkpoint_every=2: a checkpoint after iteration 1 and the final one after iteration 2
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["000002", "000003"]
+    assert (run / "weights" / "v000003" / "model.safetensors").is_file()
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else "exited"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, unirl_env):
+    root = tmp_path / "runs"
+    args = ["run", str(TINY), "iterations=4", f"storage.root={root}", SIGNAL, "checkpoint_every=3"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", *args], env=unirl_env, cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    run = root / "tiny"
+    # Kill after iteration 1 trained but before it finished: the group holds a version that
+    # no checkpoint has, so the resumed run must restore and replay, not retrain.
+    wait_for(run / "iter-000001" / "manifests" / "train.json", proc)
+    children = [
+        c for c in psutil.Process(proc.pid).children(recursive=True)
+        if "stages.workers" in " ".join(c.cmdline()) or "torch.distributed.run" in " ".join(c.cmdline())
+    ]
+    assert children, "no worker group was running"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    psutil.wait_procs(children, timeout=30)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], "worker processes outlived the run"
+    assert not (run / "iter-000001" / "_SUCCESS").exists()
+    out = run_unirl(args, unirl_env)
+    assert "iter-000000" not in out.stdout.split("[unirl] run", 1)[1].split("\n", 1)[1]  # resumed after it
+    check_layout(run, 4)
+    # Same command, uninterrupted, elsewhere: identical results and identical final weights.
+    ref_root = tmp_path / "ref"
+    run_unirl(["run", str(TINY), "iterations=4", f"storage.root={ref_root}", SIGNAL, "checkpoint_every=3"], unirl_env)
+    for i in range(4):
+        a = json.loads((run / f"iter-{i:06d}/train.json").read_text())["metrics"]
+        b = json.loads((ref_root / f"tiny/iter-{i:06d}/train.json").read_text())["metrics"]
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], i
+    wa = json.loads((run / "weights/v000004/manifest.json").read_text())["files"]["model.safetensors"]["sha256"]
+    wb = json.loads((ref_root / "tiny/weights/v000004/manifest.json").read_text())["files"]["model.safetensors"]["sha256"]
+    assert wa == wb
+    info = json.loads((run / "run.json").read_text())
+    client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
+    assert [m.step for m in client.get_metric_history(info["mlflow_run_id"], "train/loss")] == [0, 1, 2, 3]
+
+
+def test_world_size_two(tmp_path, unirl_env):
+    root = tmp_path / "runs"
+    run_unirl(["run", str(TINY), "iterations=2", f"storage.root={root}", SIGNAL, "train.nproc=2", "train.micro_batch_size=4"], unirl_env)
+    run = root / "tiny"
+    check_layout(run, 2)
+    parts = sorted(p.name for p in (run / "iter-000000" / "rollouts").iterdir())
+    assert parts == ["part-000.arrow", "part-001.arrow"]
+    rows = sum(ipc.open_file(str(run / "iter-000000/rollouts" / p)).read_all().num_rows for p in parts)
+    assert rows == 32
+    # Sampling does not depend on the rank that made a sample: compare with world size 1.
+    one = tmp_path / "one"
+    run_unirl(["run", str(TINY), "iterations=1", f"storage.root={one}", SIGNAL, "train.micro_batch_size=4"], unirl_env)
+    def texts(base):
+        tables = [ipc.open_file(str(p)).read_all() for p in sorted((base / "iter-000000/rollouts").iterdir())]
+        return {s: t for tb in tables for s, t in zip(tb.column("sample_id").to_pylist(), tb.column("text").to_pylist())}
+    assert texts(run) == texts(one / "tiny")
+
+
+def test_corrupted_shard_fails_naming_the_file(tmp_path, unirl_env):
+    root = tmp_path / "runs"
+    run_unirl(["run", str(TINY), "iterations=1", f"storage.root={root}"], unirl_env)
+    run = root / "tiny"
+    # Break iteration 1's committed rollouts before it is scored: resume must stop, naming the file.
+    (run / "iter-000001/rollouts").mkdir(parents=True)
+    (run / "iter-000001/rollouts/part-000.arrow").write_bytes(b"garbage")
+    (run / "iter-000001/manifests").mkdir()
+    (run / "iter-000001/manifests/generate.json").write_text(json.dumps({"files": ["iter-000001/rollouts/part-000.arrow"]}))
+    out = run_unirl(["run", str(TINY), "iterations=2", f"storage.root={root}"], unirl_env, check=False)
+    assert out.returncode != 0
+    assert "iter-000001/rollouts/part-000.arrow: not an Arrow IPC file" in out.stderr
+
+
+def test_resume_with_a_different_recipe_is_refused(tmp_path, unirl_env):
+    root = tmp_path / "runs"
+    run_unirl(["run", str(TINY), "iterations=1", f"storage.root={root}"], unirl_env)
+    out = run_unirl(["run", str(TINY), "iterations=2", f"storage.root={root}", "train.lr=0.5"], unirl_env, check=False)
+    assert out.returncode == 1
+    assert "was started with a different recipe" in out.stderr

@@ -1,0 +1,91 @@
+"""Recipe validation: every error names its field path and the allowed values, and the CLI
+exits non-zero before any model is loaded."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from stages.recipe import Recipe, RecipeError, load_recipe
+from tests.conftest import REPO, TINY
+
+
+def errors_of(overrides: list[str], path=TINY) -> list[str]:
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path, overrides)
+    return info.value.errors
+
+
+def test_tiny_recipe_loads_with_overrides():
+    recipe = load_recipe(TINY, ["train.lr=0.01", "rollout.group_size=2", "reward.scorers.0.weight=2"])
+    assert recipe.name == "tiny"
+    assert recipe.train.lr == 0.01
+    assert recipe.rollout.group_size == 2
+    assert recipe.reward.scorers[0].weight == 2.0
+
+
+def test_unknown_field_lists_allowed_fields():
+    errs = errors_of(["train.learning_rate=0.1"])
+    assert len(errs) == 1
+    assert errs[0].startswith("train.learning_rate: unknown field (allowed: ")
+    assert "lr" in errs[0] and "micro_batch_size" in errs[0]
+
+
+def test_union_member_fields_are_reported_without_the_tag():
+    errs = errors_of(["algorithm.clip=0.1"])
+    assert errs[0].startswith("algorithm.clip: unknown field (allowed: agg, clip_high, clip_low")
+
+
+def test_wrong_type_and_out_of_range_values_name_the_field():
+    errs = errors_of(["rollout.top_p=abc", "train.lr=-1", "iterations=0"])
+    assert any(e.startswith("rollout.top_p:") and "'abc'" in e for e in errs)
+    assert any(e.startswith("train.lr:") and "greater than 0" in e for e in errs)
+    assert any(e.startswith("iterations:") for e in errs)
+    assert len(errs) == 3
+
+
+def test_literal_and_discriminator_errors_list_allowed_values():
+    assert errors_of(["train.backend=mpi"]) == ["train.backend: invalid value 'mpi' (allowed: 'auto', 'gloo' or 'nccl')"]
+    (err,) = errors_of(["algorithm.name=ppo"])
+    assert err.startswith("algorithm: unknown name 'ppo' (allowed: ")
+
+
+def test_unknown_scorer_lists_registered_scorers():
+    (err,) = errors_of(["reward.scorers=[{name: nope}]"])
+    assert err.startswith("reward.scorers.0.name: unknown scorer 'nope' (allowed: ")
+    assert "exact_match" in err
+
+
+def test_bad_override_syntax_and_missing_file(tmp_path):
+    assert "expected key.sub=value" in errors_of(["train.lr"])[0]
+    assert "no item 5" in errors_of(["reward.scorers.5.weight=1"])[0]
+    with pytest.raises(RecipeError, match="no such recipe file"):
+        load_recipe(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(bad)
+
+
+def test_fingerprint_ignores_iterations_and_storage_but_not_hyperparameters():
+    a = load_recipe(TINY)
+    assert a.fingerprint() == load_recipe(TINY, ["iterations=9", "storage.root=s3://b/x"]).fingerprint()
+    assert a.fingerprint() != load_recipe(TINY, ["train.lr=0.5"]).fingerprint()
+
+
+def test_recipe_schema_carries_descriptions():
+    schema = Recipe.model_json_schema()
+    assert {"model", "data", "rollout", "reward", "advantage", "algorithm", "train", "storage", "tracking"} <= set(schema["properties"])
+    assert schema["$defs"]["TrainConfig"]["properties"]["lr"]["description"]
+
+
+def test_cli_validate_exit_codes():
+    cmd = [sys.executable, "-m", "flows.cli", "validate", str(TINY)]
+    ok = subprocess.run(cmd + ["iterations=2"], cwd=REPO, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "iterations: 2" in ok.stdout
+    bad = subprocess.run(cmd + ["train.lr=-0.1", "model.bogus=1"], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "train.lr: Input should be greater than 0; got -0.1" in bad.stderr
+    assert "model.bogus: unknown field (allowed: dtype, kind, path, tiny)" in bad.stderr
