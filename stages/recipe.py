@@ -12,11 +12,17 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from stages.config_base import Section
+from stages.recipe_diffusion import (
+    DiffusionSampler,
+    FlowDPPOConfig,
+    FlowGRPOConfig,
+    GenEvalData,
+    NFTConfig,
+    SD3ModelConfig,
+)
 
 
 class TinyQwen3(Section):
@@ -35,8 +41,8 @@ class TinyQwen3(Section):
     )
 
 
-class ModelConfig(Section):
-    """The policy model."""
+class Qwen3ModelConfig(Section):
+    """A Qwen3-architecture causal language model (transformers Qwen3ForCausalLM)."""
 
     kind: Literal["qwen3"] = Field("qwen3", description="Model family.")
     path: str | None = Field(
@@ -58,7 +64,8 @@ class ArithmeticData(Section):
     seed: int = Field(1234, description="Seed of the prompt stream and the held-out split.")
 
 
-DataConfig = Annotated[Union[ArithmeticData], Field(discriminator="name")]
+DataConfig = Annotated[Union[ArithmeticData, GenEvalData], Field(discriminator="name")]
+ModelConfig = Annotated[Union[Qwen3ModelConfig, SD3ModelConfig], Field(discriminator="kind")]
 
 
 class RolloutConfig(Section):
@@ -70,6 +77,7 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(8, ge=1, description="Generation length cap; longer answers finish as `length`.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used for training log-probs).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    sampler: DiffusionSampler = Field(default_factory=DiffusionSampler, description="Image sampling (diffusion models only).")
 
 
 class ScorerSpec(Section):
@@ -109,7 +117,9 @@ class GRPOConfig(Section):
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
 
 
-AlgorithmConfig = Annotated[Union[GRPOConfig], Field(discriminator="name")]
+AlgorithmConfig = Annotated[
+    Union[GRPOConfig, FlowGRPOConfig, FlowDPPOConfig, NFTConfig], Field(discriminator="name")
+]
 
 
 class TrainConfig(Section):
@@ -147,7 +157,7 @@ class Recipe(Section):
 
     name: str = Field("recipe", description="Recipe name; the default run name.")
     seed: int = Field(0, description="Base seed for sampling.")
-    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    model: ModelConfig = Field(default_factory=Qwen3ModelConfig, description="The policy model.")
     data: DataConfig = Field(default_factory=ArithmeticData, description="Prompt source.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Rewards.")
@@ -229,8 +239,8 @@ def _union_members(annotation: Any) -> list[Any]:
     return [a for a in out if hasattr(a, "model_fields")]
 
 
-def _tag(model: Any) -> Any:
-    field = model.model_fields.get("name")
+def _tag(model: Any, key: str = "name") -> Any:
+    field = model.model_fields.get(key)
     return field.default if field is not None else None
 
 
@@ -252,13 +262,11 @@ def _walk(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], Any]
         members = _union_members(annotation)
         if hasattr(annotation, "model_fields"):
             current = annotation
-            if field.discriminator and parts and parts[0] == _tag(annotation):
+            if field.discriminator and parts and parts[0] == _tag(annotation, field.discriminator):
                 parts.pop(0)
-        elif len(members) >= 1 and get_origin(annotation) is not list and parts and any(
-            parts[0] == m.model_fields["name"].default for m in members if "name" in m.model_fields
-        ):
+        elif field.discriminator and parts and any(parts[0] == _tag(m, field.discriminator) for m in members):
             tag = parts.pop(0)
-            current = next(m for m in members if m.model_fields["name"].default == tag)
+            current = next(m for m in members if _tag(m, field.discriminator) == tag)
         elif members:
             current = members[0]
             if parts and isinstance(parts[0], int):

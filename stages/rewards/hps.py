@@ -1,0 +1,28 @@
+"""`hps`: Human Preference Score (Wu et al. 2023, HPS v1 / HPS v2) from a preference-tuned CLIP.
+
+Normalization: score = scale * cos(E_image, E_prompt), in [-scale, scale]. scale = 1 by default,
+the HPS v2 convention (typical values 0.2-0.35); HPS v1 reports 100 * cos (scale: 100).
+The weights must be in transformers CLIPModel layout (convert an open_clip HPS checkpoint first).
+"""
+from __future__ import annotations
+
+from stages.rewards._hf import need_images
+from stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
+
+
+@register_scorer("hps")
+class HumanPreferenceScore:
+    """Needs batch.images and batch.prompts. Params: model_path, scale, processor_path, device,
+    dtype, batch_size."""
+
+    name = "hps"
+
+    def __init__(self, model_path: str, *, scale: float = 1.0, **embedder_kwargs: object) -> None:
+        from stages.rewards._clip import ClipEmbedder
+
+        self.scale = float(scale)
+        self.embedder = ClipEmbedder(model_path, scorer=self.name, **embedder_kwargs)
+
+    def __call__(self, batch: ScoreBatch) -> ScoreResult:
+        cos = self.embedder.cosine(need_images(batch, self.name), batch.prompts)
+        return ScoreResult(self.scale * cos)
