@@ -61,9 +61,37 @@ class ArithmeticPrompts:
         return self._draw(rng, n, self._heldout_texts, f"it{iteration:06d}", distinct=False)
 
 
-def build_prompt_source(config: Any) -> ArithmeticPrompts:
+class GenEvalPrompts:
+    """Toy-GenEval prompts: training prompts by (seed, iteration) from the train split; a fixed
+    held-out set from the held-out split. Metadata carries the prompt for the detector."""
+
+    def __init__(self, *, heldout_size: int = 32, seed: int = 0):
+        from stages.geneval.dataset import sample_prompts
+
+        self._sample = sample_prompts
+        self.seed = seed
+        texts = sample_prompts(heldout_size, seed, split="heldout") if heldout_size else []
+        self._heldout = [Prompt(f"heldout-{i:05d}", t, {"geneval_prompt": t}) for i, t in enumerate(texts)]
+
+    def heldout(self) -> list[Prompt]:
+        return list(self._heldout)
+
+    def batch(self, iteration: int, n: int) -> list[Prompt]:
+        texts = self._sample(n, derive_int(self.seed, "train", iteration), split="train")
+        return [Prompt(f"it{iteration:06d}-{i:05d}", t, {"geneval_prompt": t}) for i, t in enumerate(texts)]
+
+
+def derive_int(*parts: object) -> int:
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:4], "little")
+
+
+def build_prompt_source(config: Any) -> ArithmeticPrompts | GenEvalPrompts:
     if config.name == "arithmetic":
         return ArithmeticPrompts(
             digits=config.digits, operators=config.operators, heldout_size=config.heldout_size, seed=config.seed
         )
-    raise ValueError(f"data.name: unknown prompt source {config.name!r} (allowed: arithmetic)")
+    if config.name == "geneval":
+        return GenEvalPrompts(heldout_size=config.heldout_size, seed=config.seed)
+    raise ValueError(f"data.name: unknown prompt source {config.name!r} (allowed: arithmetic, geneval)")

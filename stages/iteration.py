@@ -18,6 +18,15 @@ from stages.sample import metadata, read_rollouts, read_shard, table_from_rows, 
 from stages.storage import RunStorage, iter_dir, join
 
 
+def decode_png(data: bytes):
+    """PNG bytes of a shard -> RGB PIL image."""
+    import io
+
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
 def committed(storage: RunStorage, iteration: int, stage: str, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Return the stage's committed manifest, or run `make` and commit what it returns."""
     found = storage.stage_manifest(iteration, stage)
@@ -47,12 +56,14 @@ def write_requests(storage: RunStorage, recipe: Recipe, iteration: int) -> dict[
 def score(storage: RunStorage, recipe: Recipe, iteration: int, rollouts: list[str], scorers: dict[str, Any] | None = None) -> dict[str, Any]:
     """Score every rollout with the recipe's scorers; write rewards.arrow with components."""
     table = read_rollouts(storage, rollouts)
+    names = table.schema.names
     batch = ScoreBatch(
         sample_ids=table.column("sample_id").to_pylist(),
         prompts=table.column("prompt").to_pylist(),
-        texts=table.column("text").to_pylist(),
+        texts=table.column("text").to_pylist() if "text" in names else None,
+        images=[decode_png(b) for b in table.column("media_png").to_pylist()] if "media_png" in names else None,
         metadata=metadata(table),
-        finish_reasons=table.column("finish_reason").to_pylist(),
+        finish_reasons=table.column("finish_reason").to_pylist() if "finish_reason" in names else None,
     )
     results, weights = {}, {}
     for spec in recipe.reward.scorers:
@@ -68,14 +79,14 @@ def score(storage: RunStorage, recipe: Recipe, iteration: int, rollouts: list[st
     rel = join(iter_dir(iteration), "rewards.arrow")
     write_shard(storage, rel, table_from_rows(rows, "rewards"))
     stats = group_stats(total.scores, table.column("group_id").to_pylist())
-    lengths = [len(r) for r in table.column("response_ids").to_pylist()]
     metrics = {
         "rollout/reward_mean": float(np.mean(total.scores)),
         "rollout/reward_std": float(np.std(total.scores)),
         "rollout/zero_std_group_frac": stats["zero_std_group_frac"],
-        "rollout/response_len_mean": float(np.mean(lengths)),
-        "rollout/truncated_frac": float(np.mean([r == "length" for r in batch.finish_reasons])),
     }
+    if "response_ids" in names:
+        metrics["rollout/response_len_mean"] = float(np.mean([len(r) for r in table.column("response_ids").to_pylist()]))
+        metrics["rollout/truncated_frac"] = float(np.mean([r == "length" for r in batch.finish_reasons]))
     metrics.update({f"rollout/reward/{k}": float(np.mean(v)) for k, v in total.components.items()})
     return {"files": [rel], "rows": len(rows), "metrics": metrics}
 

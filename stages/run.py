@@ -66,18 +66,31 @@ def update_run_info(storage: RunStorage, **fields: Any) -> dict[str, Any]:
     return info
 
 
+def materialize_model(recipe: Recipe, scratch: Path) -> Path:
+    """The folder the run starts from: `model.path` (checked), or the tiny seeded model saved to `scratch`."""
+    if recipe.model.kind == "sd3":
+        from stages.models.sd3 import build_tiny_sd3
+
+        if recipe.model.path:
+            d = Path(recipe.model.path)
+            if not (d / "model_index.json").is_file():
+                raise FileNotFoundError(f"model.path {d}: no model_index.json (expected a diffusers SD3 folder)")
+            return d
+        return build_tiny_sd3(scratch, seed=recipe.model.tiny.seed, image_size=recipe.model.tiny.image_size)
+    from stages.models import check_model_dir, save_tiny_qwen3
+
+    if recipe.model.path:
+        return check_model_dir(recipe.model.path)
+    return save_tiny_qwen3(scratch, recipe.model.tiny)
+
+
 def initial_weights(storage: RunStorage, recipe: Recipe) -> str:
     """Relative path of weights v000000: the recipe's `model.path` copied in, or the tiny seeded
     model built and saved in HF layout, so every rank loads through the same from-directory path."""
-    from stages.models import check_model_dir, save_tiny_qwen3
-
     rel = storage.weights_rel(0)
     if storage.exists(join(rel, MANIFEST)):
         return rel
     with tempfile.TemporaryDirectory() as tmp:
-        if recipe.model.path:
-            src = check_model_dir(recipe.model.path)
-        else:
-            src = save_tiny_qwen3(Path(tmp) / "tiny", recipe.model.tiny)
+        src = materialize_model(recipe, Path(tmp) / "tiny")
         write_weights_dir(storage, src, rel, {"version": 0, "source": recipe.model.path or "tiny"})
     return rel

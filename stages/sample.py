@@ -30,11 +30,11 @@ BASE_COLUMNS: dict[str, pa.DataType] = {
     "policy_version": pa.int32(),
     "parts": pa.list_(pa.string()),
     "metadata": pa.string(),
+    "prompt": pa.string(),
 }
 
 SEGMENT_COLUMNS: dict[str, dict[str, pa.DataType]] = {
     "text": {
-        "prompt": pa.string(),
         "prompt_ids": _LIST_I32,
         "response_ids": _LIST_I32,
         "response_logprobs": _LIST_F32,

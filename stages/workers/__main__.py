@@ -25,6 +25,17 @@ def die_with_parent() -> None:
         pass
 
 
+def worker_class(kind: str):
+    """The per-rank worker of a model family (same command interface for all)."""
+    if kind == "sd3":
+        from stages.workers.diffusion import DiffusionWorker
+
+        return DiffusionWorker
+    from stages.workers.policy import PolicyWorker
+
+    return PolicyWorker
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     parser = argparse.ArgumentParser(prog="python -m stages.workers")
@@ -37,7 +48,6 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
     from stages.workers.control import ControlServer, broadcast_json
-    from stages.workers.policy import PolicyWorker
 
     backend = spec["backend"]
     if backend == "auto":
@@ -54,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     server = None
     try:
-        worker = PolicyWorker(spec, mesh, device)
+        worker = worker_class(spec["recipe"]["model"]["kind"])(spec, mesh, device)
         if rank == 0:
             server = ControlServer(os.environ["UNIRL_CONTROL_TOKEN"])
             ready = Path(spec["ready_file"])

@@ -116,8 +116,6 @@ def sha256_file(path: Path) -> str:
 def publish(worker: "PolicyWorker") -> dict[str, Any]:
     """Write `weights/v{version:06d}/`: model.safetensors, config, tokenizer, then manifest.json
     with the sha256 of every file (written last: a version without it is incomplete)."""
-    from safetensors.torch import save_file
-
     start = time.perf_counter()
     storage = worker.storage
     rel = storage.weights_rel(worker.version)
@@ -125,9 +123,7 @@ def publish(worker: "PolicyWorker") -> dict[str, Any]:
     if worker.rank == 0 and not storage.exists(join(rel, MANIFEST)):
         local = worker.scratch / f"publish-{worker.version:06d}"
         local.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous().clone() for k, v in full.items()}, str(local / "model.safetensors"), metadata={"format": "pt"})
-        worker.model.config.save_pretrained(local)
-        worker.tokenizer.save_pretrained(local)
+        worker.export(local, full)
         write_weights_dir(storage, local, rel, {"version": worker.version})
     dist.barrier()
     return {"version": worker.version, "path": rel, "seconds": time.perf_counter() - start}

@@ -279,3 +279,11 @@ class PolicyWorker:
 
     def publish(self) -> dict[str, Any]:
         return checkpoint.publish(self)
+
+    def export(self, local: Path, full_state: dict[str, torch.Tensor]) -> None:
+        """A Hugging Face model folder (model.safetensors, config, tokenizer) from the full state."""
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous().clone() for k, v in full_state.items()}, str(local / "model.safetensors"), metadata={"format": "pt"})
+        self.model.config.save_pretrained(local)
+        self.tokenizer.save_pretrained(local)
