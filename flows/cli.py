@@ -2,6 +2,8 @@
 
     unirl run RECIPE [key.sub=value ...] [--run-name NAME]
     unirl validate RECIPE [key.sub=value ...]
+    unirl sft RECIPE [key.sub=value ...] [--run-name NAME]
+    unirl evaluate RECIPE [key.sub=value ...] [--run-name NAME] [--version N]
     unirl reward-server --config FILE
 """
 from __future__ import annotations
@@ -19,6 +21,15 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("recipe", help="recipe YAML file")
     run.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     run.add_argument("--run-name", default="", help="run folder name (default: the recipe's name); same name resumes")
+    sft = sub.add_parser("sft", help="run only the supervised warm start of a recipe (its `sft` section)")
+    sft.add_argument("recipe", help="recipe YAML file")
+    sft.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    sft.add_argument("--run-name", default="", help="run folder name (default: the recipe's name)")
+    ev = sub.add_parser("evaluate", help="held-out accuracy of a run's policy")
+    ev.add_argument("recipe", help="recipe YAML file")
+    ev.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    ev.add_argument("--run-name", default="", help="run folder name (default: the recipe's name)")
+    ev.add_argument("--version", type=int, default=None, help="policy version (default: the last finished)")
     val = sub.add_parser("validate", help="print the resolved recipe or every error, without loading a model")
     val.add_argument("recipe", help="recipe YAML file")
     val.add_argument("overrides", nargs="*", help="key.sub=value overrides")
@@ -33,7 +44,13 @@ def main(argv: list[str] | None = None) -> int:
         from flows.reward_server import main as serve
 
         return serve(argv[1:])
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    # overrides may also follow options (`--run-name x train.lr=0.1`)
+    stray = [a for a in rest if a.startswith("-") or "=" not in a]
+    if stray or not hasattr(args, "overrides"):
+        parser.error(f"unrecognized arguments: {' '.join(stray or rest)}")
+    args.overrides = list(args.overrides) + rest
     try:
         recipe = load_recipe(args.recipe, args.overrides)
     except RecipeError as exc:
@@ -42,9 +59,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         print(recipe.to_yaml(), end="")
         return 0
-    from flows.rl import rl_train
-
     try:
+        if args.command == "sft":
+            from flows.sft import sft
+
+            sft(recipe, args.run_name or recipe.name)
+            return 0
+        if args.command == "evaluate":
+            from flows.evaluate import evaluate_run
+
+            evaluate_run(recipe, args.run_name or recipe.name, args.version)
+            return 0
+        from flows.rl import rl_train
+
         result = rl_train(recipe, args.run_name or recipe.name)
     except KeyboardInterrupt:
         print("interrupted; run the same command again to resume", file=sys.stderr)

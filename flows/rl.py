@@ -7,16 +7,23 @@ finished iteration; every stage returns its committed output instead of recomput
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Annotated, Any, Optional
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, tags
+from pydantic import Field
 
+from flows.artifacts import RunArtifacts
+from flows.hooks import stop_worker_group
+from stages.data import build_prompt_source
 from stages.recipe import Recipe
 from stages.run import initial_weights, open_run, update_run_info
 from stages.storage import iter_dir
 from stages.tracking import Tracker
 from stages.workers.group import close_group
+from flows.evaluate import eval_artifact
+from flows.sft import run_sft
 from tasks.advantage import advantage
+from tasks.evaluate import evaluate
 from tasks.generate import generate
 from tasks.score import score
 from tasks.sync import sync
@@ -30,8 +37,17 @@ def rl_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any
     start = time.perf_counter()
     gen = generate(recipe, run_name, iteration)
     scored = score(recipe, run_name, iteration, gen["files"])
-    adv = advantage(recipe, run_name, iteration, scored["files"][0])
-    trained = train(recipe, run_name, iteration, gen["files"], adv["files"][0])
+    rollouts, rewards, informative = list(gen["files"]), list(scored["files"]), scored["informative_groups"]
+    ds = recipe.rollout.dynamic_sampling
+    while ds is not None and informative < recipe.rollout.prompts_per_iteration and len(rewards) < ds.max_rounds:
+        r = len(rewards)  # DAPO: refill with fresh prompts while too many groups carry no signal
+        more = generate(recipe, run_name, iteration, round_index=r)
+        more_scored = score(recipe, run_name, iteration, more["files"], round_index=r)
+        rollouts += more["files"]
+        rewards += more_scored["files"]
+        informative += more_scored["informative_groups"]
+    adv = advantage(recipe, run_name, iteration, rewards)
+    trained = train(recipe, run_name, iteration, rollouts, adv["files"][0])
     synced = sync(recipe, run_name, iteration)
     metrics: dict[str, float] = {}
     metrics.update(scored["metrics"])
@@ -54,33 +70,79 @@ def progress_line(i: int, total: int, m: dict[str, float]) -> str:
     )
 
 
-@flow(name="rl-train", flow_run_name="{recipe.name}/{run_name}")
-def rl_train(recipe: Recipe, run_name: str = "") -> dict[str, Any]:
-    """Run (or resume) `recipe` as run `run_name` (default: the recipe's name)."""
+@flow(name="rl-train", flow_run_name="{recipe.name}/{run_name}",
+      on_cancellation=[stop_worker_group], on_crashed=[stop_worker_group])
+def rl_train(
+    recipe: Recipe, run_name: str = "", iterations: Annotated[Optional[int], Field(ge=1)] = None
+) -> dict[str, Any]:
+    """Run (or resume) `recipe` as run `run_name` (default: the recipe's name).
+
+    Args:
+        recipe: The whole run: model, data, rollout, reward, algorithm, training, storage.
+        run_name: Run folder name (default: the recipe's name); the same name resumes the run.
+        iterations: Overrides `recipe.iterations` (e.g. `--param iterations=2`); more than the
+            run has finished extends it.
+    """
     logger = get_run_logger()
     run_name = run_name or recipe.name
+    if iterations is not None:
+        recipe = recipe.model_copy(update={"iterations": iterations})
+    build_prompt_source(recipe.data)  # a bad data file fails here, before any model loads
     storage, info = open_run(recipe, run_name)
-    initial_weights(storage, recipe)
     tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"))
     if info.get("mlflow_run_id") != tracker.run_id:
         info = update_run_info(storage, mlflow_run_id=tracker.run_id)
+    if recipe.sft is not None:
+        run_sft(recipe, storage, tracker)
+    else:
+        initial_weights(storage, recipe)
     first = storage.last_success() + 1
     if first > 0:
         logger.info("resuming %s at %s", storage.url(), iter_dir(first))
     print(f"[unirl] run {run_name} at {storage.url()}  (MLflow {tracker.link()})", flush=True)
     last: dict[str, Any] = {}
+    artifacts = RunArtifacts(recipe, run_name, storage, tracker)
+    artifacts.start(first)
+    evals: dict[int, dict[str, float]] = {}
     try:
-        for i in range(first, recipe.iterations):
-            summary = rl_iteration(recipe, run_name, i)
-            tracker.log_metrics(i, summary["metrics"])
-            storage.mark_success(i, summary)
-            print(progress_line(i, recipe.iterations, summary["metrics"]), flush=True)
-            last = summary
+        with tags("unirl", f"recipe:{recipe.name}", f"run:{run_name}"):
+            if recipe.eval.enabled and recipe.model.kind == "qwen3":
+                evals[0] = held_out(recipe, run_name, 0, tracker, "before RL")
+            for i in range(first, recipe.iterations):
+                summary = rl_iteration(recipe, run_name, i)
+                version = i + 1
+                if recipe.model.kind == "qwen3" and (
+                    (recipe.eval.every and version % recipe.eval.every == 0)
+                    or (recipe.eval.enabled and version == recipe.iterations)
+                ):
+                    evals[version] = held_out(recipe, run_name, version, tracker, "after RL" if version == recipe.iterations else "")
+                tracker.log_metrics(i, summary["metrics"])
+                storage.mark_success(i, summary)
+                artifacts.iteration(summary)
+                print(progress_line(i, recipe.iterations, summary["metrics"]), flush=True)
+                last = summary
     except BaseException:
         tracker.finish("FAILED")
         raise
     finally:
         close_group(storage.url())
     tracker.finish()
+    artifacts.finish()
     return {"run": run_name, "storage": storage.url(), "iterations": recipe.iterations,
-            "last": last, "mlflow_run_id": tracker.run_id}
+            "last": last, "mlflow_run_id": tracker.run_id, "eval": {str(k): v for k, v in evals.items()}}
+
+
+def held_out(recipe: Recipe, run_name: str, version: int, tracker: Tracker, label: str) -> dict[str, float]:
+    """Evaluate policy `version` on the held-out split, print it, and publish a table artifact."""
+    result = evaluate(recipe, run_name, version)
+    m = result["metrics"]
+    if result.get("fresh"):
+        tracker.log_metrics(version, m, dedupe=False)
+    k = recipe.eval.k
+    print(
+        f"[unirl] held-out v{version:06d}{' (' + label + ')' if label else ''}: accuracy {m['eval/accuracy']:.3f}"
+        f"  avg@{k} {m[f'eval/avg_at_{k}']:.3f}  pass@{k} {m[f'eval/pass_at_{k}']:.3f}  ({int(m['eval/prompts'])} prompts)",
+        flush=True,
+    )
+    eval_artifact(recipe, run_name, version, m)
+    return m

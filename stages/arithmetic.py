@@ -4,9 +4,6 @@ The answer is the exact integer value with the usual precedence (`*` before `+`/
 held-out split is a fixed set of distinct expressions, drawn once from the seed, that the
 training stream never yields; the training prompts of an iteration depend only on
 (seed, iteration), so a resumed run sees the same prompts.
-
-With the defaults (two operands, template `{expr}=`) the prompts are exactly those of
-`stages.data.ArithmeticPrompts` for the same digits, operators, held-out size and seed.
 """
 from __future__ import annotations
 
@@ -48,6 +45,7 @@ class Arithmetic:
       (negative values allowed).
     operators: drawn independently for each gap between operands.
     template: the prompt text; `{expr}` is replaced by the expression (e.g. "What is {expr}? Answer: ").
+    Metadata: `answer` (the integer as text) and `expr` (the bare expression).
     """
 
     def __init__(
@@ -81,7 +79,7 @@ class Arithmetic:
         self.operands = operands
         self.template = template
         self.seed = seed
-        self.space = len(self.operators) ** (operands - 1) * (self.hi - self.lo + 1) ** operands
+        self.space = len(set(self.operators)) ** (operands - 1) * (self.hi - self.lo + 1) ** operands
         if heldout_size >= self.space:
             raise ValueError(
                 f"data: {self.space} possible expressions cannot give {heldout_size} distinct held-out prompts "
@@ -92,7 +90,7 @@ class Arithmetic:
         self._heldout_exprs = {p.metadata["expr"] for p in self._heldout}
 
     def _one(self, rng: random.Random) -> tuple[str, str]:
-        # Values first, then operators: with two operands this is the draw order of ArithmeticPrompts.
+        # Values first, then operators.
         values = [rng.randint(self.lo, self.hi) for _ in range(self.operands)]
         ops = [rng.choice(self.operators) for _ in range(self.operands - 1)]
         return render(values, ops), str(evaluate(values, ops))

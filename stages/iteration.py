@@ -13,7 +13,8 @@ import numpy as np
 from stages.advantage import group_advantages, group_stats
 from stages.data import build_prompt_source
 from stages.recipe import Recipe
-from stages.rewards.base import ScoreBatch, aggregate, build_scorer, run_scorer
+from stages.rewards.base import ScoreBatch, ScoreResult, aggregate, build_scorer, run_scorer
+from stages.rewards.overlong import apply_overlong
 from stages.sample import metadata, read_rollouts, read_shard, table_from_rows, write_shard
 from stages.storage import RunStorage, iter_dir, join
 
@@ -39,21 +40,31 @@ def committed(storage: RunStorage, iteration: int, stage: str, make: Callable[[]
     return {**manifest, "reused": False}
 
 
-def write_requests(storage: RunStorage, recipe: Recipe, iteration: int) -> dict[str, Any]:
-    """The iteration's prompt groups; the data position is the iteration number."""
+def round_suffix(round_index: int) -> str:
+    """File/stage suffix of a dynamic-sampling refill round ("" for the first round)."""
+    return f"-r{round_index}" if round_index else ""
+
+
+def write_requests(storage: RunStorage, recipe: Recipe, iteration: int, round_index: int = 0) -> dict[str, Any]:
+    """The iteration's prompt groups; the data position is the iteration number. Refill round r
+    takes the next `prompts_per_iteration` prompts of the same iteration's stream."""
     source = build_prompt_source(recipe.data)
-    prompts = source.batch(iteration, recipe.rollout.prompts_per_iteration)
+    n = recipe.rollout.prompts_per_iteration
+    prompts = source.batch(iteration, n * (round_index + 1))[n * round_index:]
     rows = [
         {"group_id": f"{iter_dir(iteration)}/{p.prompt_id}", "prompt": p.text, "metadata": p.metadata,
          "group_size": recipe.rollout.group_size, "iteration": iteration}
         for p in prompts
     ]
-    rel = join(iter_dir(iteration), "requests.arrow")
+    rel = join(iter_dir(iteration), f"requests{round_suffix(round_index)}.arrow")
     write_shard(storage, rel, table_from_rows(rows, "requests"))
     return {"files": [rel], "rows": len(rows)}
 
 
-def score(storage: RunStorage, recipe: Recipe, iteration: int, rollouts: list[str], scorers: dict[str, Any] | None = None) -> dict[str, Any]:
+def score(
+    storage: RunStorage, recipe: Recipe, iteration: int, rollouts: list[str],
+    scorers: dict[str, Any] | None = None, round_index: int = 0,
+) -> dict[str, Any]:
     """Score every rollout with the recipe's scorers; write rewards.arrow with components."""
     table = read_rollouts(storage, rollouts)
     names = table.schema.names
@@ -71,12 +82,20 @@ def score(storage: RunStorage, recipe: Recipe, iteration: int, rollouts: list[st
         results[spec.name] = run_scorer(scorer, batch)
         weights[spec.name] = spec.weight
     total = aggregate(results, weights, recipe.reward.aggregation)
+    overlong = recipe.reward.overlong
+    if overlong.truncated != "keep" and "response_ids" in names:
+        scores, added = apply_overlong(
+            total.scores, [len(r) for r in table.column("response_ids").to_pylist()], batch.finish_reasons,
+            mode=overlong.truncated, max_new_tokens=recipe.rollout.max_new_tokens,
+            buffer=overlong.buffer, penalty=overlong.penalty,
+        )
+        total = ScoreResult(scores, {**total.components, "overlong": added})
     rows = []
     for i, sid in enumerate(batch.sample_ids):
         row = {"sample_id": sid, "group_id": table.column("group_id")[i].as_py(), "reward": float(total.scores[i])}
         row.update({f"reward/{k}": float(v[i]) for k, v in total.components.items()})
         rows.append(row)
-    rel = join(iter_dir(iteration), "rewards.arrow")
+    rel = join(iter_dir(iteration), f"rewards{round_suffix(round_index)}.arrow")
     write_shard(storage, rel, table_from_rows(rows, "rewards"))
     stats = group_stats(total.scores, table.column("group_id").to_pylist())
     metrics = {
@@ -88,12 +107,17 @@ def score(storage: RunStorage, recipe: Recipe, iteration: int, rollouts: list[st
         metrics["rollout/response_len_mean"] = float(np.mean([len(r) for r in table.column("response_ids").to_pylist()]))
         metrics["rollout/truncated_frac"] = float(np.mean([r == "length" for r in batch.finish_reasons]))
     metrics.update({f"rollout/reward/{k}": float(np.mean(v)) for k, v in total.components.items()})
-    return {"files": [rel], "rows": len(rows), "metrics": metrics}
+    informative = stats["num_groups"] * (1.0 - stats["zero_std_group_frac"])
+    return {"files": [rel], "rows": len(rows), "metrics": metrics, "informative_groups": int(round(informative))}
 
 
-def advantages(storage: RunStorage, recipe: Recipe, iteration: int, rewards: str) -> dict[str, Any]:
-    """Group-relative advantages from rewards.arrow (DESIGN.md section 5)."""
-    table = read_shard(storage, rewards, "rewards")
+def advantages(storage: RunStorage, recipe: Recipe, iteration: int, rewards: list[str]) -> dict[str, Any]:
+    """Group-relative advantages from the rewards of every round (DESIGN.md section 5). With
+    dynamic sampling, groups whose rewards are all equal are dropped and at most
+    `prompts_per_iteration` informative groups are kept, in round order."""
+    import pyarrow as pa
+
+    table = pa.concat_tables([read_shard(storage, r, "rewards").select(["sample_id", "group_id", "reward"]) for r in rewards])
     a = recipe.advantage
     adv = group_advantages(
         table.column("reward").to_numpy(), table.column("group_id").to_pylist(),
@@ -103,11 +127,26 @@ def advantages(storage: RunStorage, recipe: Recipe, iteration: int, rewards: str
         {"sample_id": s, "group_id": g, "advantage": float(x)}
         for s, g, x in zip(table.column("sample_id").to_pylist(), table.column("group_id").to_pylist(), adv.tolist())
     ]
+    metrics: dict[str, float] = {}
+    if recipe.rollout.dynamic_sampling is not None:
+        rewards_of: dict[str, set[float]] = {}
+        for g, r in zip(table.column("group_id").to_pylist(), table.column("reward").to_pylist()):
+            rewards_of.setdefault(g, set()).add(r)
+        informative = [g for g in dict.fromkeys(table.column("group_id").to_pylist()) if len(rewards_of[g]) > 1]
+        keep = set(informative[: recipe.rollout.prompts_per_iteration])
+        rows = [r for r in rows if r["group_id"] in keep]
+        metrics.update({
+            "rollout/dynamic_rounds": float(len(rewards)), "rollout/groups_kept": float(len(keep)),
+            "rollout/groups_dropped": float(len(rewards_of) - len(informative)),
+        })
+        if not rows:
+            raise ValueError(
+                f"{storage.url(iter_dir(iteration))}: every group has equal rewards after {len(rewards)} rounds; "
+                "raise rollout.dynamic_sampling.max_rounds or check the reward"
+            )
     rel = join(iter_dir(iteration), "advantages.arrow")
     write_shard(storage, rel, table_from_rows(rows, "advantages"))
-    values = adv.numpy()
-    return {
-        "files": [rel], "rows": len(rows),
-        "metrics": {"advantage/mean": float(values.mean()), "advantage/std": float(values.std()),
-                    "advantage/abs_mean": float(np.abs(values).mean())},
-    }
+    values = np.array([r["advantage"] for r in rows])
+    metrics.update({"advantage/mean": float(values.mean()), "advantage/std": float(values.std()),
+                    "advantage/abs_mean": float(np.abs(values).mean())})
+    return {"files": [rel], "rows": len(rows), "metrics": metrics}

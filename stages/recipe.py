@@ -20,6 +20,7 @@ from stages.recipe_diffusion import (
     FlowDPPOConfig,
     FlowGRPOConfig,
     GenEvalData,
+    LoraConfig,
     NFTConfig,
     SD3ModelConfig,
 )
@@ -52,19 +53,64 @@ class Qwen3ModelConfig(Section):
     )
     tiny: TinyQwen3 = Field(default_factory=TinyQwen3, description="Tiny architecture, used only without `path`.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype of the policy.")
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters (peft) instead of all weights.")
+    chat_template: bool | None = Field(
+        None, description="Wrap prompts in the tokenizer's chat template (empty: when the tokenizer has one)."
+    )
 
 
 class ArithmeticData(Section):
-    """Synthetic `a+b=` prompts; the answer is the exact integer result."""
+    """Synthetic arithmetic prompts (`a+b=`, `12*3-40=`); the answer is the exact integer result."""
 
     name: Literal["arithmetic"] = "arithmetic"
-    digits: int = Field(1, ge=1, le=6, description="Digits per operand.")
+    digits: int = Field(1, ge=1, le=6, description="Digits per operand (0-9 for 1, 10-99 for 2, ...).")
     operators: list[Literal["+", "-", "*"]] = Field(["+"], min_length=1, description="Operators to draw from.")
+    operands: int = Field(2, ge=2, le=4, description="Numbers per expression; `*` binds tighter than `+` and `-`.")
+    min_value: int | None = Field(None, description="Smallest operand, overriding the low end of `digits` (may be negative).")
+    max_value: int | None = Field(None, description="Largest operand, overriding the high end of `digits`.")
+    template: str = Field("{expr}=", description="Prompt text; `{expr}` is replaced by the expression, e.g. 'What is {expr}? '.")
     heldout_size: int = Field(16, ge=0, description="Size of the fixed held-out split (never trained on).")
     seed: int = Field(1234, description="Seed of the prompt stream and the held-out split.")
 
+    @model_validator(mode="after")
+    def _check_space(self) -> "ArithmeticData":
+        if "{expr}" not in self.template:
+            raise ValueError(f"data.template: {self.template!r} has no {{expr}} placeholder")
+        lo = (0 if self.digits == 1 else 10 ** (self.digits - 1)) if self.min_value is None else self.min_value
+        hi = 10**self.digits - 1 if self.max_value is None else self.max_value
+        if lo > hi:
+            raise ValueError(f"data.min_value: {lo} is above the largest operand {hi}")
+        space = len(set(self.operators)) ** (self.operands - 1) * (hi - lo + 1) ** self.operands
+        if self.heldout_size >= space:
+            raise ValueError(
+                f"data.heldout_size: {self.heldout_size} held-out prompts leave none of the {space} possible "
+                "expressions for training; lower it or widen digits / min_value / max_value / operands"
+            )
+        return self
 
-DataConfig = Annotated[Union[ArithmeticData, GenEvalData], Field(discriminator="name")]
+
+class FileData(Section):
+    """Prompts and reference answers from a local JSONL (one JSON object per line) or Parquet file."""
+
+    name: Literal["file"] = "file"
+    path: str = Field(description="Local .jsonl / .ndjson / .json (one object per line) or .parquet file.")
+    prompt_column: str = Field("prompt", min_length=1, description="Column holding the prompt text.")
+    answer_column: str = Field("answer", min_length=1, description="Column holding the reference answer (metadata `answer`).")
+    id_column: str | None = Field(None, description="Column of unique row ids, used in prompt ids (empty: line/row number).")
+    heldout_fraction: float = Field(
+        0.0, ge=0, lt=1, description="Fraction of the distinct prompts held out, fixed by `seed` (0: none, or heldout_path)."
+    )
+    heldout_path: str | None = Field(None, description="A separate held-out file with the same columns (instead of heldout_fraction).")
+    seed: int = Field(1234, description="Seed of the per-epoch shuffles and of the held-out draw.")
+
+    @model_validator(mode="after")
+    def _one_heldout(self) -> "FileData":
+        if self.heldout_path is not None and self.heldout_fraction > 0:
+            raise ValueError("data.heldout_fraction: set either heldout_fraction or heldout_path, not both")
+        return self
+
+
+DataConfig = Annotated[Union[ArithmeticData, FileData, GenEvalData], Field(discriminator="name")]
 ModelConfig = Annotated[Union[Qwen3ModelConfig, SD3ModelConfig], Field(discriminator="kind")]
 
 
@@ -77,6 +123,7 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(8, ge=1, description="Generation length cap; longer answers finish as `length`.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used for training log-probs).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    dynamic_sampling: DynamicSamplingConfig | None = Field(None, description="DAPO dynamic sampling.")
     sampler: DiffusionSampler = Field(default_factory=DiffusionSampler, description="Image sampling (diffusion models only).")
 
 
@@ -86,6 +133,18 @@ class ScorerSpec(Section):
     params: dict[str, Any] = Field(default_factory=dict, description="Scorer-specific options.")
 
 
+class OverlongConfig(Section):
+    """What responses that hit `rollout.max_new_tokens` (finish_reason `length`) get (stages/rewards/overlong.py)."""
+
+    truncated: Literal["keep", "zero", "soft"] = Field(
+        "keep",
+        description="keep: reward unchanged; zero: reward 0; soft: DAPO's soft overlong punishment added "
+        "(0 up to max_new_tokens - buffer tokens, then linear down to -penalty at max_new_tokens).",
+    )
+    buffer: int = Field(4, ge=1, description="DAPO's L_cache: tokens of the soft penalty ramp (at most rollout.max_new_tokens).")
+    penalty: float = Field(1.0, ge=0, description="Scale of the soft penalty: a full-length response gets -penalty added.")
+
+
 class RewardConfig(Section):
     """Scorers and how they combine into one reward."""
 
@@ -93,6 +152,7 @@ class RewardConfig(Section):
         default_factory=lambda: [ScorerSpec(name="exact_match")], min_length=1, description="Scorers to run."
     )
     aggregation: Literal["weighted_sum", "mean", "min", "max"] = Field("weighted_sum", description="How scorer totals combine.")
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig, description="What truncated (overlong) responses get.")
 
 
 class AdvantageConfig(Section):
@@ -117,9 +177,67 @@ class GRPOConfig(Section):
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
 
 
+class GSPOConfig(Section):
+    """GSPO (Zheng et al. 2025): the clipped objective on the length-normalized sequence ratio."""
+
+    name: Literal["gspo"] = "gspo"
+    clip_low: float = Field(3e-4, ge=0, lt=1, description="Lower clip of the sequence ratio.")
+    clip_high: float = Field(4e-4, ge=0, description="Upper clip of the sequence ratio.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference policy.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+
+
+class DRPOConfig(Section):
+    """DRPO: ratio objective with a divergence penalty |A| w (r-1)^2 / (2 epsilon) instead of clipping."""
+
+    name: Literal["drpo"] = "drpo"
+    epsilon: float = Field(12.5, gt=0, description="Penalty temperature epsilon.")
+    mu_weighted: bool = Field(True, description="Weight the penalty by the old token probability.")
+    agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field("token_mean", description="Loss aggregation.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference policy.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+
+
 AlgorithmConfig = Annotated[
-    Union[GRPOConfig, FlowGRPOConfig, FlowDPPOConfig, NFTConfig], Field(discriminator="name")
+    Union[GRPOConfig, GSPOConfig, DRPOConfig, FlowGRPOConfig, FlowDPPOConfig, NFTConfig], Field(discriminator="name")
 ]
+
+
+class EMAConfig(Section):
+    """Exponential moving average of the trainable weights (published alongside the policy)."""
+
+    decay: float = Field(0.99, gt=0, lt=1, description="EMA decay per optimizer step.")
+
+
+class DynamicSamplingConfig(Section):
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and refill with new prompts."""
+
+    max_rounds: int = Field(3, ge=1, description="Generation rounds per iteration at most (the cap).")
+
+
+class SFTConfig(Section):
+    """Supervised warm start before RL: its weights become the run's initial weights v000000."""
+
+    source: Literal["synthetic", "file"] = Field("synthetic", description="`synthetic`: the recipe's data source with its answers; `file`: `path`.")
+    path: str | None = Field(None, description="JSONL or Arrow file of prompt/response records (source: file).")
+    examples: int = Field(2000, ge=1, description="Synthetic examples to draw.")
+    noise: float = Field(
+        0.0, ge=0, le=1,
+        description="Fraction of synthetic demonstrations that end in a stray '=' (an imperfect teacher's format slip).",
+    )
+    steps: int = Field(200, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(32, ge=1, description="Examples per step (all ranks together).")
+    lr: float = Field(3e-3, gt=0, description="AdamW learning rate.")
+    seed: int = Field(0, description="Seed of the example order.")
+
+
+class EvalConfig(Section):
+    """Held-out evaluation: greedy accuracy and avg@k / pass@k of sampled answers."""
+
+    every: int = Field(0, ge=0, description="Evaluate every N iterations (0: only before and after training).")
+    scorer: str = Field("exact_match", description="Registered scorer whose score 1 means a correct answer.")
+    k: int = Field(4, ge=1, description="Samples per prompt for avg@k and pass@k.")
+    enabled: bool = Field(True, description="Evaluate before the first and after the last iteration.")
 
 
 class TrainConfig(Section):
@@ -133,6 +251,12 @@ class TrainConfig(Section):
     updates_per_batch: int = Field(1, ge=1, description="Optimizer steps per batch (disjoint mini-batches).")
     nproc: int = Field(1, ge=1, description="Ranks in the torchrun worker group.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend (auto: nccl on GPU, else gloo).")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="constant; linear warm-up then linear decay; cosine with warm-up."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps of the schedule.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final lr as a fraction of lr (linear/cosine).")
+    ema: EMAConfig | None = Field(None, description="Keep an EMA of the trainable weights.")
     startup_timeout_s: float = Field(300.0, gt=0, description="How long the worker group may take to load the model.")
 
 
@@ -166,11 +290,13 @@ class Recipe(Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimizer and worker group.")
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Run storage.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Experiment tracking.")
+    sft: SFTConfig | None = Field(None, description="Supervised warm start before RL (empty: none).")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     iterations: int = Field(3, ge=1, description="RL iterations in the run.")
     checkpoint_every: int = Field(1, ge=1, description="Save a checkpoint (and publish weights) every N iterations.")
 
     @model_validator(mode="after")
-    def _check_scorers(self) -> "Recipe":
+    def _check_combination(self) -> "Recipe":
         from stages.rewards.base import scorer_names
 
         known = scorer_names()
@@ -179,6 +305,22 @@ class Recipe(Section):
                 raise ValueError(
                     f"reward.scorers.{i}.name: unknown scorer {spec.name!r} (allowed: {', '.join(known)})"
                 )
+        if self.eval.scorer not in known:
+            raise ValueError(f"eval.scorer: unknown scorer {self.eval.scorer!r} (allowed: {', '.join(known)})")
+        families = {"qwen3": (("grpo", "gspo", "drpo"), ("arithmetic", "file")), "sd3": (("flow_grpo", "flow_dppo", "nft"), ("geneval",))}
+        algos, datas = families[self.model.kind]
+        if self.algorithm.name not in algos:
+            raise ValueError(f"algorithm.name: {self.algorithm.name!r} does not train model.kind {self.model.kind!r} (allowed: {', '.join(algos)})")
+        if self.data.name not in datas:
+            raise ValueError(f"data.name: {self.data.name!r} does not feed model.kind {self.model.kind!r} (allowed: {', '.join(datas)})")
+        overlong = self.reward.overlong
+        if overlong.truncated == "soft" and overlong.buffer > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"reward.overlong.buffer: {overlong.buffer} is longer than rollout.max_new_tokens "
+                f"({self.rollout.max_new_tokens}); the soft penalty ramp must fit inside the length cap"
+            )
+        if self.sft is not None and self.sft.source == "file" and not self.sft.path:
+            raise ValueError("sft.path: `source: file` needs the path of a JSONL or Arrow file of prompt/response records")
         return self
 
     def fingerprint(self) -> str:

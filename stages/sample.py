@@ -66,7 +66,11 @@ REQUEST_COLUMNS: dict[str, pa.DataType] = {
 REWARD_COLUMNS: dict[str, pa.DataType] = {"sample_id": pa.string(), "group_id": pa.string(), "reward": pa.float64()}
 ADVANTAGE_COLUMNS: dict[str, pa.DataType] = {"sample_id": pa.string(), "group_id": pa.string(), "advantage": pa.float32()}
 
+# Supervised records: `response` (text) for language models, `media_png` for image models.
+SFT_COLUMNS: dict[str, pa.DataType] = {"prompt": pa.string()}
+
 KINDS: dict[str, dict[str, pa.DataType]] = {
+    "sft": SFT_COLUMNS,
     "requests": REQUEST_COLUMNS,
     "rewards": REWARD_COLUMNS,
     "advantages": ADVANTAGE_COLUMNS,
@@ -94,8 +98,9 @@ def table_from_rows(rows: list[dict[str, Any]], kind: str, segments: Iterable[st
             metadata={"unirl.schema_version": str(SCHEMA_VERSION), "unirl.kind": kind},
         )
     extra = sorted({k for r in rows for k in r} - set(schema.names))
-    for name in extra:  # e.g. reward/<component>
-        schema = schema.append(pa.field(name, pa.float64()))
+    for name in extra:  # e.g. reward/<component>; SFT's response / media_png
+        dtype = {"response": pa.string(), "media_png": pa.binary(), "metadata": pa.string()}.get(name, pa.float64())
+        schema = schema.append(pa.field(name, dtype))
     columns = {}
     for field in schema:
         values = [r.get(field.name) for r in rows]

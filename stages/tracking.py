@@ -59,16 +59,19 @@ class Tracker:
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i:i + 100])
 
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        from mlflow.entities import Metric
+    def log_metrics(self, step: int, metrics: dict[str, float], dedupe: bool = True) -> None:
+        """Log `metrics` at `step`; an iteration step already logged (a resumed run) is skipped."""
         import time
 
-        if step in self.logged_steps:
+        from mlflow.entities import Metric
+
+        if dedupe and step in self.logged_steps:
             return
         now = int(time.time() * 1000)
         items = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items()) if isinstance(v, (int, float)) and math.isfinite(v)]
         self.client.log_batch(self.run_id, metrics=items)
-        self.logged_steps.add(step)
+        if dedupe:
+            self.logged_steps.add(step)
 
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)

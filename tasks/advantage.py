@@ -12,6 +12,6 @@ from tasks.common import storage_of
 
 
 @task(name="advantage", cache_policy=NO_CACHE)
-def advantage(recipe: Recipe, run_name: str, iteration: int, rewards: str) -> dict[str, Any]:
+def advantage(recipe: Recipe, run_name: str, iteration: int, rewards: list[str]) -> dict[str, Any]:
     storage = storage_of(recipe, run_name)
     return it.committed(storage, iteration, "advantage", lambda: it.advantages(storage, recipe, iteration, rewards))

@@ -13,14 +13,18 @@ from tasks.common import group_of, storage_of
 
 
 @task(name="generate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1)
-def generate(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any]:
+def generate(recipe: Recipe, run_name: str, iteration: int, round_index: int = 0) -> dict[str, Any]:
+    """Round 0, or refill round `round_index` of dynamic sampling (files suffixed -rN)."""
     storage = storage_of(recipe, run_name)
-    requests = it.committed(storage, iteration, "requests", lambda: it.write_requests(storage, recipe, iteration))
+    suffix = it.round_suffix(round_index)
+    requests = it.committed(
+        storage, iteration, f"requests{suffix}", lambda: it.write_requests(storage, recipe, iteration, round_index)
+    )
 
     def make() -> dict[str, Any]:
         group = group_of(recipe, storage)
         group.ensure(iteration)
-        return group.call("generate", iteration=iteration, requests=requests["files"][0],
-                          out_dir=join(iter_dir(iteration), "rollouts"))
+        out_dir = join(iter_dir(iteration), "rollouts" + (f"/r{round_index}" if round_index else ""))
+        return group.call("generate", iteration=iteration, requests=requests["files"][0], out_dir=out_dir)
 
-    return it.committed(storage, iteration, "generate", make)
+    return it.committed(storage, iteration, f"generate{suffix}", make)

@@ -12,6 +12,9 @@ from tasks.common import storage_of
 
 
 @task(name="score", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def score(recipe: Recipe, run_name: str, iteration: int, rollouts: list[str]) -> dict[str, Any]:
+def score(recipe: Recipe, run_name: str, iteration: int, rollouts: list[str], round_index: int = 0) -> dict[str, Any]:
     storage = storage_of(recipe, run_name)
-    return it.committed(storage, iteration, "score", lambda: it.score(storage, recipe, iteration, rollouts))
+    return it.committed(
+        storage, iteration, f"score{it.round_suffix(round_index)}",
+        lambda: it.score(storage, recipe, iteration, rollouts, round_index=round_index),
+    )

@@ -74,6 +74,7 @@ def save(worker: "PolicyWorker") -> dict[str, Any]:
         return {"version": worker.version, "path": rel, "seconds": 0.0, "existing": True}
     model_sd, optim_sd = get_state_dict(worker.model, worker.optimizer)
     tensors, extra = _flatten(model_sd, optim_sd)
+    tensors.update(_ema_tensors(worker))
     state_rel = join(rel, "state")
     local = _local_state_dir(worker, state_rel)
     dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(local), save_distributed=True))
@@ -82,7 +83,10 @@ def save(worker: "PolicyWorker") -> dict[str, Any]:
             storage.put_file(path, join(state_rel, path.relative_to(local).as_posix()))
     dist.barrier()
     if worker.rank == 0:
-        storage.write_json(join(rel, "extra.json"), {"version": worker.version, "optimizer": extra, "world_size": worker.world})
+        storage.write_json(join(rel, "extra.json"), {
+            "version": worker.version, "optimizer": extra, "world_size": worker.world,
+            "worker": worker.extra_state() if hasattr(worker, "extra_state") else {},
+        })
         storage.write_json(join(rel, "_COMMITTED"), {"version": worker.version})
     dist.barrier()
     return {"version": worker.version, "path": rel, "seconds": time.perf_counter() - start, "existing": False}
@@ -96,13 +100,25 @@ def load(worker: "PolicyWorker", version: int) -> int:
         raise FileNotFoundError(f"{storage.url(rel)}: checkpoint is not committed")
     model_sd, optim_sd = get_state_dict(worker.model, worker.optimizer)
     tensors, _ = _flatten(model_sd, optim_sd)
+    ema = _ema_tensors(worker)
+    tensors.update(ema)
     state_rel = join(rel, "state")
     local = storage.local_path(state_rel) if storage.local else storage.get_dir(state_rel, worker.scratch / "restore" / rel)
     dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(local)))
     extra = storage.read_json(join(rel, "extra.json"))
     _unflatten(tensors, model_sd, optim_sd, extra["optimizer"])
     set_state_dict(worker.model, worker.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    with torch.no_grad():
+        for key in ema:
+            worker.ema.shadow[key[len("ema."):]].copy_(tensors[key])
+    if hasattr(worker, "load_extra_state"):
+        worker.load_extra_state(extra.get("worker", {}))
     return int(extra["version"])
+
+
+def _ema_tensors(worker: "PolicyWorker") -> dict[str, torch.Tensor]:
+    ema = getattr(worker, "ema", None)
+    return {} if ema is None else {f"ema.{n}": v for n, v in ema.shadow.items()}
 
 
 def sha256_file(path: Path) -> str:
@@ -120,6 +136,9 @@ def publish(worker: "PolicyWorker") -> dict[str, Any]:
     storage = worker.storage
     rel = storage.weights_rel(worker.version)
     full = get_model_state_dict(worker.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    ema = getattr(worker, "ema", None)
+    if ema is not None:  # every rank takes part in gathering the EMA shards
+        worker._ema_full = {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu() for n, v in ema.shadow.items()}
     if worker.rank == 0 and not storage.exists(join(rel, MANIFEST)):
         local = worker.scratch / f"publish-{worker.version:06d}"
         local.mkdir(parents=True, exist_ok=True)

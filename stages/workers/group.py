@@ -172,15 +172,20 @@ class WorkerGroup:
 
     def replay(self, iteration: int) -> dict[str, Any]:
         """Redo iteration `iteration`'s train step from its committed rollouts and advantages."""
-        gen = self.storage.stage_manifest(iteration, "generate")
+        rounds = sorted(
+            (n[:-len(".json")] for n in self.storage.listdir(join(iter_dir(iteration), "manifests")) if n.startswith("generate")),
+            key=lambda name: int(name.split("-r")[1]) if "-r" in name else 0,
+        )
+        gens = [self.storage.stage_manifest(iteration, name) for name in rounds]
         adv = self.storage.stage_manifest(iteration, "advantage")
-        if gen is None or adv is None:
+        if not gens or adv is None:
             raise WorkerError(
                 f"cannot rebuild policy version {iteration + 1}: {self.storage.url(iter_dir(iteration))} has no committed "
                 "rollouts/advantages and no checkpoint covers it"
             )
         self.log(f"replaying the train step of {iter_dir(iteration)} from storage")
-        return self.call("train", iteration=iteration, rollouts=gen["files"], advantages=adv["files"][0])
+        rollouts = [f for gen in gens for f in gen["files"]]
+        return self.call("train", iteration=iteration, rollouts=rollouts, advantages=adv["files"][0])
 
 
 def _die_with_parent() -> None:

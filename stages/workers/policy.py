@@ -1,27 +1,27 @@
-"""What every rank of the worker group holds and does: the FSDP2-sharded policy (and optional
-frozen reference), its AdamW optimizer, and the commands generate / train / save / publish.
+"""What every rank of the AR worker group holds and does: the FSDP2-sharded policy (optionally
+with LoRA adapters; with KL, the reference is the adapter disabled or a frozen copy), AdamW with
+an lr schedule, an optional EMA, and the commands generate / train / sft / save / publish.
 
 Data moves only through run storage: commands carry relative paths, never tensors.
 """
 from __future__ import annotations
 
-import json
-import math
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from stages.algorithms import grpo_loss, kl
+from stages.algorithms import kl
 from stages.recipe import Recipe
-from stages.sample import join_on_sample_id, metadata, read_rollouts, read_shard, table_from_rows, write_shard
-from stages.storage import RunStorage, iter_dir, join
+from stages.sample import join_on_sample_id, read_rollouts, read_shard, table_from_rows, write_shard
+from stages.storage import RunStorage, join
 from stages.workers import checkpoint
+from stages.workers.ar_train import EMA, lr_factor, policy_loss, sequence_level, token_batch, token_logp
 from stages.workers.sampling import derive_seed, sample
-
 
 # Token-weighted averages over the batch, reported as train/<key>.
 METRIC_KEYS = ("loss", "clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean", "kl", "rollout_logp_abs_diff")
@@ -31,39 +31,60 @@ class OnPolicyRatioError(RuntimeError):
     """The first update of an iteration saw a ratio != 1: old and new log-probs disagree on-policy."""
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
 def shard_model(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.model.layers:
+    for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def add_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
+    """Wrap with peft LoRA; a target list that matches no module is an error naming what exists."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora.target_modules or ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    missing = [t for t in targets if t not in names]
+    if len(missing) == len(targets):
+        raise ValueError(f"model.lora.target_modules {targets} match no linear layer (available: {', '.join(sorted(names))})")
+    return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=0.0))
 
 
 class PolicyWorker:
     def __init__(self, spec: dict[str, Any], mesh: Any, device: torch.device):
         self.recipe = Recipe.model_validate(spec["recipe"])
         self.storage = RunStorage(spec["root"], spec["run"], spec.get("options"))
-        self.mesh = mesh
-        self.device = device
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        self.mesh, self.device = mesh, device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.scratch = Path(spec["scratch"]) / f"rank{self.rank}"
         self.scratch.mkdir(parents=True, exist_ok=True)
-        base_dir = self._local_weights(spec["init_weights"])
+        self.base_dir = self._local_weights(spec["init_weights"])
         from stages.models import load_qwen3
 
-        model, self.tokenizer = load_qwen3(base_dir, dtype=self.recipe.model.dtype)
+        m = self.recipe.model
+        model, self.tokenizer = load_qwen3(self.base_dir, dtype=m.dtype)
+        self.lora = m.lora
+        if self.lora is not None:
+            model = add_lora(model, self.lora)
         self.model = shard_model(model.to(device), mesh)
         self.reference = None
-        if getattr(self.recipe.algorithm, "kl_coef", 0.0) > 0:
-            ref, _ = load_qwen3(base_dir, dtype=self.recipe.model.dtype)
+        if getattr(self.recipe.algorithm, "kl_coef", 0.0) > 0 and self.lora is None:
+            ref, _ = load_qwen3(self.base_dir, dtype=m.dtype)
             ref.requires_grad_(False)
             self.reference = shard_model(ref.to(device).eval(), mesh)
         t = self.recipe.train
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
-        )
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+        self.opt_steps = 0
+        self.ema = EMA(self.model, t.ema.decay) if t.ema else None
+        use_chat = m.chat_template if m.chat_template is not None else bool(getattr(self.tokenizer, "chat_template", None))
+        self.use_chat = use_chat
         self.version = int(spec["init_version"])
         if spec.get("checkpoint") is not None:
             self.version = checkpoint.load(self, int(spec["checkpoint"]))
@@ -73,14 +94,17 @@ class PolicyWorker:
             return self.storage.local_path(rel)
         return self.storage.get_dir(rel, self.scratch / "init_weights")
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt, through the chat template when the recipe/tokenizer uses one."""
+        if self.use_chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
     # -- commands ---------------------------------------------------------------------------
     def execute(self, cmd: str, args: dict[str, Any]) -> dict[str, Any]:
         handler = {
-            "ping": self.ping,
-            "generate": self.generate,
-            "train": self.train,
-            "save": self.save,
-            "publish": self.publish,
+            "ping": self.ping, "generate": self.generate, "train": self.train, "sft": self.sft,
+            "save": self.save, "publish": self.publish,
         }.get(cmd)
         if handler is None:
             raise ValueError(f"unknown worker command {cmd!r}")
@@ -89,7 +113,9 @@ class PolicyWorker:
     def ping(self) -> dict[str, Any]:
         return {"version": self.version, "world_size": self.world}
 
-    def generate(self, iteration: int, requests: str, out_dir: str, greedy: bool = False) -> dict[str, Any]:
+    def generate(
+        self, iteration: int, requests: str, out_dir: str, greedy: bool = False, seed_tag: str = "", use_ema: bool = False
+    ) -> dict[str, Any]:
         """Sample `group_size` responses per request; each rank writes `out_dir/part-{rank:03d}.arrow`."""
         start = time.perf_counter()
         req = read_shard(self.storage, requests, "requests")
@@ -102,18 +128,17 @@ class PolicyWorker:
         samples.sort(key=lambda s: s[0])
         mine = samples[self.rank::self.world]
         r = self.recipe.rollout
-        prompt_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for _, _, p, _ in mine]
-        seeds = [derive_seed(self.recipe.seed, iteration, sid) for sid, _, _, _ in mine]
+        prompt_ids = [self.encode_prompt(p) for _, _, p, _ in mine]
+        seeds = [derive_seed(self.recipe.seed, seed_tag, iteration, sid) for sid, _, _, _ in mine]
         self.model.eval()
-        out = sample(
-            self.model, prompt_ids, seeds, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-            top_p=r.top_p, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
-            device=self.device, greedy=greedy,
-        )
+        with self.ema_weights() if use_ema else nullcontext():
+            out = sample(
+                self.model, prompt_ids, seeds, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                top_p=r.top_p, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
+                device=self.device, greedy=greedy,
+            )
         rows = []
-        for (sid, gid, prompt, meta), pids, resp, lps, reason in zip(
-            mine, prompt_ids, out.response_ids, out.logprobs, out.finish_reasons
-        ):
+        for (sid, gid, prompt, meta), pids, resp, lps, reason in zip(mine, prompt_ids, out.response_ids, out.logprobs, out.finish_reasons):
             body = resp[:-1] if reason == "stop" else resp
             rows.append({
                 "sample_id": sid, "group_id": gid, "iteration": iteration, "policy_version": self.version,
@@ -121,8 +146,7 @@ class PolicyWorker:
                 "response_ids": resp, "response_logprobs": lps, "finish_reason": reason,
                 "text": self.tokenizer.decode(body, skip_special_tokens=True),
             })
-        rel = join(out_dir, f"part-{self.rank:03d}.arrow")
-        write_shard(self.storage, rel, table_from_rows(rows, "rollouts", ["text"]))
+        write_shard(self.storage, join(out_dir, f"part-{self.rank:03d}.arrow"), table_from_rows(rows, "rollouts", ["text"]))
         counts = torch.tensor([len(rows), sum(len(x["response_ids"]) for x in rows)], dtype=torch.int64, device=self.device)
         dist.all_reduce(counts)
         return {
@@ -131,45 +155,79 @@ class PolicyWorker:
             "policy_version": self.version, "seconds": time.perf_counter() - start,
         }
 
-    # -- training ---------------------------------------------------------------------------
-    def _batch_tensors(self, rows: dict[str, list]) -> dict[str, torch.Tensor]:
-        """Right-padded prompt+response ids with a mask over response positions of the *labels*
-        (logits at position t predict token t+1). Shapes: ids (B, T), mask/labels (B, T-1)."""
-        seqs = [p + r for p, r in zip(rows["prompt_ids"], rows["response_ids"])]
-        width = max(len(s) for s in seqs)
-        pad = self.tokenizer.pad_token_id
-        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-        attn = torch.zeros((len(seqs), width), dtype=torch.long)
-        mask = torch.zeros((len(seqs), width - 1), dtype=torch.float32)
-        for i, (p, s) in enumerate(zip(rows["prompt_ids"], seqs)):
-            ids[i, :len(s)] = torch.tensor(s)
-            attn[i, :len(s)] = 1
-            mask[i, len(p) - 1:len(s) - 1] = 1.0
-        return {"ids": ids.to(self.device), "attn": attn.to(self.device), "mask": mask.to(self.device)}
+    # -- RL training ------------------------------------------------------------------------
+    @contextmanager
+    def reference_policy(self) -> Iterator[torch.nn.Module]:
+        """The frozen reference: the adapter disabled with LoRA (no second copy), else the copy."""
+        if self.lora is not None:
+            with self.model.disable_adapter():
+                yield self.model
+        else:
+            yield self.reference
 
-    def _token_logp(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = model(input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False).logits[:, :-1]
-        logp = torch.log_softmax(logits.float() / self.recipe.rollout.temperature, dim=-1)
-        return logp.gather(-1, batch["ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    @contextmanager
+    def ema_weights(self) -> Iterator[None]:
+        if self.ema is None:
+            raise ValueError("evaluating EMA weights needs train.ema")
+        backup = {n: p.detach().clone() for n, p in self.model.named_parameters() if n in self.ema.shadow}
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                if n in self.ema.shadow:
+                    p.copy_(self.ema.shadow[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self.model.named_parameters():
+                    if n in backup:
+                        p.copy_(backup[n])
 
     def _micro_batches(self, rows: dict[str, list], start: int, stop: int) -> list[dict[str, list]]:
         size = self.recipe.train.micro_batch_size
         return [{k: v[i:min(i + size, stop)] for k, v in rows.items()} for i in range(start, stop, size)]
 
+    def _batch(self, mb: dict[str, list]) -> dict[str, torch.Tensor]:
+        return token_batch(mb["prompt_ids"], mb["response_ids"], self.tokenizer.pad_token_id, self.device)
+
+    def _optimizer_step(self) -> float:
+        """Clip, then step unless the grad norm is non-finite (a skipped step). Returns the norm."""
+        t = self.recipe.train
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, t.max_grad_norm)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if np.isfinite(norm):
+            total = self.recipe.iterations * t.updates_per_batch
+            factor = lr_factor(self.opt_steps, schedule=t.lr_schedule, warmup=t.warmup_steps, total=total, min_ratio=t.min_lr_ratio)
+            for group in self.optimizer.param_groups:
+                group["lr"] = t.lr * factor
+            self.optimizer.step()
+            self.opt_steps += 1
+            if self.ema is not None:
+                self.ema.update(self.model)
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
     def train(self, iteration: int, rollouts: list[str], advantages: str) -> dict[str, Any]:
-        """One batch: `updates_per_batch` optimizer steps over disjoint mini-batches."""
+        """One batch: `updates_per_batch` optimizer steps over disjoint mini-batches. Old
+        log-probs of every mini-batch are frozen before the first step."""
         start_time = time.perf_counter()
         table = read_rollouts(self.storage, rollouts)
-        table = join_on_sample_id(table, read_shard(self.storage, advantages, "advantages"), ["advantage"], self.storage.url(advantages))
+        adv_table = read_shard(self.storage, advantages, "advantages")
+        kept = set(adv_table.column("sample_id").to_pylist())
+        if len(kept) < table.num_rows:  # dynamic sampling dropped groups
+            import pyarrow.compute as pc
+
+            table = table.filter(pc.is_in(table.column("sample_id"), value_set=adv_table.column("sample_id")))
+        table = join_on_sample_id(table, adv_table, ["advantage"], self.storage.url(advantages))
+        pick = slice(self.rank, None, self.world)
         mine = {
-            "prompt_ids": table.column("prompt_ids").to_pylist()[self.rank::self.world],
-            "response_ids": table.column("response_ids").to_pylist()[self.rank::self.world],
-            "rollout_logp": table.column("response_logprobs").to_pylist()[self.rank::self.world],
-            "advantage": table.column("advantage").to_pylist()[self.rank::self.world],
+            "prompt_ids": table.column("prompt_ids").to_pylist()[pick],
+            "response_ids": table.column("response_ids").to_pylist()[pick],
+            "rollout_logp": table.column("response_logprobs").to_pylist()[pick],
+            "advantage": table.column("advantage").to_pylist()[pick],
         }
         algo, t = self.recipe.algorithm, self.recipe.train
-        updates = t.updates_per_batch
-        n = len(mine["advantage"])
+        temperature, horizon = self.recipe.rollout.temperature, self.recipe.rollout.max_new_tokens
+        updates, n = t.updates_per_batch, len(mine["advantage"])
         bounds = [round(k * n / updates) for k in range(updates + 1)]
         minis = [self._micro_batches(mine, bounds[k], bounds[k + 1]) for k in range(updates)]
         # Every rank must run the same number of forwards (FSDP2 gathers collectively).
@@ -177,71 +235,63 @@ class PolicyWorker:
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         self.model.train()
         old: dict[tuple[int, int], torch.Tensor] = {}
-        if updates > 1:  # freeze old log-probs of later mini-batches before the first step
-            with torch.no_grad():
-                for k in range(1, updates):
-                    for j in range(int(counts[k])):
-                        if j < len(minis[k]):
-                            old[(k, j)] = self._token_logp(self.model, self._batch_tensors(minis[k][j]))
-                        else:
-                            self._dummy_forward(no_grad=True)
+        with torch.no_grad():  # freeze old log-probs of later mini-batches before any step
+            for k in range(1, updates):
+                for j in range(int(counts[k])):
+                    if j < len(minis[k]):
+                        old[(k, j)] = token_logp(self.model, self._batch(minis[k][j]), temperature)
+                    else:
+                        self._dummy_forward(no_grad=True)
         totals: dict[str, float] = {}
-        skipped = 0
-        grad_norms = []
+        grad_norms, skipped = [], 0
+        by_seq = sequence_level(algo)
         for k in range(updates):
-            tokens = torch.tensor(
-                [sum(len(r) for r in mb["response_ids"]) for mb in minis[k]] or [0], dtype=torch.float64
-            ).sum().reshape(1).to(self.device)
-            seqs = torch.tensor([float(bounds[k + 1] - bounds[k])], dtype=torch.float64, device=self.device)
-            dist.all_reduce(tokens)
-            dist.all_reduce(seqs)
+            tokens = float(sum(sum(len(r) for r in mb["response_ids"]) for mb in minis[k]))
+            sizes = torch.tensor([tokens, float(bounds[k + 1] - bounds[k])], dtype=torch.float64, device=self.device)
+            dist.all_reduce(sizes)
             for j in range(int(counts[k])):
                 if j >= len(minis[k]):
                     self._dummy_forward(no_grad=False)
                     continue
                 mb = minis[k][j]
-                batch = self._batch_tensors(mb)
-                logp = self._token_logp(self.model, batch)
+                batch = self._batch(mb)
+                logp = token_logp(self.model, batch, temperature)
                 old_logp = old.get((k, j), logp.detach())
                 adv = torch.tensor(mb["advantage"], dtype=torch.float32, device=self.device)
-                out = grpo_loss(
-                    logp, old_logp, adv, batch["mask"], clip_low=algo.clip_low, clip_high=algo.clip_high,
-                    agg=algo.agg, horizon=self.recipe.rollout.max_new_tokens,
-                )
+                out = policy_loss(algo, logp, old_logp, adv, batch["mask"], horizon)
                 if k == 0 and (out.metrics["ratio_max"] != 1.0 or out.metrics["ratio_min"] != 1.0):
                     raise OnPolicyRatioError(
                         f"iteration {iteration}: first on-policy update has ratio in "
                         f"[{out.metrics['ratio_min']}, {out.metrics['ratio_max']}], expected exactly 1"
                     )
-                loss = out.loss
+                loss, metrics = out.loss, dict(out.metrics)
                 mb_tokens = float(batch["mask"].sum())
-                metrics = dict(out.metrics)
-                if self.reference is not None:
-                    with torch.no_grad():
-                        ref_logp = self._token_logp(self.reference, batch)
-                    kl_tok = kl(logp, ref_logp, algo.kl_estimator)
-                    kl_mean = (kl_tok * batch["mask"]).sum() / batch["mask"].sum()
+                if algo.kl_coef > 0:
+                    with torch.no_grad(), self.reference_policy() as ref:
+                        ref_logp = token_logp(ref, batch, temperature)
+                    kl_mean = (kl(logp, ref_logp, algo.kl_estimator) * batch["mask"]).sum() / batch["mask"].sum()
                     loss = loss + algo.kl_coef * kl_mean
                     metrics["kl"] = float(kl_mean.detach())
-                share = mb_tokens / float(tokens) if algo.agg == "token_mean" else len(mb["advantage"]) / float(seqs)
+                share = len(mb["advantage"]) / float(sizes[1]) if by_seq else mb_tokens / float(sizes[0])
                 (loss * share * self.world).backward()
                 rollout = self._pad_like(mb["rollout_logp"], batch["mask"])
-                diff = ((old_logp - rollout).abs() * batch["mask"]).sum()
-                metrics["rollout_logp_abs_diff"] = float(diff) / max(mb_tokens, 1.0)
+                metrics["rollout_logp_abs_diff"] = float(((old_logp - rollout).abs() * batch["mask"]).sum()) / max(mb_tokens, 1.0)
                 metrics["loss"] = float(loss.detach())
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value * mb_tokens
                 totals["_tokens"] = totals.get("_tokens", 0.0) + mb_tokens
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
-            norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-            if math.isfinite(norm):
-                self.optimizer.step()
+            norm = self._optimizer_step()
+            if np.isfinite(norm):
                 grad_norms.append(norm)
             else:
                 skipped += 1
-            self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
-        return self._reduce_metrics(totals, grad_norms, skipped, iteration, start_time)
+        metrics = self._reduce_metrics(totals)
+        metrics.update({
+            "grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"), "skipped_steps": skipped,
+            "lr": self.optimizer.param_groups[0]["lr"],
+        })
+        return {"iteration": iteration, "policy_version": self.version, "metrics": metrics, "seconds": time.perf_counter() - start_time}
 
     def _pad_like(self, lists: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(mask)
@@ -259,19 +309,48 @@ class PolicyWorker:
             return
         (self.model(input_ids=ids, use_cache=False).logits.sum() * 0.0).backward()
 
-    def _reduce_metrics(self, totals, grad_norms, skipped, iteration, start_time) -> dict[str, Any]:
-        keys = [k for k in METRIC_KEYS if k != "kl" or self.reference is not None]
+    def _reduce_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        keys = [k for k in METRIC_KEYS if k != "kl" or self.recipe.algorithm.kl_coef > 0]
         vec = torch.tensor([totals.get(k, 0.0) for k in keys] + [totals.get("_tokens", 0.0)], dtype=torch.float64, device=self.device)
         dist.all_reduce(vec)
         tok = max(float(vec[-1]), 1.0)
         metrics = {k: float(vec[i]) / tok for i, k in enumerate(keys)}
-        metrics["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
-        metrics["skipped_steps"] = skipped
         metrics["tokens"] = float(vec[-1])
-        return {
-            "iteration": iteration, "policy_version": self.version, "metrics": metrics,
-            "seconds": time.perf_counter() - start_time,
-        }
+        return metrics
+
+    # -- supervised warm start --------------------------------------------------------------
+    def sft(self, data: str, steps: int, batch_size: int, lr: float, seed: int, start_step: int = 0) -> dict[str, Any]:
+        """Steps [start_step, start_step + steps) of cross-entropy on response tokens only, over
+        records `data` (prompt, response). Batch of step s: a seeded permutation of the records,
+        split across ranks; its own AdamW at `lr`, so RL starts with a fresh optimizer."""
+        start = time.perf_counter()
+        table = read_shard(self.storage, data, "sft")
+        if "response" not in table.schema.names:
+            raise ValueError(f"{self.storage.url(data)}: SFT records for a language model need a 'response' column")
+        prompts = [self.encode_prompt(p) for p in table.column("prompt").to_pylist()]
+        eos = self.tokenizer.eos_token_id
+        responses = [self.tokenizer(r, add_special_tokens=False).input_ids + [eos] for r in table.column("response").to_pylist()]
+        if not hasattr(self, "_sft_optimizer"):
+            self._sft_optimizer = torch.optim.AdamW(self.trainable, lr=lr, weight_decay=0.0)
+        n = len(prompts)
+        losses = []
+        self.model.train()
+        for step in range(start_step, start_step + steps):
+            order = np.random.default_rng(derive_seed(seed, "sft-epoch", (step * batch_size) // n)).permutation(n)
+            idx = [int(order[(step * batch_size + i) % n]) for i in range(batch_size)][self.rank::self.world]
+            batch = token_batch([prompts[i] for i in idx], [responses[i] for i in idx], self.tokenizer.pad_token_id, self.device)
+            logp = token_logp(self.model, batch, 1.0)
+            tokens = torch.tensor([float(batch["mask"].sum())], dtype=torch.float64, device=self.device)
+            dist.all_reduce(tokens)
+            loss = -(logp * batch["mask"]).sum() / float(tokens)
+            (loss * self.world).backward()
+            torch.nn.utils.clip_grad_norm_(self.trainable, self.recipe.train.max_grad_norm)
+            self._sft_optimizer.step()
+            self._sft_optimizer.zero_grad(set_to_none=True)
+            total = loss.detach().to(torch.float64).reshape(1)
+            dist.all_reduce(total)
+            losses.append(float(total))
+        return {"loss": float(np.mean(losses)), "last_loss": losses[-1], "steps": start_step + steps, "seconds": time.perf_counter() - start}
 
     # -- persistence ------------------------------------------------------------------------
     def save(self) -> dict[str, Any]:
@@ -280,10 +359,39 @@ class PolicyWorker:
     def publish(self) -> dict[str, Any]:
         return checkpoint.publish(self)
 
+    def extra_state(self) -> dict[str, Any]:
+        """Checkpointed besides model and optimizer tensors: the schedule's position."""
+        return {"opt_steps": self.opt_steps}
+
+    def load_extra_state(self, extra: dict[str, Any]) -> None:
+        self.opt_steps = int(extra.get("opt_steps", 0))
+
     def export(self, local: Path, full_state: dict[str, torch.Tensor]) -> None:
-        """A Hugging Face model folder (model.safetensors, config, tokenizer) from the full state."""
+        """A Hugging Face model folder (model.safetensors, config, tokenizer) from the full state;
+        LoRA adapters are merged, so the folder is a plain `model.path` for the next recipe.
+        With an EMA, its weights go to `ema/` the same way."""
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous().clone() for k, v in full_state.items()}, str(local / "model.safetensors"), metadata={"format": "pt"})
-        self.model.config.save_pretrained(local)
-        self.tokenizer.save_pretrained(local)
+        def write(folder: Path, state: dict[str, torch.Tensor]) -> None:
+            folder.mkdir(parents=True, exist_ok=True)
+            if self.lora is not None:
+                state = self._merged(state)
+            save_file({k: v.contiguous().clone() for k, v in state.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+            config = self.model.config if self.lora is None else self.model.get_base_model().config
+            config.save_pretrained(folder)
+            self.tokenizer.save_pretrained(folder)
+
+        write(local, full_state)
+        if self.ema is not None and getattr(self, "_ema_full", None) is not None:
+            write(local / "ema", {**full_state, **self._ema_full})
+
+    def _merged(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Base weights with the LoRA update folded in (W + B A * alpha / r), in base names."""
+        from stages.models import load_qwen3
+
+        base, _ = load_qwen3(self.base_dir)
+        peft_model = add_lora(base, self.lora)
+        missing, unexpected = peft_model.load_state_dict(state, strict=False)
+        if unexpected:
+            raise ValueError(f"LoRA export: unexpected keys {unexpected[:3]}")
+        return peft_model.merge_and_unload().state_dict()

@@ -130,6 +130,9 @@ def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, uni
         a = json.loads((run / f"iter-{i:06d}/train.json").read_text())["metrics"]
         b = json.loads((ref_root / f"tiny/iter-{i:06d}/train.json").read_text())["metrics"]
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], i
+        ra = json.loads((run / f"iter-{i:06d}/_SUCCESS").read_text())["metrics"]["rollout/reward_mean"]
+        rb = json.loads((ref_root / f"tiny/iter-{i:06d}/_SUCCESS").read_text())["metrics"]["rollout/reward_mean"]
+        assert ra == rb, f"iteration {i}: reward {ra} after resume, {rb} uninterrupted"
     wa = json.loads((run / "weights/v000004/manifest.json").read_text())["files"]["model.safetensors"]["sha256"]
     wb = json.loads((ref_root / "tiny/weights/v000004/manifest.json").read_text())["files"]["model.safetensors"]["sha256"]
     assert wa == wb

@@ -88,4 +88,4 @@ def test_cli_validate_exit_codes():
     bad = subprocess.run(cmd + ["train.lr=-0.1", "model.bogus=1"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2
     assert "train.lr: Input should be greater than 0; got -0.1" in bad.stderr
-    assert "model.bogus: unknown field (allowed: dtype, kind, path, tiny)" in bad.stderr
+    assert "model.bogus: unknown field (allowed: chat_template, dtype, kind, lora, path, tiny)" in bad.stderr

@@ -1,0 +1,75 @@
+"""Supervised warm start as a Prefect flow: records -> the worker group (FSDP2) trained with
+cross-entropy on response tokens -> published as the run's initial weights `weights/v000000`,
+a plain Hugging Face folder that is also a valid `model.path` for any RL recipe.
+
+Worker command contract (every model family's worker implements it):
+    sft(data: str, steps: int, batch_size: int, lr: float, seed: int, start_step: int) ->
+        {"loss": float, "last_loss": float, "steps": int, "seconds": float}
+`data` is the run-relative path of an Arrow shard of records (`prompt` plus `response` text for
+language models, or `media_png` image bytes for image models); the batch of step s is a function
+of (seed, s), so chunks of steps give the same result as one call.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from stages.recipe import Recipe
+from stages.run import materialize_model, open_run, update_run_info
+from stages.sft import write_sft_data
+from stages.storage import RunStorage, join
+from stages.tracking import Tracker
+from stages.workers.checkpoint import MANIFEST, write_weights_dir
+from stages.workers.group import WorkerGroup
+
+BASE = "sft/base"
+CHUNK = 50
+
+
+def run_sft(recipe: Recipe, storage: RunStorage, tracker: Tracker | None = None) -> dict[str, Any]:
+    """SFT of a run (idempotent: done once weights/v000000 exists)."""
+    logger = get_run_logger()
+    target = storage.weights_rel(0)
+    if storage.exists(join(target, MANIFEST)):
+        return {"weights": target, "reused": True}
+    if not storage.exists(join(BASE, MANIFEST)):
+        with tempfile.TemporaryDirectory() as tmp:
+            write_weights_dir(storage, materialize_model(recipe, Path(tmp) / "base"), BASE, {"version": 0, "source": recipe.model.path or "tiny"})
+    manifest = storage.read_json("sft/manifest.json") if storage.exists("sft/manifest.json") else None
+    if manifest is None:
+        manifest = write_sft_data(storage, recipe)
+        storage.write_json("sft/manifest.json", manifest)
+    s = recipe.sft
+    group = WorkerGroup(recipe, storage, init_weights=BASE, log=logger.info)
+    try:
+        group.start(None)
+        done = 0
+        while done < s.steps:
+            steps = min(CHUNK, s.steps - done)
+            out = group.call("sft", data=manifest["files"][0], steps=steps, batch_size=s.batch_size, lr=s.lr, seed=s.seed, start_step=done)
+            done = out["steps"]
+            print(f"[unirl] sft step {done}/{s.steps}  loss {out['last_loss']:.4f}  {out['seconds']:.1f}s", flush=True)
+            if tracker is not None:
+                tracker.log_metrics(done, {"sft/loss": out["loss"]}, dedupe=False)
+        group.call("publish")
+    finally:
+        group.stop()
+    return {"weights": target, "reused": False}
+
+
+@flow(name="sft", flow_run_name="{recipe.name}/{run_name}")
+def sft(recipe: Recipe, run_name: str = "") -> dict[str, Any]:
+    """Run only the warm start of `recipe` (its `sft` section) as run `run_name`."""
+    if recipe.sft is None:
+        raise ValueError("the recipe has no `sft` section; add one (see recipes/ar/quickstart.yaml)")
+    run_name = run_name or recipe.name
+    storage, info = open_run(recipe, run_name)
+    tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"))
+    if info.get("mlflow_run_id") != tracker.run_id:
+        update_run_info(storage, mlflow_run_id=tracker.run_id)
+    out = run_sft(recipe, storage, tracker)
+    print(f"[unirl] sft weights: {storage.url(out['weights'])}", flush=True)
+    return {**out, "storage": storage.url()}

@@ -1,0 +1,264 @@
+"""Prompts (with reference answers) from a local JSONL or Parquet file.
+
+Every row becomes a `Prompt` whose metadata holds the answer as `answer` and every other
+column (except the prompt) as a string, so scorers such as `exact_match` and `math_verify`
+read it. The file is read and checked whole when the source is built, so a bad file fails
+before training with the file, the line or row and what to do.
+
+Training order: epoch e is a permutation of the training rows seeded by (seed, e); the stream
+is epoch 0, then epoch 1, ... and iteration k takes stream positions [k*n, (k+1)*n). With a
+constant batch size every training row is seen once per epoch before any repeats, and the
+prompts of an iteration depend only on (seed, iteration, n): a resumed run sees the same ones.
+
+Held-out split: either `heldout_path` (a second file with the same columns) or a fixed
+`heldout_fraction` of the distinct prompt texts drawn from the seed. Training never yields a
+prompt whose text is in the held-out split (duplicates of a held-out prompt are dropped too).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stages.data import Prompt
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+class DataFileError(ValueError):
+    """A prompt file that cannot be used; the message names the file and, where known, the line or row."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One usable row: `where` is `line 12` (JSONL) or `row 12` (Parquet), 1-based."""
+
+    where: str
+    key: str
+    text: str
+    metadata: dict[str, str]
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return str(int(value))  # Parquet/JSON often store integer answers as 12.0
+    if isinstance(value, (bool, int, float, list, dict)):
+        return json.dumps(value, sort_keys=True)
+    return str(value)
+
+
+def _read_jsonl(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+    rows: list[tuple[str, dict[str, Any]]] = []
+    columns: dict[str, None] = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataFileError(
+                        f"{path}: line {lineno} is not valid JSON ({exc.msg} at column {exc.colno}); "
+                        "the file must hold one JSON object per line"
+                    ) from None
+                if not isinstance(obj, dict):
+                    raise DataFileError(
+                        f"{path}: line {lineno} is a JSON {type(obj).__name__}, not an object; "
+                        "the file must hold one JSON object per line"
+                    )
+                columns.update(dict.fromkeys(obj))
+                rows.append((f"line {lineno}", obj))
+    except UnicodeDecodeError as exc:
+        raise DataFileError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return rows, list(columns)
+
+
+def _read_parquet(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # noqa: BLE001 - any pyarrow failure means the same thing to the user
+        raise DataFileError(f"{path}: cannot read as Parquet ({type(exc).__name__}: {exc})") from None
+    return [(f"row {i}", row) for i, row in enumerate(table.to_pylist(), 1)], list(table.column_names)
+
+
+def _safe_key(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:64]
+
+
+def read_records(
+    path: str | os.PathLike[str],
+    *,
+    prompt_column: str = "prompt",
+    answer_column: str = "answer",
+    id_column: str | None = None,
+) -> list[Record]:
+    """Read and check every row of a .jsonl/.parquet file. Raises `DataFileError` naming the file
+    for: a missing file, an unknown suffix, unreadable JSON (with its line), no rows, a missing
+    prompt/answer/id column (listing the columns there are), an empty prompt or answer (with its
+    line or row), a duplicate id."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataFileError(f"{p}: no such file (data.path and data.heldout_path are local paths)")
+    suffix = p.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        rows, columns = _read_jsonl(p)
+    elif suffix in PARQUET_SUFFIXES:
+        rows, columns = _read_parquet(p)
+    else:
+        raise DataFileError(
+            f"{p}: unknown file type {suffix or '(no suffix)'!r} "
+            f"(allowed: {', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)})"
+        )
+    if not rows:
+        raise DataFileError(f"{p}: the dataset is empty (no rows)")
+    for role, column in (("prompt", prompt_column), ("answer", answer_column), ("id", id_column)):
+        if column is not None and column not in columns:
+            raise DataFileError(
+                f"{p}: no {role} column {column!r} (columns: {', '.join(map(repr, columns))}); "
+                f"set data.{role}_column to one of them"
+            )
+    records: list[Record] = []
+    first_seen: dict[str, str] = {}
+    for where, row in rows:
+        text = row.get(prompt_column)
+        if text is None or (isinstance(text, str) and not text.strip()):
+            raise DataFileError(f"{p}: {where} has an empty prompt (column {prompt_column!r})")
+        if not isinstance(text, str):
+            raise DataFileError(
+                f"{p}: {where} has a {type(text).__name__} prompt in column {prompt_column!r}; prompts must be text"
+            )
+        answer = row.get(answer_column)
+        if answer is None or _as_text(answer).strip() == "":
+            raise DataFileError(f"{p}: {where} has no answer (column {answer_column!r})")
+        key = where.replace(" ", "")
+        if id_column is not None:
+            ident = row.get(id_column)
+            if ident is None or _as_text(ident).strip() == "":
+                raise DataFileError(f"{p}: {where} has an empty id (column {id_column!r})")
+            ident = _as_text(ident)
+            if ident in first_seen:
+                raise DataFileError(f"{p}: {where} repeats id {ident!r} of {first_seen[ident]}; ids must be unique")
+            first_seen[ident] = where
+            key = _safe_key(ident)
+        metadata = {k: _as_text(v) for k, v in row.items() if k not in (prompt_column, answer_column) and v is not None}
+        metadata["answer"] = _as_text(answer)
+        records.append(Record(where, key, text, metadata))
+    return records
+
+
+class FilePrompts:
+    """A prompt source over a local file; `batch` and `heldout` as `stages.arithmetic.Arithmetic`."""
+
+    def __init__(
+        self,
+        *,
+        path: str | os.PathLike[str],
+        prompt_column: str = "prompt",
+        answer_column: str = "answer",
+        id_column: str | None = None,
+        heldout_fraction: float = 0.0,
+        heldout_path: str | os.PathLike[str] | None = None,
+        seed: int = 0,
+    ):
+        if not 0.0 <= heldout_fraction < 1.0:
+            raise ValueError(f"data.heldout_fraction: must be in [0, 1), got {heldout_fraction}")
+        if heldout_path is not None and heldout_fraction > 0:
+            raise ValueError("data.heldout_fraction: set either heldout_fraction or heldout_path, not both")
+        self.path, self.seed = Path(path), seed
+        columns = dict(prompt_column=prompt_column, answer_column=answer_column, id_column=id_column)
+        records = read_records(path, **columns)
+        if heldout_path is not None:
+            heldout = read_records(heldout_path, **columns)
+        elif heldout_fraction > 0:
+            texts = list(dict.fromkeys(r.text for r in records))
+            k = max(1, round(heldout_fraction * len(texts)))
+            if k >= len(texts):
+                raise DataFileError(
+                    f"{self.path}: heldout_fraction {heldout_fraction} of {len(texts)} distinct prompts leaves "
+                    "none for training; lower data.heldout_fraction"
+                )
+            order = list(range(len(texts)))
+            random.Random(f"heldout-{seed}").shuffle(order)
+            chosen = {texts[i] for i in order[:k]}
+            first = {}
+            for r in records:
+                if r.text in chosen:
+                    first.setdefault(r.text, r)
+            heldout = [first[t] for t in texts if t in chosen]
+        else:
+            heldout = []
+        held_texts = {r.text for r in heldout}
+        self._train = [r for r in records if r.text not in held_texts]
+        if not self._train:
+            raise DataFileError(
+                f"{self.path}: every prompt is also in the held-out split ({heldout_path}); no training prompts left"
+            )
+        self._heldout = [Prompt(f"heldout-{i:05d}-{r.key}", r.text, dict(r.metadata)) for i, r in enumerate(heldout)]
+        self._perms: dict[int, list[int]] = {}
+
+    @property
+    def train_size(self) -> int:
+        return len(self._train)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            if len(self._perms) > 4:
+                self._perms.clear()
+            order = list(range(len(self._train)))
+            random.Random(f"train-{self.seed}-epoch-{epoch}").shuffle(order)
+            self._perms[epoch] = order
+        return self._perms[epoch]
+
+    def heldout(self) -> list[Prompt]:
+        return [Prompt(p.prompt_id, p.text, dict(p.metadata)) for p in self._heldout]
+
+    def batch(self, iteration: int, n: int) -> list[Prompt]:
+        """The `n` training prompts of `iteration`: stream positions [iteration*n, (iteration+1)*n)."""
+        if iteration < 0 or n < 0:
+            raise ValueError(f"batch(iteration={iteration}, n={n}): both must be >= 0")
+        size = len(self._train)
+        out = []
+        for j in range(n):
+            epoch, index = divmod(iteration * n + j, size)
+            r = self._train[self._permutation(epoch)[index]]
+            out.append(Prompt(f"it{iteration:06d}-{j:05d}-{r.key}", r.text, dict(r.metadata)))
+        return out
+
+
+_CACHE: dict[tuple[Any, ...], FilePrompts] = {}
+
+
+def _stamp(path: str | None) -> tuple[Any, ...]:
+    if path is None:
+        return (None,)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (os.path.abspath(path), None)
+    return (os.path.abspath(path), st.st_mtime_ns, st.st_size)
+
+
+def file_prompt_source(config: Any) -> FilePrompts:
+    """Build from a recipe's `data` section (`name: file`). The parsed file is reused while its
+    path, size and modification time are unchanged, since every iteration asks for the source."""
+    params = dict(
+        path=config.path, prompt_column=config.prompt_column, answer_column=config.answer_column,
+        id_column=config.id_column, heldout_fraction=config.heldout_fraction,
+        heldout_path=config.heldout_path, seed=config.seed,
+    )
+    key = (_stamp(config.path), _stamp(config.heldout_path), tuple(sorted((k, str(v)) for k, v in params.items())))
+    if key not in _CACHE:
+        if len(_CACHE) > 8:
+            _CACHE.clear()
+        _CACHE[key] = FilePrompts(**params)
+    return _CACHE[key]

@@ -1,0 +1,55 @@
+"""Held-out evaluation: greedy accuracy and avg@k / pass@k over the data source's fixed held-out
+split. Correctness is the `eval.scorer` (1 = correct)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from stages.data import build_prompt_source
+from stages.recipe import Recipe
+from stages.rewards.base import ScoreBatch, build_scorer, run_scorer
+from stages.sample import metadata, read_rollouts, table_from_rows, write_shard
+from stages.storage import RunStorage, join
+
+
+def eval_dir(version: int) -> str:
+    return join("eval", f"v{version:06d}")
+
+
+def write_eval_requests(storage: RunStorage, recipe: Recipe, version: int, group_size: int, name: str) -> str:
+    prompts = build_prompt_source(recipe.data).heldout()
+    if not prompts:
+        raise ValueError("eval: the data source has no held-out prompts (set data.heldout_size > 0)")
+    rows = [{"group_id": f"eval/{p.prompt_id}", "prompt": p.text, "metadata": p.metadata,
+             "group_size": group_size, "iteration": version} for p in prompts]
+    rel = join(eval_dir(version), f"{name}-requests.arrow")
+    write_shard(storage, rel, table_from_rows(rows, "requests"))
+    return rel
+
+
+def correctness(storage: RunStorage, recipe: Recipe, rollouts: list[str]) -> tuple[list[str], np.ndarray]:
+    """(group ids, 0/1 correctness) of every sample in `rollouts`."""
+    table = read_rollouts(storage, rollouts)
+    batch = ScoreBatch(
+        sample_ids=table.column("sample_id").to_pylist(), prompts=table.column("prompt").to_pylist(),
+        texts=table.column("text").to_pylist(), metadata=metadata(table),
+        finish_reasons=table.column("finish_reason").to_pylist(),
+    )
+    scores = run_scorer(build_scorer(recipe.eval.scorer), batch).scores
+    return table.column("group_id").to_pylist(), (scores >= 1.0).astype(np.float64)
+
+
+def eval_metrics(storage: RunStorage, recipe: Recipe, greedy: list[str], sampled: list[str]) -> dict[str, float]:
+    k = recipe.eval.k
+    _, greedy_ok = correctness(storage, recipe, greedy)
+    groups, ok = correctness(storage, recipe, sampled)
+    per_prompt: dict[str, list[float]] = {}
+    for g, c in zip(groups, ok):
+        per_prompt.setdefault(g, []).append(c)
+    return {
+        "eval/accuracy": float(greedy_ok.mean()),
+        f"eval/avg_at_{k}": float(ok.mean()),
+        f"eval/pass_at_{k}": float(np.mean([max(v) for v in per_prompt.values()])),
+        "eval/prompts": float(len(greedy_ok)),
+    }

@@ -1,0 +1,33 @@
+"""evaluate: held-out accuracy of policy version `version` (greedy, avg@k, pass@k)."""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from stages.evaluation import eval_dir, eval_metrics, write_eval_requests
+from stages.recipe import Recipe
+from stages.storage import join
+from tasks.common import group_of, storage_of
+
+
+@task(name="evaluate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1)
+def evaluate(recipe: Recipe, run_name: str, version: int) -> dict[str, Any]:
+    storage = storage_of(recipe, run_name)
+    rel = join(eval_dir(version), "metrics.json")
+    if storage.exists(rel):
+        return storage.read_json(rel)
+    group = group_of(recipe, storage)
+    group.ensure(version)
+    outputs = {}
+    for name, size, greedy in (("greedy", 1, True), ("sampled", recipe.eval.k, False)):
+        requests = write_eval_requests(storage, recipe, version, size, name)
+        outputs[name] = group.call(
+            "generate", iteration=version, requests=requests, out_dir=join(eval_dir(version), name),
+            greedy=greedy, seed_tag="eval",
+        )["files"]
+    metrics = eval_metrics(storage, recipe, outputs["greedy"], outputs["sampled"])
+    result = {"version": version, "metrics": metrics}
+    storage.write_json(rel, result)
+    return {**result, "fresh": True}
