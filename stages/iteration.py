@@ -134,16 +134,15 @@ def advantages(storage: RunStorage, recipe: Recipe, iteration: int, rewards: lis
             rewards_of.setdefault(g, set()).add(r)
         informative = [g for g in dict.fromkeys(table.column("group_id").to_pylist()) if len(rewards_of[g]) > 1]
         keep = set(informative[: recipe.rollout.prompts_per_iteration])
-        rows = [r for r in rows if r["group_id"] in keep]
         metrics.update({
             "rollout/dynamic_rounds": float(len(rewards)), "rollout/groups_kept": float(len(keep)),
             "rollout/groups_dropped": float(len(rewards_of) - len(informative)),
         })
-        if not rows:
-            raise ValueError(
-                f"{storage.url(iter_dir(iteration))}: every group has equal rewards after {len(rewards)} rounds; "
-                "raise rollout.dynamic_sampling.max_rounds or check the reward"
-            )
+        if not keep:
+            # No group carries a signal after the last round: train on the first round's groups,
+            # whose advantages are all 0, so the step changes nothing but stays counted.
+            keep = set(list(rewards_of)[: recipe.rollout.prompts_per_iteration])
+        rows = [r for r in rows if r["group_id"] in keep]
     rel = join(iter_dir(iteration), "advantages.arrow")
     write_shard(storage, rel, table_from_rows(rows, "advantages"))
     values = np.array([r["advantage"] for r in rows])

@@ -28,7 +28,9 @@ def test_algorithm_recipes_run(recipe, tmp_path, unirl_env):
     run = root / recipe
     for i in range(2):
         m = train_metrics(run, i)
-        assert m["ratio_mean"] == 1.0 and m["grad_norm"] > 0
+        signal = json.loads((run / f"iter-{i:06d}/manifests/advantage.json").read_text())["metrics"]["advantage/abs_mean"]
+        assert m["ratio_mean"] == 1.0
+        assert (m["grad_norm"] > 0) == (signal > 0), (m, signal)
     # the SFT output is a plain HF folder: a valid model.path for another recipe
     assert (run / "weights/v000000/config.json").is_file()
     assert json.loads((run / "eval/v000002/metrics.json").read_text())["metrics"]["eval/prompts"] == 8.0

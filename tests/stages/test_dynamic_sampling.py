@@ -32,12 +32,15 @@ def test_drop_equal_groups_and_cap(tmp_path):
     assert adv["b/0"] == pytest.approx(-1.0, abs=1e-5) and adv["b/1"] == pytest.approx(1.0, abs=1e-5)
 
 
-def test_all_groups_equal_is_an_error(tmp_path):
-    recipe = load_recipe(TINY, ["rollout.dynamic_sampling={max_rounds: 1}"])
+def test_no_signal_after_the_last_round_keeps_zero_advantages(tmp_path):
+    recipe = load_recipe(TINY, ["rollout.dynamic_sampling={max_rounds: 1}", "rollout.prompts_per_iteration=1"])
     storage = RunStorage(str(tmp_path), "r")
-    only = rewards_file(storage, "iter-000000/rewards.arrow", {"a": [1, 1]})
-    with pytest.raises(ValueError, match="every group has equal rewards"):
-        it.advantages(storage, recipe, 0, [only])
+    only = rewards_file(storage, "iter-000000/rewards.arrow", {"a": [1, 1], "b": [0, 0]})
+    out = it.advantages(storage, recipe, 0, [only])
+    kept = read_shard(storage, out["files"][0], "advantages")
+    assert kept.column("group_id").to_pylist() == ["a", "a"]
+    assert kept.column("advantage").to_pylist() == [0.0, 0.0]
+    assert out["metrics"]["rollout/groups_kept"] == 0.0
 
 
 def test_refill_rounds_take_fresh_prompts(tmp_path):

@@ -1,0 +1,335 @@
+"""unirl the Prefect way, against a real server: `prefect server start` (SQLite in a temp dir),
+a process work pool and `prefect worker`, deployments from prefect.yaml, `prefect deployment run`,
+artifacts read back through the API, the parameter schema enforced by the server, a run cancelled
+(its torchrun worker group must go with it) and resumed, an event-triggered run, a schedule.
+
+The tests share one server and worker (module fixture) and run in file order.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+import yaml
+
+from flows.hooks import worker_processes
+from tests.conftest import REPO, TINY, isolated_env
+
+pytestmark = pytest.mark.slow
+
+PREFECT = [sys.executable, "-m", "prefect"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A Prefect server, a process work pool `cpu` and its worker, all in one temp dir."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.runs = tmp / "runs"
+        self.url = f"http://127.0.0.1:{free_port()}/api"
+        self.env = isolated_env(tmp)
+        self.env.update({
+            "PREFECT_API_URL": self.url,
+            "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{tmp / 'prefect.db'}",
+            "PREFECT_SERVER_UI_ENABLED": "false",
+            "PREFECT_SERVER_SERVICES_FOREMAN_ENABLED": "false",
+            "PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED": "false",
+            "PREFECT_WORKER_QUERY_SECONDS": "1",
+            "PREFECT_LOGGING_LEVEL": "INFO",
+            "PREFECT_CLI_COLORS": "false",
+            "COLUMNS": "200",
+            "DO_NOT_TRACK": "1",
+            "MLFLOW_DISABLE_TELEMETRY": "true",
+        })
+        self.procs: list[subprocess.Popen] = []
+        self.worker: subprocess.Popen | None = None
+
+    # -- processes ------------------------------------------------------------------------------
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "ab")
+        proc = subprocess.Popen([*PREFECT, *args], env=self.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def log(self, name: str, tail: int = 4000) -> str:
+        path = self.tmp / f"{name}.log"
+        return path.read_text(errors="replace")[-tail:] if path.exists() else ""
+
+    def cli(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run([*PREFECT, *args], env=self.env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"prefect {' '.join(args)[:300]} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
+                f"stderr:\n{proc.stderr[-4000:]}\nworker log:\n{self.log('worker')}"
+            )
+        return proc
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.procs[0].poll() is not None:
+                break
+            time.sleep(0.3)
+        raise AssertionError(f"prefect server did not come up:\n{self.log('server')}")
+
+    def stop_all(self) -> None:
+        """Everything this fixture started, and anything left under it, even after a failure."""
+        tree = []
+        for proc in self.procs:
+            try:
+                tree += psutil.Process(proc.pid).children(recursive=True)
+            except psutil.Error:
+                pass
+        strays = worker_processes(lambda url: url.startswith(str(self.runs)))
+        for proc in reversed(self.procs):  # the worker before the server
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait(timeout=10)
+        for p in tree + strays:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(tree + strays, timeout=10)
+
+    # -- the API ----------------------------------------------------------------------------------
+    def client(self):
+        from prefect.client.orchestration import SyncPrefectClient
+
+        return SyncPrefectClient(self.url)
+
+    def flow_runs(self, deployment: str) -> list[Any]:
+        from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+        with self.client() as c:
+            dep = c.read_deployment_by_name(deployment)
+            return c.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])))
+
+
+def tiny_recipe(**changes: Any) -> dict[str, Any]:
+    recipe = yaml.safe_load(TINY.read_text())
+    for key, value in changes.items():
+        node = recipe
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return recipe
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    srv = Server(tmp_path_factory.mktemp("deploy"))
+    try:
+        srv.start("server", "server", "start", "--host", "127.0.0.1", "--port", srv.url.split(":")[-1].split("/")[0])
+        srv.wait_healthy()
+        srv.cli("work-pool", "create", "cpu", "--type", "process")
+        # Every deployment in prefect.yaml deploys as written ...
+        srv.cli("--no-prompt", "deploy", "--all", timeout=300)
+        # ... then the ones this test runs are redeployed with the run folders in the temp dir.
+        params = json.dumps({"recipe": tiny_recipe(**{"storage.root": str(srv.runs), "eval.enabled": False})})
+        for name in ("tiny", "tiny-on-prompts"):
+            srv.cli("--no-prompt", "deploy", "--name", name, "--params", params, timeout=300)
+        srv.worker = srv.start("worker", "worker", "start", "--pool", "cpu", "--type", "process")
+        yield srv
+    finally:
+        srv.stop_all()
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def wait_for(what: str, check, timeout: float, server: Server, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\nworker log:\n{server.log('worker')}")
+
+
+def test_deployments_carry_the_recipe_schema_and_the_schedule(server: Server) -> None:
+    with server.client() as c:
+        dep = c.read_deployment_by_name("rl-train/tiny")
+        nightly = c.read_deployment_by_name("retrain/tiny-nightly")
+        on_prompts = c.read_deployment_by_name("rl-train/tiny-on-prompts")
+        automations = c.read_automations()
+    assert dep.enforce_parameter_schema and dep.work_pool_name == "cpu"
+    assert {"unirl", "rl-train"} <= set(dep.tags)
+    schema = dep.parameter_openapi_schema
+    assert {"recipe", "run_name", "iterations"} <= set(schema["properties"])
+    recipe = schema["definitions"]["Recipe"]
+    for section in ("model", "data", "rollout", "reward", "advantage", "algorithm", "train", "storage", "tracking"):
+        assert recipe["properties"][section]["description"], section
+    assert schema["definitions"]["TrainConfig"]["properties"]["lr"]["description"] == "AdamW learning rate."
+    assert schema["definitions"]["TrainConfig"]["properties"]["lr"]["exclusiveMinimum"] == 0
+    # The deployment's default parameters are the shipped recipe (here with the temp run folder).
+    assert dep.parameters["recipe"]["algorithm"] == {"name": "grpo", "clip_low": 0.2, "clip_high": 0.28}
+
+    # The nightly retraining deployment is created with its cron schedule (shipped paused).
+    assert len(nightly.schedules) == 1
+    schedule = nightly.schedules[0]
+    assert schedule.schedule.cron == "0 3 * * *" and schedule.schedule.timezone == "UTC"
+    assert schedule.active is False
+    assert nightly.parameters["lineage"] == "tiny"
+
+    # The event trigger became an automation that runs rl-train/tiny-on-prompts.
+    mine = [a for a in automations if any(getattr(act, "deployment_id", None) == on_prompts.id for act in a.actions)]
+    assert len(mine) == 1 and mine[0].enabled
+    assert "unirl.prompts.landed" in mine[0].trigger.expect
+
+
+def test_invalid_parameters_are_rejected_before_a_run_starts(server: Server) -> None:
+    before = len(server.flow_runs("rl-train/tiny"))
+    bad = json.dumps({"recipe": tiny_recipe(**{"train.lr": -1.0, "storage.root": str(server.runs)})})
+    out = server.cli("deployment", "run", "rl-train/tiny", "--params", bad, check=False)
+    assert out.returncode != 0
+    assert "recipe.train.lr" in out.stdout + out.stderr
+    out = server.cli("deployment", "run", "rl-train/tiny", "--param", "iterations=0", check=False)
+    assert out.returncode != 0 and "iterations" in out.stdout + out.stderr
+    assert len(server.flow_runs("rl-train/tiny")) == before
+
+
+def test_deployment_run_completes_with_artifacts(server: Server) -> None:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+
+    started = time.monotonic()
+    out = server.cli("deployment", "run", "rl-train/tiny", "--param", "iterations=2", "--watch", timeout=600)
+    seconds = time.monotonic() - started
+    assert "Completed" in out.stdout, out.stdout[-3000:]
+    (run,) = server.flow_runs("rl-train/tiny")
+    assert run.state.is_completed() and run.name == "tiny/tiny"
+    run_dir = server.runs / "tiny"
+    assert all((run_dir / f"iter-{i:06d}" / "_SUCCESS").exists() for i in range(2))
+    info = json.loads((run_dir / "run.json").read_text())
+
+    with server.client() as c:
+        artifacts = c.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+        iterations = c.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])))
+        tasks = c.read_task_runs()
+    by_key: dict[str, list[Any]] = {}
+    for art in artifacts:
+        by_key.setdefault(art.key, []).append(art)
+    assert {"unirl-tiny-iterations", "unirl-tiny-progress", "unirl-tiny-mlflow", "unirl-tiny-summary"} <= set(by_key)
+
+    tables = sorted(by_key["unirl-tiny-iterations"], key=lambda a: a.created)
+    assert len(tables) == 2  # one version per iteration
+    rows = json.loads(tables[-1].data) if isinstance(tables[-1].data, str) else tables[-1].data
+    assert [r["iteration"] for r in rows] == [0, 1]
+    for column in ("reward_mean", "reward_std", "adv_mean", "adv_std", "loss", "approx_kl", "clip_frac",
+                   "generate_s", "train_s", "iteration_s"):
+        assert all(isinstance(r[column], (int, float)) for r in rows), column
+    success = json.loads((run_dir / "iter-000001" / "_SUCCESS").read_text())
+    assert rows[1]["reward_mean"] == pytest.approx(success["metrics"]["rollout/reward_mean"], abs=1e-6)
+
+    (progress,) = by_key["unirl-tiny-progress"]
+    assert float(progress.data) == 100.0
+    (link,) = by_key["unirl-tiny-mlflow"]
+    assert info["mlflow_run_id"] in str(link.data) and "mlflow.db" in str(link.data)
+    (summary,) = by_key["unirl-tiny-summary"]
+    assert "iter-000000" in summary.data and "iter-000001" in summary.data
+    assert str(run_dir / "weights" / "v000002") in summary.data
+
+    assert sorted(r.name for r in iterations) == ["iter-000000", "iter-000001"]
+    ours = {r.id for r in iterations}
+    tagged = {t.name.split("-")[0]: set(t.tags) for t in tasks if t.flow_run_id in ours}
+    assert "gpu" in tagged["generate"] and "gpu" in tagged["train"] and "gpu" not in tagged["score"]
+    assert {"unirl", "recipe:tiny", "run:tiny"} <= tagged["score"]
+    print(f"\n[deploy] rl-train/tiny, 2 iterations through the worker: {seconds:.1f}s")
+
+
+def test_event_starts_a_run_cancel_stops_its_workers_and_it_resumes(server: Server) -> None:
+    run_dir = server.runs / "landed"
+    server.cli("event", "emit", "unirl.prompts.landed", "--resource-id", "unirl.prompts.arithmetic",
+               "--payload", json.dumps({"run_name": "landed"}))
+    run = wait_for("the event to start rl-train/tiny-on-prompts",
+                   lambda: next(iter(server.flow_runs("rl-train/tiny-on-prompts")), None), 90, server)
+    assert run.parameters["run_name"] == "landed"
+
+    # Cancel once the worker group is up and has committed the first rollouts.
+    def first_rollouts():
+        with server.client() as c:
+            state = c.read_flow_run(run.id).state
+        assert not state.is_final(), f"the run ended before it could be cancelled: {state.name}: {state.message}"
+        return (run_dir / "iter-000000" / "manifests" / "generate.json").exists()
+
+    wait_for("the first rollouts", first_rollouts, 240, server)
+    url = str(run_dir)
+    group = worker_processes(lambda u: u == url)
+    assert group, "no torchrun worker group found for the run"
+    worker = psutil.Process(server.worker.pid)
+    assert {p.pid for p in group} <= {p.pid for p in worker.children(recursive=True)}
+    with server.client() as c:
+        from prefect.states import Cancelling
+
+        c.set_flow_run_state(run.id, Cancelling(), force=True)
+    started = time.monotonic()
+
+    def cancelled():
+        with server.client() as c:
+            return c.read_flow_run(run.id).state.is_cancelled()
+
+    wait_for("the run to be Cancelled", cancelled, 120, server)
+    alive = [p for p in worker.children(recursive=True) if _alive(p)]
+    assert not alive, [" ".join(p.cmdline()) for p in alive]
+    assert not worker_processes(lambda u: u == url), "orphaned worker-group processes"
+    assert not any(_alive(p) for p in group)
+    print(f"\n[deploy] cancel -> Cancelled with no worker processes left: {time.monotonic() - started:.1f}s")
+
+    def hook_logged():
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+        with server.client() as c:
+            logs = c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+        return any(f"worker group of {url} stopped" in log.message for log in logs)
+
+    wait_for("the on_cancellation hook's log line", hook_logged, 30, server)
+
+    # The cancelled run resumes under another deployment with the same run name.
+    generate = (run_dir / "iter-000000" / "manifests" / "generate.json").read_bytes()
+    run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
+    started = time.monotonic()
+    out = server.cli("deployment", "run", "rl-train/tiny", "--param", "run_name=landed", "--param", "iterations=2",
+                     "--watch", timeout=600)
+    assert "Completed" in out.stdout, out.stdout[-3000:]
+    assert all((run_dir / f"iter-{i:06d}" / "_SUCCESS").exists() for i in range(2))
+    assert json.loads((run_dir / "run.json").read_text())["run_id"] == run_id
+    assert (run_dir / "iter-000000" / "manifests" / "generate.json").read_bytes() == generate
+    assert not worker_processes(lambda u: u == url)
+    print(f"[deploy] resumed to completion: {time.monotonic() - started:.1f}s")
