@@ -161,16 +161,16 @@ def test_world_size_two(tmp_path, unirl_env):
 
 def test_corrupted_shard_fails_naming_the_file(tmp_path, unirl_env):
     root = tmp_path / "runs"
-    run_unirl(["run", str(TINY), "iterations=1", f"storage.root={root}"], unirl_env)
     run = root / "tiny"
-    # Break iteration 1's committed rollouts before it is scored: resume must stop, naming the file.
-    (run / "iter-000001/rollouts").mkdir(parents=True)
-    (run / "iter-000001/rollouts/part-000.arrow").write_bytes(b"garbage")
-    (run / "iter-000001/manifests").mkdir()
-    (run / "iter-000001/manifests/generate.json").write_text(json.dumps({"files": ["iter-000001/rollouts/part-000.arrow"]}))
-    out = run_unirl(["run", str(TINY), "iterations=2", f"storage.root={root}"], unirl_env, check=False)
+    # A committed rollout shard that is not Arrow: scoring must stop, naming the file.
+    (run / "iter-000000/rollouts").mkdir(parents=True)
+    (run / "iter-000000/rollouts/part-000.arrow").write_bytes(b"garbage")
+    (run / "iter-000000/manifests").mkdir()
+    (run / "iter-000000/manifests/generate.json").write_text(json.dumps({"files": ["iter-000000/rollouts/part-000.arrow"]}))
+    out = run_unirl(["run", str(TINY), "iterations=1", f"storage.root={root}"], unirl_env, check=False)
     assert out.returncode != 0
-    assert "iter-000001/rollouts/part-000.arrow: not an Arrow IPC file" in out.stderr
+    assert "iter-000000/rollouts/part-000.arrow: not an Arrow IPC file" in out.stderr
+    assert not (run / "iter-000000/_SUCCESS").exists()
 
 
 def test_resume_with_a_different_recipe_is_refused(tmp_path, unirl_env):
