@@ -34,3 +34,19 @@ def load_tokenizer(directory: str | Path):
     if tok.eos_token_id is None:
         raise ValueError(f"{directory}: the tokenizer has no eos token; generation could never finish")
     return tok
+
+
+def uses_chat_template(tokenizer, setting: bool | None) -> bool:
+    """`model.chat_template`: explicit True/False, or None for "when the tokenizer has one"."""
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if setting and not has:
+        raise ValueError("model.chat_template is true but the tokenizer has no chat template")
+    return has if setting is None else setting
+
+
+def encode_prompt(tokenizer, text: str, use_chat: bool) -> list[int]:
+    """Token ids of a user prompt, wrapped in the chat template (with the generation prompt) when
+    `use_chat`, else the plain text."""
+    if use_chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids

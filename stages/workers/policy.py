@@ -19,6 +19,7 @@ from stages.algorithms import kl
 from stages.recipe import Recipe
 from stages.sample import join_on_sample_id, read_rollouts, read_shard, table_from_rows, write_shard
 from stages.storage import RunStorage, join
+from stages.models.tokenizer import encode_prompt, uses_chat_template
 from stages.workers import checkpoint
 from stages.workers.ar_train import EMA, lr_factor, policy_loss, sequence_level, token_batch, token_logp
 from stages.workers.sampling import derive_seed, sample
@@ -83,8 +84,7 @@ class PolicyWorker:
         self.optimizer = torch.optim.AdamW(self.trainable, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
         self.opt_steps = 0
         self.ema = EMA(self.model, t.ema.decay) if t.ema else None
-        use_chat = m.chat_template if m.chat_template is not None else bool(getattr(self.tokenizer, "chat_template", None))
-        self.use_chat = use_chat
+        self.use_chat = uses_chat_template(self.tokenizer, m.chat_template)
         self.version = int(spec["init_version"])
         if spec.get("checkpoint") is not None:
             self.version = checkpoint.load(self, int(spec["checkpoint"]))
@@ -96,9 +96,7 @@ class PolicyWorker:
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a prompt, through the chat template when the recipe/tokenizer uses one."""
-        if self.use_chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return encode_prompt(self.tokenizer, text, self.use_chat)
 
     # -- commands ---------------------------------------------------------------------------
     def execute(self, cmd: str, args: dict[str, Any]) -> dict[str, Any]:
