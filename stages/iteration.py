@@ -120,7 +120,7 @@ def advantages(storage: RunStorage, recipe: Recipe, iteration: int, rewards: lis
     table = pa.concat_tables([read_shard(storage, r, "rewards").select(["sample_id", "group_id", "reward"]) for r in rewards])
     a = recipe.advantage
     adv = group_advantages(
-        table.column("reward").to_numpy(), table.column("group_id").to_pylist(),
+        table.column("reward").to_pylist(), table.column("group_id").to_pylist(),
         scope=a.scope, normalize=a.normalize, use_global_std=a.use_global_std, eps=a.eps,
     )
     rows = [
