@@ -10,6 +10,7 @@ import time
 from typing import Annotated, Any, Optional
 
 from prefect import flow, get_run_logger, tags
+from prefect.settings import temporary_settings
 from pydantic import Field
 
 from flows.artifacts import RunArtifacts
@@ -65,7 +66,8 @@ def rl_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any
 def progress_line(i: int, total: int, m: dict[str, float]) -> str:
     return (
         f"[unirl] {iter_dir(i)} ({i + 1}/{total})  reward {m['rollout/reward_mean']:.3f}±{m['rollout/reward_std']:.3f}"
-        f"  loss {m['train/loss']:+.4f}  kl {m['train/approx_kl']:.2e}  clip {m['train/clip_frac']:.3f}"
+        f"  loss {m['train/loss']:+.4f}  kl {m.get('train/approx_kl', float('nan')):.2e}"
+        f"  clip {m.get('train/clip_frac', float('nan')):.3f}"
         f"  grad {m['train/grad_norm']:.3f}  {m['time/iteration_s']:.1f}s"
     )
 
@@ -109,7 +111,10 @@ def rl_train(
             if recipe.eval.enabled and recipe.model.kind == "qwen3":
                 evals[0] = held_out(recipe, run_name, 0, tracker, "before RL")
             for i in range(first, recipe.iterations):
-                summary = rl_iteration(recipe, run_name, i)
+                # The run's own flow run keeps the heartbeat; one per iteration would cost up to a
+                # second each (Prefect joins a heartbeat thread that sleeps in 1 s steps).
+                with temporary_settings(updates={"flows.heartbeat_frequency": None}):
+                    summary = rl_iteration(recipe, run_name, i)
                 version = i + 1
                 if recipe.model.kind == "qwen3" and (
                     (recipe.eval.every and version % recipe.eval.every == 0)
