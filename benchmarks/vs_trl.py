@@ -1,8 +1,8 @@
 """unirl vs TRL's GRPOTrainer, side by side in one run, at the quickstart geometry.
 
 Both start from the same SFT weights (made once by `unirl sft`), train on the same prompts in the
-same order (prompts per step x group size completions, same max new tokens, lr, clip range, one
-update per batch, no KL), and are scored by the same greedy held-out evaluation. Prints steady-state
+same order (prompts per step x group size completions, same max new tokens, lr, clip range, loss
+aggregation, one update per batch, no KL), and are scored by the same greedy held-out evaluation. Prints steady-state
 seconds per iteration (median after the warm-up iterations) for both with the ratio, and held-out
 accuracy before and after the same number of iterations.
 
@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# our `algorithm.agg` -> TRL's `loss_type` with the same normalization
+TRL_LOSS = {"token_mean": "dapo", "seq_mean_token_mean": "grpo", "seq_mean_token_sum_norm": "dr_grpo"}
 QUICKSTART = REPO / "recipes" / "ar" / "quickstart.yaml"
 
 
@@ -85,7 +87,7 @@ def run_trl(sft_dir: Path, recipe, iterations: int, out: Path) -> tuple[list[flo
         output_dir=str(out), per_device_train_batch_size=r.prompts_per_iteration * r.group_size,
         num_generations=r.group_size, max_completion_length=r.max_new_tokens, temperature=r.temperature,
         learning_rate=t.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=t.weight_decay,
-        max_grad_norm=t.max_grad_norm, num_iterations=1, beta=0.0, loss_type="grpo",
+        max_grad_norm=t.max_grad_norm, num_iterations=1, beta=0.0, loss_type=TRL_LOSS[a.agg],
         epsilon=a.clip_low, epsilon_high=a.clip_high, max_steps=iterations, shuffle_dataset=False,
         logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=recipe.seed, disable_tqdm=True,
     )
