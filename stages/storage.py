@@ -161,10 +161,14 @@ class RunStorage:
 
     def checkpoints(self) -> list[int]:
         """Committed checkpoint versions, ascending."""
+        return self._committed("checkpoints", CKPT_RE, "_COMMITTED")
+
+    def _committed(self, folder: str, pattern: re.Pattern, marker: str) -> list[int]:
+        """Versions of `folder/<name>` whose names match `pattern` and that hold `marker`."""
         out = []
-        for name in self.listdir("checkpoints"):
-            m = CKPT_RE.match(name)
-            if m and self.exists(join("checkpoints", name, "_COMMITTED")):
+        for name in self.listdir(folder):
+            m = pattern.match(name)
+            if m and self.exists(join(folder, name, marker)):
                 out.append(int(m.group(1)))
         return out
 
@@ -172,9 +176,5 @@ class RunStorage:
         return join("weights", f"v{version:06d}")
 
     def weights_versions(self) -> list[int]:
-        out = []
-        for name in self.listdir("weights"):
-            m = WEIGHTS_RE.match(name)
-            if m and self.exists(join("weights", name, "manifest.json")):
-                out.append(int(m.group(1)))
-        return out
+        """Published weight versions (those with a manifest), ascending."""
+        return self._committed("weights", WEIGHTS_RE, "manifest.json")
