@@ -24,11 +24,14 @@ class TinySD3(Section):
     num_layers: int = Field(2, ge=1, description="MMDiT blocks of the transformer.")
     num_heads: int = Field(4, ge=1, description="Attention heads per block.")
     head_dim: int = Field(16, ge=4, description="Width of one attention head.")
-    patch_size: int = Field(2, ge=1, description="Transformer patch side, in latent pixels.")
+    patch_size: int = Field(4, ge=1, description="Transformer patch side, in latent pixels.")
     vae_channels: list[int] = Field(
-        [32, 32], min_length=1, description="VAE block widths (multiples of 8); the VAE downsamples by 2**(len-1)."
+        [32], min_length=1,
+        description="VAE block widths (multiples of 8); the VAE downsamples by 2**(len-1). The default one block "
+        "(no downsampling) reconstructs toy-GenEval scenes exactly after a few hundred warm-up steps.",
     )
     latent_channels: int = Field(4, ge=1, description="Channels of the VAE latent.")
+    vae_mid_attention: bool = Field(False, description="Self-attention in the VAE's mid block (SD3's VAE has it; slow at full resolution).")
     with_t5: bool = Field(True, description="Build the T5 text encoder too (else SD3's zero rows stand in).")
 
     @property
@@ -49,7 +52,7 @@ class TinySD3(Section):
             "seed": self.seed, "image_size": self.image_size, "with_t5": self.with_t5,
             "num_layers": self.num_layers, "num_heads": self.num_heads, "head_dim": self.head_dim,
             "patch_size": self.patch_size, "vae_channels": tuple(self.vae_channels),
-            "latent_channels": self.latent_channels,
+            "latent_channels": self.latent_channels, "vae_mid_attention": self.vae_mid_attention,
         }
 
 
@@ -77,13 +80,24 @@ class VAEWarmup(Section):
     """Reconstruction training of the VAE before flow-matching SFT (a tiny model's VAE is random)."""
 
     steps: int | None = Field(
-        None, ge=0, description="Optimizer steps; empty: 600 for the tiny model (no `model.path`), 0 for a checkpoint."
+        None, ge=0, description="Optimizer steps; empty: 400 for the tiny model (no `model.path`), 0 for a checkpoint."
     )
     lr: float = Field(2e-3, gt=0, description="Adam learning rate (cosine decay to 0).")
     batch_size: int = Field(32, ge=1, description="Images per step.")
 
     def resolved_steps(self, has_path: bool) -> int:
-        return (0 if has_path else 600) if self.steps is None else self.steps
+        return (0 if has_path else 400) if self.steps is None else self.steps
+
+
+class FlowMatchingSFT(Section):
+    """How SFT trains the transformer (the `sft` section sets steps, batch size, lr and seed)."""
+
+    ema: float = Field(
+        0.999, ge=0, lt=1,
+        description="Decay of an EMA of the weights during SFT; the EMA is what SFT publishes (0: the raw weights).",
+    )
+    schedule: Literal["constant", "cosine"] = Field("cosine", description="lr over `sft.steps`, after the warm-up.")
+    warmup_steps: int = Field(100, ge=0, description="Linear lr warm-up steps.")
 
 
 class SD3ModelConfig(Section):
@@ -95,6 +109,7 @@ class SD3ModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of all transformer weights.")
     vae_warmup: VAEWarmup = Field(default_factory=VAEWarmup, description="VAE reconstruction training at the start of SFT.")
+    flow_matching: FlowMatchingSFT = Field(default_factory=FlowMatchingSFT, description="Transformer training in SFT.")
 
 
 class GenEvalData(Section):

@@ -76,7 +76,7 @@ def materialize_model(recipe: Recipe, scratch: Path) -> Path:
             if not (d / "model_index.json").is_file():
                 raise FileNotFoundError(f"model.path {d}: no model_index.json (expected a diffusers SD3 folder)")
             return d
-        return build_tiny_sd3(scratch, seed=recipe.model.tiny.seed, image_size=recipe.model.tiny.image_size)
+        return build_tiny_sd3(scratch, **recipe.model.tiny.build_kwargs())
     from stages.models import check_model_dir, save_tiny_qwen3
 
     if recipe.model.path:

@@ -61,6 +61,11 @@ def file_records(path: str) -> list[dict[str, Any]]:
 
 def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
     sft = recipe.sft
-    records = file_records(sft.path) if sft.source == "file" else synthetic_records(recipe)
+    if sft.source == "synthetic" and recipe.data.name == "geneval":  # image records: prompt + media_png
+        from stages.diffusion.sft import synthetic_records as image_records
+
+        records = image_records(recipe)
+    else:
+        records = file_records(sft.path) if sft.source == "file" else synthetic_records(recipe)
     write_shard(storage, SFT_DATA, table_from_rows(records, "sft"))
     return {"files": [SFT_DATA], "rows": len(records)}

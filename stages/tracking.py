@@ -73,6 +73,13 @@ class Tracker:
         if dedupe:
             self.logged_steps.add(step)
 
+    def log_image(self, step: int, image: Any, key: str) -> str:
+        """Log a PIL image as `images/<key>/step-<step>.png` (MLflow's image history under `key`);
+        returns the artifact path, for links."""
+        path = f"images/{key}/step-{step:06d}.png"
+        self.client.log_image(self.run_id, image, artifact_file=path)
+        return path
+
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
 

@@ -124,9 +124,12 @@ def latent_shape(bundle: SD3Bundle, height: int, width: int | None = None) -> tu
 
 def tiny_sd3_config(*, image_size: int = 32, latent_channels: int = 4, vae_channels: tuple[int, ...] = (32, 32),
                     patch_size: int = 2, num_layers: int = 2, num_heads: int = 4, head_dim: int = 16,
-                    clip_hidden: int = 32, with_t5: bool = True, max_length: int = 16) -> dict[str, Any]:
+                    clip_hidden: int = 32, with_t5: bool = True, max_length: int = 16,
+                    vae_mid_attention: bool = True) -> dict[str, Any]:
     """Sub-configs (plain dicts) of a tiny SD3: two CLIPs, an optional T5, VAE, MMDiT, scheduler.
-    The VAE downsamples by 2**(len(vae_channels)-1); the position table covers 2x `image_size`."""
+    The VAE downsamples by 2**(len(vae_channels)-1); the position table covers 2x `image_size`.
+    `vae_mid_attention`: the VAE's mid-block self-attention (SD3 has it; a tiny VAE trains
+    faster without it)."""
     vae_factor = 2 ** (len(vae_channels) - 1)
     _check_size("the tiny SD3 config", image_size, vae_factor, patch_size, None)
     clip = tiny_clip_config(hidden_size=clip_hidden, projection_dim=clip_hidden)
@@ -143,6 +146,7 @@ def tiny_sd3_config(*, image_size: int = 32, latent_channels: int = 4, vae_chann
             "up_block_types": ["UpDecoderBlock2D"] * len(vae_channels),
             "block_out_channels": list(vae_channels), "layers_per_block": 1, "norm_num_groups": 8,
             "sample_size": image_size, "use_quant_conv": False, "use_post_quant_conv": False,
+            "mid_block_add_attention": vae_mid_attention,
             # SD3's own VAE normalisation, so the scale/shift path is the real one.
             "scaling_factor": 1.5305, "shift_factor": 0.0609,
         },

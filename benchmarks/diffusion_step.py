@@ -1,0 +1,107 @@
+"""One FlowGRPO iteration of the diffusion quickstart through the full flow (Prefect tasks, Arrow
+shards in run storage, the torchrun FSDP2 worker group) and the same math in a minimal in-process
+loop (`stages.diffusion.loop.InProcessLoop`: same prompts, seeds, micro-batches and losses, plain
+tensors), side by side, at 1x, 2x and 4x the group size. Prints seconds per iteration at steady
+state, the flow/loop ratio (target: at most 1.15) and how cost grows with the batch.
+
+    python benchmarks/diffusion_step.py --iterations 8 --warmup 3 [key=value ...]
+
+Both sides start from the same tiny random SD3 (no SFT: speed does not depend on the weights) and
+run in their own process with the same number of threads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = REPO / "recipes" / "diffusion" / "quickstart.yaml"
+STAGES = ("generate", "score", "advantage", "train", "sync")
+
+
+def flow_run(work: Path, name: str, iterations: int, overrides: list[str], env: dict[str, str]) -> list[dict]:
+    cmd = [sys.executable, "-m", "flows.cli", "run", str(QUICKSTART), f"storage.root={work}", "--run-name", name,
+           "sft=null", "eval.enabled=false", "rollout.sampler.grid_every=0", f"iterations={iterations}",
+           f"checkpoint_every={iterations}", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(proc.stdout[-2000:] + proc.stderr[-4000:])
+    return [json.loads((work / name / f"iter-{i:06d}" / "_SUCCESS").read_text())["metrics"] for i in range(iterations)]
+
+
+def loop_run(weights: Path, iterations: int, overrides: list[str], env: dict[str, str]) -> list[dict]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--loop", str(weights), "--iterations", str(iterations), *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(proc.stderr[-4000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def in_process(weights: str, iterations: int, overrides: list[str]) -> int:
+    """The loop side, in this process: one JSON line of per-iteration metrics."""
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    from stages.diffusion.loop import InProcessLoop
+    from stages.recipe import load_recipe
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    recipe = load_recipe(QUICKSTART, ["sft=null", *overrides])
+    loop = InProcessLoop(recipe, weights)
+    out = []
+    for i in range(iterations):
+        start = time.perf_counter()
+        m = loop.iteration(i)
+        m["time/iteration_s"] = time.perf_counter() - start
+        out.append(m)
+    print(json.dumps(out))
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3, help="iterations left out of the medians (start-up, caches)")
+    parser.add_argument("--scales", default="1,2,4", help="group-size multiples")
+    parser.add_argument("--loop", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="recipe overrides for both sides")
+    args = parser.parse_args()
+    if args.loop:
+        return in_process(args.loop, args.iterations, args.overrides)
+    sys.path.insert(0, str(REPO))
+    from stages.recipe import load_recipe
+
+    work = Path(tempfile.mkdtemp(prefix="unirl-diffusion-bench-"))
+    env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_LOGGING_LEVEL": "WARNING",
+           "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}"}
+    base = load_recipe(QUICKSTART, ["sft=null", *args.overrides]).rollout.group_size
+    # The last iteration also checkpoints and publishes: keep it out of the steady state.
+    steady = slice(args.warmup, args.iterations - 1)
+    rows = []
+    for scale in (int(s) for s in args.scales.split(",")):
+        over = [*args.overrides, f"rollout.group_size={base * scale}"]
+        flow = flow_run(work, f"x{scale}", args.iterations, over, env)
+        loop = loop_run(work / f"x{scale}" / "weights" / "v000000", args.iterations, over, env)
+        f = statistics.median(m["time/iteration_s"] for m in flow[steady])
+        lp = statistics.median(m["time/iteration_s"] for m in loop[steady])
+        staged = statistics.median(sum(m.get(f"time/{s}_s", 0.0) for s in STAGES) for m in flow[steady])
+        stages = {s: statistics.median(m.get(f"time/{s}_s", 0.0) for m in flow[steady]) for s in STAGES}
+        rows.append((scale, base * scale, f, lp, f - staged, stages))
+    print(f"{'group':>6s} {'size':>5s} {'flow s/it':>10s} {'loop s/it':>10s} {'ratio':>6s} {'flow vs 1x':>10s} "
+          f"{'loop vs 1x':>10s} {'orchestration':>13s} " + " ".join(f"{s:>9s}" for s in STAGES))
+    for scale, size, f, lp, overhead, stages in rows:
+        print(f"{scale:>5d}x {size:>5d} {f:10.2f} {lp:10.2f} {f / lp:6.2f} {f / rows[0][2]:10.2f} {lp / rows[0][3]:10.2f} "
+              f"{overhead:13.2f} " + " ".join(f"{stages[s]:9.2f}" for s in STAGES))
+    print(f"steady-state ratio flow/loop at 1x: {rows[0][2] / rows[0][3]:.3f} (target <= 1.15)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The diffusion recipe sections: the shipped recipes validate, and bad input is an error that
+names the field before any model is loaded."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stages.recipe import RecipeError, build_recipe, load_recipe
+from stages.recipe_diffusion import NFTConfig, check_diffusion_recipe
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "diffusion"
+
+
+def sd3(**sections):
+    data = {"model": {"kind": "sd3"}, "data": {"name": "geneval"}, "algorithm": {"name": "flow_grpo"},
+            "reward": {"scorers": [{"name": "geneval"}]}}
+    data.update(sections)
+    return data
+
+
+def errors(data) -> str:
+    with pytest.raises(RecipeError) as info:
+        build_recipe(data)
+    return "\n".join(info.value.errors)
+
+
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_recipes_validate_and_start_with_their_launch_command(path):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# unirl ") and str(path.relative_to(RECIPES.parents[1])) in first
+    recipe = load_recipe(path)
+    assert recipe.model.kind == "sd3"
+    check_diffusion_recipe(recipe)
+
+
+def test_window_larger_than_the_steps_is_an_error_naming_the_field():
+    msg = errors(sd3(rollout={"sampler": {"num_steps": 4, "sde_steps": {"mode": "window", "window_size": 6}}}))
+    assert "rollout.sampler.sde_steps.window_size" in msg and "larger than the 4 steps" in msg
+    msg = errors(sd3(rollout={"sampler": {"num_steps": 10, "sde_steps": {"mode": "mixgrpo", "window": [0, 0.3],
+                                                                          "window_size": 4}}}))
+    assert "window_size: 4 is larger than the 3 steps" in msg
+    msg = errors(sd3(rollout={"sampler": {"num_steps": 10, "sde_steps": {"mode": "window", "window_size": 3,
+                                                                          "num_sde_steps": 5}}}))
+    assert "num_sde_steps: 5 is more than the window's 3 steps" in msg
+
+
+def test_an_image_size_the_vae_cannot_take_is_an_error():
+    msg = errors(sd3(model={"kind": "sd3", "tiny": {"image_size": 30}}))
+    assert "model.tiny.image_size: image size 30 cannot be taken by the VAE" in msg and "multiple of 4" in msg
+    recipe = build_recipe(sd3(rollout={"sampler": {"image_size": 34}}))
+    with pytest.raises(ValueError, match="rollout.sampler.image_size: image size 34 cannot be taken"):
+        check_diffusion_recipe(recipe)
+
+
+def test_a_prompt_the_detector_cannot_parse_is_an_error():
+    msg = errors(sd3(data={"name": "geneval", "prompts": ["two red circles", "a purple hexagon"]}))
+    assert "data.prompts.1: cannot parse toy-GenEval prompt 'a purple hexagon'" in msg
+
+
+def test_nft_without_ema_is_an_error_and_with_ema_is_fine():
+    recipe = build_recipe(sd3(algorithm={"name": "nft"}))
+    with pytest.raises(ValueError, match="train.ema: algorithm `nft`"):
+        check_diffusion_recipe(recipe)
+    check_diffusion_recipe(build_recipe(sd3(algorithm={"name": "nft"}, train={"ema": {"decay": 0.9}})))
+
+
+def test_nft_ema_decay_schedule():
+    flat = NFTConfig(ema_flat_steps=2, ema_ramp=0.25)
+    assert [flat.ema_decay(k, 0.6) for k in range(6)] == [0.0, 0.0, 0.0, 0.25, 0.5, 0.6]
+    assert NFTConfig().ema_decay(0, 0.9) == 0.9

@@ -1,0 +1,170 @@
+"""The DiffusionWorker at world size 1 (gloo, in this process) on a tiny SD3: generate writes the
+latent segment, train replays it with the first ratio exactly 1, checkpoints restore, published
+weights load, NFT samples with its EMA old policy, SFT warms up the VAE, and bad input fails
+before any sampling."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from PIL import Image
+
+from stages import iteration as it
+from stages.recipe import Recipe
+from stages.run import initial_weights
+from stages.sample import read_rollouts, table_from_rows, write_shard
+from stages.sde import SigmaMismatchError
+from stages.storage import RunStorage
+
+RUN = "run"
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def recipe(root, **over) -> Recipe:
+    data = {"name": "t", "model": {"kind": "sd3", "tiny": {"image_size": 16}}, "data": {"name": "geneval"},
+            "algorithm": {"name": "flow_grpo"}, "reward": {"scorers": [{"name": "geneval", "params": {"mode": "mean"}}]},
+            "rollout": {"prompts_per_iteration": 2, "group_size": 3, "sampler": {"num_steps": 3}},
+            "train": {"micro_batch_size": 4}, "storage": {"root": str(root)}}
+    for key, value in over.items():
+        node = data
+        *path, last = key.split(".")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return Recipe.model_validate(data)
+
+
+def worker(r: Recipe, tmp_path, checkpoint=None, init=None):
+    from stages.workers.diffusion import DiffusionWorker
+
+    storage = RunStorage(r.storage.root, RUN)
+    init = init or initial_weights(storage, r)
+    spec = {"recipe": r.model_dump(mode="json"), "root": r.storage.root, "run": RUN, "init_weights": init,
+            "init_version": 0, "scratch": str(tmp_path / "scratch"), "checkpoint": checkpoint}
+    return DiffusionWorker(spec, None, torch.device("cpu")), storage
+
+
+def one_iteration(w, storage, r, i=0):
+    req = it.write_requests(storage, r, i)
+    gen = w.generate(iteration=i, requests=req["files"][0], out_dir=f"iter-{i:06d}/rollouts")
+    scored = it.score(storage, r, i, gen["files"])
+    adv = it.advantages(storage, r, i, scored["files"])
+    return gen, w.train(iteration=i, rollouts=gen["files"], advantages=adv["files"][0])
+
+
+def test_flow_grpo_generate_train_checkpoint_publish(mesh, tmp_path):
+    from stages.models.sd3 import load_sd3
+
+    r = recipe(tmp_path, **{"rollout.sampler.sde_steps": {"mode": "window", "window_size": 2, "num_sde_steps": 2}})
+    w, storage = worker(r, tmp_path)
+    gen, trained = one_iteration(w, storage, r)
+    table = read_rollouts(storage, gen["files"])
+    assert table.num_rows == 6 and gen["sde_steps"] == 2
+    row = table.slice(0, 1).to_pylist()[0]
+    assert row["parts"] == ["latent"] and len(row["sigmas"]) == 4 and len(row["sde_logprobs"]) == 2
+    n, c, h, wd = row["latent_shape"]
+    assert (c, h, wd) == (4, 16, 16) and n == 3 and len(row["latents"]) == n * c * h * wd  # x_i, x_i+1, x_i+2 of steps i, i+1 ... or x_T
+    assert Image.open(io.BytesIO(row["media_png"])).size == (16, 16)
+    m = trained["metrics"]
+    assert m["ratio_min"] == m["ratio_max"] == 1.0 and m["approx_kl"] == 0.0 and np.isfinite(m["grad_norm"])
+    assert trained["policy_version"] == w.version == 1
+    w.save()
+    published = w.publish()
+    folder = storage.local_path(published["path"])
+    mine = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in w.model.state_dict().items()}
+    loaded = load_sd3(folder).transformer.state_dict()
+    assert all(torch.equal(loaded[k], mine[k]) for k in loaded)
+    again, _ = worker(r, tmp_path, checkpoint=1)
+    assert again.version == 1 and again.opt_steps == 1
+    for (name, p), q in zip(w.model.named_parameters(), again.model.parameters()):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), name
+    # the same iteration sampled again gives the same images (seeded per sample, not per batch)
+    gen2 = again.generate(iteration=0, requests="iter-000000/requests.arrow", out_dir="again")
+    assert read_rollouts(storage, gen2["files"]).column("noise_seed").to_pylist() == table.column("noise_seed").to_pylist()
+
+
+def test_lora_kl_and_updates_per_batch(mesh, tmp_path):
+    r = recipe(tmp_path, **{"model.lora": {"rank": 4, "alpha": 8}, "algorithm.kl_coef": 0.1, "train.micro_batch_size": 3,
+                            "train.updates_per_batch": 2})
+    w, storage = worker(r, tmp_path)
+    _, trained = one_iteration(w, storage, r)
+    m = trained["metrics"]
+    assert m["kl"] >= 0 and trained["policy_version"] == 1 and np.isfinite(m["grad_norm"])
+    folder = storage.local_path(w.publish()["path"])
+    assert (folder / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+    from safetensors.torch import load_file
+
+    keys = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert not any("lora" in k for k in keys), "LoRA is merged into the published transformer"
+
+
+def test_nft_samples_with_the_ema_old_policy(mesh, tmp_path):
+    r = recipe(tmp_path, **{"algorithm": {"name": "nft", "timesteps": 2}, "train.ema": {"decay": 0.5},
+                            "reward.scorers": [{"name": "brightness"}]})  # varies even on a random model
+    w, storage = worker(r, tmp_path)
+    gen, trained = one_iteration(w, storage, r)
+    assert read_rollouts(storage, gen["files"]).slice(0, 1).to_pylist()[0]["latent_shape"][0] == 1  # x_T only
+    assert {"pos_mse", "neg_mse", "p_mean"} <= set(trained["metrics"])
+    for name, p in w.model.named_parameters():
+        if name in w.ema.shadow and not torch.equal(p.full_tensor(), w.ema.shadow[name].full_tensor()):
+            break
+    else:
+        pytest.fail("after a step with decay 0.5 the EMA old policy must differ from the policy")
+
+
+def test_bad_prompt_and_sigma_mismatch_fail_before_compute(mesh, tmp_path):
+    r = recipe(tmp_path)
+    w, storage = worker(r, tmp_path)
+    rows = [{"group_id": "g0", "prompt": "a purple hexagon", "metadata": {}, "group_size": 2, "iteration": 0}]
+    write_shard(storage, "bad.arrow", table_from_rows(rows, "requests"))
+    with pytest.raises(ValueError, match="sample 'g0/0': the geneval scorer cannot score this prompt"):
+        w.generate(iteration=0, requests="bad.arrow", out_dir="bad")
+    gen, _ = one_iteration(w, storage, r)
+    shifted = recipe(tmp_path, **{"rollout.sampler.shift": 1.0})
+    w2, _ = worker(shifted, tmp_path)
+    with pytest.raises(SigmaMismatchError, match="sigma schedule mismatch at index 1"):
+        w2.train(iteration=0, rollouts=gen["files"], advantages="iter-000000/advantages.arrow")
+
+
+def test_sft_warms_up_the_vae_then_flow_matching(mesh, tmp_path):
+    from stages.diffusion.sft import geneval_records
+
+    from stages.run import materialize_model
+    from stages.workers.checkpoint import write_weights_dir
+
+    r = recipe(tmp_path, **{"model.vae_warmup": {"steps": 3, "batch_size": 4}})
+    storage = RunStorage(r.storage.root, RUN)
+    write_weights_dir(storage, materialize_model(r, tmp_path / "base"), "sft/base", {"version": 0})
+    w, _ = worker(r, tmp_path, init="sft/base")  # as flows/sft.py: the SFT publishes v000000
+    write_shard(storage, "sft.arrow", table_from_rows(geneval_records(8, seed=0, image_size=16), "sft"))
+    first = w.sft(data="sft.arrow", steps=2, batch_size=4, lr=1e-3, seed=0, start_step=0)
+    assert first["steps"] == 2 and np.isfinite(first["loss"]) and "vae_loss" in first
+    second = w.sft(data="sft.arrow", steps=1, batch_size=4, lr=1e-3, seed=0, start_step=2)
+    assert second["steps"] == 3 and "vae_loss" not in second
+    folder = storage.local_path(w.publish()["path"])
+    vae = json.loads((folder / "vae" / "config.json").read_text())
+    assert vae["scaling_factor"] == pytest.approx(first["vae_scaling_factor"])
+    from stages.models.sd3 import load_sd3
+
+    published = load_sd3(folder).transformer.state_dict()
+    for name, shadow in w.ema.shadow.items():  # SFT publishes the EMA of its weights
+        assert torch.equal(published[name], shadow.full_tensor()), name
+    assert not all(torch.equal(published[n], p.full_tensor()) for n, p in w.model.named_parameters())
