@@ -28,8 +28,8 @@ from stages.diffusion.trajectory import LatentBatch, latent_rows, read_latents
 from stages.recipe import Recipe
 from stages.sample import join_on_sample_id, read_rollouts, read_shard, table_from_rows, write_shard
 from stages.sde import SigmaMismatchError, check_sigmas, initial_noise
-from stages.storage import RunStorage, join
-from stages.workers import checkpoint
+from stages.storage import join
+from stages.workers.base import WorkerBase
 from stages.workers.ar_train import EMA, lr_factor
 
 METRIC_KEYS = ("loss", "clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean", "ratio_min",
@@ -45,22 +45,16 @@ def shard_transformer(transformer: torch.nn.Module, mesh: Any) -> torch.nn.Modul
     return transformer
 
 
-class DiffusionWorker:
+class DiffusionWorker(WorkerBase):
     def __init__(self, spec: dict[str, Any], mesh: Any, device: torch.device):
         from stages.models.sd3 import SD3_LORA_TARGETS, add_lora, check_image_size, load_sd3
         from stages.recipe_diffusion import check_diffusion_recipe
 
-        self.recipe = Recipe.model_validate(spec["recipe"])
-        check_diffusion_recipe(self.recipe)
+        check_diffusion_recipe(Recipe.model_validate(spec["recipe"]))
         # Policy-gradient steps make many tiny gradients; Adam's squared averages of those turn
         # denormal and slow every CPU kernel that touches them (10x after a few dozen steps).
         torch.set_flush_denormal(True)
-        self.storage = RunStorage(spec["root"], spec["run"], spec.get("options"))
-        self.mesh, self.device = mesh, device
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.scratch = Path(spec["scratch"]) / f"rank{self.rank}"
-        self.scratch.mkdir(parents=True, exist_ok=True)
-        self.base_dir = self._local_weights(spec["init_weights"])
+        super().__init__(spec, mesh, device)
         m, t = self.recipe.model, self.recipe.train
         dtype = getattr(torch, m.dtype)
         self.bundle = load_sd3(self.base_dir, dtype=dtype, device=device)
@@ -78,30 +72,10 @@ class DiffusionWorker:
         self.model = shard_transformer(self.bundle.transformer, mesh)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
-        self.opt_steps = 0
         self.ema = EMA(self.model, t.ema.decay) if t.ema else None
-        self.version = int(spec["init_version"])
-        if spec.get("checkpoint") is not None:
-            self.version = checkpoint.load(self, int(spec["checkpoint"]))
-
-    def _local_weights(self, rel: str) -> Path:
-        if self.storage.local:
-            return self.storage.local_path(rel)
-        return self.storage.get_dir(rel, self.scratch / "init_weights")
+        self.restore(spec)
 
     # -- commands ---------------------------------------------------------------------------
-    def execute(self, cmd: str, args: dict[str, Any]) -> dict[str, Any]:
-        handler = {
-            "ping": self.ping, "generate": self.generate, "train": self.train, "sft": self.sft,
-            "save": self.save, "publish": self.publish,
-        }.get(cmd)
-        if handler is None:
-            raise ValueError(f"unknown worker command {cmd!r}")
-        return handler(**args)
-
-    def ping(self) -> dict[str, Any]:
-        return {"version": self.version, "world_size": self.world}
-
     @property
     def latent_shape(self) -> tuple[int, int, int]:
         from stages.models.sd3 import latent_shape
@@ -274,9 +248,10 @@ class DiffusionWorker:
             raise ValueError(f"train.updates_per_batch: {updates} updates need at least as many micro-batches per rank, "
                              f"this batch has {count}; lower it or train.micro_batch_size")
         bounds = [round(k * count / updates) for k in range(updates + 1)]
-        template = batches[0] if batches else None
-        template = self._shared_template(template)
+        template = self._shared_template(batches[0] if batches else None)
+
         def get(j: int) -> tuple[LatentBatch, torch.Tensor, float]:
+            """Micro-batch j of this rank, its advantages and weight (0 for a stand-in)."""
             if j < len(batches):
                 return batches[j], advs[j], 1.0
             return self._stand_in(template), torch.zeros(1, device=self.device), 0.0
@@ -442,19 +417,7 @@ class DiffusionWorker:
         return {"loss": float(np.mean(losses)), "last_loss": losses[-1], "steps": start_step + steps,
                 "seconds": time.perf_counter() - start, **info}
 
-    # -- persistence ------------------------------------------------------------------------
-    def save(self) -> dict[str, Any]:
-        return checkpoint.save(self)
-
-    def publish(self) -> dict[str, Any]:
-        return checkpoint.publish(self)
-
-    def extra_state(self) -> dict[str, Any]:
-        return {"opt_steps": self.opt_steps}
-
-    def load_extra_state(self, extra: dict[str, Any]) -> None:
-        self.opt_steps = int(extra.get("opt_steps", 0))
-
+    # -- publication ------------------------------------------------------------------------
     def export(self, local: Path, full_state: dict[str, torch.Tensor]) -> None:
         """A diffusers SD3 folder: the base's encoders and scheduler, this worker's VAE and the
         transformer (LoRA merged), loadable as `model.path` of the next recipe."""

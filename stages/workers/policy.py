@@ -16,11 +16,10 @@ import torch
 import torch.distributed as dist
 
 from stages.algorithms import kl
-from stages.recipe import Recipe
 from stages.sample import join_on_sample_id, read_rollouts, read_shard, table_from_rows, write_shard
-from stages.storage import RunStorage, join
+from stages.storage import join
 from stages.models.tokenizer import encode_prompt, uses_chat_template
-from stages.workers import checkpoint
+from stages.workers.base import WorkerBase
 from stages.workers.ar_train import EMA, lr_factor, policy_loss, sequence_level, token_batch, token_logp
 from stages.workers.sampling import derive_seed, sample
 
@@ -62,15 +61,9 @@ def add_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
     return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=0.0))
 
 
-class PolicyWorker:
+class PolicyWorker(WorkerBase):
     def __init__(self, spec: dict[str, Any], mesh: Any, device: torch.device):
-        self.recipe = Recipe.model_validate(spec["recipe"])
-        self.storage = RunStorage(spec["root"], spec["run"], spec.get("options"))
-        self.mesh, self.device = mesh, device
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.scratch = Path(spec["scratch"]) / f"rank{self.rank}"
-        self.scratch.mkdir(parents=True, exist_ok=True)
-        self.base_dir = self._local_weights(spec["init_weights"])
+        super().__init__(spec, mesh, device)
         from stages.models import load_qwen3
 
         m = self.recipe.model
@@ -87,35 +80,15 @@ class PolicyWorker:
         t = self.recipe.train
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
-        self.opt_steps = 0
         self.ema = EMA(self.model, t.ema.decay) if t.ema else None
         self.use_chat = uses_chat_template(self.tokenizer, m.chat_template)
-        self.version = int(spec["init_version"])
-        if spec.get("checkpoint") is not None:
-            self.version = checkpoint.load(self, int(spec["checkpoint"]))
-
-    def _local_weights(self, rel: str) -> Path:
-        if self.storage.local:
-            return self.storage.local_path(rel)
-        return self.storage.get_dir(rel, self.scratch / "init_weights")
+        self.restore(spec)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a prompt, through the chat template when the recipe/tokenizer uses one."""
         return encode_prompt(self.tokenizer, text, self.use_chat)
 
     # -- commands ---------------------------------------------------------------------------
-    def execute(self, cmd: str, args: dict[str, Any]) -> dict[str, Any]:
-        handler = {
-            "ping": self.ping, "generate": self.generate, "train": self.train, "sft": self.sft,
-            "save": self.save, "publish": self.publish,
-        }.get(cmd)
-        if handler is None:
-            raise ValueError(f"unknown worker command {cmd!r}")
-        return handler(**args)
-
-    def ping(self) -> dict[str, Any]:
-        return {"version": self.version, "world_size": self.world}
-
     def generate(
         self, iteration: int, requests: str, out_dir: str, greedy: bool = False, seed_tag: str = "", use_ema: bool = False
     ) -> dict[str, Any]:
@@ -355,20 +328,7 @@ class PolicyWorker:
             losses.append(float(total))
         return {"loss": float(np.mean(losses)), "last_loss": losses[-1], "steps": start_step + steps, "seconds": time.perf_counter() - start}
 
-    # -- persistence ------------------------------------------------------------------------
-    def save(self) -> dict[str, Any]:
-        return checkpoint.save(self)
-
-    def publish(self) -> dict[str, Any]:
-        return checkpoint.publish(self)
-
-    def extra_state(self) -> dict[str, Any]:
-        """Checkpointed besides model and optimizer tensors: the schedule's position."""
-        return {"opt_steps": self.opt_steps}
-
-    def load_extra_state(self, extra: dict[str, Any]) -> None:
-        self.opt_steps = int(extra.get("opt_steps", 0))
-
+    # -- publication ------------------------------------------------------------------------
     def export(self, local: Path, full_state: dict[str, torch.Tensor]) -> None:
         """A Hugging Face model folder (model.safetensors, config, tokenizer) from the full state;
         LoRA adapters are merged, so the folder is a plain `model.path` for the next recipe.
