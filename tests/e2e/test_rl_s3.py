@@ -35,10 +35,10 @@ def test_run_on_s3(tmp_path, unirl_env, s3_server):
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
     }
     fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": s3_server})
-    fs.mkdir("unirl-runs")
-    args = ["run", str(TINY), "iterations=2", "storage.root=s3://unirl-runs/team", SIGNAL]
+    fs.mkdir("unirl-ar-runs")
+    args = ["run", str(TINY), "iterations=2", "storage.root=s3://unirl-ar-runs/team", SIGNAL]
     run_unirl(args, env)
-    base = "unirl-runs/team/tiny"
+    base = "unirl-ar-runs/team/tiny"
     for i in range(2):
         for name in STAGE_FILES:
             assert fs.exists(f"{base}/iter-{i:06d}/{name}"), name
@@ -49,6 +49,6 @@ def test_run_on_s3(tmp_path, unirl_env, s3_server):
     assert fs.exists(f"{base}/weights/v000002/model.safetensors")
     assert not (REPO / "s3:").exists(), "an s3:// path was written to local disk"
     # Resume on s3: a third iteration starts from the checkpoint in the bucket.
-    out = run_unirl(["run", str(TINY), "iterations=3", "storage.root=s3://unirl-runs/team", SIGNAL], env)
+    out = run_unirl(["run", str(TINY), "iterations=3", "storage.root=s3://unirl-ar-runs/team", SIGNAL], env)
     assert "iter-000002 (3/3)" in out.stdout and "iter-000000 (1/3)" not in out.stdout
     assert fs.exists(f"{base}/iter-000002/_SUCCESS")
