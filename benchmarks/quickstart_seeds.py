@@ -1,8 +1,13 @@
-"""The quickstart (SFT then GRPO) for several seeds: wall time and held-out accuracy after SFT and
-after RL, per seed. A seed changes the model initialisation, the SFT example order and the
-sampling; the held-out prompts stay fixed.
+"""A quickstart (SFT then RL) for several seeds: wall time and the held-out score after SFT and
+after RL, per seed, read from the run's own evaluations (`eval/<version>/metrics.json`). A seed
+changes the model initialisation, the SFT example order and the sampling; the held-out prompts
+stay fixed.
 
-    python benchmarks/quickstart_seeds.py --seeds 0 1 2
+    python benchmarks/quickstart_seeds.py --seeds 0 1 2                      # AR: exact match
+    python benchmarks/quickstart_seeds.py --recipe recipes/diffusion/quickstart.yaml   # toy-GenEval strict
+
+`acc` is the greedy score (AR: greedy decoding; diffusion: the deterministic ODE sampler),
+`avg@k` the mean over k sampled answers or images per prompt.
 """
 from __future__ import annotations
 

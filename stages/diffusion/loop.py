@@ -20,6 +20,7 @@ from stages.diffusion.model import PromptCache, bind
 from stages.diffusion.sampling import derive_seed, make_plan, sample, stored_steps
 from stages.diffusion.trajectory import LatentBatch
 from stages.sde import initial_noise
+from stages.workers.ar_train import lr_factor
 
 
 class InProcessLoop:
@@ -36,6 +37,11 @@ class InProcessLoop:
         if m.lora is not None:
             add_lora(self.bundle, rank=m.lora.rank, alpha=m.lora.alpha, target_modules=m.lora.target_modules or SD3_LORA_TARGETS)
         self.model = self.bundle.transformer
+        self.reference = None
+        if getattr(recipe.algorithm, "kl_coef", 0.0) > 0 and m.lora is None:  # frozen initial weights
+            import copy
+
+            self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
         self.ema = EMA(self.model, t.ema.decay) if t.ema else None
@@ -141,12 +147,12 @@ class InProcessLoop:
                                        iteration=iteration, update=k)
                 else:
                     ref = None
-                    if getattr(algo, "kl_coef", 0) > 0:
+                    if self.reference is not None:
+                        ref = bind(self.bundle, self.prompts(b.prompts, r.sampler), r.sampler.guidance_scale, self.reference)
+                    elif getattr(algo, "kl_coef", 0) > 0:
                         from stages.models.sd3 import reference_policy
 
-                        inner = velocity
-
-                        def ref(x, s, _v=inner):
+                        def ref(x, s, _v=velocity):
                             with reference_policy(self.bundle):
                                 return _v(x, s)
 
@@ -155,6 +161,10 @@ class InProcessLoop:
                 for key, value in m.items():
                     metrics[key] = metrics.get(key, 0.0) + value * n / len(samples)
             torch.nn.utils.clip_grad_norm_(self.trainable, t.max_grad_norm)
+            factor = lr_factor(self.opt_steps, schedule=t.lr_schedule, warmup=t.warmup_steps,
+                               total=self.recipe.iterations * updates, min_ratio=t.min_lr_ratio)
+            for group in self.optimizer.param_groups:
+                group["lr"] = t.lr * factor
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if self.ema is not None:

@@ -52,7 +52,7 @@ class DiffusionWorker(WorkerBase):
 
         check_diffusion_recipe(Recipe.model_validate(spec["recipe"]))
         # Policy-gradient steps make many tiny gradients; Adam's squared averages of those turn
-        # denormal and slow every CPU kernel that touches them (10x after a few dozen steps).
+        # denormal, and CPU kernels that touch denormals run many times slower.
         torch.set_flush_denormal(True)
         super().__init__(spec, mesh, device)
         m, t = self.recipe.model, self.recipe.train

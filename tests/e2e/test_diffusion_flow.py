@@ -84,3 +84,18 @@ def test_on_s3(tmp_path, unirl_env):
         assert not (REPO / "s3:").exists()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("recipe", ["nft.yaml", "flow_dppo.yaml"])
+def test_world_size_two_with_uneven_micro_batches(tmp_path, unirl_env, recipe):
+    """9 samples on 2 ranks with micro-batches of 4: rank 0 has 2 micro-batches, rank 1 one, and
+    takes part in the other's collectives with a stand-in (NFT: EMA old policy; DPPO: 2 updates)."""
+    path = REPO / "recipes" / "diffusion" / recipe
+    run_unirl(["run", str(path), f"storage.root={tmp_path}", "iterations=2", "train.nproc=2", "rollout.prompts_per_iteration=3",
+               "rollout.group_size=3", "rollout.sampler.num_steps=3", "train.micro_batch_size=4", "checkpoint_every=1",
+               "eval.enabled=false"], unirl_env)
+    name = path.stem.replace("_", "-")
+    run = tmp_path / f"diffusion-{name}"
+    train = json.loads((run / "iter-000001" / "train.json").read_text())["metrics"]
+    assert train["samples"] == 9 and train["skipped_steps"] == 0
+    assert json.loads((run / "checkpoints" / "000002" / "_COMMITTED").read_text())["version"] == 2

@@ -1,6 +1,6 @@
 """One micro-batch of a diffusion update on hand-made velocity models: gradient accumulation
 across timesteps and micro-batches equals the loss over the whole batch, the on-policy check,
-Flow-DPPO's frozen old means, NFT against its closed form, the EMA and LoRA merging."""
+Flow-DPPO's frozen old means, NFT against its closed form, and LoRA merging."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,6 @@ import torch
 
 from stages.algorithms import flow_grpo_loss, nft_loss
 from stages.diffusion import losses as L
-from stages.diffusion.ema import ema_update
 from stages.diffusion.export import merge_lora
 from stages.diffusion.sampling import make_plan, replay_step, sample, sample_noise, stored_steps
 from stages.diffusion.trajectory import LatentBatch
@@ -115,15 +114,6 @@ def test_nft_backward_is_the_mean_of_nft_loss_over_draws():
     assert set(t0.tolist()) <= set(batch.plan.sigmas[batch.plan.sigmas > 0].tolist())
     again = L.nft_points(batch, seed=5, iteration=2, update=0, draws=3)
     assert all(torch.equal(a[1], b[1]) for a, b in zip(points, again))
-
-
-def test_ema_update_and_decay_zero_copies():
-    policy, old = Linear(0), Linear(1)
-    before = old.w.detach().clone()
-    ema_update(policy, old, 0.75)
-    torch.testing.assert_close(old.w, 0.75 * before + 0.25 * policy.w, atol=1e-7, rtol=0)
-    ema_update(policy, old, 0.0)
-    assert torch.equal(old.w, policy.w)
 
 
 def test_merge_lora_folds_the_update_into_the_base_weight():

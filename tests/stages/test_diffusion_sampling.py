@@ -116,3 +116,29 @@ def test_sampling_noise_follows_the_kernel(bundle):
     expected = sde_step("flow", x, v, plan.sigmas[0].expand(1), plan.sigmas[1].expand(1), eta=0.7, sigma_max=plan.sigma_max,
                         generator=torch.Generator().manual_seed(21))
     torch.testing.assert_close(traj.latents[:, 1], expected.prev_sample, atol=1e-6, rtol=0)
+
+
+def test_trajectory_round_trips_through_a_shard_and_bad_rows_are_named(tmp_path):
+    from stages.diffusion.trajectory import latent_rows, read_latents
+    from stages.sample import ShardSchemaError, read_shard, table_from_rows, write_shard
+    from stages.storage import RunStorage
+
+    s = sampler(num_steps=4, sde_steps={"mode": "window", "window_size": 2, "num_sde_steps": 2})
+    plan = make_plan(s, seed=0, iteration=2, latent_tokens=4)
+    store = stored_steps(plan.sde_indices.tolist(), 4)
+    lat = torch.randn(3, len(store), 2, 4, 4)
+    lp = torch.randn(3, 2)
+    rows = [{"sample_id": f"g/{i}", "group_id": "g", "iteration": 2, "policy_version": 0, "parts": ["latent"],
+             "metadata": {}, "prompt": "a red circle", "noise_seed": 7, "media_png": b"", **seg}
+            for i, seg in enumerate(latent_rows(lat, lp, plan))]
+    storage = RunStorage(str(tmp_path), "run")
+    write_shard(storage, "r.arrow", table_from_rows(rows, "rollouts", ["latent"]))
+    batch = read_latents(read_shard(storage, "r.arrow", "rollouts"), [0, 2], kind="flow", eta=0.7, where="r.arrow")
+    assert batch.stored == store and batch.sample_ids == ["g/0", "g/2"]
+    assert torch.equal(batch.latents, lat[[0, 2]]) and torch.equal(batch.logprobs, lp[[0, 2]])
+    assert torch.equal(batch.plan.sigmas, plan.sigmas) and torch.equal(batch.plan.sde_indices, plan.sde_indices)
+    assert torch.equal(batch.at(store[1]), lat[[0, 2], 1])
+    rows[1]["sigmas"] = [1.0, 0.5, 0.4, 0.2, 0.0]
+    write_shard(storage, "bad.arrow", table_from_rows(rows, "rollouts", ["latent"]))
+    with pytest.raises(ShardSchemaError, match="sample 'g/1': column 'sigmas' differs"):
+        read_latents(read_shard(storage, "bad.arrow", "rollouts"), [0, 1], kind="flow", eta=0.7, where="bad.arrow")

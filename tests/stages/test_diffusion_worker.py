@@ -168,3 +168,22 @@ def test_sft_warms_up_the_vae_then_flow_matching(mesh, tmp_path):
     for name, shadow in w.ema.shadow.items():  # SFT publishes the EMA of its weights
         assert torch.equal(published[name], shadow.full_tensor()), name
     assert not all(torch.equal(published[n], p.full_tensor()) for n, p in w.model.named_parameters())
+
+
+def test_in_process_loop_does_the_same_math_as_the_worker(mesh, tmp_path):
+    """The benchmark's floor (stages.diffusion.loop) samples the same images and takes the same step."""
+    from stages.diffusion.loop import InProcessLoop
+
+    r = recipe(tmp_path, **{"reward.scorers": [{"name": "brightness"}], "rollout.sampler.sde_steps": {"mode": "window",
+                            "window_size": 2, "num_sde_steps": 1}})
+    w, storage = worker(r, tmp_path)
+    gen, trained = one_iteration(w, storage, r)
+    loop = InProcessLoop(r, str(storage.local_path("weights/v000000")))
+    metrics = loop.iteration(0)
+    table = read_rollouts(storage, gen["files"])
+    rewards = it.read_shard(storage, "iter-000000/rewards.arrow", "rewards").column("reward").to_numpy()
+    assert metrics["rollout/reward_mean"] == pytest.approx(float(rewards.mean()), abs=1e-12)
+    assert metrics["train/loss"] == pytest.approx(trained["metrics"]["loss"], abs=1e-6)
+    for (name, p), q in zip(w.model.named_parameters(), loop.model.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), atol=1e-6, rtol=1e-5, msg=name)
+    assert table.num_rows == 6
