@@ -251,7 +251,14 @@ def check_diffusion_recipe(recipe: Any) -> None:
             "train.ema: algorithm `nft` samples with and regresses against an EMA old policy; set "
             "`train: {ema: {decay: 0.9}}` (see recipes/diffusion/nft.yaml)"
         )
-    size = recipe.rollout.sampler.image_size
+    sampler = recipe.rollout.sampler
+    if sampler.init_same_noise and (sampler.eta == 0 or sampler.sde_kind == "ode") and recipe.rollout.group_size > 1:
+        raise ValueError(
+            "rollout.sampler.init_same_noise: with deterministic sampling (eta 0 or sde_kind ode) one initial "
+            "noise per group makes every image of a group the same, so no group carries a signal; set "
+            "`init_same_noise: false`"
+        )
+    size = sampler.image_size
     if size is not None and not recipe.model.path:
         tiny = recipe.model.tiny
         check_image_side("rollout.sampler.image_size", size, tiny.vae_factor, tiny.patch_size)

@@ -104,7 +104,8 @@ class PolicyWorker(WorkerBase):
         samples.sort(key=lambda s: s[0])
         mine = samples[self.rank::self.world]
         r = self.recipe.rollout
-        prompt_ids = [self.encode_prompt(p) for _, _, p, _ in mine]
+        encoded = {p: self.encode_prompt(p) for p in {p for _, _, p, _ in mine}}  # once per prompt, not per sample
+        prompt_ids = [encoded[p] for _, _, p, _ in mine]
         seeds = [derive_seed(self.recipe.seed, seed_tag, iteration, sid) for sid, _, _, _ in mine]
         self.model.eval()
         with self.ema_weights() if use_ema else nullcontext():

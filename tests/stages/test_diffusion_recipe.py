@@ -69,3 +69,12 @@ def test_nft_ema_decay_schedule():
     flat = NFTConfig(ema_flat_steps=2, ema_ramp=0.25)
     assert [flat.ema_decay(k, 0.6) for k in range(6)] == [0.0, 0.0, 0.0, 0.25, 0.5, 0.6]
     assert NFTConfig().ema_decay(0, 0.9) == 0.9
+
+
+def test_deterministic_sampling_with_one_noise_per_group_is_an_error():
+    """eta 0 (or the ODE kernel) and one initial noise per group: every image of a group is the
+    same, every advantage 0, and the run would train on nothing."""
+    for sampler in ({"eta": 0.0}, {"sde_kind": "ode"}):
+        with pytest.raises(ValueError, match="rollout.sampler.init_same_noise: with deterministic sampling"):
+            check_diffusion_recipe(build_recipe(sd3(rollout={"sampler": sampler})))
+        check_diffusion_recipe(build_recipe(sd3(rollout={"sampler": {**sampler, "init_same_noise": False}})))
