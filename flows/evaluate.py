@@ -12,6 +12,7 @@ from stages.recipe import Recipe
 from stages.run import open_run
 from stages.tracking import Tracker
 from stages.workers.group import close_group
+from tasks.common import staged
 from tasks.evaluate import evaluate
 
 
@@ -31,7 +32,7 @@ def evaluate_run(recipe: Recipe, run_name: str = "", version: int | None = None)
     if version is None:
         version = storage.last_success() + 1
     try:
-        result = evaluate(recipe, run_name, version)
+        result = staged(evaluate)(recipe, run_name, version)
     finally:
         close_group(storage.url())
     if result.get("fresh"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Optional
 
-from prefect import flow, get_run_logger, tags
+from prefect import flow, get_run_logger
 from prefect.settings import temporary_settings
 from pydantic import Field
 
@@ -24,6 +24,7 @@ from stages.workers.group import close_group
 from flows.evaluate import eval_artifact
 from flows.sft import run_sft
 from tasks.advantage import advantage
+from tasks.common import run_tags, staged
 from tasks.evaluate import evaluate
 from tasks.generate import generate
 from tasks.score import score
@@ -36,20 +37,21 @@ STAGES = ("generate", "score", "advantage", "train", "sync")
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
 def rl_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any]:
     start = time.perf_counter()
-    gen = generate(recipe, run_name, iteration)
-    scored = score(recipe, run_name, iteration, gen["files"])
+    generate_, score_, advantage_, train_, sync_ = (staged(t) for t in (generate, score, advantage, train, sync))
+    gen = generate_(recipe, run_name, iteration)
+    scored = score_(recipe, run_name, iteration, gen["files"])
     rollouts, rewards, informative = list(gen["files"]), list(scored["files"]), scored["informative_groups"]
     ds = recipe.rollout.dynamic_sampling
     while ds is not None and informative < recipe.rollout.prompts_per_iteration and len(rewards) < ds.max_rounds:
         r = len(rewards)  # DAPO: refill with fresh prompts while too many groups carry no signal
-        more = generate(recipe, run_name, iteration, round_index=r)
-        more_scored = score(recipe, run_name, iteration, more["files"], round_index=r)
+        more = generate_(recipe, run_name, iteration, round_index=r)
+        more_scored = score_(recipe, run_name, iteration, more["files"], round_index=r)
         rollouts += more["files"]
         rewards += more_scored["files"]
         informative += more_scored["informative_groups"]
-    adv = advantage(recipe, run_name, iteration, rewards)
-    trained = train(recipe, run_name, iteration, rollouts, adv["files"][0])
-    synced = sync(recipe, run_name, iteration)
+    adv = advantage_(recipe, run_name, iteration, rewards)
+    trained = train_(recipe, run_name, iteration, rollouts, adv["files"][0])
+    synced = sync_(recipe, run_name, iteration)
     metrics: dict[str, float] = {}
     metrics.update(scored["metrics"])
     metrics.update(adv["metrics"])
@@ -107,8 +109,8 @@ def rl_train(
     artifacts.start(first)
     evals: dict[int, dict[str, float]] = {}
     try:
-        with tags("unirl", f"recipe:{recipe.name}", f"run:{run_name}"):
-            if recipe.eval.enabled and recipe.model.kind == "qwen3":
+        with run_tags(recipe, run_name):
+            if recipe.eval.enabled:
                 evals[0] = held_out(recipe, run_name, 0, tracker, "before RL")
             for i in range(first, recipe.iterations):
                 # The run's own flow run keeps the heartbeat; one per iteration would cost up to a
@@ -116,9 +118,8 @@ def rl_train(
                 with temporary_settings(updates={"flows.heartbeat_frequency": None}):
                     summary = rl_iteration(recipe, run_name, i)
                 version = i + 1
-                if recipe.model.kind == "qwen3" and (
-                    (recipe.eval.every and version % recipe.eval.every == 0)
-                    or (recipe.eval.enabled and version == recipe.iterations)
+                if (recipe.eval.every and version % recipe.eval.every == 0) or (
+                    recipe.eval.enabled and version == recipe.iterations
                 ):
                     evals[version] = held_out(recipe, run_name, version, tracker, "after RL" if version == recipe.iterations else "")
                 tracker.log_metrics(i, summary["metrics"])
@@ -139,7 +140,7 @@ def rl_train(
 
 def held_out(recipe: Recipe, run_name: str, version: int, tracker: Tracker, label: str) -> dict[str, float]:
     """Evaluate policy `version` on the held-out split, print it, and publish a table artifact."""
-    result = evaluate(recipe, run_name, version)
+    result = staged(evaluate)(recipe, run_name, version)
     m = result["metrics"]
     if result.get("fresh"):
         tracker.log_metrics(version, m, dedupe=False)

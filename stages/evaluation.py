@@ -7,9 +7,10 @@ from typing import Any
 import numpy as np
 
 from stages.data import build_prompt_source
+from stages.iteration import score_batch
 from stages.recipe import Recipe
-from stages.rewards.base import ScoreBatch, build_scorer, run_scorer
-from stages.sample import metadata, read_rollouts, table_from_rows, write_shard
+from stages.rewards.base import build_scorer, run_scorer
+from stages.sample import read_rollouts, table_from_rows, write_shard
 from stages.storage import RunStorage, join
 
 
@@ -31,12 +32,7 @@ def write_eval_requests(storage: RunStorage, recipe: Recipe, version: int, group
 def correctness(storage: RunStorage, recipe: Recipe, rollouts: list[str]) -> tuple[list[str], np.ndarray]:
     """(group ids, 0/1 correctness) of every sample in `rollouts`."""
     table = read_rollouts(storage, rollouts)
-    batch = ScoreBatch(
-        sample_ids=table.column("sample_id").to_pylist(), prompts=table.column("prompt").to_pylist(),
-        texts=table.column("text").to_pylist(), metadata=metadata(table),
-        finish_reasons=table.column("finish_reason").to_pylist(),
-    )
-    scores = run_scorer(build_scorer(recipe.eval.scorer), batch).scores
+    scores = run_scorer(build_scorer(recipe.eval.scorer), score_batch(table)).scores
     return table.column("group_id").to_pylist(), (scores >= 1.0).astype(np.float64)
 
 

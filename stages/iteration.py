@@ -61,14 +61,10 @@ def write_requests(storage: RunStorage, recipe: Recipe, iteration: int, round_in
     return {"files": [rel], "rows": len(rows)}
 
 
-def score(
-    storage: RunStorage, recipe: Recipe, iteration: int, rollouts: list[str],
-    scorers: dict[str, Any] | None = None, round_index: int = 0,
-) -> dict[str, Any]:
-    """Score every rollout with the recipe's scorers; write rewards.arrow with components."""
-    table = read_rollouts(storage, rollouts)
+def score_batch(table: Any) -> ScoreBatch:
+    """What scorers see of a rollouts table: texts (AR) or decoded PNG images (diffusion)."""
     names = table.schema.names
-    batch = ScoreBatch(
+    return ScoreBatch(
         sample_ids=table.column("sample_id").to_pylist(),
         prompts=table.column("prompt").to_pylist(),
         texts=table.column("text").to_pylist() if "text" in names else None,
@@ -76,6 +72,16 @@ def score(
         metadata=metadata(table),
         finish_reasons=table.column("finish_reason").to_pylist() if "finish_reason" in names else None,
     )
+
+
+def score(
+    storage: RunStorage, recipe: Recipe, iteration: int, rollouts: list[str],
+    scorers: dict[str, Any] | None = None, round_index: int = 0,
+) -> dict[str, Any]:
+    """Score every rollout with the recipe's scorers; write rewards.arrow with components."""
+    table = read_rollouts(storage, rollouts)
+    names = table.schema.names
+    batch = score_batch(table)
     results, weights = {}, {}
     for spec in recipe.reward.scorers:
         scorer = (scorers or {}).get(spec.name) or build_scorer(spec.name, **spec.params)

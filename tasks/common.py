@@ -1,11 +1,44 @@
 """What the tasks share: the run's storage and the process-wide worker group of a run."""
 from __future__ import annotations
 
-from prefect import get_run_logger
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, TypeVar
+
+from prefect import get_run_logger, tags
+from prefect.settings import get_current_settings
 
 from stages.recipe import Recipe
 from stages.storage import RunStorage
 from stages.workers.group import WorkerGroup, get_group
+
+T = TypeVar("T")
+_UNTAGGED: dict[int, Any] = {}
+
+
+def on_server() -> bool:
+    """True when runs report to a Prefect server (a deployment, or `PREFECT_API_URL` set); False
+    under `unirl run`'s ephemeral API."""
+    return get_current_settings().api.url is not None
+
+
+def staged(task: T) -> T:
+    """The task as a flow calls it. On a server it keeps its tags (`gpu` takes a slot of the global
+    concurrency limit `tag:gpu`, docs/deploy.md). On the ephemeral API no limit can be set and the UI
+    is gone when the run ends, yet every tagged task run asks the API for concurrency slots before it
+    starts: 0.1-1 s per task run while the API's SQLite is busy (benchmarks/README.md), so there
+    the tasks run untagged."""
+    if on_server():
+        return task
+    key = id(task)
+    if key not in _UNTAGGED:
+        _UNTAGGED[key] = task.with_options(tags=set())  # type: ignore[attr-defined]
+    return _UNTAGGED[key]
+
+
+def run_tags(recipe: Recipe, run_name: str) -> AbstractContextManager[Any]:
+    """Tags of every task and subflow run of a run (`unirl`, `recipe:<name>`, `run:<name>`), on a
+    server only (see `staged`)."""
+    return tags("unirl", f"recipe:{recipe.name}", f"run:{run_name}") if on_server() else nullcontext()
 
 
 def storage_of(recipe: Recipe, run_name: str) -> RunStorage:

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 QUICKSTART = REPO / "recipes" / "diffusion" / "quickstart.yaml"
 TINY = ["rollout.prompts_per_iteration=2", "rollout.group_size=4", "rollout.sampler.num_steps=3",
-        "train.micro_batch_size=4", "checkpoint_every=1", "eval.enabled=false"]
+        "train.micro_batch_size=4", "checkpoint_every=1", "eval.enabled=false", "model.tiny.patch_size=4"]
 TINY_SFT = ["sft.steps=3", "sft.examples=16", "sft.batch_size=8", "model.vae_warmup.steps=3", "model.vae_warmup.batch_size=8"]
 
 
@@ -25,8 +25,13 @@ def read_arrow(path):
 
 
 def test_quickstart_sft_then_flow_grpo(tmp_path, unirl_env):
-    out = run_unirl(["run", str(QUICKSTART), f"storage.root={tmp_path}", "iterations=2", *TINY, *TINY_SFT], unirl_env)
+    held_out = ["eval.enabled=true", "data.heldout_size=3", "eval.k=2"]
+    out = run_unirl(["run", str(QUICKSTART), f"storage.root={tmp_path}", "iterations=2", *TINY, *TINY_SFT, *held_out], unirl_env)
     assert "sft step 3/3" in out.stdout and "iter-000001 (2/2)" in out.stdout
+    # The held-out toy-GenEval strict score before and after RL (ODE greedy, SDE avg@k / pass@k).
+    assert "held-out v000000 (before RL): accuracy" in out.stdout and "held-out v000002 (after RL)" in out.stdout
+    final = json.loads((tmp_path / "diffusion-quickstart" / "eval" / "v000002" / "metrics.json").read_text())["metrics"]
+    assert final["eval/prompts"] == 3 and 0.0 <= final["eval/avg_at_2"] <= final["eval/pass_at_2"] <= 1.0
     run = tmp_path / "diffusion-quickstart"
     assert (run / "weights" / "v000000" / "manifest.json").is_file(), "SFT publishes the run's initial weights"
     rollouts = read_arrow(run / "iter-000000" / "rollouts" / "part-000.arrow")
