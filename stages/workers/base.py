@@ -6,12 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from stages.recipe import Recipe
 from stages.storage import RunStorage
 from stages.workers import checkpoint
+from stages.workers.ar_train import lr_factor
 
 COMMANDS = ("ping", "generate", "train", "sft", "save", "publish")
 
@@ -27,6 +29,30 @@ class WorkerBase:
         self.base_dir = self._local_weights(spec["init_weights"])
         self.opt_steps = 0
         self.version = int(spec["init_version"])
+
+    def ema_decay(self) -> float:
+        """Decay of the EMA update after optimizer step `self.opt_steps` (the recipe's, by default)."""
+        return self.recipe.train.ema.decay
+
+    def _optimizer_step(self) -> float:
+        """Clip, then step at the scheduled lr unless the grad norm is non-finite (a skipped step),
+        then update the EMA. Needs `self.trainable`, `self.optimizer`, `self.model`, `self.ema`.
+        Returns the norm."""
+        t = self.recipe.train
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, t.max_grad_norm)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if np.isfinite(norm):
+            total = self.recipe.iterations * t.updates_per_batch
+            factor = lr_factor(self.opt_steps, schedule=t.lr_schedule, warmup=t.warmup_steps, total=total, min_ratio=t.min_lr_ratio)
+            for group in self.optimizer.param_groups:
+                group["lr"] = t.lr * factor
+            self.optimizer.step()
+            if self.ema is not None:
+                self.ema.decay = self.ema_decay()
+                self.ema.update(self.model)
+            self.opt_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
 
     def _local_weights(self, rel: str) -> Path:
         """A run folder as a local path (object stores: a per-rank copy in the scratch folder)."""

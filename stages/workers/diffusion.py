@@ -316,24 +316,10 @@ class DiffusionWorker(WorkerBase):
         return [velocity(xt, tt) for tt, xt in L.nft_points(batch, seed=self.recipe.seed, iteration=iteration,
                                                              update=update, draws=self.recipe.algorithm.timesteps)]
 
-    def _optimizer_step(self) -> float:
-        """Clip, then step unless the grad norm is non-finite (a skipped step); update the EMA."""
-        t = self.recipe.train
-        norm = torch.nn.utils.clip_grad_norm_(self.trainable, t.max_grad_norm)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        if np.isfinite(norm):
-            total = self.recipe.iterations * t.updates_per_batch
-            factor = lr_factor(self.opt_steps, schedule=t.lr_schedule, warmup=t.warmup_steps, total=total, min_ratio=t.min_lr_ratio)
-            for group in self.optimizer.param_groups:
-                group["lr"] = t.lr * factor
-            self.optimizer.step()
-            if self.ema is not None:
-                algo = self.recipe.algorithm
-                self.ema.decay = algo.ema_decay(self.opt_steps, t.ema.decay) if algo.name == "nft" else t.ema.decay
-                self.ema.update(self.model)
-            self.opt_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
+    def ema_decay(self) -> float:
+        """NFT's old policy follows its own decay schedule; other algorithms use the recipe's."""
+        algo, decay = self.recipe.algorithm, self.recipe.train.ema.decay
+        return algo.ema_decay(self.opt_steps, decay) if algo.name == "nft" else decay
 
     def _reduce(self, totals: dict[str, float]) -> dict[str, float]:
         keys = [k for k in METRIC_KEYS if k in totals] if self.rank == 0 else None

@@ -20,7 +20,7 @@ from stages.sample import join_on_sample_id, read_rollouts, read_shard, table_fr
 from stages.storage import join
 from stages.models.tokenizer import encode_prompt, uses_chat_template
 from stages.workers.base import WorkerBase
-from stages.workers.ar_train import EMA, lr_factor, policy_loss, sequence_level, token_batch, token_logp
+from stages.workers.ar_train import EMA, policy_loss, sequence_level, token_batch, token_logp
 from stages.workers.sampling import derive_seed, sample
 
 # Token-weighted averages over the batch, reported as train/<key>.
@@ -165,23 +165,6 @@ class PolicyWorker(WorkerBase):
 
     def _batch(self, mb: dict[str, list]) -> dict[str, torch.Tensor]:
         return token_batch(mb["prompt_ids"], mb["response_ids"], self.tokenizer.pad_token_id, self.device)
-
-    def _optimizer_step(self) -> float:
-        """Clip, then step unless the grad norm is non-finite (a skipped step). Returns the norm."""
-        t = self.recipe.train
-        norm = torch.nn.utils.clip_grad_norm_(self.trainable, t.max_grad_norm)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        if np.isfinite(norm):
-            total = self.recipe.iterations * t.updates_per_batch
-            factor = lr_factor(self.opt_steps, schedule=t.lr_schedule, warmup=t.warmup_steps, total=total, min_ratio=t.min_lr_ratio)
-            for group in self.optimizer.param_groups:
-                group["lr"] = t.lr * factor
-            self.optimizer.step()
-            self.opt_steps += 1
-            if self.ema is not None:
-                self.ema.update(self.model)
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
 
     def train(self, iteration: int, rollouts: list[str], advantages: str) -> dict[str, Any]:
         """One batch: `updates_per_batch` optimizer steps over disjoint mini-batches. Old
