@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from stages.data import build_prompt_source
-from stages.iteration import score_batch
+from stages.iteration import SCORED_COLUMNS, score_batch
 from stages.recipe import Recipe
 from stages.rewards.base import build_scorer, run_scorer
 from stages.sample import read_rollouts, table_from_rows, write_shard
@@ -31,7 +31,7 @@ def write_eval_requests(storage: RunStorage, recipe: Recipe, version: int, group
 
 def correctness(storage: RunStorage, recipe: Recipe, rollouts: list[str]) -> tuple[list[str], np.ndarray]:
     """(group ids, 0/1 correctness) of every sample in `rollouts`."""
-    table = read_rollouts(storage, rollouts)
+    table = read_rollouts(storage, rollouts, columns=SCORED_COLUMNS)
     scores = run_scorer(build_scorer(recipe.eval.scorer), score_batch(table)).scores
     return table.column("group_id").to_pylist(), (scores >= 1.0).astype(np.float64)
 

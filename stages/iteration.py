@@ -61,6 +61,10 @@ def write_requests(storage: RunStorage, recipe: Recipe, iteration: int, round_in
     return {"files": [rel], "rows": len(rows)}
 
 
+# What scoring reads of a rollouts table (not the latents).
+SCORED_COLUMNS = ["sample_id", "group_id", "prompt", "text", "media_png", "metadata", "finish_reason", "response_ids"]
+
+
 def score_batch(table: Any) -> ScoreBatch:
     """What scorers see of a rollouts table: texts (AR) or decoded PNG images (diffusion)."""
     names = table.schema.names
@@ -79,7 +83,7 @@ def score(
     scorers: dict[str, Any] | None = None, round_index: int = 0,
 ) -> dict[str, Any]:
     """Score every rollout with the recipe's scorers; write rewards.arrow with components."""
-    table = read_rollouts(storage, rollouts)
+    table = read_rollouts(storage, rollouts, columns=SCORED_COLUMNS)
     names = table.schema.names
     batch = score_batch(table)
     results, weights = {}, {}

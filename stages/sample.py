@@ -182,12 +182,15 @@ def metadata(table: pa.Table) -> list[dict[str, Any]]:
     return [json.loads(s) for s in table.column("metadata").to_pylist()]
 
 
-def read_rollouts(storage: RunStorage, paths: list[str]) -> pa.Table:
-    """All rollout shards of an iteration as one table, sorted by sample_id."""
+def read_rollouts(storage: RunStorage, paths: list[str], columns: list[str] | None = None) -> pa.Table:
+    """All rollout shards of an iteration as one table, sorted by sample_id; `columns`: only those
+    of them the shards have (readers that do not need the latents skip copying them)."""
     tables = [read_shard(storage, p, "rollouts") for p in paths]
     if not tables:
         raise ShardSchemaError(f"{storage.url()}: no rollout shards given")
     table = pa.concat_tables(tables, promote_options="none")
+    if columns is not None:
+        table = table.select([c for c in table.schema.names if c in columns or c == "sample_id"])
     return table.sort_by("sample_id")
 
 

@@ -18,6 +18,21 @@ from stages.workers.ar_train import lr_factor
 COMMANDS = ("ping", "generate", "train", "sft", "save", "publish")
 
 
+def shard(model: torch.nn.Module, units: list[torch.nn.Module], mesh: Any) -> torch.nn.Module:
+    """FSDP2 `fully_shard` on each unit (decoder layer, transformer block) and at the root. A
+    one-rank group keeps the plain module: sharding there is a copy and two hooks per unit and
+    forward with nothing to shard (measured 4x slower on the tiny Qwen3's train step, +0.3 s per
+    diffusion quickstart iteration); checkpoints and publication read both the same way."""
+    from torch.distributed.fsdp import fully_shard
+
+    if (mesh.size() if mesh is not None else dist.get_world_size()) == 1:
+        return model
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 class WorkerBase:
     def __init__(self, spec: dict[str, Any], mesh: Any, device: torch.device):
         self.recipe = Recipe.model_validate(spec["recipe"])

@@ -29,20 +29,11 @@ from stages.recipe import Recipe
 from stages.sample import join_on_sample_id, read_rollouts, read_shard, table_from_rows, write_shard
 from stages.sde import SigmaMismatchError, check_sigmas, initial_noise
 from stages.storage import join
-from stages.workers.base import WorkerBase
+from stages.workers.base import WorkerBase, shard
 from stages.workers.ar_train import EMA, lr_factor
 
 METRIC_KEYS = ("loss", "clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean", "ratio_min",
                "ratio_max", "kl", "drop_frac", "pos_mse", "neg_mse", "p_mean")
-
-
-def shard_transformer(transformer: torch.nn.Module, mesh: Any) -> torch.nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    for block in transformer.transformer_blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(transformer, mesh=mesh)
-    return transformer
 
 
 class DiffusionWorker(WorkerBase):
@@ -68,8 +59,8 @@ class DiffusionWorker(WorkerBase):
         self.reference = None
         if getattr(self.recipe.algorithm, "kl_coef", 0.0) > 0 and self.lora is None:
             ref = load_sd3(self.base_dir, dtype=dtype, device=device).transformer.requires_grad_(False).eval()
-            self.reference = shard_transformer(ref, mesh)
-        self.model = shard_transformer(self.bundle.transformer, mesh)
+            self.reference = shard(ref, list(ref.transformer_blocks), mesh)
+        self.model = shard(self.bundle.transformer, list(self.bundle.transformer.transformer_blocks), mesh)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
         self.ema = EMA(self.model, t.ema.decay) if t.ema else None

@@ -19,7 +19,7 @@ from stages.algorithms import kl
 from stages.sample import join_on_sample_id, read_rollouts, read_shard, table_from_rows, write_shard
 from stages.storage import join
 from stages.models.tokenizer import encode_prompt, uses_chat_template
-from stages.workers.base import WorkerBase
+from stages.workers.base import WorkerBase, shard
 from stages.workers.ar_train import EMA, policy_loss, sequence_level, token_batch, token_logp
 from stages.workers.sampling import derive_seed, sample
 
@@ -33,20 +33,6 @@ class OnPolicyRatioError(RuntimeError):
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-
-
-def shard_model(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
-    """FSDP2 `fully_shard` per decoder layer and at the root. On a one-rank mesh sharding is a
-    copy per forward with nothing to shard, measured 4x slower on the tiny model's train step, so
-    the plain module is kept; checkpoints and publication read both the same way."""
-    from torch.distributed.fsdp import fully_shard
-
-    if mesh.size() == 1:
-        return model
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 def add_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
@@ -71,12 +57,12 @@ class PolicyWorker(WorkerBase):
         self.lora = m.lora
         if self.lora is not None:
             model = add_lora(model, self.lora)
-        self.model = shard_model(model.to(device), mesh)
+        self.model = shard(model.to(device), decoder_layers(model), mesh)
         self.reference = None
         if getattr(self.recipe.algorithm, "kl_coef", 0.0) > 0 and self.lora is None:
             ref, _ = load_qwen3(self.base_dir, dtype=m.dtype)
             ref.requires_grad_(False)
-            self.reference = shard_model(ref.to(device).eval(), mesh)
+            self.reference = shard(ref.to(device).eval(), decoder_layers(ref), mesh)
         t = self.recipe.train
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)

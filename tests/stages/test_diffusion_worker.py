@@ -25,6 +25,11 @@ from stages.storage import RunStorage
 RUN = "run"
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value (a DTensor when sharded; a one-rank group keeps plain tensors)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 @pytest.fixture(scope="module")
 def mesh():
     from torch.distributed.device_mesh import init_device_mesh
@@ -89,13 +94,13 @@ def test_flow_grpo_generate_train_checkpoint_publish(mesh, tmp_path):
     w.save()
     published = w.publish()
     folder = storage.local_path(published["path"])
-    mine = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in w.model.state_dict().items()}
+    mine = {k: full(v) for k, v in w.model.state_dict().items()}
     loaded = load_sd3(folder).transformer.state_dict()
     assert all(torch.equal(loaded[k], mine[k]) for k in loaded)
     again, _ = worker(r, tmp_path, checkpoint=1)
     assert again.version == 1 and again.opt_steps == 1
     for (name, p), q in zip(w.model.named_parameters(), again.model.parameters()):
-        assert torch.equal(p.full_tensor(), q.full_tensor()), name
+        assert torch.equal(full(p), full(q)), name
     # the same iteration sampled again gives the same images (seeded per sample, not per batch)
     gen2 = again.generate(iteration=0, requests="iter-000000/requests.arrow", out_dir="again")
     assert read_rollouts(storage, gen2["files"]).column("noise_seed").to_pylist() == table.column("noise_seed").to_pylist()
@@ -124,7 +129,7 @@ def test_nft_samples_with_the_ema_old_policy(mesh, tmp_path):
     assert read_rollouts(storage, gen["files"]).slice(0, 1).to_pylist()[0]["latent_shape"][0] == 1  # x_T only
     assert {"pos_mse", "neg_mse", "p_mean"} <= set(trained["metrics"])
     for name, p in w.model.named_parameters():
-        if name in w.ema.shadow and not torch.equal(p.full_tensor(), w.ema.shadow[name].full_tensor()):
+        if name in w.ema.shadow and not torch.equal(full(p), full(w.ema.shadow[name])):
             break
     else:
         pytest.fail("after a step with decay 0.5 the EMA old policy must differ from the policy")
@@ -166,8 +171,8 @@ def test_sft_warms_up_the_vae_then_flow_matching(mesh, tmp_path):
 
     published = load_sd3(folder).transformer.state_dict()
     for name, shadow in w.ema.shadow.items():  # SFT publishes the EMA of its weights
-        assert torch.equal(published[name], shadow.full_tensor()), name
-    assert not all(torch.equal(published[n], p.full_tensor()) for n, p in w.model.named_parameters())
+        assert torch.equal(published[name], full(shadow)), name
+    assert not all(torch.equal(published[n], full(p)) for n, p in w.model.named_parameters())
 
 
 def test_in_process_loop_does_the_same_math_as_the_worker(mesh, tmp_path):
@@ -185,5 +190,5 @@ def test_in_process_loop_does_the_same_math_as_the_worker(mesh, tmp_path):
     assert metrics["rollout/reward_mean"] == pytest.approx(float(rewards.mean()), abs=1e-12)
     assert metrics["train/loss"] == pytest.approx(trained["metrics"]["loss"], abs=1e-6)
     for (name, p), q in zip(w.model.named_parameters(), loop.model.parameters()):
-        torch.testing.assert_close(p.full_tensor(), q.detach(), atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(full(p), q.detach(), atol=1e-6, rtol=1e-5, msg=name)
     assert table.num_rows == 6

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from stages.sample import ShardSchemaError, list_column, read_shard, table_from_rows, write_shard
+from stages.sample import ShardSchemaError, list_column, read_rollouts, read_shard, table_from_rows, write_shard
 from stages.storage import RunStorage
 
 
@@ -30,6 +30,18 @@ def test_roundtrip_with_plain_pyarrow_and_zero_copy(tmp_path):
     assert values.tolist() == [0, 0, 1, 0, 1, 2]
     assert not values.flags.owndata  # a view on the memory-mapped file, not a copy
     assert values.dtype == np.int32
+
+
+def test_read_rollouts_merges_sorts_and_projects(tmp_path):
+    s = RunStorage(str(tmp_path), "r")
+    rows = rollout_rows(4)
+    write_shard(s, "a.arrow", table_from_rows(rows[2:], "rollouts", ["text"]))
+    write_shard(s, "b.arrow", table_from_rows(rows[:2], "rollouts", ["text"]))
+    whole = read_rollouts(s, ["a.arrow", "b.arrow"])
+    assert whole.column("sample_id").to_pylist() == ["g0/0", "g0/1", "g0/2", "g0/3"]
+    some = read_rollouts(s, ["a.arrow", "b.arrow"], columns=["text", "media_png"])  # media_png: not in these
+    assert some.schema.names == ["sample_id", "text"] and some.num_rows == 4
+    assert some.column("text").to_pylist() == whole.column("text").to_pylist()
 
 
 def test_corrupted_shard_names_the_file(tmp_path):
