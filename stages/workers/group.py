@@ -31,6 +31,15 @@ class WorkerError(RuntimeError):
     """A command failed inside the worker group (the message carries the remote traceback)."""
 
 
+def threads_per_rank(nproc: int) -> int:
+    """CPU threads of each rank: the cores split between the ranks, or at most `OMP_NUM_THREADS`
+    when the user set it (two runs sharing a machine each take their share; more threads than
+    cores makes CPU kernels many times slower)."""
+    share = max(1, (os.cpu_count() or 1) // nproc)
+    cap = os.environ.get("OMP_NUM_THREADS", "")
+    return min(share, int(cap)) if cap.isdigit() and int(cap) > 0 else share
+
+
 class WorkerGroupDied(WorkerError):
     """The worker group's processes exited; the message carries the end of its log."""
 
@@ -69,7 +78,7 @@ class WorkerGroup:
             "recipe": self.recipe.model_dump(mode="json"), "root": self.storage.root, "run": self.storage.run,
             "options": self.storage.options, "init_weights": self.init_weights, "init_version": 0,
             "checkpoint": checkpoint, "backend": t.backend, "ready_file": str(ready),
-            "scratch": str(self.scratch), "threads_per_rank": max(1, (os.cpu_count() or 1) // t.nproc),
+            "scratch": str(self.scratch), "threads_per_rank": threads_per_rank(t.nproc),
         }
         spec_path = self.scratch / "spec.json"
         spec_path.write_text(json.dumps(spec))
