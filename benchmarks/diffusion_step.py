@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _runs import iteration_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "diffusion" / "quickstart.yaml"
 STAGES = ("generate", "score", "advantage", "train", "sync")
@@ -33,13 +35,7 @@ def flow_run(work: Path, name: str, iterations: int, overrides: list[str], env: 
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(proc.stdout[-2000:] + proc.stderr[-4000:])
-    done = [work / name / f"iter-{i:06d}" / "_SUCCESS" for i in range(iterations)]
-    out = [json.loads(p.read_text())["metrics"] for p in done]
-    # Wall time between consecutive commits: the iteration's flow run as a whole (creation,
-    # tasks, tracking), not only the part its own clock sees.
-    for m, before, after in zip(out[1:], done, done[1:]):
-        m["time/wall_s"] = after.stat().st_mtime - before.stat().st_mtime
-    return out
+    return iteration_metrics(work / name, iterations)
 
 
 def loop_run(weights: Path, iterations: int, overrides: list[str], env: dict[str, str]) -> list[dict]:

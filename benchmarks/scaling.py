@@ -1,19 +1,20 @@
 """Seconds per iteration of the AR loop at 1x, 2x and 4x the quickstart batch, side by side in one
 run (cost should grow at most linearly), plus the orchestration + storage share of an iteration:
-wall time of the iteration minus the time its five stages report.
+wall time of the iteration (between its commits) minus the time its five stages report.
 
     python benchmarks/scaling.py --iterations 6
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _runs import iteration_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "ar" / "quickstart.yaml"
@@ -41,9 +42,9 @@ def main() -> int:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(proc.stderr[-4000:])
-        metrics = [json.loads((work / name / f"iter-{i:06d}/_SUCCESS").read_text())["metrics"] for i in range(args.iterations)]
-        steady = metrics[args.warmup:]
-        total = statistics.median(m["time/iteration_s"] for m in steady)
+        # wall time between commits; the last iteration also checkpoints and publishes
+        steady = iteration_metrics(work / name, args.iterations)[max(args.warmup, 1):args.iterations - 1]
+        total = statistics.median(m["time/wall_s"] for m in steady)
         staged = statistics.median(sum(m[f"time/{s}_s"] for s in STAGES) for m in steady)
         rows.append((scale, base * scale, total, {s: statistics.median(m[f"time/{s}_s"] for m in steady) for s in STAGES}, total - staged))
     print(f"{'batch':>6s} {'prompts':>8s} {'s/iter':>8s} {'vs 1x':>6s} " + " ".join(f"{s:>9s}" for s in STAGES) + f" {'overhead':>9s}")
