@@ -14,3 +14,9 @@ def iteration_metrics(run_dir: Path, iterations: int) -> list[dict[str, float]]:
     for m, before, after in zip(out[1:], done, done[1:]):
         m["time/wall_s"] = after.stat().st_mtime - before.stat().st_mtime
     return out
+
+
+def steady_state(metrics: list[dict[str, float]], warmup: int) -> list[dict[str, float]]:
+    """The iterations a per-iteration time is taken over: after `warmup` (and after iteration 0,
+    which has no `time/wall_s`), without the last, which also checkpoints and publishes."""
+    return metrics[max(warmup, 1):len(metrics) - 1]

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _runs import iteration_metrics
+from _runs import iteration_metrics, steady_state
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "diffusion" / "quickstart.yaml"
@@ -84,17 +84,16 @@ def main() -> int:
     env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_LOGGING_LEVEL": "WARNING",
            "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}"}
     base = load_recipe(QUICKSTART, ["sft=null", *args.overrides]).rollout.group_size
-    # The last iteration also checkpoints and publishes: keep it out of the steady state.
-    steady = slice(max(args.warmup, 1), args.iterations - 1)
     rows = []
     for scale in (int(s) for s in args.scales.split(",")):
         over = [*args.overrides, f"rollout.group_size={base * scale}"]
         flow = flow_run(work, f"x{scale}", args.iterations, over, env)
         loop = loop_run(work / f"x{scale}" / "weights" / "v000000", args.iterations, over, env)
-        f = statistics.median(m["time/wall_s"] for m in flow[steady])
-        lp = statistics.median(m["time/iteration_s"] for m in loop[steady])
-        staged = statistics.median(sum(m.get(f"time/{s}_s", 0.0) for s in STAGES) for m in flow[steady])
-        stages = {s: statistics.median(m.get(f"time/{s}_s", 0.0) for m in flow[steady]) for s in STAGES}
+        flow, loop = steady_state(flow, args.warmup), steady_state(loop, args.warmup)
+        f = statistics.median(m["time/wall_s"] for m in flow)
+        lp = statistics.median(m["time/iteration_s"] for m in loop)
+        staged = statistics.median(sum(m.get(f"time/{s}_s", 0.0) for s in STAGES) for m in flow)
+        stages = {s: statistics.median(m.get(f"time/{s}_s", 0.0) for m in flow) for s in STAGES}
         rows.append((scale, base * scale, f, lp, f - staged, stages))
     print(f"{'group':>6s} {'size':>5s} {'flow s/it':>10s} {'loop s/it':>10s} {'ratio':>6s} {'flow vs 1x':>10s} "
           f"{'loop vs 1x':>10s} {'orchestration':>13s} " + " ".join(f"{s:>9s}" for s in STAGES))

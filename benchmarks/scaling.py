@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _runs import iteration_metrics
+from _runs import iteration_metrics, steady_state
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "ar" / "quickstart.yaml"
@@ -42,8 +42,7 @@ def main() -> int:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(proc.stderr[-4000:])
-        # wall time between commits; the last iteration also checkpoints and publishes
-        steady = iteration_metrics(work / name, args.iterations)[max(args.warmup, 1):args.iterations - 1]
+        steady = steady_state(iteration_metrics(work / name, args.iterations), args.warmup)
         total = statistics.median(m["time/wall_s"] for m in steady)
         staged = statistics.median(sum(m[f"time/{s}_s"] for s in STAGES) for m in steady)
         rows.append((scale, base * scale, total, {s: statistics.median(m[f"time/{s}_s"] for m in steady) for s in STAGES}, total - staged))

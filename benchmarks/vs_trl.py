@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _runs import iteration_metrics
+from _runs import iteration_metrics, steady_state
 
 REPO = Path(__file__).resolve().parents[1]
 # our `algorithm.agg` -> TRL's `loss_type` with the same normalization
@@ -127,9 +127,7 @@ def main() -> int:
     sft_model, _ = load_qwen3(sft_dir)
     ours_model, _ = load_qwen3(root / "ours" / "weights" / f"v{args.iterations:06d}")
     acc = {name: greedy_accuracy(m, tokenizer, heldout) for name, m in (("sft", sft_model), ("unirl", ours_model), ("trl", trl_model))}
-    # Wall time between commits (the iteration's whole flow run); the last iteration also
-    # checkpoints and publishes, so it is left out.
-    steady = ours[max(args.warmup, 1):args.iterations - 1]
+    steady = steady_state(ours, args.warmup)  # wall time between commits: the whole flow run
     ours_s = statistics.median(m["time/wall_s"] for m in steady)
     inside = statistics.median(m["time/iteration_s"] for m in steady)
     trl_s = statistics.median(trl_times[args.warmup:])

@@ -2,8 +2,6 @@
 split. Correctness is the `eval.scorer` (1 = correct)."""
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from stages.data import build_prompt_source
