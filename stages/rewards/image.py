@@ -14,7 +14,13 @@ import numpy as np
 
 from stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
 
-GENEVAL_MODES = ("strict", "mean")
+# The components each geneval mode averages into the reward.
+GENEVAL_MODE_PARTS = {
+    "strict": ("strict",),
+    "mean": ("object", "colour", "count", "position"),
+    "partial": ("strict", "colour", "count", "position"),
+}
+GENEVAL_MODES = tuple(GENEVAL_MODE_PARTS)
 
 
 def _images(batch: ScoreBatch, scorer: str) -> list[Any]:
@@ -34,8 +40,10 @@ def _rgb(image: Any) -> np.ndarray:
 class GenEvalScorer:
     """Toy GenEval (stages.geneval): the image against its sample's prompt.
     mode "strict": 1 when object, colour, count and position all hold, else 0 (GenEval's score);
-    mode "mean": the mean of the four components (a denser signal). Components are logged
-    either way: strict, object, colour, count, position."""
+    mode "mean": the mean of the four components (a denser signal, but `object` credits a shape
+    drawn in the wrong colour); mode "partial": the mean of strict, colour (shape and colour
+    right), count and position, so every credited part asks for the right colour. Components
+    are logged either way: strict, object, colour, count, position."""
 
     name = "geneval"
 
@@ -51,10 +59,7 @@ class GenEvalScorer:
         if not results:
             return ScoreResult(np.zeros(0))
         components = {k: np.array([r[k] for r in results], dtype=np.float64) for k in results[0]}
-        if self.mode == "strict":
-            scores = components["strict"]
-        else:
-            scores = np.mean([components[k] for k in ("object", "colour", "count", "position")], axis=0)
+        scores = np.mean([components[k] for k in GENEVAL_MODE_PARTS[self.mode]], axis=0)
         return ScoreResult(scores, components)
 
 

@@ -24,17 +24,24 @@ def test_image_scorers_are_registered():
     assert {"geneval", "jpeg_compressibility", "jpeg_incompressibility", "brightness", "colorfulness"} <= set(scorer_names())
 
 
-def test_geneval_scorer_strict_and_mean_with_components():
+def test_geneval_scorer_strict_mean_and_partial_with_components():
     prompts = ["two red circles", "a blue square on the left of a green triangle"]
     images = [render(p, 32, seed=i) for i, p in enumerate(prompts)]
-    batch = _batch(images + images, prompts + ["three red circles", "a blue square on the right of a green triangle"])
+    batch = _batch(images + images + images[:1], prompts + ["three red circles",
+                   "a blue square on the right of a green triangle", "two blue circles"])
     strict = run_scorer(build_scorer("geneval"), batch)
-    np.testing.assert_array_equal(strict.scores, [1, 1, 0, 0])
+    np.testing.assert_array_equal(strict.scores, [1, 1, 0, 0, 0])
     assert set(strict.components) == {"strict", "object", "colour", "count", "position"}
-    np.testing.assert_array_equal(strict.components["count"], [1, 1, 0, 1])
-    np.testing.assert_array_equal(strict.components["position"], [1, 1, 1, 0])
+    np.testing.assert_array_equal(strict.components["object"], [1, 1, 1, 1, 1])
+    np.testing.assert_array_equal(strict.components["colour"], [1, 1, 1, 1, 0])
+    np.testing.assert_array_equal(strict.components["count"], [1, 1, 0, 1, 0])
+    np.testing.assert_array_equal(strict.components["position"], [1, 1, 1, 0, 1])
+    # mean of object, colour, count, position: red circles for "two blue circles" still earn half
     mean = run_scorer(build_scorer("geneval", mode="mean"), batch)
-    np.testing.assert_allclose(mean.scores, [1, 1, 0.75, 0.75])
+    np.testing.assert_allclose(mean.scores, [1, 1, 0.75, 0.75, 0.5])
+    # mean of strict, colour, count, position: the wrong colour earns only the position quarter
+    partial = run_scorer(build_scorer("geneval", mode="partial"), batch)
+    np.testing.assert_allclose(partial.scores, [1, 1, 0.5, 0.5, 0.25])
     with pytest.raises(ValueError, match="mode"):
         build_scorer("geneval", mode="loose")
 
