@@ -66,11 +66,12 @@ def rl_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any
 
 
 def progress_line(i: int, total: int, m: dict[str, float]) -> str:
+    """One line per iteration; kl and clip only for losses that have them (not NFT's)."""
+    kl = f"  kl {m['train/approx_kl']:.2e}" if "train/approx_kl" in m else ""
+    clip = f"  clip {m['train/clip_frac']:.3f}" if "train/clip_frac" in m else ""
     return (
         f"[unirl] {iter_dir(i)} ({i + 1}/{total})  reward {m['rollout/reward_mean']:.3f}±{m['rollout/reward_std']:.3f}"
-        f"  loss {m['train/loss']:+.4f}  kl {m.get('train/approx_kl', float('nan')):.2e}"
-        f"  clip {m.get('train/clip_frac', float('nan')):.3f}"
-        f"  grad {m['train/grad_norm']:.3f}  {m['time/iteration_s']:.1f}s"
+        f"  loss {m['train/loss']:+.4f}{kl}{clip}  grad {m['train/grad_norm']:.3f}  {m['time/iteration_s']:.1f}s"
     )
 
 

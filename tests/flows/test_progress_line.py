@@ -1,0 +1,19 @@
+"""The per-iteration progress line `unirl run` prints."""
+from __future__ import annotations
+
+from flows.rl import progress_line
+
+BASE = {"rollout/reward_mean": 0.25, "rollout/reward_std": 0.5, "train/loss": -0.0123, "train/grad_norm": 0.75,
+        "time/iteration_s": 2.04}
+
+
+def test_progress_line_shows_kl_and_clip_when_the_loss_has_them():
+    line = progress_line(3, 40, {**BASE, "train/approx_kl": 1.5e-4, "train/clip_frac": 0.0625})
+    assert line == ("[unirl] iter-000003 (4/40)  reward 0.250±0.500  loss -0.0123  kl 1.50e-04  clip 0.062"
+                    "  grad 0.750  2.0s")
+
+
+def test_progress_line_leaves_out_what_a_likelihood_free_loss_lacks():
+    line = progress_line(0, 2, BASE)
+    assert line == "[unirl] iter-000000 (1/2)  reward 0.250±0.500  loss -0.0123  grad 0.750  2.0s"
+    assert "nan" not in line
