@@ -127,14 +127,13 @@ def detect(image: Any, *, min_area: int | None = None) -> list[Blob]:
     blobs = []
     for ci, colour in enumerate(COLOUR_NAMES):
         labels, n = connected_components(classes == ci)
-        for k in range(n):
+        areas = np.bincount(labels[labels >= 0], minlength=n)
+        for k in np.flatnonzero(areas >= min_area):  # specks are skipped before any per-pixel work
             ys, xs = np.nonzero(labels == k)
-            if ys.size < min_area:
-                continue
             x0, x1, y0, y1 = int(xs.min()), int(xs.max()), int(ys.min()), int(ys.max())
-            fill = ys.size / ((x1 - x0 + 1) * (y1 - y0 + 1))
-            taper, corners = shape_features(labels[y0 : y1 + 1, x0 : x1 + 1] == k)
-            blobs.append(Blob(colour, shape_of(taper, corners), int(ys.size), (x0, y0, x1, y1), float(fill),
+            box = labels[y0 : y1 + 1, x0 : x1 + 1] == k
+            taper, corners = shape_features(box)
+            blobs.append(Blob(colour, shape_of(taper, corners), int(areas[k]), (x0, y0, x1, y1), float(box.mean()),
                               taper, corners))
     return blobs
 
