@@ -3,7 +3,7 @@ worker group, no FSDP. It does the same math as the flow (same prompts, seeds, m
 losses), so it is the floor the benchmark compares the flow against, and a quick way to try
 hyperparameters from a notebook.
 
-    loop = InProcessLoop(recipe, weights_dir)
+    loop = InProcessLoop(recipe, weights_dir)            # device="cuda" on a GPU; dtype: recipe.model.dtype
     for i in range(n): metrics = loop.iteration(i)
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from stages.workers.ar_train import lr_factor
 
 
 class InProcessLoop:
-    def __init__(self, recipe: Any, weights_dir: str, *, lora: bool | None = None):
+    def __init__(self, recipe: Any, weights_dir: str, *, lora: bool | None = None, device: str | torch.device = "cpu"):
         from stages.data import build_prompt_source
         from stages.models.sd3 import SD3_LORA_TARGETS, add_lora, latent_shape, load_sd3
         from stages.rewards.base import build_scorer
@@ -32,7 +32,8 @@ class InProcessLoop:
 
         self.recipe = recipe
         torch.set_flush_denormal(True)  # as the worker does (tiny gradients make denormal Adam states)
-        self.bundle = load_sd3(weights_dir)
+        self.device = torch.device(device)
+        self.bundle = load_sd3(weights_dir, dtype=getattr(torch, recipe.model.dtype), device=self.device)
         m, t = recipe.model, recipe.train
         if m.lora is not None:
             add_lora(self.bundle, rank=m.lora.rank, alpha=m.lora.alpha, target_modules=m.lora.target_modules or SD3_LORA_TARGETS)
@@ -97,7 +98,7 @@ class InProcessLoop:
         restore = self._old_weights()
         for chunk in chunks:
             noise = torch.stack([initial_noise(self.shape, base_seed=derive_seed(self.recipe.seed, ""), group_id=g,
-                                               sample_id=s, init_same_noise=r.sampler.init_same_noise)[0] for s, g, _ in chunk])
+                                               sample_id=s, init_same_noise=r.sampler.init_same_noise)[0] for s, g, _ in chunk]).to(self.device)
             seeds = [derive_seed(self.recipe.seed, "", "sde", iteration, s) for s, _, _ in chunk]
             texts = [p for _, _, p in chunk]
             traj = sample(bind(self.bundle, self.prompts(texts, r.sampler), r.sampler.guidance_scale), noise, plan, seeds, store=store)
@@ -113,7 +114,7 @@ class InProcessLoop:
         rewards = sum(w * np.asarray(scorer(batch).scores, dtype=np.float64) for scorer, w in self.scorers)
         a = self.recipe.advantage
         adv = group_advantages(rewards, [g for _, g, _ in samples], scope=a.scope, normalize=a.normalize,
-                               use_global_std=a.use_global_std, eps=a.eps).float()
+                               use_global_std=a.use_global_std, eps=a.eps).float().to(self.device)
         times["score_s"] = time.perf_counter() - start
 
         start = time.perf_counter()

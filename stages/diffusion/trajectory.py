@@ -9,6 +9,7 @@ losses such as NFT); otherwise x_i and x_{i+1} of every SDE step i, and x_T.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,11 @@ class LatentBatch:
     @property
     def final(self) -> Tensor:
         return self.latents[:, -1]
+
+    def to(self, device: torch.device | str) -> "LatentBatch":
+        """The same rows with latents and log-probs on `device` (the plan stays on the CPU: its
+        sigmas enter the kernels as scalars)."""
+        return dataclasses.replace(self, latents=self.latents.to(device), logprobs=self.logprobs.to(device))
 
 
 def read_latents(table: pa.Table, rows: list[int], *, kind: str, eta: float, where: str) -> LatentBatch:

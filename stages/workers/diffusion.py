@@ -215,7 +215,7 @@ class DiffusionWorker(WorkerBase):
         s, algo = self.recipe.rollout.sampler, self.recipe.algorithm
         where = self.storage.url(rollouts[0]) + (" ..." if len(rollouts) > 1 else "")
         adv_all = table.column("advantage").to_numpy()
-        batches = [read_latents(table, c, kind=s.sde_kind, eta=s.eta, where=where) for c in chunks]
+        batches = [read_latents(table, c, kind=s.sde_kind, eta=s.eta, where=where).to(self.device) for c in chunks]
         advs = [torch.tensor(adv_all[c], dtype=torch.float32, device=self.device) for c in chunks]
         if batches:
             requested = self.plan(iteration)

@@ -111,10 +111,10 @@ class WorkerGroup:
     def stop(self, timeout: float = 20.0) -> None:
         if self.proc is None:
             return
-        if self.alive():
+        if self.alive() and self.port is not None:  # a group that never became ready has no control port
             try:
                 self._send("shutdown", {}, timeout=timeout)
-            except WorkerError:
+            except (WorkerError, OSError):
                 pass
             try:
                 self.proc.wait(timeout=timeout)
@@ -122,6 +122,7 @@ class WorkerGroup:
                 pass
         kill_tree(self.proc)
         self.proc = None
+        self.port = None
         self.version = None
         _LIVE.discard(self)
 

@@ -18,3 +18,20 @@ def test_ranks_split_the_cores_and_obey_a_user_omp_num_threads(monkeypatch: pyte
     assert threads_per_rank(2) == 4
     monkeypatch.setenv("OMP_NUM_THREADS", "")
     assert threads_per_rank(2) == 4
+
+
+def test_a_group_that_is_not_ready_in_time_is_killed_and_the_timeout_reported(tmp_path) -> None:
+    """start() past `train.startup_timeout_s`: the error says so (not a refused connection to a
+    control port that never opened) and no torchrun process is left behind."""
+    from pathlib import Path
+
+    from stages.recipe import load_recipe
+    from stages.storage import RunStorage
+    from stages.workers.group import WorkerGroup, WorkerGroupDied
+
+    recipe = load_recipe(Path(__file__).parents[3] / "recipes" / "ar" / "tiny.yaml",
+                         ["sft=null", f"storage.root={tmp_path}", "train.startup_timeout_s=0.2"])
+    group = WorkerGroup(recipe, RunStorage(str(tmp_path), "slow"), init_weights="weights/v000000", log=lambda _: None)
+    with pytest.raises(WorkerGroupDied, match="not ready after 0.2s"):
+        group.start(None)
+    assert group.proc is None and not group.alive()
