@@ -146,7 +146,7 @@ def worker_group(recipe: Any, root: Path) -> Iterator[Any]:
     """A started WorkerGroup on the recipe's tiny seeded model (weights v000000 built first)."""
     from stages.run import initial_weights
     from stages.storage import RunStorage
-    from stages.workers.group import WorkerGroup, kill_tree
+    from stages.workers.group import WorkerGroup
 
     storage = RunStorage(recipe.storage.root, "run")
     group = WorkerGroup(recipe, storage, init_weights=initial_weights(storage, recipe), log=lambda line: say(f"  {line}"))
@@ -156,11 +156,7 @@ def worker_group(recipe: Any, root: Path) -> Iterator[Any]:
         group.startup_s = time.perf_counter() - start
         yield group
     finally:
-        try:
-            group.stop()
-        except Exception:  # noqa: BLE001 - e.g. stopped while starting (no control port yet): kill it outright
-            if group.proc is not None:
-                kill_tree(group.proc)
+        group.stop()  # also kills a group that never became ready
 
 
 def one_iteration(group: Any, recipe: Any, i: int) -> dict[str, Any]:
@@ -214,6 +210,15 @@ def check_worker(kind: str, device: str, work: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- speed, diffusion
+
+
+def speedups(out: dict[str, Any], what: str, timings: dict[str, tuple[str, str]]) -> None:
+    """out["fp32_over_bf16<suffix>"] = float32 seconds / bfloat16 seconds of each timing
+    (label -> (suffix, key)), and one line of them."""
+    for suffix, key in timings.values():
+        out[f"fp32_over_bf16{suffix}"] = out["float32"][key] / out["bfloat16"][key]
+    say(f"  {what} fp32/bf16: " + ", ".join(f"{label} {out[f'fp32_over_bf16{suffix}']:.2f}x"
+                                            for label, (suffix, _) in timings.items()))
 
 
 def time_loop(recipe: Any, weights: str, device: str, dtype: str, warmup: int, timed: int) -> dict[str, Any]:
@@ -280,9 +285,7 @@ def check_speed_sd3(device: str, work: Path, warmup: int, timed: int) -> dict[st
         res = out[dtype] = time_loop(recipe, weights, device, dtype, warmup, timed)
         say(f"  sd3 loop {dtype}: {res['iteration_s']:.3f} s/iter (generate {res['generate_s']:.3f}, score "
             f"{res['score_s']:.3f}, train {res['train_s']:.3f}); first iteration {res['first_iteration_s']:.2f}s")
-    out["fp32_over_bf16"] = out["float32"]["iteration_s"] / out["bfloat16"]["iteration_s"]
-    out["fp32_over_bf16_train"] = out["float32"]["train_s"] / out["bfloat16"]["train_s"]
-    say(f"  sd3 loop fp32/bf16: {out['fp32_over_bf16']:.2f}x per iteration, {out['fp32_over_bf16_train']:.2f}x train")
+    speedups(out, "sd3 loop", {"per iteration": ("", "iteration_s"), "train": ("_train", "train_s")})
     return out
 
 
@@ -304,9 +307,7 @@ def check_speed_ar(device: str, work: Path, warmup: int, timed: int) -> dict[str
             }
         say(f"  qwen3 worker {dtype}: train {res['train_s']:.3f}s (worker {res['train_worker_s']:.3f}s), generate "
             f"{res['generate_s']:.3f}s; startup {res['startup_s']:.1f}s")
-    out["fp32_over_bf16_train"] = out["float32"]["train_s"] / out["bfloat16"]["train_s"]
-    out["fp32_over_bf16_generate"] = out["float32"]["generate_s"] / out["bfloat16"]["generate_s"]
-    say(f"  qwen3 worker fp32/bf16: train {out['fp32_over_bf16_train']:.2f}x, generate {out['fp32_over_bf16_generate']:.2f}x")
+    speedups(out, "qwen3 worker", {"train": ("_train", "train_s"), "generate": ("_generate", "generate_s")})
     return out
 
 
