@@ -1,7 +1,9 @@
 """What a training run shows in the Prefect UI: its artifacts.
 
 * `unirl-{run}-iterations`  table, one row per finished iteration (rewards, advantages, loss, KL,
-  clip fraction, stage timings); a new version after every iteration.
+  clip fraction, stage timings); a new version after the first iteration of a flow run, then at
+  most every `TABLE_EVERY_S` seconds, and at the end (each version holds the whole table, so one
+  per iteration would grow the API's database with the square of the run's length).
 * `unirl-{run}-progress`    progress of the run, in percent of `recipe.iterations`.
 * `unirl-{run}-mlflow`      link to the MLflow run.
 * `unirl-{run}-summary`     markdown at the end: held-out metrics before and after RL (when the
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from typing import Any
 
 from prefect import get_run_logger
@@ -49,6 +52,9 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 # Metrics compared first vs last in the summary.
 SUMMARY_KEYS = ("rollout/reward_mean", "rollout/reward_std", "rollout/response_len_mean", "train/loss",
                 "train/approx_kl", "train/clip_frac", "time/iteration_s")
+
+
+TABLE_EVERY_S = 30.0
 
 
 def artifact_key(run_name: str, what: str) -> str:
@@ -128,6 +134,8 @@ class RunArtifacts:
         self.tracker = tracker
         self.summaries: list[dict[str, Any]] = []
         self.progress_id: Any = None
+        self.table_rows = 0  # summaries in the last published table
+        self.table_at: float | None = None
         try:
             self.logger = get_run_logger()
         except Exception:  # noqa: BLE001 - outside a run context: artifacts are skipped anyway
@@ -164,20 +172,31 @@ class RunArtifacts:
     def iteration(self, summary: dict[str, Any]) -> None:
         """After an iteration finished (its `_SUCCESS` is written)."""
         self.summaries.append(summary)
-        rows = [iteration_row(s) for s in self.summaries]
-        self._try(
-            "iterations table", create_table_artifact, table=rows, key=artifact_key(self.run_name, "iterations"),
-            description=f"{self.recipe.name}/{self.run_name}: metrics per iteration, up to {iter_dir(summary['iteration'])}",
-        )
+        if self.table_at is None or time.monotonic() - self.table_at >= TABLE_EVERY_S:
+            self.publish_table()
         if self.progress_id is not None:
             done = len(self.summaries)
             self._try("progress", update_progress_artifact, self.progress_id, self._percent(done),
                       description=self._progress_text(done))
 
+    def publish_table(self) -> None:
+        """A new version of the iterations table, when it has rows the last one lacks (also for a
+        run that stops early: `rl_train` calls it on failure)."""
+        if len(self.summaries) == self.table_rows:
+            return
+        rows = [iteration_row(s) for s in self.summaries]
+        self._try(
+            "iterations table", create_table_artifact, table=rows, key=artifact_key(self.run_name, "iterations"),
+            description=f"{self.recipe.name}/{self.run_name}: metrics per iteration, up to "
+                        f"{iter_dir(self.summaries[-1]['iteration'])}",
+        )
+        self.table_rows, self.table_at = len(self.summaries), time.monotonic()
+
     def finish(self) -> None:
-        """After the last iteration: the markdown summary."""
+        """After the last iteration: the whole iterations table and the markdown summary."""
         if not self.summaries:
             return
+        self.publish_table()
         last = self.summaries[-1]
         weights = self.storage.weights_versions()
         checkpoints = self.storage.checkpoints()

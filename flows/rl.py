@@ -130,6 +130,7 @@ def rl_train(
                 last = summary
     except BaseException:
         tracker.finish("FAILED")
+        artifacts.publish_table()
         raise
     finally:
         close_group(storage.url())

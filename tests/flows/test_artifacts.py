@@ -113,3 +113,28 @@ def test_a_failing_artifact_never_fails_the_run(tmp_path: Path, monkeypatch: pyt
     arts.start(0)
     arts.iteration(summary(0, 0.0))
     arts.finish()
+
+
+def test_the_iterations_table_is_republished_at_most_every_table_every_s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each version of the table holds every row: one per iteration would grow the API's database
+    with the square of the run's length. The first iteration publishes (the UI shows the run at
+    once), then at most every TABLE_EVERY_S seconds, and the end always publishes the rest."""
+    tables: list[list[int]] = []
+    monkeypatch.setattr(artifacts, "create_table_artifact", lambda table, **kw: tables.append([r["iteration"] for r in table]))
+    for name in ("create_progress_artifact", "update_progress_artifact", "create_link_artifact", "create_markdown_artifact"):
+        monkeypatch.setattr(artifacts, name, lambda *a, **kw: "id")
+    clock = [100.0]
+    monkeypatch.setattr(artifacts.time, "monotonic", lambda: clock[0])
+    tracker = SimpleNamespace(uri="sqlite:///x.db", run_id="r1",
+                              client=SimpleNamespace(get_run=lambda run_id: SimpleNamespace(info=SimpleNamespace(experiment_id="0"))))
+    arts = RunArtifacts(load_recipe(TINY, ["iterations=6"]), "tiny", RunStorage(str(tmp_path), "tiny"), tracker)
+    arts.start(0)
+    for i in range(5):
+        arts.iteration(summary(i, 0.1 * i))
+        clock[0] += artifacts.TABLE_EVERY_S / 2  # two iterations per period
+    assert tables == [[0], [0, 1, 2], [0, 1, 2, 3, 4]]
+    arts.publish_table()  # nothing new: no new version
+    assert len(tables) == 3
+    arts.iteration(summary(5, 0.5))
+    arts.finish()
+    assert tables[-1] == [0, 1, 2, 3, 4, 5] and len(tables) == 4
