@@ -8,30 +8,23 @@ from prefect.cache_policies import NO_CACHE
 
 from stages import iteration as it
 from stages.recipe import Recipe
-from stages.storage import RunStorage, iter_dir, join
+from stages.storage import iter_dir, join
 from tasks.common import group_of, storage_of
-
-
-def generate_args(storage: RunStorage, recipe: Recipe, iteration: int, round_index: int = 0) -> dict[str, Any]:
-    """The worker group's `generate` command for a round: its (committed) requests and output folder."""
-    suffix = it.round_suffix(round_index)
-    requests = it.committed(
-        storage, iteration, f"requests{suffix}", lambda: it.write_requests(storage, recipe, iteration, round_index)
-    )
-    out_dir = join(iter_dir(iteration), "rollouts" + (f"/r{round_index}" if round_index else ""))
-    return {"iteration": iteration, "requests": requests["files"][0], "out_dir": out_dir}
 
 
 @task(name="generate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1)
 def generate(recipe: Recipe, run_name: str, iteration: int, round_index: int = 0) -> dict[str, Any]:
-    """Round 0, or refill round `round_index` of dynamic sampling (files suffixed -rN). Round 0
-    may already be on its way: the previous iteration's sync sent it ahead (`tasks.sync`)."""
+    """Round 0, or refill round `round_index` of dynamic sampling (files suffixed -rN)."""
     storage = storage_of(recipe, run_name)
-    args = generate_args(storage, recipe, iteration, round_index)
+    suffix = it.round_suffix(round_index)
+    requests = it.committed(
+        storage, iteration, f"requests{suffix}", lambda: it.write_requests(storage, recipe, iteration, round_index)
+    )
 
     def make() -> dict[str, Any]:
         group = group_of(recipe, storage)
         group.ensure(iteration)
-        return group.call("generate", **args)
+        out_dir = join(iter_dir(iteration), "rollouts" + (f"/r{round_index}" if round_index else ""))
+        return group.call("generate", iteration=iteration, requests=requests["files"][0], out_dir=out_dir)
 
-    return it.committed(storage, iteration, f"generate{it.round_suffix(round_index)}", make)
+    return it.committed(storage, iteration, f"generate{suffix}", make)

@@ -1,9 +1,6 @@
 """sync: record the policy version the next iteration samples with; checkpoint and publish
 weights every `checkpoint_every` iterations and at the last one. Trainside rollout shares the
-training weights, so there is no engine to update. Under `unirl run` the next iteration's rollouts
-start right away, while the flow records this iteration (`WorkerGroup.prefetch`); on a Prefect
-server they wait for their generate task, which holds a `tag:gpu` concurrency slot there
-(docs/deploy.md), so runs that share a GPU never overlap their compute."""
+training weights, so there is no engine to update."""
 from __future__ import annotations
 
 from typing import Any
@@ -13,8 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from stages import iteration as it
 from stages.recipe import Recipe
-from tasks.common import group_of, on_server, storage_of
-from tasks.generate import generate_args
+from tasks.common import group_of, storage_of
 
 
 @task(name="sync", cache_policy=NO_CACHE)
@@ -31,9 +27,4 @@ def sync(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any]:
             out["weights"] = group.call("publish")["path"]
         return out
 
-    out = it.committed(storage, iteration, "sync", make)
-    if not on_server() and version < recipe.iterations and storage.stage_manifest(version, "generate") is None:
-        group = group_of(recipe, storage)
-        if group.alive() and group.version == version:
-            group.prefetch("generate", **generate_args(storage, recipe, version))
-    return out
+    return it.committed(storage, iteration, "sync", make)

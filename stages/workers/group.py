@@ -19,7 +19,6 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
@@ -63,8 +62,7 @@ class WorkerGroup:
         self.token = secrets.token_hex(16)
         self.scratch = Path(tempfile.mkdtemp(prefix=f"unirl-{storage.run}-"))
         self.log_path = self.scratch / "workers.log"
-        self._lock = threading.Lock()  # one command at a time on the control channel
-        self._ahead: tuple[str, Future, int | None] | None = None  # a command sent ahead (`prefetch`)
+        self._lock = threading.Lock()
 
     # -- lifecycle --------------------------------------------------------------------------
     def alive(self) -> bool:
@@ -111,11 +109,9 @@ class WorkerGroup:
         self.port, self.version = info["port"], info["version"]
 
     def stop(self, timeout: float = 20.0) -> None:
-        ahead, self._ahead = self._ahead, None
         if self.proc is None:
             return
-        busy = ahead is not None and not ahead[1].done()  # mid-command: nothing to finish cleanly
-        if self.alive() and self.port is not None and not busy:  # a group that never became ready has no control port
+        if self.alive() and self.port is not None:  # a group that never became ready has no control port
             try:
                 self._send("shutdown", {}, timeout=timeout)
             except (WorkerError, OSError):
@@ -138,14 +134,9 @@ class WorkerGroup:
 
     # -- commands ---------------------------------------------------------------------------
     def _send(self, cmd: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        with self._lock:
-            return self._exchange(cmd, args, timeout)
-
-    def _exchange(self, cmd: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        """Send one command and wait for its reply; the caller holds `_lock`."""
         if not self.alive():
             raise WorkerGroupDied(f"worker group is not running:\n{self.log_tail()}")
-        with socket.create_connection(("127.0.0.1", self.port), timeout=30) as sock:
+        with self._lock, socket.create_connection(("127.0.0.1", self.port), timeout=30) as sock:
             send_json(sock, {"token": self.token, "cmd": cmd, "args": args})
             sock.settimeout(1.0)
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -171,46 +162,12 @@ class WorkerGroup:
         return reply["result"]
 
     def call(self, cmd: str, **args: Any) -> dict[str, Any]:
-        """Run `cmd` on every rank and return rank 0's result; a reply sent ahead for exactly this
-        command (`prefetch`) at the policy version the group holds now is taken instead."""
-        result = self._take_ahead(cmd, args)
-        if result is None:
-            result = self._send(cmd, args)
+        result = self._send(cmd, args)
         if "policy_version" in result:
             self.version = result["policy_version"]
         elif "version" in result:
             self.version = result["version"]
         return result
-
-    def prefetch(self, cmd: str, **args: Any) -> None:
-        """Send `cmd` now, in the background, and keep its reply for the `call` with the same
-        arguments. The next iteration's rollouts start while the flow records this one (Prefect,
-        MLflow: a few hundred ms a step on a small model). Commands sent meanwhile queue behind
-        it; a reply taken at another policy version than the group's is dropped and the command
-        sent again, so sampling ahead never changes what a stage returns."""
-        if not self.alive() or self.port is None:
-            return
-        self._lock.acquire()  # taken here, so no later command can overtake this one
-        future: Future = Future()
-
-        def run() -> None:
-            try:
-                future.set_result(self._exchange(cmd, args))
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever takes the reply
-                future.set_exception(exc)
-            finally:
-                self._lock.release()
-
-        self._ahead = (json.dumps([cmd, args], sort_keys=True), future, self.version)
-        threading.Thread(target=run, name=f"unirl-prefetch-{cmd}", daemon=True).start()
-
-    def _take_ahead(self, cmd: str, args: dict[str, Any]) -> dict[str, Any] | None:
-        if self._ahead is None or self._ahead[0] != json.dumps([cmd, args], sort_keys=True):
-            return None
-        _, future, version = self._ahead
-        self._ahead = None
-        result = future.result()  # a failure raises here, as the call itself would have
-        return result if version == self.version and result.get("policy_version", version) == version else None
 
     # -- bringing the group to a version ------------------------------------------------------
     def ensure(self, version: int) -> None:
