@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         print(recipe.to_yaml(), end="")
         return 0
     try:
+        from flows.ephemeral import tie_ephemeral_api
+
+        tie_ephemeral_api()  # a killed `unirl` must not leave Prefect's temporary API server behind
         if args.command == "sft":
             from flows.sft import sft
 

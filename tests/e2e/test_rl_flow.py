@@ -115,10 +115,13 @@ def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, uni
         if "stages.workers" in " ".join(c.cmdline()) or "torch.distributed.run" in " ".join(c.cmdline())
     ]
     assert children, "no worker group was running"
+    api = [c for c in psutil.Process(proc.pid).children() if "prefect.server.api.server" in " ".join(c.cmdline())]
+    assert len(api) == 1, "no ephemeral Prefect API server was running"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    psutil.wait_procs(children, timeout=30)
+    psutil.wait_procs(children + api, timeout=30)
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], "worker processes outlived the run"
+    assert not (api[0].is_running() and api[0].status() != psutil.STATUS_ZOMBIE), "Prefect's ephemeral API server outlived the run"
     assert not (run / "iter-000001" / "_SUCCESS").exists()
     out = run_unirl(args, unirl_env)
     assert "iter-000000" not in out.stdout.split("[unirl] run", 1)[1].split("\n", 1)[1]  # resumed after it
