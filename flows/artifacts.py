@@ -135,7 +135,7 @@ class RunArtifacts:
         self.summaries: list[dict[str, Any]] = []
         self.progress_id: Any = None
         self.table_rows = 0  # summaries in the last published table
-        self.table_at: float | None = None
+        self.table_at = -math.inf  # when it was published (never yet: the first iteration publishes)
         try:
             self.logger = get_run_logger()
         except Exception:  # noqa: BLE001 - outside a run context: artifacts are skipped anyway
@@ -172,7 +172,7 @@ class RunArtifacts:
     def iteration(self, summary: dict[str, Any]) -> None:
         """After an iteration finished (its `_SUCCESS` is written)."""
         self.summaries.append(summary)
-        if self.table_at is None or time.monotonic() - self.table_at >= TABLE_EVERY_S:
+        if time.monotonic() - self.table_at >= TABLE_EVERY_S:
             self.publish_table()
         if self.progress_id is not None:
             done = len(self.summaries)

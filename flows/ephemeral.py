@@ -17,26 +17,26 @@ import sys
 import time
 
 
-def tie_ephemeral_api() -> int | None:
-    """Start the ephemeral API server now if this process will use one, and its watchdog; returns
-    the watchdog's pid (None on a real Prefect server, where there is nothing to tie)."""
+def tie_ephemeral_api() -> None:
+    """Start the ephemeral API server now if this process will use one, and its watchdog (on a
+    real Prefect server there is nothing to tie)."""
     from prefect.settings import get_current_settings
 
-    settings = get_current_settings()
-    if settings.api.url or not settings.server.ephemeral.enabled:
-        return None
+    from tasks.common import on_server
+
+    if on_server() or not get_current_settings().server.ephemeral.enabled:
+        return
     from prefect.server.api.server import SubprocessASGIServer
 
     server = SubprocessASGIServer()
     server.start()
     if server.server_process is None:
-        return None
-    watchdog = subprocess.Popen(
+        return
+    subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), str(os.getpid()), str(server.server_process.pid)],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,  # Ctrl-C in the terminal is for unirl, which then stops the server itself
     )
-    return watchdog.pid
 
 
 def _running(proc) -> bool:
