@@ -1,7 +1,7 @@
 """One FlowGRPO iteration of the diffusion quickstart through the full flow (Prefect tasks, Arrow
 shards in run storage, the torchrun FSDP2 worker group) and the same math in a minimal in-process
-loop (`stages.diffusion.loop.InProcessLoop`: same prompts, seeds, micro-batches and losses, plain
-tensors), side by side, at 1x, 2x and 4x the group size. Prints seconds per iteration at steady
+loop (`stages.loop.InProcessLoop`: the same worker, policy, algorithm and train stack on in-memory
+storage), side by side, at 1x, 2x and 4x the group size. Prints seconds per iteration at steady
 state, the flow/loop ratio (target: at most 1.15) and how cost grows with the batch.
 
     python benchmarks/diffusion_step.py --iterations 8 --warmup 3 [--repeats 3] [key=value ...]
@@ -53,7 +53,7 @@ def in_process(weights: str, iterations: int, overrides: list[str]) -> int:
     sys.path.insert(0, str(REPO))
     import torch
 
-    from stages.diffusion.loop import InProcessLoop
+    from stages.loop import InProcessLoop
     from stages.recipe import load_recipe
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))

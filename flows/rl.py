@@ -16,6 +16,7 @@ from pydantic import Field
 from flows.artifacts import RunArtifacts
 from flows.hooks import stop_worker_group
 from stages.data import build_prompt_source
+from stages.policies import policy_for
 from stages.recipe import Recipe
 from stages.run import initial_weights, open_run, update_run_info
 from stages.storage import iter_dir
@@ -124,6 +125,7 @@ def rl_train(
                 ):
                     evals[version] = held_out(recipe, run_name, version, tracker, "after RL" if version == recipe.iterations else "")
                 tracker.log_metrics(i, summary["metrics"])
+                preview(recipe, tracker, storage, i)
                 storage.mark_success(i, summary)
                 artifacts.iteration(summary)
                 print(progress_line(i, recipe.iterations, summary["metrics"]), flush=True)
@@ -138,6 +140,15 @@ def rl_train(
     artifacts.finish()
     return {"run": run_name, "storage": storage.url(), "iterations": recipe.iterations,
             "last": last, "mlflow_run_id": tracker.run_id, "eval": {str(k): v for k, v in evals.items()}}
+
+
+def preview(recipe: Recipe, tracker: Tracker, storage: Any, iteration: int) -> None:
+    """What people should see of the iteration's rollouts in MLflow (the policy decides: image
+    grids every `rollout.sampler.grid_every` iterations for flow models); never fails the run."""
+    try:
+        policy_for(recipe).log_preview(recipe, tracker, storage, iteration)
+    except Exception as exc:  # noqa: BLE001 - a preview is for people, not for the run
+        get_run_logger().warning("rollout preview of %s not logged: %s", iter_dir(iteration), exc)
 
 
 def held_out(recipe: Recipe, run_name: str, version: int, tracker: Tracker, label: str) -> dict[str, float]:

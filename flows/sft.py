@@ -2,8 +2,9 @@
 cross-entropy on response tokens -> published as the run's initial weights `weights/v000000`,
 a plain Hugging Face folder that is also a valid `model.path` for any RL recipe.
 
-Worker command contract (every model family's worker implements it):
-    sft(data: str, steps: int, batch_size: int, lr: float, seed: int, start_step: int) ->
+The worker group is started for SFT (its optimizer is the warm start's: `sft.lr`, and the
+policy's schedule and EMA) and takes the command
+    sft(data: str, steps: int, batch_size: int, seed: int, start_step: int) ->
         {"loss": float, "last_loss": float, "steps": int, "seconds": float}
 `data` is the run-relative path of an Arrow shard of records (`prompt` plus `response` text for
 language models, or `media_png` image bytes for image models); the batch of step s is a function
@@ -22,7 +23,7 @@ from stages.run import materialize_model, open_run, update_run_info
 from stages.sft import write_sft_data
 from stages.storage import RunStorage, join
 from stages.tracking import Tracker
-from stages.workers.checkpoint import MANIFEST, write_weights_dir
+from stages.train.checkpoint import MANIFEST, write_weights_dir
 from stages.workers.group import WorkerGroup
 
 BASE = "sft/base"
@@ -43,13 +44,13 @@ def run_sft(recipe: Recipe, storage: RunStorage, tracker: Tracker | None = None)
         manifest = write_sft_data(storage, recipe)
         storage.write_json("sft/manifest.json", manifest)
     s = recipe.sft
-    group = WorkerGroup(recipe, storage, init_weights=BASE, log=logger.info)
+    group = WorkerGroup(recipe, storage, init_weights=BASE, log=logger.info, mode="sft")
     try:
         group.start(None)
         done = 0
         while done < s.steps:
             steps = min(CHUNK, s.steps - done)
-            out = group.call("sft", data=manifest["files"][0], steps=steps, batch_size=s.batch_size, lr=s.lr, seed=s.seed, start_step=done)
+            out = group.call("sft", data=manifest["files"][0], steps=steps, batch_size=s.batch_size, seed=s.seed, start_step=done)
             done = out["steps"]
             print(f"[unirl] sft step {done}/{s.steps}  loss {out['last_loss']:.4f}  {out['seconds']:.1f}s", flush=True)
             if tracker is not None:

@@ -1,8 +1,65 @@
-"""The base of every recipe section: unknown fields are errors, assignments are validated."""
+"""The base of every recipe section (unknown fields are errors, assignments are validated), and
+the sections that several registries' entries share."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(Section):
+    """LoRA adapters through peft; the reference policy is the adapter disabled."""
+
+    rank: int = Field(8, ge=1, description="Adapter rank r.")
+    alpha: float = Field(16.0, gt=0, description="Scaling alpha (effective scale alpha/r).")
+    target_modules: list[str] = Field(default_factory=list, description="Module name suffixes; empty: the model family's default.")
+
+
+class EMAConfig(Section):
+    """Exponential moving average of the trainable weights (published alongside the policy)."""
+
+    decay: float = Field(0.99, gt=0, lt=1, description="EMA decay per optimizer step.")
+
+
+FIELDS_READ: set[str] = set()  # "Section.field" read in this process (when traced)
+
+
+def _trace_field_reads(directory: str) -> None:
+    """Record every recipe field any code reads (attribute access on a section) and write the set
+    to `directory` when the process exits: the test suite sets UNIRL_FIELD_TRACE to find fields
+    that nothing reads. Off (no cost) unless the variable is set."""
+    import atexit
+    import json
+    import os
+    import uuid
+
+    read = FIELDS_READ
+    plain = BaseModel.__getattribute__
+
+    def traced(self: BaseModel, name: str):
+        if not name.startswith("_"):
+            fields = type(self).__pydantic_fields__ if hasattr(type(self), "__pydantic_fields__") else {}
+            if name in fields:
+                read.add(f"{type(self).__name__}.{name}")
+        return plain(self, name)
+
+    Section.__getattribute__ = traced  # type: ignore[method-assign]
+
+    def dump() -> None:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, f"{os.getpid()}-{uuid.uuid4().hex[:8]}.json"), "w") as fh:
+            json.dump(sorted(read), fh)
+
+    atexit.register(dump)
+
+
+def _maybe_trace() -> None:
+    import os
+
+    if os.environ.get("UNIRL_FIELD_TRACE"):
+        _trace_field_reads(os.environ["UNIRL_FIELD_TRACE"])
+
+
+_maybe_trace()

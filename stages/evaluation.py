@@ -30,7 +30,8 @@ def write_eval_requests(storage: RunStorage, recipe: Recipe, version: int, group
 def correctness(storage: RunStorage, recipe: Recipe, rollouts: list[str]) -> tuple[list[str], np.ndarray]:
     """(group ids, 0/1 correctness) of every sample in `rollouts`."""
     table = read_rollouts(storage, rollouts, columns=SCORED_COLUMNS)
-    scores = run_scorer(build_scorer(recipe.eval.scorer), score_batch(table)).scores
+    name, params = recipe.eval_scorer()
+    scores = run_scorer(build_scorer(name, **params), score_batch(table)).scores
     return table.column("group_id").to_pylist(), (scores >= 1.0).astype(np.float64)
 
 

@@ -12,20 +12,12 @@ import numpy as np
 
 from stages.advantage import group_advantages, group_stats
 from stages.data import build_prompt_source
+from stages.media import decode_png
 from stages.recipe import Recipe
-from stages.rewards.base import ScoreBatch, ScoreResult, aggregate, build_scorer, run_scorer
+from stages.rewards.base import ScoreBatch, ScoreResult, aggregate, build_scorer, prompt_check, run_scorer
 from stages.rewards.overlong import apply_overlong
 from stages.sample import metadata, read_rollouts, read_shard, table_from_rows, write_shard
 from stages.storage import RunStorage, iter_dir, join
-
-
-def decode_png(data: bytes):
-    """PNG bytes of a shard -> RGB PIL image."""
-    import io
-
-    from PIL import Image
-
-    return Image.open(io.BytesIO(data)).convert("RGB")
 
 
 def committed(storage: RunStorage, iteration: int, stage: str, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -51,6 +43,7 @@ def write_requests(storage: RunStorage, recipe: Recipe, iteration: int, round_in
     source = build_prompt_source(recipe.data)
     n = recipe.rollout.prompts_per_iteration
     prompts = source.batch(iteration, n * (round_index + 1))[n * round_index:]
+    check_prompts(recipe, prompts)
     rows = [
         {"group_id": f"{iter_dir(iteration)}/{p.prompt_id}", "prompt": p.text, "metadata": p.metadata,
          "group_size": recipe.rollout.group_size, "iteration": iteration}
@@ -59,6 +52,17 @@ def write_requests(storage: RunStorage, recipe: Recipe, iteration: int, round_in
     rel = join(iter_dir(iteration), f"requests{round_suffix(round_index)}.arrow")
     write_shard(storage, rel, table_from_rows(rows, "requests"))
     return {"files": [rel], "rows": len(rows)}
+
+
+def check_prompts(recipe: Recipe, prompts: list[Any]) -> None:
+    """Fail before sampling when a scorer of the recipe cannot score one of `prompts`, naming it."""
+    for spec in recipe.reward.scorers:
+        check = prompt_check(spec.name)
+        for p in prompts if check is not None else []:
+            try:
+                check(p.text)
+            except ValueError as exc:
+                raise ValueError(f"prompt {p.prompt_id!r}: scorer {spec.name!r} cannot score it: {exc}") from None
 
 
 # What scoring reads of a rollouts table (not the latents).
@@ -88,9 +92,9 @@ def score(
     batch = score_batch(table)
     results, weights = {}, {}
     for spec in recipe.reward.scorers:
-        scorer = (scorers or {}).get(spec.name) or build_scorer(spec.name, **spec.params)
-        results[spec.name] = run_scorer(scorer, batch)
-        weights[spec.name] = spec.weight
+        scorer = (scorers or {}).get(spec.component) or build_scorer(spec.name, **spec.params)
+        results[spec.component] = run_scorer(scorer, batch)
+        weights[spec.component] = spec.weight
     total = aggregate(results, weights, recipe.reward.aggregation)
     overlong = recipe.reward.overlong
     if overlong.truncated != "keep" and "response_ids" in names:

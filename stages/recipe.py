@@ -1,136 +1,53 @@
 """The one typed config: `Recipe`, loaded from YAML with `key.sub=value` overrides.
 
 The same pydantic model is the CLI's input, the Prefect flow's parameter (so the UI renders it
-as a form) and the MLflow params. Errors name the field path and the allowed values, before any
-model is loaded.
+as a form) and the MLflow params. The sections that vary are discriminated unions built from the
+registries: `model` (families, by `kind`), `data` (prompt sources), `rollout` (the family's
+policy: text sampling or flow sampling fields), `rollout.engine` and `algorithm`. Rules that need
+two sections at once are the registered entries' own `check`s, run at validation, so errors name
+the field path and the allowed values before any model is loaded.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from stages.config_base import Section
-from stages.recipe_diffusion import (
-    DiffusionSampler,
-    FlowDPPOConfig,
-    FlowGRPOConfig,
-    GenEvalData,
-    LoraConfig,
-    NFTConfig,
-    SD3ModelConfig,
-)
+from stages.algorithms.base import algorithms
+from stages.config_base import EMAConfig, Section
+from stages.models.family import families
+from stages.policies import policies
+from stages.sources import sources
 
 
-class TinyQwen3(Section):
-    """Architecture of the seeded random model used when `model.path` is empty (tests, smoke runs)."""
-
-    hidden_size: int = Field(64, ge=8, description="Width of the residual stream.")
-    num_hidden_layers: int = Field(2, ge=1, description="Decoder layers.")
-    num_attention_heads: int = Field(4, ge=1, description="Query heads.")
-    num_key_value_heads: int = Field(2, ge=1, description="Key/value heads (grouped-query attention).")
-    head_dim: int = Field(16, ge=4, description="Per-head width.")
-    intermediate_size: int = Field(128, ge=8, description="MLP width.")
-    max_position_embeddings: int = Field(256, ge=16, description="Longest sequence the model takes.")
-    seed: int = Field(0, description="Seed of the random initialisation.")
-    charset: str = Field(
-        "0123456789+-*=() ", min_length=1, description="Characters of the tiny model's character-level tokenizer."
-    )
+def _union(registry: Any, attr: str, tag: str) -> Any:
+    """The discriminated union of every registered entry's recipe section."""
+    members = tuple(getattr(cls, attr) for _, cls in registry.items())
+    return Annotated[Union[members], Field(discriminator=tag)] if len(members) > 1 else members[0]
 
 
-class Qwen3ModelConfig(Section):
-    """A Qwen3-architecture causal language model (transformers Qwen3ForCausalLM)."""
-
-    kind: Literal["qwen3"] = Field("qwen3", description="Model family.")
-    path: str | None = Field(
-        None,
-        description="Local directory in Hugging Face layout (config.json, *.safetensors, tokenizer). "
-        "Empty: build the tiny seeded model below.",
-    )
-    tiny: TinyQwen3 = Field(default_factory=TinyQwen3, description="Tiny architecture, used only without `path`.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype of the policy.")
-    lora: LoraConfig | None = Field(None, description="Train LoRA adapters (peft) instead of all weights.")
-    chat_template: bool | None = Field(
-        None, description="Wrap prompts in the tokenizer's chat template (empty: when the tokenizer has one)."
-    )
-
-
-class ArithmeticData(Section):
-    """Synthetic arithmetic prompts (`a+b=`, `12*3-40=`); the answer is the exact integer result."""
-
-    name: Literal["arithmetic"] = "arithmetic"
-    digits: int = Field(1, ge=1, le=6, description="Digits per operand (0-9 for 1, 10-99 for 2, ...).")
-    operators: list[Literal["+", "-", "*"]] = Field(["+"], min_length=1, description="Operators to draw from.")
-    operands: int = Field(2, ge=2, le=4, description="Numbers per expression; `*` binds tighter than `+` and `-`.")
-    min_value: int | None = Field(None, description="Smallest operand, overriding the low end of `digits` (may be negative).")
-    max_value: int | None = Field(None, description="Largest operand, overriding the high end of `digits`.")
-    template: str = Field("{expr}=", description="Prompt text; `{expr}` is replaced by the expression, e.g. 'What is {expr}? '.")
-    heldout_size: int = Field(16, ge=0, description="Size of the fixed held-out split (never trained on).")
-    seed: int = Field(1234, description="Seed of the prompt stream and the held-out split.")
-
-    @model_validator(mode="after")
-    def _check_space(self) -> "ArithmeticData":
-        if "{expr}" not in self.template:
-            raise ValueError(f"data.template: {self.template!r} has no {{expr}} placeholder")
-        lo = (0 if self.digits == 1 else 10 ** (self.digits - 1)) if self.min_value is None else self.min_value
-        hi = 10**self.digits - 1 if self.max_value is None else self.max_value
-        if lo > hi:
-            raise ValueError(f"data.min_value: {lo} is above the largest operand {hi}")
-        space = len(set(self.operators)) ** (self.operands - 1) * (hi - lo + 1) ** self.operands
-        if self.heldout_size >= space:
-            raise ValueError(
-                f"data.heldout_size: {self.heldout_size} held-out prompts leave none of the {space} possible "
-                "expressions for training; lower it or widen digits / min_value / max_value / operands"
-            )
-        return self
-
-
-class FileData(Section):
-    """Prompts and reference answers from a local JSONL (one JSON object per line) or Parquet file."""
-
-    name: Literal["file"] = "file"
-    path: str = Field(description="Local .jsonl / .ndjson / .json (one object per line) or .parquet file.")
-    prompt_column: str = Field("prompt", min_length=1, description="Column holding the prompt text.")
-    answer_column: str = Field("answer", min_length=1, description="Column holding the reference answer (metadata `answer`).")
-    id_column: str | None = Field(None, description="Column of unique row ids, used in prompt ids (empty: line/row number).")
-    heldout_fraction: float = Field(
-        0.0, ge=0, lt=1, description="Fraction of the distinct prompts held out, fixed by `seed` (0: none, or heldout_path)."
-    )
-    heldout_path: str | None = Field(None, description="A separate held-out file with the same columns (instead of heldout_fraction).")
-    seed: int = Field(1234, description="Seed of the per-epoch shuffles and of the held-out draw.")
-
-    @model_validator(mode="after")
-    def _one_heldout(self) -> "FileData":
-        if self.heldout_path is not None and self.heldout_fraction > 0:
-            raise ValueError("data.heldout_fraction: set either heldout_fraction or heldout_path, not both")
-        return self
-
-
-DataConfig = Annotated[Union[ArithmeticData, FileData, GenEvalData], Field(discriminator="name")]
-ModelConfig = Annotated[Union[Qwen3ModelConfig, SD3ModelConfig], Field(discriminator="kind")]
-
-
-class RolloutConfig(Section):
-    """How samples are generated."""
-
-    backend: Literal["trainside"] = Field("trainside", description="Where generation runs: inside the training worker group.")
-    prompts_per_iteration: int = Field(8, ge=1, description="Prompt groups per iteration.")
-    group_size: int = Field(4, ge=1, description="Samples per prompt (the GRPO group).")
-    max_new_tokens: int = Field(8, ge=1, description="Generation length cap; longer answers finish as `length`.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used for training log-probs).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    dynamic_sampling: DynamicSamplingConfig | None = Field(None, description="DAPO dynamic sampling.")
-    sampler: DiffusionSampler = Field(default_factory=DiffusionSampler, description="Image sampling (diffusion models only).")
+ModelConfig = _union(families, "config", "kind")
+DataConfig = _union(sources, "config", "name")
+RolloutConfig = _union(policies, "rollout_config", "kind")
+AlgorithmConfig = _union(algorithms, "config", "name")
 
 
 class ScorerSpec(Section):
     name: str = Field(description="Registered scorer name (see `unirl validate` errors for the list).")
+    key: str | None = Field(
+        None, description="Name of its reward component (`reward/<key>`); empty: the scorer name. Two scorers of the "
+        "same name need different keys.",
+    )
     weight: float = Field(1.0, description="Weight in the weighted sum.")
-    params: dict[str, Any] = Field(default_factory=dict, description="Scorer-specific options.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Scorer-specific options (checked against its schema).")
+
+    @property
+    def component(self) -> str:
+        return self.key or self.name
 
 
 class OverlongConfig(Section):
@@ -164,57 +81,6 @@ class AdvantageConfig(Section):
     eps: float = Field(1e-6, gt=0, description="Added to the std.")
 
 
-class GRPOConfig(Section):
-    """GRPO (DeepSeekMath) with DAPO's clip-higher; Dr.GRPO is `agg: seq_mean_token_sum_norm`."""
-
-    name: Literal["grpo"] = "grpo"
-    clip_low: float = Field(0.2, ge=0, lt=1, description="Lower clip: ratio >= 1 - clip_low.")
-    clip_high: float = Field(0.2, ge=0, description="Upper clip: ratio <= 1 + clip_high.")
-    agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
-        "token_mean", description="Loss aggregation over tokens and sequences."
-    )
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the frozen initial policy (0: no reference model).")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
-
-
-class GSPOConfig(Section):
-    """GSPO (Zheng et al. 2025): the clipped objective on the length-normalized sequence ratio."""
-
-    name: Literal["gspo"] = "gspo"
-    clip_low: float = Field(3e-4, ge=0, lt=1, description="Lower clip of the sequence ratio.")
-    clip_high: float = Field(4e-4, ge=0, description="Upper clip of the sequence ratio.")
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference policy.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
-
-
-class DRPOConfig(Section):
-    """DRPO: ratio objective with a divergence penalty |A| w (r-1)^2 / (2 epsilon) instead of clipping."""
-
-    name: Literal["drpo"] = "drpo"
-    epsilon: float = Field(12.5, gt=0, description="Penalty temperature epsilon.")
-    mu_weighted: bool = Field(True, description="Weight the penalty by the old token probability.")
-    agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field("token_mean", description="Loss aggregation.")
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference policy.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
-
-
-AlgorithmConfig = Annotated[
-    Union[GRPOConfig, GSPOConfig, DRPOConfig, FlowGRPOConfig, FlowDPPOConfig, NFTConfig], Field(discriminator="name")
-]
-
-
-class EMAConfig(Section):
-    """Exponential moving average of the trainable weights (published alongside the policy)."""
-
-    decay: float = Field(0.99, gt=0, lt=1, description="EMA decay per optimizer step.")
-
-
-class DynamicSamplingConfig(Section):
-    """DAPO dynamic sampling: drop groups whose rewards are all equal and refill with new prompts."""
-
-    max_rounds: int = Field(3, ge=1, description="Generation rounds per iteration at most (the cap).")
-
-
 class SFTConfig(Section):
     """Supervised warm start before RL: its weights become the run's initial weights v000000."""
 
@@ -235,7 +101,10 @@ class EvalConfig(Section):
     """Held-out evaluation: greedy accuracy and avg@k / pass@k of sampled answers."""
 
     every: int = Field(0, ge=0, description="Evaluate every N iterations (0: only before and after training).")
-    scorer: str = Field("exact_match", description="Registered scorer whose score 1 means a correct answer.")
+    scorer: str | None = Field(
+        None, description="Registered scorer whose score 1 means a correct answer; empty: the first of reward.scorers "
+        "(with its params).",
+    )
     k: int = Field(4, ge=1, description="Samples per prompt for avg@k and pass@k.")
     enabled: bool = Field(True, description="Evaluate before the first and after the last iteration.")
 
@@ -281,12 +150,13 @@ class Recipe(Section):
 
     name: str = Field("recipe", description="Recipe name; the default run name.")
     seed: int = Field(0, description="Base seed for sampling.")
-    model: ModelConfig = Field(default_factory=Qwen3ModelConfig, description="The policy model.")
-    data: DataConfig = Field(default_factory=ArithmeticData, description="Prompt source.")
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
+    model: ModelConfig = Field(default_factory=lambda: families.get("qwen3").config(), description="The policy model.")
+    data: DataConfig = Field(default_factory=lambda: sources.get("arithmetic").config(), description="Prompt source.")
+    rollout: RolloutConfig = Field(default_factory=lambda: policies.get("text").rollout_config(),
+                                   description="Generation (its fields are the model family's policy's).")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Rewards.")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantages.")
-    algorithm: AlgorithmConfig = Field(default_factory=GRPOConfig, description="Policy loss.")
+    algorithm: AlgorithmConfig = Field(default_factory=lambda: algorithms.get("grpo").config(), description="Policy loss.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimizer and worker group.")
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Run storage.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Experiment tracking.")
@@ -295,33 +165,95 @@ class Recipe(Section):
     iterations: int = Field(3, ge=1, description="RL iterations in the run.")
     checkpoint_every: int = Field(1, ge=1, description="Save a checkpoint (and publish weights) every N iterations.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _rollout_kind(cls, data: Any) -> Any:
+        """`rollout.kind` is the model family's policy: the rollout section's fields are that
+        policy's (an image model's recipe cannot carry text-sampling fields, nor the reverse)."""
+        if not isinstance(data, dict):
+            return data
+        model = data.get("model") or {}
+        kind = model.get("kind", "qwen3") if isinstance(model, dict) else getattr(model, "kind", None)
+        if kind not in families:
+            return data  # the model union reports the unknown kind
+        rollout = data.get("rollout")
+        if rollout is None:
+            rollout = {}
+        if isinstance(rollout, dict) and "kind" not in rollout:
+            data = {**data, "rollout": {**rollout, "kind": families.get(kind).policy}}
+        return data
+
     @model_validator(mode="after")
     def _check_combination(self) -> "Recipe":
-        from stages.rewards.base import scorer_names
+        """Every rule that needs two sections at once, so `unirl validate` finds what the run would
+        otherwise meet inside the worker group; all problems are reported together."""
+        errors = self._scorer_errors()
+        family = families.get(self.model.kind)
+        policy = policies.get(family.policy)
+        algo = algorithms.get(self.algorithm.name)
+        if self.rollout.kind != family.policy:
+            errors.append(f"rollout.kind: {self.rollout.kind!r} sampling does not run model.kind {self.model.kind!r}, "
+                          f"whose policy is {family.policy!r}; remove rollout.kind")
+        if algo.segment != policy.segment:
+            fits = [n for n, a in algorithms.items() if a.segment == policy.segment]
+            errors.append(f"algorithm.name: {algo.name!r} trains {algo.segment} segments, but model.kind {self.model.kind!r} "
+                          f"produces {policy.segment} segments (allowed: {', '.join(fits)})")
+        if self.train.updates_per_batch > 1 and not algo.supports_multi_update:
+            errors.append(f"train.updates_per_batch: algorithm {algo.name!r} takes one update per batch, not "
+                          f"{self.train.updates_per_batch}; set train.updates_per_batch=1 or choose another algorithm.name")
+        if self.sft is not None and self.sft.source == "file" and not self.sft.path:
+            errors.append("sft.path: `source: file` needs the path of a JSONL or Arrow file of prompt/response records")
+        if errors:
+            raise ValueError("\n".join(errors))
+        from stages.engines import engines
+
+        for check in (policy.check, family.check, algo.check, sources.get(self.data.name).check,
+                      engines.get(self.rollout.engine.name).check):
+            try:
+                check(self)
+            except ValueError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise ValueError("\n".join(errors))
+        return self
+
+    def _scorer_errors(self) -> list[str]:
+        from stages.rewards.base import check_scorer_params, scorer_names, scorer_reads
 
         known = scorer_names()
+        produces = families.get(self.model.kind).produces
+        errors: list[str] = []
+
+        def check(where: str, name: str) -> bool:
+            if name not in known:
+                errors.append(f"{where}: unknown scorer {name!r} (allowed: {', '.join(known)})")
+                return False
+            reads = scorer_reads(name)
+            missing = [m for m in reads or () if m not in produces]
+            if missing:
+                errors.append(f"{where}: scorer {name!r} reads {', '.join(missing)}, but model.kind {self.model.kind!r} "
+                              f"produces {', '.join(produces)}; choose a scorer that reads {', '.join(produces)}")
+                return False
+            return True
+
+        seen: dict[str, int] = {}
         for i, spec in enumerate(self.reward.scorers):
-            if spec.name not in known:
-                raise ValueError(
-                    f"reward.scorers.{i}.name: unknown scorer {spec.name!r} (allowed: {', '.join(known)})"
-                )
-        if self.eval.scorer not in known:
-            raise ValueError(f"eval.scorer: unknown scorer {self.eval.scorer!r} (allowed: {', '.join(known)})")
-        families = {"qwen3": (("grpo", "gspo", "drpo"), ("arithmetic", "file")), "sd3": (("flow_grpo", "flow_dppo", "nft"), ("geneval",))}
-        algos, datas = families[self.model.kind]
-        if self.algorithm.name not in algos:
-            raise ValueError(f"algorithm.name: {self.algorithm.name!r} does not train model.kind {self.model.kind!r} (allowed: {', '.join(algos)})")
-        if self.data.name not in datas:
-            raise ValueError(f"data.name: {self.data.name!r} does not feed model.kind {self.model.kind!r} (allowed: {', '.join(datas)})")
-        overlong = self.reward.overlong
-        if overlong.truncated == "soft" and overlong.buffer > self.rollout.max_new_tokens:
-            raise ValueError(
-                f"reward.overlong.buffer: {overlong.buffer} is longer than rollout.max_new_tokens "
-                f"({self.rollout.max_new_tokens}); the soft penalty ramp must fit inside the length cap"
-            )
-        if self.sft is not None and self.sft.source == "file" and not self.sft.path:
-            raise ValueError("sft.path: `source: file` needs the path of a JSONL or Arrow file of prompt/response records")
-        return self
+            if check(f"reward.scorers.{i}.name", spec.name):
+                errors += [f"reward.scorers.{i}.params.{e}" for e in check_scorer_params(spec.name, spec.params)]
+            if spec.component in seen:
+                errors.append(f"reward.scorers.{i}.key: scorer {spec.name!r} has the key {spec.component!r} of "
+                              f"reward.scorers.{seen[spec.component]}; give one of them another `key`")
+            seen.setdefault(spec.component, i)
+        if self.eval.scorer is not None:
+            check("eval.scorer", self.eval.scorer)
+        return errors
+
+    def eval_scorer(self) -> tuple[str, dict[str, Any]]:
+        """(name, params) of the held-out correctness scorer: `eval.scorer`, else the first reward scorer."""
+        if self.eval.scorer is not None:
+            return self.eval.scorer, {}
+        first = self.reward.scorers[0]
+        return first.name, dict(first.params)
 
     def fingerprint(self) -> str:
         """sha256 of the resolved recipe, without where it is stored and tracked."""
@@ -428,8 +360,8 @@ def format_errors(exc: ValidationError, model: type[BaseModel] | None = None) ->
         msg, kind, got = err["msg"], err["type"], err.get("input")
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
-            if ":" in msg.split(" ")[0]:  # the validator already names its field
-                lines.append(msg)
+            if ":" in msg.split(" ")[0]:  # the validator already names its field (one line per problem)
+                lines.extend(msg.splitlines())
                 continue
         if kind == "extra_forbidden":
             allowed = sorted(section.model_fields) if section is not None else []

@@ -10,7 +10,7 @@ from typing import Any
 
 from stages.recipe import Recipe
 from stages.storage import RunStorage, join
-from stages.workers.checkpoint import MANIFEST, write_weights_dir
+from stages.train.checkpoint import MANIFEST, write_weights_dir
 
 
 class RunMismatchError(ValueError):
@@ -68,20 +68,9 @@ def update_run_info(storage: RunStorage, **fields: Any) -> dict[str, Any]:
 
 def materialize_model(recipe: Recipe, scratch: Path) -> Path:
     """The folder the run starts from: `model.path` (checked), or the tiny seeded model saved to `scratch`."""
-    if recipe.model.kind == "sd3":
-        from stages.models.sd3 import build_tiny_sd3
+    from stages.models.family import get_family
 
-        if recipe.model.path:
-            d = Path(recipe.model.path)
-            if not (d / "model_index.json").is_file():
-                raise FileNotFoundError(f"model.path {d}: no model_index.json (expected a diffusers SD3 folder)")
-            return d
-        return build_tiny_sd3(scratch, **recipe.model.tiny.build_kwargs())
-    from stages.models import check_model_dir, save_tiny_qwen3
-
-    if recipe.model.path:
-        return check_model_dir(recipe.model.path)
-    return save_tiny_qwen3(scratch, recipe.model.tiny)
+    return get_family(recipe.model.kind).materialize(recipe.model, scratch)
 
 
 def initial_weights(storage: RunStorage, recipe: Recipe) -> str:

@@ -10,13 +10,14 @@ inputs give bit-identical log-probs, which is what makes the first on-policy rat
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import Tensor
+
+from stages.seeds import derive_seed
 
 SDE_KINDS = ("flow", "dance", "cps", "ode")
 SELECTION_MODES = ("all", "window", "mixgrpo")
@@ -294,12 +295,6 @@ def select_sde_steps(
 # ---------------------------------------------------------------- initial noise
 
 
-def _derived_seed(*parts: object) -> int:
-    """A 63-bit seed from `parts`, the same in every process (unlike the salted builtin hash())."""
-    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
 def initial_noise(
     shape: Sequence[int],
     *,
@@ -317,11 +312,11 @@ def initial_noise(
     if init_same_noise:
         if group_id is None:
             raise ValueError("init_same_noise=True derives the noise from the group: pass group_id")
-        seed = _derived_seed(base_seed, "group", group_id)
+        seed = derive_seed(base_seed, "group", group_id, sep=":")
     else:
         if sample_id is None:
             raise ValueError("init_same_noise=False derives the noise from the sample: pass sample_id")
-        seed = _derived_seed(base_seed, "sample", sample_id)
+        seed = derive_seed(base_seed, "sample", sample_id, sep=":")
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(tuple(shape), generator=generator, dtype=torch.float32), seed
 

@@ -1,9 +1,8 @@
-"""Supervised records for the warm start: (prompt, response) for language models, drawn from the
-recipe's data source with its answers or read from a JSONL / Arrow file."""
+"""Supervised records for the warm start: synthetic ones from the recipe's data source ((prompt,
+response) with its answers; (prompt, media_png) scenes for toy GenEval) or a JSONL / Arrow file."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
@@ -15,23 +14,6 @@ from stages.sample import table_from_rows, write_shard
 from stages.storage import RunStorage
 
 SFT_DATA = "sft/data.arrow"
-
-
-def synthetic_records(recipe: Recipe) -> list[dict[str, Any]]:
-    """`sft.examples` (prompt, answer) records from the data source's training stream (never its
-    held-out split): the reference answers are the demonstrations."""
-    from stages.data import build_prompt_source
-
-    source = build_prompt_source(recipe.data)
-    prompts = source.batch(0, recipe.sft.examples)
-    missing = [p.prompt_id for p in prompts if "answer" not in p.metadata]
-    if missing:
-        raise ValueError(f"sft.source: synthetic records need an answer per prompt; {missing[0]!r} has none")
-    rng = random.Random(f"sft-noise-{recipe.sft.seed}")
-    return [
-        {"prompt": p.text, "response": str(p.metadata["answer"]) + ("=" if rng.random() < recipe.sft.noise else "")}
-        for p in prompts
-    ]
 
 
 def file_records(path: str) -> list[dict[str, Any]]:
@@ -60,12 +42,9 @@ def file_records(path: str) -> list[dict[str, Any]]:
 
 
 def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
-    sft = recipe.sft
-    if sft.source == "synthetic" and recipe.data.name == "geneval":  # image records: prompt + media_png
-        from stages.diffusion.sft import synthetic_records as image_records
+    from stages.sources import sources
 
-        records = image_records(recipe)
-    else:
-        records = file_records(sft.path) if sft.source == "file" else synthetic_records(recipe)
+    sft = recipe.sft
+    records = file_records(sft.path) if sft.source == "file" else sources.get(recipe.data.name).sft_records(recipe)
     write_shard(storage, SFT_DATA, table_from_rows(records, "sft"))
     return {"files": [SFT_DATA], "rows": len(records)}

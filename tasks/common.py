@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 from prefect import get_run_logger, tags
 from prefect.settings import get_current_settings
 
+from stages.engines import RolloutEngine, engines
 from stages.recipe import Recipe
 from stages.storage import RunStorage
 from stages.workers.group import WorkerGroup, get_group
@@ -46,8 +47,14 @@ def storage_of(recipe: Recipe, run_name: str) -> RunStorage:
 
 
 def group_of(recipe: Recipe, storage: RunStorage) -> WorkerGroup:
+    """The run's trainer: the process-wide worker group (tasks of one flow run share it)."""
     def make() -> WorkerGroup:
         logger = get_run_logger()
         return WorkerGroup(recipe, storage, init_weights=storage.weights_rel(0), log=logger.info)
 
     return get_group(storage.url(), make)
+
+
+def engine_of(recipe: Recipe, storage: RunStorage) -> RolloutEngine:
+    """The run's rollout engine, from the recipe's `rollout.engine` (the engine registry)."""
+    return engines.get(recipe.rollout.engine.name)(recipe, storage, group_of(recipe, storage))

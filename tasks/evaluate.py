@@ -9,7 +9,7 @@ from prefect.cache_policies import NO_CACHE
 from stages.evaluation import eval_dir, eval_metrics, write_eval_requests
 from stages.recipe import Recipe
 from stages.storage import join
-from tasks.common import group_of, storage_of
+from tasks.common import engine_of, storage_of
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1)
@@ -18,15 +18,12 @@ def evaluate(recipe: Recipe, run_name: str, version: int) -> dict[str, Any]:
     rel = join(eval_dir(version), "metrics.json")
     if storage.exists(rel):
         return storage.read_json(rel)
-    group = group_of(recipe, storage)
-    group.ensure(version)
+    engine = engine_of(recipe, storage)
     outputs = {}
     for name, size, greedy in (("greedy", 1, True), ("sampled", recipe.eval.k, False)):
         requests = write_eval_requests(storage, recipe, version, size, name)
-        outputs[name] = group.call(
-            "generate", iteration=version, requests=requests, out_dir=join(eval_dir(version), name),
-            greedy=greedy, seed_tag="eval",
-        )["files"]
+        outputs[name] = engine.generate(requests, join(eval_dir(version), name), version, policy_version=version,
+                                        greedy=greedy, seed_tag="eval")["files"]
     metrics = eval_metrics(storage, recipe, outputs["greedy"], outputs["sampled"])
     result = {"version": version, "metrics": metrics}
     storage.write_json(rel, result)

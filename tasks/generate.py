@@ -1,4 +1,4 @@
-"""generate: requests.arrow, then rollouts/part-*.arrow from the worker group (trainside)."""
+"""generate: requests.arrow, then rollouts/part-*.arrow from the recipe's rollout engine."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,7 +9,7 @@ from prefect.cache_policies import NO_CACHE
 from stages import iteration as it
 from stages.recipe import Recipe
 from stages.storage import iter_dir, join
-from tasks.common import group_of, storage_of
+from tasks.common import engine_of, storage_of
 
 
 @task(name="generate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1)
@@ -22,9 +22,7 @@ def generate(recipe: Recipe, run_name: str, iteration: int, round_index: int = 0
     )
 
     def make() -> dict[str, Any]:
-        group = group_of(recipe, storage)
-        group.ensure(iteration)
         out_dir = join(iter_dir(iteration), "rollouts" + (f"/r{round_index}" if round_index else ""))
-        return group.call("generate", iteration=iteration, requests=requests["files"][0], out_dir=out_dir)
+        return engine_of(recipe, storage).generate(requests["files"][0], out_dir, iteration, policy_version=iteration)
 
     return it.committed(storage, iteration, f"generate{suffix}", make)

@@ -1,6 +1,7 @@
 """sync: record the policy version the next iteration samples with; checkpoint and publish
-weights every `checkpoint_every` iterations and at the last one. Trainside rollout shares the
-training weights, so there is no engine to update."""
+weights every `checkpoint_every` iterations and at the last one, and every iteration for an
+engine that holds its own weights, which then loads the published version. Trainside rollout
+shares the training weights, so there is nothing to load."""
 from __future__ import annotations
 
 from typing import Any
@@ -10,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 
 from stages import iteration as it
 from stages.recipe import Recipe
-from tasks.common import group_of, storage_of
+from tasks.common import engine_of, group_of, storage_of
 
 
 @task(name="sync", cache_policy=NO_CACHE)
@@ -19,12 +20,18 @@ def sync(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any]:
     version = iteration + 1
 
     def make() -> dict[str, Any]:
-        out: dict[str, Any] = {"policy_version": version, "backend": recipe.rollout.backend, "files": []}
+        engine = engine_of(recipe, storage)
+        out: dict[str, Any] = {"policy_version": version, "engine": recipe.rollout.engine.name, "files": []}
+        group = group_of(recipe, storage)
         if version % recipe.checkpoint_every == 0 or version == recipe.iterations:
-            group = group_of(recipe, storage)
             group.ensure(version)
             out["checkpoint"] = group.call("save")["path"]
             out["weights"] = group.call("publish")["path"]
+        if engine.own_weights:
+            if "weights" not in out:
+                group.ensure(version)
+                out["weights"] = group.call("publish")["path"]
+            engine.load_weights(out["weights"], version)
         return out
 
     return it.committed(storage, iteration, "sync", make)

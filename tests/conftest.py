@@ -4,11 +4,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Every process the suite starts records the recipe fields it reads (stages/config_base.py);
+# tests/test_recipe_fields.py, which runs last, fails on a field nothing read.
+os.environ.setdefault("UNIRL_FIELD_TRACE", tempfile.mkdtemp(prefix="unirl-field-trace-"))
 TINY = REPO / "recipes" / "ar" / "tiny.yaml"
 
 
@@ -39,3 +43,21 @@ def run_unirl(args: list[str], env: dict[str, str], timeout: float = 600, check:
     if check and proc.returncode != 0:
         raise AssertionError(f"unirl {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}")
     return proc
+
+
+@pytest.fixture(scope="session")
+def tiny_weights(tmp_path_factory):
+    """`tiny_weights(family)`: the family's tiny model of tests/tiny.py, built once per session and
+    saved in its checkpoint layout, so tests load it by path like real weights."""
+    from stages.models.family import families
+    from tests.tiny import TINY
+
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            fam = families.get(family)
+            built[family] = fam.materialize(fam.config.model_validate(TINY[family]["model"]), tmp_path_factory.mktemp(family) / "tiny")
+        return built[family]
+
+    return get

@@ -1,9 +1,16 @@
-"""Policy losses, one family per file. Every loss returns a LossOutput (loss, metrics)."""
+"""Algorithms, one per file: the pure loss kernel (DESIGN.md section 5) and the registered class
+that trains with it (stages/algorithms/base.py describes the seam)."""
 from stages.algorithms.aggregate import AGG_MODES, LossOutput
+from stages.algorithms.base import Algorithm, BehaviourMismatchError, TrainContext, algorithms, get_algorithm
 from stages.algorithms.drpo import drpo_loss
+from stages.algorithms.flow_dppo import flow_dppo_loss
+from stages.algorithms.flow_grpo import flow_grpo_loss
 from stages.algorithms.grpo import grpo_loss
 from stages.algorithms.gspo import gspo_loss
-from stages.algorithms.kl import KL_ESTIMATORS, kl
-from stages.algorithms.flow_dppo import flow_dppo_loss
-from stages.algorithms.flow_grpo import flow_grpo_loss, flow_kl
+from stages.algorithms.kl import KL_ESTIMATORS, flow_kl, kl
 from stages.algorithms.nft import nft_loss
+
+__all__ = [
+    "AGG_MODES", "Algorithm", "BehaviourMismatchError", "KL_ESTIMATORS", "LossOutput", "TrainContext", "algorithms",
+    "drpo_loss", "flow_dppo_loss", "flow_grpo_loss", "flow_kl", "get_algorithm", "grpo_loss", "gspo_loss", "kl", "nft_loss",
+]

@@ -10,9 +10,15 @@ are not over-penalised. The log-ratio is clamped to [-20, 20] to keep exp finite
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from pydantic import Field
 
 from stages.algorithms.aggregate import LossOutput, aggregate, loss_metrics, prepare
+from stages.algorithms.base import algorithms
+from stages.algorithms.policy_gradient import TokenPolicyGradient
+from stages.config_base import Section
 
 LOG_RATIO_LIMIT = 20.0
 
@@ -47,3 +53,24 @@ def drpo_loss(
         clipped_high=log_ratio > LOG_RATIO_LIMIT,
     )
     return LossOutput(loss, metrics)
+
+
+class DRPOConfig(Section):
+    """DRPO: ratio objective with a divergence penalty |A| w (r-1)^2 / (2 epsilon) instead of clipping."""
+
+    name: Literal["drpo"] = "drpo"
+    epsilon: float = Field(12.5, gt=0, description="Penalty temperature epsilon.")
+    mu_weighted: bool = Field(True, description="Weight the penalty by the old token probability.")
+    agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field("token_mean", description="Loss aggregation.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference policy.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+
+
+@algorithms.register("drpo")
+class DRPO(TokenPolicyGradient):
+    name = "drpo"
+    config = DRPOConfig
+
+    def loss(self, logp, old_logp, adv, mask, horizon):
+        c = self.cfg
+        return drpo_loss(logp, old_logp, adv, mask, epsilon=c.epsilon, mu_weighted=c.mu_weighted, agg=c.agg, horizon=horizon)

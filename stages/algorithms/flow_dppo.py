@@ -9,10 +9,16 @@ k = KL(N(mean, std^2) || N(old_mean, std^2)) per step; delta = threshold.
 """
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import torch
+from pydantic import Field
 
 from stages.algorithms.aggregate import LossOutput, loss_metrics
 from stages.algorithms.flow_grpo import check_step_logps, step_advantages
+from stages.algorithms.base import TrainContext, algorithms
+from stages.algorithms.flow_likelihood import FlowLikelihood, transition_means
+from stages.config_base import Section
 
 
 def flow_dppo_loss(
@@ -60,3 +66,26 @@ def flow_dppo_loss(
     )
     metrics["drop_frac"] = drop.float().mean().item()
     return LossOutput(loss, metrics)
+
+
+class FlowDPPOConfig(Section):
+    """Flow-DPPO: drop updates whose per-step KL passes a threshold in the ratio's direction."""
+
+    name: Literal["flow_dppo"] = "flow_dppo"
+    threshold: float = Field(1e-5, gt=0, description="Per-step KL threshold.")
+
+
+@algorithms.register("flow_dppo")
+class FlowDPPO(FlowLikelihood):
+    name = "flow_dppo"
+    config = FlowDPPOConfig
+
+    def freeze_old(self, ctx: TrainContext, batch: Any, update: int) -> Any:
+        """The old policy's transition means of the later mini-batches, before any step (the first
+        mini-batch's are the live ones, detached)."""
+        return transition_means(ctx, batch) if update > 0 else None
+
+    def step_loss(self, logp: Any, old: Any, adv: Any, out: Any, old_mean: Any) -> LossOutput:
+        old_mean = out.mean.detach() if old_mean is None else old_mean
+        return flow_dppo_loss(logp, old, adv, out.mean[:, None], old_mean[:, None], out.std[:, None],
+                              threshold=self.cfg.threshold)

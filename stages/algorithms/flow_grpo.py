@@ -7,9 +7,15 @@ step; A = advantage of the sample, clipped to [-adv_clip, adv_clip]; eps = clip_
 """
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import torch
+from pydantic import Field
 
 from stages.algorithms.aggregate import LossOutput, loss_metrics
+from stages.algorithms.base import algorithms
+from stages.algorithms.flow_likelihood import FlowLikelihood
+from stages.config_base import Section
 
 
 def step_advantages(adv: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
@@ -58,17 +64,23 @@ def flow_grpo_loss(
     return LossOutput(loss, metrics)
 
 
-def flow_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: float | torch.Tensor) -> torch.Tensor:
-    """KL(N(mean, std^2) || N(ref_mean, std^2)) per element, averaged per sample -> (B,) float32.
+class FlowGRPOConfig(Section):
+    """Flow-GRPO (Liu et al. 2025): the clipped ratio objective on the SDE steps' log-probs."""
 
-    mean, ref_mean: (B, ...) transition means of the policy and the reference at the same x_t;
-    std: the transition's standard deviation (`SDEStepOutput.std`), a float or a tensor whose
-    dims align with the leading dims of mean, e.g. (B,) or (B, S).
-    kl = mean over non-batch dims of (mean - ref_mean)^2 / (2*std^2).
-    """
-    if ref_mean.shape != mean.shape:
-        raise ValueError(f"flow_kl: ref_mean has shape {tuple(ref_mean.shape)}, mean has {tuple(mean.shape)}")
-    s = torch.as_tensor(std, dtype=torch.float32, device=mean.device)
-    s = s.reshape(*s.shape, *([1] * (mean.dim() - s.dim())))
-    per_element = (mean.to(torch.float32) - ref_mean.to(torch.float32)).square() / (2 * s.square())
-    return per_element.mean(dim=tuple(range(1, mean.dim()))) if mean.dim() > 1 else per_element
+    name: Literal["flow_grpo"] = "flow_grpo"
+    clip_range: float = Field(1e-4, gt=0, description="Ratio clip epsilon.")
+    adv_clip: float = Field(5.0, gt=0, description="Advantage clip.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of flow_kl to the reference (adapter disabled, or the initial weights).")
+
+
+@algorithms.register("flow_grpo")
+class FlowGRPO(FlowLikelihood):
+    name = "flow_grpo"
+    config = FlowGRPOConfig
+
+    @property
+    def kl_coef(self) -> float:
+        return self.cfg.kl_coef
+
+    def step_loss(self, logp: Any, old: Any, adv: Any, out: Any, old_mean: Any) -> LossOutput:
+        return flow_grpo_loss(logp, old, adv, clip_range=self.cfg.clip_range, adv_clip=self.cfg.adv_clip)

@@ -6,9 +6,15 @@ Symbols: r = pi_theta / pi_old per token, A = advantage, eps_low/eps_high = clip
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from pydantic import Field
 
 from stages.algorithms.aggregate import LossOutput, aggregate, loss_metrics, prepare
+from stages.algorithms.base import algorithms
+from stages.algorithms.policy_gradient import TokenPolicyGradient
+from stages.config_base import Section
 
 
 def grpo_loss(
@@ -41,3 +47,26 @@ def grpo_loss(
         clipped_high=(ratio > 1 + clip_high) & (a > 0),
     )
     return LossOutput(loss, metrics)
+
+
+class GRPOConfig(Section):
+    """GRPO (DeepSeekMath) with DAPO's clip-higher; Dr.GRPO is `agg: seq_mean_token_sum_norm`."""
+
+    name: Literal["grpo"] = "grpo"
+    clip_low: float = Field(0.2, ge=0, lt=1, description="Lower clip: ratio >= 1 - clip_low.")
+    clip_high: float = Field(0.2, ge=0, description="Upper clip: ratio <= 1 + clip_high.")
+    agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
+        "token_mean", description="Loss aggregation over tokens and sequences."
+    )
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the frozen initial policy (0: no reference model).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
+
+
+@algorithms.register("grpo")
+class GRPO(TokenPolicyGradient):
+    name = "grpo"
+    config = GRPOConfig
+
+    def loss(self, logp, old_logp, adv, mask, horizon):
+        c = self.cfg
+        return grpo_loss(logp, old_logp, adv, mask, clip_low=c.clip_low, clip_high=c.clip_high, agg=c.agg, horizon=horizon)

@@ -6,9 +6,15 @@ equally weighted by s*A. The clip range is tiny (3e-4 / 4e-4) because s averages
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from pydantic import Field
 
 from stages.algorithms.aggregate import LossOutput, loss_metrics, prepare
+from stages.algorithms.base import algorithms
+from stages.algorithms.policy_gradient import TokenPolicyGradient
+from stages.config_base import Section
 
 
 def gspo_loss(
@@ -40,3 +46,26 @@ def gspo_loss(
         clipped_high=(seq_ratio > 1 + clip_high) & (a > 0),
     )
     return LossOutput(loss, metrics)
+
+
+class GSPOConfig(Section):
+    """GSPO (Zheng et al. 2025): the clipped objective on the length-normalized sequence ratio."""
+
+    name: Literal["gspo"] = "gspo"
+    clip_low: float = Field(3e-4, ge=0, lt=1, description="Lower clip of the sequence ratio.")
+    clip_high: float = Field(4e-4, ge=0, description="Upper clip of the sequence ratio.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference policy.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+
+
+@algorithms.register("gspo")
+class GSPO(TokenPolicyGradient):
+    name = "gspo"
+    config = GSPOConfig
+
+    @property
+    def sequence_level(self) -> bool:
+        return True
+
+    def loss(self, logp, old_logp, adv, mask, horizon):
+        return gspo_loss(logp, old_logp, adv, mask, clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high)

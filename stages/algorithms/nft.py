@@ -8,9 +8,15 @@ v_old = the old (EMA) policy's velocity, r = optimality probability p, beta = gu
 """
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import torch
+from pydantic import Field
 
 from stages.algorithms.aggregate import LossOutput
+from stages.algorithms.base import Algorithm, TrainContext, algorithms
+from stages.config_base import Section
+from stages.seeds import derive_seed
 
 
 def nft_loss(
@@ -70,3 +76,103 @@ def nft_loss(
     loss = c * (p * mse_p / wp + (1 - p) * mse_n / wn).mean() / beta
     values = torch.stack([mse_p.mean(), mse_n.mean(), p.mean()]).detach().tolist()
     return LossOutput(loss, dict(zip(("pos_mse", "neg_mse", "p_mean"), values)))
+
+
+class NFTConfig(Section):
+    """DiffusionNFT: negative-aware fine-tuning with an EMA old policy (`train.ema`), which samples
+    the rollouts and gives v_old."""
+
+    name: Literal["nft"] = "nft"
+    beta: float = Field(1.0, gt=0, description="Guidance strength beta.")
+    adv_clip: float = Field(5.0, gt=0, description="Advantage clip c.")
+    adaptive_weight: bool = Field(True, description="Normalize by the detached x0 error.")
+    timesteps: int = Field(4, ge=1, description="Noise levels t drawn per sample and update (gradient accumulated).")
+    ema_ramp: float = Field(
+        0.0, ge=0,
+        description="Decay schedule of the old policy: decay at optimizer step k is min(train.ema.decay, "
+        "ramp * (k - ema_flat_steps)) and 0 before ema_flat_steps; 0: train.ema.decay from the start.",
+    )
+    ema_flat_steps: int = Field(0, ge=0, description="Steps with decay 0 (old policy = current policy) before the ramp.")
+
+    def ema_decay(self, step: int, max_decay: float) -> float:
+        """The old policy's EMA decay at optimizer step `step` (0-based)."""
+        if step < self.ema_flat_steps:
+            return 0.0
+        if self.ema_ramp == 0:
+            return max_decay
+        return min(max_decay, self.ema_ramp * (step - self.ema_flat_steps))
+
+
+def nft_draws(sample_ids: list[str], *, seed: int, iteration: int, update: int, draw: int,
+              sigmas: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t (B,), noise (B, *shape)) of NFT draw `draw`: t uniform over the schedule's nonzero
+    sigmas and the noise, both from a generator per sample, so a sample's draws do not depend on
+    its micro-batch."""
+    levels = sigmas[sigmas > 0]
+    ts, noises = [], []
+    for sid in sample_ids:
+        g = torch.Generator().manual_seed(derive_seed(seed, "nft", iteration, update, draw, sid))
+        ts.append(levels[int(torch.randint(0, levels.numel(), (1,), generator=g))])
+        noises.append(torch.randn(shape, generator=g))
+    return torch.stack(ts), torch.stack(noises)
+
+
+def nft_points(batch: Any, *, seed: int, iteration: int, update: int, draws: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(t (B,), x_t (B, *latent)) of each NFT draw: x_t = (1 - t) * x0 + t * noise."""
+    x0 = batch.final
+    out = []
+    for d in range(draws):
+        t, noise = nft_draws(batch.sample_ids, seed=seed, iteration=iteration, update=update, draw=d,
+                             sigmas=batch.plan.sigmas, shape=tuple(x0.shape[1:]))
+        t, noise = t.to(x0.device), noise.to(x0.device)
+        s = t.reshape(-1, *([1] * (x0.ndim - 1)))
+        out.append((t, (1 - s) * x0 + s * noise))
+    return out
+
+
+@algorithms.register("nft")
+class NFT(Algorithm):
+    """DiffusionNFT over `timesteps` draws per sample; backward per draw. The EMA old policy
+    samples the rollouts and gives v_old at each draw, computed before any step."""
+
+    name = "nft"
+    config = NFTConfig
+    segment = "latent"
+    samples_with_ema = True
+    anchors = ("latents",)
+
+    @classmethod
+    def check(cls, recipe: Any) -> None:
+        if recipe.train.ema is None:
+            raise ValueError(
+                "train.ema: algorithm `nft` samples with and regresses against an EMA old policy; set "
+                "`train: {ema: {decay: 0.9}}` (see recipes/diffusion/nft.yaml)"
+            )
+
+    def ema_decay(self, step: int, decay: float) -> float:
+        return self.cfg.ema_decay(step, decay)
+
+    def _points(self, ctx: TrainContext, batch: Any, update: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return nft_points(batch, seed=ctx.seed, iteration=ctx.iteration, update=update, draws=self.cfg.timesteps)
+
+    def freeze_old(self, ctx: TrainContext, batch: Any, update: int) -> Any:
+        velocity = ctx.policy.velocity(ctx.module, batch.prompts)
+        return [velocity(xt, tt) for tt, xt in self._points(ctx, batch, update)]
+
+    def loss_backward(self, ctx: TrainContext, batch: Any, frozen: Any, *, share: float, update: int, real: bool) -> dict[str, float]:
+        c = self.cfg
+        weight = share * ctx.world
+        totals: dict[str, float] = {}
+        points = self._points(ctx, batch, update)
+        if len(frozen) != len(points):
+            raise ValueError(f"nft: {len(frozen)} old velocities for {len(points)} draws")
+        velocity = ctx.policy.velocity(ctx.module, batch.prompts)
+        for (t, xt), old in zip(points, frozen):
+            res = nft_loss(batch.final, xt, t, velocity(xt, t), old, batch.advantage, beta=c.beta, adv_clip=c.adv_clip,
+                           adaptive_weight=c.adaptive_weight)
+            (res.loss * (weight / len(points))).backward()
+            metrics = dict(res.metrics)
+            metrics["loss"] = float(res.loss.detach())
+            for key, value in metrics.items():
+                totals[key] = totals.get(key, 0.0) + float(value) * (1.0 / len(points))
+        return totals

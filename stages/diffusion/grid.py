@@ -33,11 +33,10 @@ def image_grid(pngs: list[bytes], captions: list[str], *, columns: int = 4, cell
     return grid
 
 
-def log_iteration_grid(tracker: Any, storage: RunStorage, recipe: Any, iteration: int) -> str | None:
-    """Log iteration `iteration`'s grid to MLflow when `rollout.sampler.grid_every` says so;
-    returns the artifact path (None when not due or not an image model)."""
-    every = recipe.rollout.sampler.grid_every
-    if recipe.model.kind != "sd3" or not every or iteration % every:
+def log_iteration_grid(tracker: Any, storage: RunStorage, every: int, iteration: int) -> str | None:
+    """Log iteration `iteration`'s grid to MLflow every `every` iterations (0: never); returns the
+    artifact path (None when not due)."""
+    if not every or iteration % every:
         return None
     gen = storage.stage_manifest(iteration, "generate")
     scored = storage.stage_manifest(iteration, "score")

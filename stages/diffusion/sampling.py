@@ -14,23 +14,17 @@ depend on the batch or the rank that made it.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
+from stages.seeds import derive_seed
 from stages.sde import SDEStepOutput, dynamic_shift, sde_step, select_sde_steps, shifted_sigmas, time_shift_sigmas
 
-# v = velocity(x (B, C, h, w), sigma (B,)) -> (B, C, h, w) float32; the prompts are bound inside.
+# v = velocity(x (B, *latent), sigma (B,)) -> (B, *latent) float32; the prompts are bound inside.
 Velocity = Callable[[Tensor, Tensor], Tensor]
-
-
-def derive_seed(*parts: object) -> int:
-    """A 63-bit seed from `parts`, the same in every process."""
-    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 @dataclass(frozen=True)
@@ -65,15 +59,15 @@ def make_plan(sampler: Any, *, seed: int, iteration: int, latent_tokens: int, de
         sigmas = time_shift_sigmas(t, dynamic_shift(latent_tokens))
     else:
         sigmas = shifted_sigmas(t, sampler.shift)
-    if deterministic or sampler.sde_kind == "ode" or sampler.eta == 0:
+    if deterministic or sampler.kernel == "ode" or sampler.eta == 0:
         return Plan(sigmas, torch.zeros(0, dtype=torch.long), "ode", 0.0)
     sel = sampler.sde_steps
     generator = torch.Generator().manual_seed(derive_seed(seed, "sde-steps", iteration))
     indices = select_sde_steps(
-        t, mode=sel.mode, window=sel.window, window_size=sel.window_size, num_sde_steps=sel.num_sde_steps,
+        t, mode=sel.selection, window=sel.window, window_size=sel.window_size, num_sde_steps=sel.num_sde_steps,
         generator=generator, iteration=iteration, stride=sel.stride, shift_every=sel.shift_every, wrap=sel.wrap,
     )
-    return Plan(sigmas, indices, sampler.sde_kind, float(sampler.eta))
+    return Plan(sigmas, indices, sampler.kernel, float(sampler.eta))
 
 
 def stored_steps(sde_indices: Sequence[int], num_steps: int, *, transitions: bool = True) -> list[int]:
@@ -88,8 +82,8 @@ def stored_steps(sde_indices: Sequence[int], num_steps: int, *, transitions: boo
 
 @dataclass
 class Trajectory:
-    """latents: (B, N, C, h, w) float32, x at `stored` steps; logprobs: (B, K) float32 at the
-    plan's SDE steps (K = 0 for an ODE plan); final: (B, C, h, w), x at sigma = 0."""
+    """latents: (B, N, *latent) float32, x at `stored` steps; logprobs: (B, K) float32 at the
+    plan's SDE steps (K = 0 for an ODE plan); final: (B, *latent), x at sigma = 0."""
 
     latents: Tensor
     stored: list[int]
@@ -97,14 +91,9 @@ class Trajectory:
     final: Tensor
 
 
-def sample_noise(shape: Sequence[int], seeds: Sequence[int]) -> Tensor:
-    """(B, *shape) float32 N(0, 1), row b from its own generator seeded `seeds[b]`."""
-    return torch.stack([torch.randn(tuple(shape), generator=torch.Generator().manual_seed(int(s))) for s in seeds])
-
-
 def replay_step(plan: Plan, step: int, x: Tensor, v: Tensor, x_next: Tensor) -> SDEStepOutput:
     """Score the stored transition x (at sigmas[step]) -> x_next under velocity v: log_prob (B,),
-    mean (B, C, h, w), std (B,). The same call the sampler makes, so the same inputs give the
+    mean (B, *latent), std (B,). The same call the sampler makes, so the same inputs give the
     same bits."""
     b = x.shape[0]
     s = plan.sigmas[step].to(x.device).expand(b)
@@ -114,7 +103,7 @@ def replay_step(plan: Plan, step: int, x: Tensor, v: Tensor, x_next: Tensor) -> 
 
 @torch.no_grad()
 def sample(velocity: Velocity, x: Tensor, plan: Plan, noise_seeds: Sequence[int], *, store: Sequence[int]) -> Trajectory:
-    """Run the T steps of `plan` from x = x_0 (B, C, h, w) at sigma = 1.
+    """Run the T steps of `plan` from x = x_0 (B, *latent: C, h, w or C, F, h, w) at sigma = 1.
 
     SDE steps draw x' = mean + std * noise with noise from each sample's generator (seeded
     `noise_seeds[b]`), then score x' with `replay_step`; ODE steps are Euler steps. Returns the

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from stages.diffusion.sampling import Velocity, derive_seed
+from stages.diffusion.sampling import Velocity
+from stages.seeds import derive_seed
 
 
 # ---------------------------------------------------------------- records
@@ -138,20 +139,3 @@ def flow_matching_loss(velocity: Velocity, x0: Tensor, noise: Tensor, sigma: Ten
     s = sigma.reshape(-1, *([1] * (x0.ndim - 1)))
     x_sigma = (1 - s) * x0 + s * noise
     return (velocity(x_sigma, sigma) - (noise - x0)).square().mean()
-
-
-def synthetic_records(recipe: Any) -> list[dict[str, Any]]:
-    """`sft.examples` toy-GenEval records at the recipe's image size (`rollout.sampler.image_size`,
-    else the tiny model's, else the checkpoint's own from its configs)."""
-    size = recipe.rollout.sampler.image_size
-    if size is None and not recipe.model.path:
-        size = recipe.model.tiny.image_size
-    if size is None:
-        import json
-        from pathlib import Path
-
-        root = Path(recipe.model.path)
-        vae = json.loads((root / "vae" / "config.json").read_text())
-        transformer = json.loads((root / "transformer" / "config.json").read_text())
-        size = int(transformer["sample_size"]) * 2 ** (len(vae["block_out_channels"]) - 1)
-    return geneval_records(recipe.sft.examples, seed=recipe.sft.seed, image_size=int(size))

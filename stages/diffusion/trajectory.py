@@ -2,7 +2,7 @@
 from tensors.
 
 Per sample: `sigmas` (T+1), `sde_indices` (K), `latents` = x at the stored steps flattened, with
-`latent_shape` = [N, C, h, w], `sde_logprobs` (K), `noise_seed` (the seed of the initial noise)
+`latent_shape` = [N, C, h, w] (images) or [N, C, F, h, w] (video), `sde_logprobs` (K), `noise_seed` (the seed of the initial noise)
 and `media_png` (the decoded image). Which steps are stored follows from the rest
 (`stages.diffusion.sampling.stored_steps`): N == 1 keeps only the final x_T (likelihood-free
 losses such as NFT); otherwise x_i and x_{i+1} of every SDE step i, and x_T.
@@ -38,7 +38,7 @@ def latent_rows(traj_latents: Tensor, logprobs: Tensor, plan: Plan) -> list[dict
 
 @dataclass
 class LatentBatch:
-    """Rows of a rollout table as tensors. latents: (B, N, C, h, w); logprobs: (B, K); stored:
+    """Rows of a rollout table as tensors. latents: (B, N, *latent); logprobs: (B, K); stored:
     the step index of each of the N latents; plan: the sampling plan the rows share."""
 
     sample_ids: list[str]
@@ -47,9 +47,10 @@ class LatentBatch:
     logprobs: Tensor
     stored: list[int]
     plan: Plan
+    advantage: Tensor | None = None  # (B,), attached for training
 
     def at(self, step: int) -> Tensor:
-        """x at step `step` (B, C, h, w); KeyError naming the stored steps when it was not kept."""
+        """x at step `step` (B, *latent); KeyError naming the stored steps when it was not kept."""
         if step not in self.stored:
             raise KeyError(f"step {step} is not stored in these rollouts (stored: {self.stored})")
         return self.latents[:, self.stored.index(step)]
@@ -58,10 +59,16 @@ class LatentBatch:
     def final(self) -> Tensor:
         return self.latents[:, -1]
 
+    @property
+    def weight(self) -> float:
+        """What the update's metrics are weighted by: samples."""
+        return float(len(self.sample_ids))
+
     def to(self, device: torch.device | str) -> "LatentBatch":
         """The same rows with latents and log-probs on `device` (the plan stays on the CPU: its
         sigmas enter the kernels as scalars)."""
-        return dataclasses.replace(self, latents=self.latents.to(device), logprobs=self.logprobs.to(device))
+        return dataclasses.replace(self, latents=self.latents.to(device), logprobs=self.logprobs.to(device),
+                                   advantage=None if self.advantage is None else self.advantage.to(device))
 
 
 def read_latents(table: pa.Table, rows: list[int], *, kind: str, eta: float, where: str) -> LatentBatch:
@@ -87,8 +94,8 @@ def read_latents(table: pa.Table, rows: list[int], *, kind: str, eta: float, whe
                 raise ShardSchemaError(f"{where}: sample {sid!r}: column {name!r} differs from sample {ids[first]!r}'s; "
                                        "one iteration's rows share one sampling plan")
         row_shape = [int(s) for s in shp_values[shp_off[r]:shp_off[r + 1]]]
-        if row_shape != shape or len(shape) != 4:
-            raise ShardSchemaError(f"{where}: sample {sid!r}: column 'latent_shape' is {row_shape}, expected [N, C, h, w] = {shape}")
+        if row_shape != shape or len(shape) < 4:
+            raise ShardSchemaError(f"{where}: sample {sid!r}: column 'latent_shape' is {row_shape}, expected [N, C, (F,) h, w] = {shape}")
         flat = lat_values[lat_off[r]:lat_off[r + 1]]
         if flat.size != int(np.prod(shape)):
             raise ShardSchemaError(f"{where}: sample {sid!r}: column 'latents' has {flat.size} values for shape {shape}")

@@ -1,5 +1,8 @@
-"""Model bundles: how each model family is built, saved and loaded from a local directory."""
+"""Model families, one file each (`stages/models/family.py` describes the seam): qwen3 (text),
+sd3 (images), with the helpers they load and save through."""
+from stages.models.family import Family, families, get_family
 from stages.models.qwen3 import check_model_dir, load_qwen3, save_tiny_qwen3
 from stages.models.tokenizer import build_char_tokenizer, load_tokenizer
 
-__all__ = ["build_char_tokenizer", "check_model_dir", "load_qwen3", "load_tokenizer", "save_tiny_qwen3"]
+__all__ = ["Family", "build_char_tokenizer", "check_model_dir", "families", "get_family", "load_qwen3", "load_tokenizer",
+           "save_tiny_qwen3"]

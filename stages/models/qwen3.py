@@ -1,14 +1,64 @@
-"""Qwen3ForCausalLM: built from a tiny seeded config, or loaded from a local HF directory.
+"""The `qwen3` family: Qwen3ForCausalLM, built from a tiny seeded config or loaded from a local HF
+directory, run as the autoregressive text policy.
 
 The tiny model is saved in HF layout first (`save_tiny_qwen3`) and then loaded by path, so tests
 and smoke runs go through the same loading code as real checkpoints.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Literal
+
+from pydantic import Field
+
+from stages.config_base import LoraConfig, Section
+from stages.models.family import Family, families
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
+
+
+class TinyQwen3(Section):
+    """Architecture of the seeded random model used when `model.path` is empty (tests, smoke runs)."""
+
+    hidden_size: int = Field(64, ge=8, description="Width of the residual stream.")
+    num_hidden_layers: int = Field(2, ge=1, description="Decoder layers.")
+    num_attention_heads: int = Field(4, ge=1, description="Query heads.")
+    num_key_value_heads: int = Field(2, ge=1, description="Key/value heads (grouped-query attention).")
+    head_dim: int = Field(16, ge=4, description="Per-head width.")
+    intermediate_size: int = Field(128, ge=8, description="MLP width.")
+    max_position_embeddings: int = Field(256, ge=16, description="Longest sequence the model takes.")
+    seed: int = Field(0, description="Seed of the random initialisation.")
+    charset: str = Field(
+        "0123456789+-*=() ", min_length=1, description="Characters of the tiny model's character-level tokenizer."
+    )
+
+
+class Qwen3ModelConfig(Section):
+    """A Qwen3-architecture causal language model (transformers Qwen3ForCausalLM)."""
+
+    kind: Literal["qwen3"] = Field("qwen3", description="Model family.")
+    path: str | None = Field(
+        None,
+        description="Local directory in Hugging Face layout (config.json, *.safetensors, tokenizer). "
+        "Empty: build the tiny seeded model below.",
+    )
+    tiny: TinyQwen3 = Field(default_factory=TinyQwen3, description="Tiny architecture, used only without `path`.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype of the policy.")
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters (peft) instead of all weights.")
+    chat_template: bool | None = Field(
+        None, description="Wrap prompts in the tokenizer's chat template (empty: when the tokenizer has one)."
+    )
+
+
+@dataclass
+class TextBundle:
+    """A causal language model (`module`, what trains) and its tokenizer, loaded from `directory`."""
+
+    module: Any
+    tokenizer: Any
+    directory: Path
 
 
 def tiny_qwen3_config(tiny: Any, vocab_size: int, eos_token_id: int, pad_token_id: int, bos_token_id: int):
@@ -71,3 +121,66 @@ def load_qwen3(directory: str | Path, *, dtype: str = "float32"):
     model = AutoModelForCausalLM.from_pretrained(str(d), dtype=getattr(torch, dtype), attn_implementation="sdpa")
     model.config.use_cache = False
     return model, load_tokenizer(d)
+
+
+@families.register("qwen3")
+class Qwen3(Family):
+    name = "qwen3"
+    config = Qwen3ModelConfig
+    policy = "text"
+    produces = ("text",)
+    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    @classmethod
+    def materialize(cls, cfg: Qwen3ModelConfig, scratch: Path) -> Path:
+        return check_model_dir(cfg.path) if cfg.path else save_tiny_qwen3(scratch, cfg.tiny)
+
+    @classmethod
+    def load(cls, directory: Path, cfg: Qwen3ModelConfig, device: Any) -> TextBundle:
+        model, tokenizer = load_qwen3(directory, dtype=cfg.dtype)
+        return TextBundle(model, tokenizer, Path(directory))
+
+    @classmethod
+    def fsdp_units(cls, module: Any) -> list[Any]:
+        return [m for m in module.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+    @classmethod
+    def add_lora(cls, bundle: TextBundle, lora: LoraConfig) -> None:
+        """peft LoRA on the linear layers; a target list that matches no layer names what exists."""
+        import torch
+        from peft import LoraConfig as PeftLora
+        from peft import get_peft_model
+
+        targets = lora.target_modules or list(cls.lora_targets)
+        names = {n.rsplit(".", 1)[-1] for n, m in bundle.module.named_modules() if isinstance(m, torch.nn.Linear)}
+        if not any(t in names for t in targets):
+            raise ValueError(f"model.lora.target_modules {targets} match no linear layer (available: {', '.join(sorted(names))})")
+        bundle.module = get_peft_model(bundle.module, PeftLora(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=0.0))
+
+    @classmethod
+    @contextmanager
+    def reference(cls, bundle: TextBundle) -> Iterator[Any]:
+        with bundle.module.disable_adapter():
+            yield bundle.module
+
+    @classmethod
+    def export(cls, bundle: TextBundle, local: Path, state: dict[str, Any], *, lora: LoraConfig | None) -> None:
+        """model.safetensors (LoRA merged: W + B A * alpha / r, in base names), config, tokenizer."""
+        import torch
+        from safetensors.torch import save_file
+
+        local.mkdir(parents=True, exist_ok=True)
+        config = bundle.module.config
+        if lora is not None:
+            base, _ = load_qwen3(bundle.directory)
+            merged = TextBundle(base, bundle.tokenizer, bundle.directory)
+            with torch.random.fork_rng(devices=[]):  # its random adapters are overwritten below
+                cls.add_lora(merged, lora)
+            _, unexpected = merged.module.load_state_dict(state, strict=False)
+            if unexpected:
+                raise ValueError(f"LoRA export: unexpected keys {unexpected[:3]}")
+            config = bundle.module.get_base_model().config
+            state = merged.module.merge_and_unload().state_dict()
+        save_file({k: v.contiguous().clone() for k, v in state.items()}, str(local / "model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(local)
+        bundle.tokenizer.save_pretrained(local)

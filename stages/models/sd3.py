@@ -1,7 +1,7 @@
-"""The SD3 bundle: an MMDiT transformer, a VAE and SD3's text encoders, loaded from one local
-diffusers-layout directory (stable-diffusion-3-medium-diffusers, or a tiny one `build_tiny_sd3`
-writes), plus the few operations RL needs: velocity with or without classifier-free guidance,
-latents <-> images, and LoRA whose disabled state is the reference policy.
+"""The `sd3` family: Stable Diffusion 3 (an MMDiT transformer, a VAE and SD3's text encoders),
+loaded from one local diffusers-layout directory (stable-diffusion-3-medium-diffusers, or a tiny
+one `stages.models.sd3_tiny.build_tiny_sd3` writes), run as the flow-matching policy. The operations on a loaded bundle
+(velocity, latents <-> images, LoRA, export) are in stages/models/sd3_ops.py.
 
 Conventions (rectified flow, as SD3 is trained):
   x_sigma = (1 - sigma) * x0 + sigma * noise, sigma in [0, 1] (1 = pure noise);
@@ -10,31 +10,18 @@ Conventions (rectified flow, as SD3 is trained):
 """
 from __future__ import annotations
 
-import io
 import json
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Literal
 
-import numpy as np
 import torch
+from pydantic import Field, model_validator
 
-from stages.models.sd3_text import (
-    DEFAULT_T5_LENGTH,
-    PromptEmbeds,
-    build_text_encoder,
-    build_tiny_tokenizer,
-    encode_prompts,
-    tiny_clip_config,
-    tiny_t5_config,
-)
-
-__all__ = [
-    "SD3Bundle", "PromptEmbeds", "SD3_LORA_TARGETS", "TIMESTEP_SCALE", "add_lora", "build_tiny_sd3",
-    "check_image_size", "decode_latents", "encode_images", "encode_prompts", "latent_shape", "load_sd3",
-    "predict_velocity", "reference_policy", "tiny_sd3_config", "to_pil", "to_png_bytes",
-]
+from stages.config_base import LoraConfig, Section
+from stages.models.family import Family, families
+from stages.models.sd3_text import DEFAULT_T5_LENGTH
 
 TIMESTEP_SCALE = 1000.0
 REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer")
@@ -44,6 +31,100 @@ SD3_LORA_TARGETS = (
     "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
 )
+
+
+# ---------------------------------------------------------------------------- recipe section
+
+
+def check_image_side(field: str, size: int, vae_factor: int, patch: int) -> None:
+    """ValueError naming `field` unless the VAE (downsampling by `vae_factor`) and the transformer
+    (patch `patch`) can take images of side `size`."""
+    step = vae_factor * patch
+    if size % step:
+        ok = ", ".join(str(step * k) for k in range(max(1, size // step - 1), size // step + 3))
+        raise ValueError(
+            f"{field}: image size {size} cannot be taken by the VAE (downsamples by {vae_factor}) and the "
+            f"transformer (patch {patch}): use a multiple of {step} (e.g. {ok})"
+        )
+
+
+class TinySD3(Section):
+    """Architecture of the seeded random SD3 used when `model.path` is empty."""
+
+    image_size: int = Field(32, ge=8, description="Side of generated images in pixels.")
+    seed: int = Field(0, description="Seed of the random initialisation.")
+    num_layers: int = Field(2, ge=1, description="MMDiT blocks of the transformer.")
+    num_heads: int = Field(4, ge=1, description="Attention heads per block.")
+    head_dim: int = Field(16, ge=4, description="Width of one attention head.")
+    patch_size: int = Field(4, ge=1, description="Transformer patch side, in latent pixels.")
+    vae_channels: list[int] = Field(
+        [32], min_length=1,
+        description="VAE block widths (multiples of 8); the VAE downsamples by 2**(len-1). The default one block "
+        "(no downsampling) reconstructs toy-GenEval scenes exactly after a few hundred warm-up steps.",
+    )
+    latent_channels: int = Field(4, ge=1, description="Channels of the VAE latent.")
+    vae_mid_attention: bool = Field(False, description="Self-attention in the VAE's mid block (SD3's VAE has it; slow at full resolution).")
+    with_t5: bool = Field(True, description="Build the T5 text encoder too (else SD3's zero rows stand in).")
+
+    @property
+    def vae_factor(self) -> int:
+        return 2 ** (len(self.vae_channels) - 1)
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> "TinySD3":
+        bad = [c for c in self.vae_channels if c % 8]
+        if bad:
+            raise ValueError(f"model.tiny.vae_channels: {bad} are not multiples of 8 (the VAE's GroupNorm has 8 groups)")
+        check_image_side("model.tiny.image_size", self.image_size, self.vae_factor, self.patch_size)
+        return self
+
+    def build_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `build_tiny_sd3` for this architecture."""
+        return {
+            "seed": self.seed, "image_size": self.image_size, "with_t5": self.with_t5,
+            "num_layers": self.num_layers, "num_heads": self.num_heads, "head_dim": self.head_dim,
+            "patch_size": self.patch_size, "vae_channels": tuple(self.vae_channels),
+            "latent_channels": self.latent_channels, "vae_mid_attention": self.vae_mid_attention,
+        }
+
+
+class VAEWarmup(Section):
+    """Reconstruction training of the VAE before flow-matching SFT (a tiny model's VAE is random)."""
+
+    steps: int | None = Field(
+        None, ge=0, description="Optimizer steps; empty: 400 for the tiny model (no `model.path`), 0 for a checkpoint."
+    )
+    lr: float = Field(2e-3, gt=0, description="Adam learning rate (cosine decay to 0).")
+    batch_size: int = Field(32, ge=1, description="Images per step.")
+
+    def resolved_steps(self, has_path: bool) -> int:
+        return (0 if has_path else 400) if self.steps is None else self.steps
+
+
+class FlowMatchingSFT(Section):
+    """How SFT trains the transformer (the `sft` section sets steps, batch size, lr and seed)."""
+
+    ema: float = Field(
+        0.999, ge=0, lt=1,
+        description="Decay of an EMA of the weights during SFT; the EMA is what SFT publishes (0: the raw weights).",
+    )
+    schedule: Literal["constant", "cosine"] = Field("cosine", description="lr over `sft.steps`, after the warm-up.")
+    warmup_steps: int = Field(100, ge=0, description="Linear lr warm-up steps.")
+
+
+class SD3ModelConfig(Section):
+    """Stable Diffusion 3 architecture (diffusers SD3Transformer2DModel + AutoencoderKL + text encoders)."""
+
+    kind: Literal["sd3"] = "sd3"
+    path: str | None = Field(None, description="Local diffusers-layout folder; empty: build the tiny seeded model.")
+    tiny: TinySD3 = Field(default_factory=TinySD3, description="Tiny architecture, used only without `path`.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of all transformer weights.")
+    vae_warmup: VAEWarmup = Field(default_factory=VAEWarmup, description="VAE reconstruction training at the start of SFT.")
+    flow_matching: FlowMatchingSFT = Field(default_factory=FlowMatchingSFT, description="Transformer training in SFT.")
+
+
+# ---------------------------------------------------------------------------- bundle
 
 
 @dataclass
@@ -63,11 +144,20 @@ class SD3Bundle:
     max_sequence_length: int
 
     @property
-    def device(self) -> torch.device:
+    def module(self) -> Any:
+        """What trains: the transformer."""
+        return self.transformer
+
+    @module.setter
+    def module(self, value: Any) -> None:
+        self.transformer = value
+
+    @property
+    def device(self) -> Any:
         return self.transformer.device
 
     @property
-    def dtype(self) -> torch.dtype:
+    def dtype(self) -> Any:
         return self.transformer.dtype
 
     @property
@@ -119,91 +209,7 @@ def latent_shape(bundle: SD3Bundle, height: int, width: int | None = None) -> tu
     return bundle.latent_channels, height // f, width // f
 
 
-# ---------------------------------------------------------------------------- tiny model + loading
-
-
-def tiny_sd3_config(*, image_size: int = 32, latent_channels: int = 4, vae_channels: tuple[int, ...] = (32, 32),
-                    patch_size: int = 2, num_layers: int = 2, num_heads: int = 4, head_dim: int = 16,
-                    clip_hidden: int = 32, with_t5: bool = True, max_length: int = 16,
-                    vae_mid_attention: bool = True) -> dict[str, Any]:
-    """Sub-configs (plain dicts) of a tiny SD3: two CLIPs, an optional T5, VAE, MMDiT, scheduler.
-    The VAE downsamples by 2**(len(vae_channels)-1); the position table covers 2x `image_size`.
-    `vae_mid_attention`: the VAE's mid-block self-attention (SD3 has it; a tiny VAE trains
-    faster without it)."""
-    vae_factor = 2 ** (len(vae_channels) - 1)
-    _check_size("the tiny SD3 config", image_size, vae_factor, patch_size, None)
-    clip = tiny_clip_config(hidden_size=clip_hidden, projection_dim=clip_hidden)
-    t5 = tiny_t5_config(d_model=2 * clip_hidden) if with_t5 else None
-    latent = image_size // vae_factor
-    return {
-        "tokenizer": {"model_max_length": max_length},
-        "text_encoder": clip,
-        "text_encoder_2": dict(clip),
-        "text_encoder_3": t5,
-        "vae": {
-            "in_channels": 3, "out_channels": 3, "latent_channels": latent_channels,
-            "down_block_types": ["DownEncoderBlock2D"] * len(vae_channels),
-            "up_block_types": ["UpDecoderBlock2D"] * len(vae_channels),
-            "block_out_channels": list(vae_channels), "layers_per_block": 1, "norm_num_groups": 8,
-            "sample_size": image_size, "use_quant_conv": False, "use_post_quant_conv": False,
-            "mid_block_add_attention": vae_mid_attention,
-            # SD3's own VAE normalisation, so the scale/shift path is the real one.
-            "scaling_factor": 1.5305, "shift_factor": 0.0609,
-        },
-        "transformer": {
-            "sample_size": latent, "patch_size": patch_size, "in_channels": latent_channels,
-            "out_channels": latent_channels, "num_layers": num_layers, "attention_head_dim": head_dim,
-            "num_attention_heads": num_heads, "joint_attention_dim": 2 * clip_hidden,
-            "caption_projection_dim": num_heads * head_dim, "pooled_projection_dim": 2 * clip_hidden,
-            "pos_embed_max_size": 2 * latent // patch_size,
-        },
-        "scheduler": {"num_train_timesteps": 1000, "shift": 3.0},
-    }
-
-
-def build_tiny_sd3(directory: str | Path, *, seed: int = 0, image_size: int = 32, with_t5: bool = True,
-                   **config: Any) -> Path:
-    """Build a tiny SD3 from `tiny_sd3_config(image_size=..., with_t5=..., **config)`, every part
-    randomly initialised from `seed` (the global RNG is left as it was), and save it in diffusers
-    layout under `directory`, which `load_sd3` then reads like a real checkpoint."""
-    import diffusers
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-
-    cfg = tiny_sd3_config(image_size=image_size, with_t5=with_t5, **config)
-    root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer(model_max_length=cfg["tokenizer"]["model_max_length"])
-    parts: dict[str, Any] = {}
-    with torch.random.fork_rng(devices=[]):
-        for k, name in enumerate(("text_encoder", "text_encoder_2", "text_encoder_3", "vae", "transformer")):
-            if cfg[name] is None:
-                continue
-            torch.manual_seed(seed * 100 + k)
-            if name == "vae":
-                parts[name] = AutoencoderKL(**cfg[name])
-            elif name == "transformer":
-                parts[name] = SD3Transformer2DModel(**cfg[name])
-            else:
-                parts[name] = build_text_encoder("t5" if name == "text_encoder_3" else "clip", cfg[name], tokenizer)
-    for name, model in parts.items():
-        model.save_pretrained(root / name)
-    FlowMatchEulerDiscreteScheduler(**cfg["scheduler"]).save_pretrained(root / "scheduler")
-    index: dict[str, Any] = {
-        "_class_name": "StableDiffusion3Pipeline", "_diffusers_version": diffusers.__version__,
-        "transformer": ["diffusers", "SD3Transformer2DModel"], "vae": ["diffusers", "AutoencoderKL"],
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "image_encoder": [None, None], "feature_extractor": [None, None],
-    }
-    for suffix in ("", "_2", "_3"):
-        if cfg["text_encoder" + suffix] is None:
-            index["text_encoder" + suffix] = index["tokenizer" + suffix] = [None, None]
-            continue
-        cls = "T5EncoderModel" if suffix == "_3" else "CLIPTextModelWithProjection"
-        index["text_encoder" + suffix] = ["transformers", cls]
-        index["tokenizer" + suffix] = ["transformers", "CLIPTokenizer"]
-        tokenizer.save_pretrained(root / ("tokenizer" + suffix))
-    (root / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return root
+# ---------------------------------------------------------------------------- loading
 
 
 def _listed(index: dict[str, Any], name: str) -> bool:
@@ -279,167 +285,147 @@ def load_sd3(directory: str | Path, *, dtype: torch.dtype = torch.float32, devic
     )
 
 
-# ---------------------------------------------------------------------------- velocity
+# ---------------------------------------------------------------------------- the family
 
 
-def predict_velocity(bundle: SD3Bundle, latents: torch.Tensor, sigma: float | torch.Tensor, embeds: torch.Tensor,
-                     pooled: torch.Tensor, *, guidance_scale: float = 1.0, neg_embeds: torch.Tensor | None = None,
-                     neg_pooled: torch.Tensor | None = None) -> torch.Tensor:
-    """v (B, C, h, w), float32, at latents (B, C, h, w) and noise level sigma (float or (B,)).
-
-    guidance_scale > 1: classifier-free guidance, v = v_uncond + g * (v_cond - v_uncond), with
-    uncond and cond in one batched forward of 2B; guidance_scale == 1: one forward, no guidance.
-    embeds (B, L, D), pooled (B, P); neg_* may have batch 1 (one negative prompt for all).
-    The transformer sees timestep = sigma * TIMESTEP_SCALE. Keeps the autograd graph."""
-    if guidance_scale < 1:
-        raise ValueError(f"guidance_scale must be >= 1 (1 = no guidance), got {guidance_scale}")
-    b, _, h, w = latents.shape
-    p = bundle.patch_size
-    max_patches = bundle.transformer.config.pos_embed_max_size
-    if h % p or w % p or (max_patches is not None and max(h, w) > p * max_patches):
-        raise ValueError(
-            f"latents of {h}x{w} do not fit the transformer (patch {p}, at most {max_patches} patches a side)"
-        )
-    sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device)
-    sigma = sigma.expand(b) if sigma.ndim == 0 else sigma
-    if sigma.shape != (b,):
-        raise ValueError(f"sigma must be a float or shape ({b},), got {tuple(sigma.shape)}")
-    timestep = sigma * TIMESTEP_SCALE
-    dtype = bundle.transformer.dtype
-    guided = guidance_scale > 1
-    if guided:
-        if neg_embeds is None or neg_pooled is None:
-            raise ValueError(
-                f"guidance_scale={guidance_scale} needs negative embeddings: "
-                "encode_prompts(bundle, prompts, negative_prompt='') and pass neg_embeds/neg_pooled"
-            )
-        x = torch.cat([latents, latents])
-        timestep = torch.cat([timestep, timestep])
-        embeds = torch.cat([neg_embeds.expand(b, -1, -1), embeds])
-        pooled = torch.cat([neg_pooled.expand(b, -1), pooled])
-    else:
-        x = latents
-    out = bundle.transformer(
-        hidden_states=x.to(dtype), timestep=timestep, encoder_hidden_states=embeds.to(dtype),
-        pooled_projections=pooled.to(dtype), return_dict=False,
-    )[0].float()
-    if not guided:
-        return out
-    uncond, cond = out.chunk(2)
-    return uncond + guidance_scale * (cond - uncond)
+def native_image_size(cfg: SD3ModelConfig) -> int:
+    """The image side a model of `cfg` is made for, read from its configs (no weights loaded)."""
+    if not cfg.path:
+        return cfg.tiny.image_size
+    root = Path(cfg.path)
+    vae = json.loads((root / "vae" / "config.json").read_text())
+    transformer = json.loads((root / "transformer" / "config.json").read_text())
+    return int(transformer["sample_size"]) * 2 ** (len(vae["block_out_channels"]) - 1)
 
 
-# ---------------------------------------------------------------------------- VAE
+@families.register("sd3")
+class SD3(Family):
+    name = "sd3"
+    config = SD3ModelConfig
+    policy = "flow"
+    produces = ("image",)
+    lora_targets = SD3_LORA_TARGETS
 
+    @classmethod
+    def check(cls, recipe: Any) -> None:
+        size = recipe.rollout.sampler.image_size
+        if size is not None and not recipe.model.path:
+            tiny = recipe.model.tiny
+            check_image_side("rollout.sampler.image_size", size, tiny.vae_factor, tiny.patch_size)
 
-def _vae_shift(bundle: SD3Bundle) -> tuple[float, float]:
-    cfg = bundle.vae.config
-    return float(cfg.scaling_factor), float(cfg.shift_factor or 0.0)
+    @classmethod
+    def image_size(cls, cfg: SD3ModelConfig) -> int | None:
+        """Native image side when it is known from the recipe alone (the tiny model's), else None."""
+        return None if cfg.path else cfg.tiny.image_size
 
+    @classmethod
+    def native_image_size(cls, cfg: SD3ModelConfig) -> int:
+        return native_image_size(cfg)
 
-@torch.no_grad()
-def decode_latents(bundle: SD3Bundle, latents: torch.Tensor) -> torch.Tensor:
-    """latents (B, C, h, w) -> uint8 images (B, H, W, 3) on the CPU. Undoes encode_images'
-    normalisation: x = latents / scaling_factor + shift_factor before the VAE decoder."""
-    scale, shift = _vae_shift(bundle)
-    f = bundle.vae_scale_factor
-    check_image_size(bundle, latents.shape[-2] * f, latents.shape[-1] * f)
-    vae = bundle.vae
-    x = (latents.float() / scale + shift).to(device=vae.device, dtype=vae.dtype)
-    pixels = vae.decode(x, return_dict=False)[0].float().clamp(-1, 1)
-    return ((pixels + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+    @classmethod
+    def materialize(cls, cfg: SD3ModelConfig, scratch: Path) -> Path:
+        if cfg.path:
+            d = Path(cfg.path)
+            if not (d / "model_index.json").is_file():
+                raise FileNotFoundError(f"model.path {d}: no model_index.json (expected a diffusers SD3 folder)")
+            return d
+        from stages.models.sd3_tiny import build_tiny_sd3
 
+        return build_tiny_sd3(scratch, **cfg.tiny.build_kwargs())
 
-def _as_uint8_batch(images: Any) -> torch.Tensor:
-    if isinstance(images, (list, tuple)):
-        images = np.stack([np.asarray(im.convert("RGB") if hasattr(im, "convert") else im) for im in images])
-    images = torch.as_tensor(np.asarray(images))
-    if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != torch.uint8:
-        raise ValueError(f"expected uint8 images (B, H, W, 3) or PIL images, got {images.dtype} {tuple(images.shape)}")
-    return images
+    @classmethod
+    def load(cls, directory: Path, cfg: SD3ModelConfig, device: Any) -> SD3Bundle:
+        return load_sd3(directory, dtype=getattr(torch, cfg.dtype), device=device)
 
+    @classmethod
+    def fsdp_units(cls, module: Any) -> list[Any]:
+        return list(module.transformer_blocks)
 
-@torch.no_grad()
-def encode_images(bundle: SD3Bundle, images: Any, *, sample: bool = False,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
-    """uint8 images (B, H, W, 3) (array, tensor or list of PIL) -> float32 latents (B, C, h, w) =
-    (z - shift_factor) * scaling_factor, z the posterior mean (or a sample when `sample`)."""
-    pixels = _as_uint8_batch(images)
-    check_image_size(bundle, pixels.shape[1], pixels.shape[2])
-    vae = bundle.vae
-    x = (pixels.permute(0, 3, 1, 2).float() / 127.5 - 1).to(device=vae.device, dtype=vae.dtype)
-    dist = vae.encode(x).latent_dist
-    z = dist.sample(generator) if sample else dist.mean
-    scale, shift = _vae_shift(bundle)
-    return (z.float() - shift) * scale
+    @classmethod
+    def add_lora(cls, bundle: SD3Bundle, lora: LoraConfig) -> None:
+        from stages.models.sd3_ops import add_lora
 
+        add_lora(bundle, rank=lora.rank, alpha=lora.alpha, target_modules=lora.target_modules or SD3_LORA_TARGETS)
 
-def to_pil(images: torch.Tensor | np.ndarray) -> list[Any]:
-    """uint8 (B, H, W, 3) -> list of PIL RGB images."""
-    from PIL import Image
+    @classmethod
+    def reference(cls, bundle: SD3Bundle) -> AbstractContextManager[Any]:
+        from stages.models.sd3_ops import reference_policy
 
-    return [Image.fromarray(np.asarray(im), "RGB") for im in np.asarray(images)]
+        return reference_policy(bundle)
 
+    @classmethod
+    def export(cls, bundle: SD3Bundle, local: Path, state: dict[str, Any], *, lora: LoraConfig | None) -> None:
+        from stages.models.sd3_ops import merge_lora, write_sd3_folder
 
-def to_png_bytes(images: torch.Tensor | np.ndarray) -> list[bytes]:
-    """uint8 (B, H, W, 3) -> PNG bytes per image (lossless, for shards and rewards)."""
-    out = []
-    for im in to_pil(images):
-        buf = io.BytesIO()
-        im.save(buf, format="PNG", compress_level=1)  # fastest zlib level: 1.7x faster, 2% larger at 32x32
-        out.append(buf.getvalue())
-    return out
+        if lora is not None:
+            state = merge_lora(state, rank=lora.rank, alpha=lora.alpha)
+        write_sd3_folder(local, base_dir=bundle.directory, vae=bundle.vae, transformer_state=state)
 
+    # -- what the flow policy asks of a flow family -------------------------------------------
+    @classmethod
+    def latent_shape(cls, bundle: SD3Bundle, image_size: int) -> tuple[int, ...]:
+        return latent_shape(bundle, image_size)
 
-# ---------------------------------------------------------------------------- LoRA
+    @classmethod
+    def latent_tokens(cls, bundle: SD3Bundle, shape: tuple[int, ...]) -> int:
+        """Transformer tokens of one latent (what a dynamic shift is computed from)."""
+        p = bundle.patch_size
+        return (shape[-2] // p) * (shape[-1] // p)
 
+    @classmethod
+    def default_image_size(cls, bundle: SD3Bundle) -> int:
+        return bundle.default_image_size
 
-def add_lora(bundle: SD3Bundle, *, rank: int, alpha: float,
-             target_modules: tuple[str, ...] | list[str] = SD3_LORA_TARGETS, dropout: float = 0.0,
-             adapter_name: str = "default") -> list[str]:
-    """Put a peft LoRA adapter (B initialised to zero, so the policy starts equal to the base) on
-    the transformer's layers named by `target_modules` (a module matches a target when its
-    name is the target or ends with '.' + target). Only adapter weights stay trainable.
-    Returns the names of the adapted layers. A target matching no layer raises ValueError."""
-    from peft import LoraConfig
+    @classmethod
+    def check_image_size(cls, bundle: SD3Bundle, height: int, width: int | None = None) -> None:
+        check_image_size(bundle, height, width)
 
-    layers = [n for n, m in bundle.transformer.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
-    targets = [target_modules] if isinstance(target_modules, str) else list(target_modules)
-    hit = lambda name, t: name == t or name.endswith("." + t)  # noqa: E731 - peft's matching rule
-    missing = [t for t in targets if not any(hit(n, t) for n in layers)]
-    if missing or not targets:
-        tails = (n.split(".") for n in layers)
-        known = sorted({".".join(t[-3:] if t[-1].isdigit() else t[-2:]) for t in tails})
-        raise ValueError(
-            f"LoRA target(s) {missing or targets} match no layer of the SD3 transformer in {bundle.directory}; "
-            f"its layers end in: {', '.join(known)}"
-        )
-    bundle.transformer.add_adapter(
-        LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, init_lora_weights=True),
-        adapter_name=adapter_name,
-    )
-    for name, param in bundle.transformer.named_parameters():
-        param.requires_grad_("lora_" in name)
-    return [n for n in layers if any(hit(n, t) for t in targets)]
+    @classmethod
+    def encode_prompt(cls, bundle: SD3Bundle, text: str) -> tuple[torch.Tensor, ...]:
+        """The conditioning of one prompt, each tensor without its batch dimension."""
+        from stages.models.sd3_text import encode_prompts
 
+        e = encode_prompts(bundle, [text])
+        return e.embeds[0], e.pooled[0]
 
-@contextmanager
-def reference_policy(bundle: SD3Bundle) -> Iterator[SD3Bundle]:
-    """Inside the block the transformer runs with its LoRA adapters disabled: the base model,
-    i.e. the reference policy for KL, without a second copy of the weights. Nests safely."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    @classmethod
+    def velocity(cls, bundle: SD3Bundle, module: Any, x: torch.Tensor, sigma: torch.Tensor, cond: tuple[torch.Tensor, ...],
+                 guidance_scale: float, neg: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+        """v (B, C, h, w) at latents x and noise level sigma (B,), conditioned on `cond` (batched)."""
+        from stages.models.sd3_ops import predict_velocity
 
-    lora_layers = [m for m in bundle.transformer.modules() if isinstance(m, BaseTunerLayer)]
-    if not lora_layers:
-        raise ValueError(
-            f"reference_policy needs a LoRA adapter on the transformer of {bundle.directory} (call add_lora); "
-            "a fully fine-tuned policy needs a separately loaded reference model"
-        )
-    if lora_layers[0].disable_adapters:
-        yield bundle
-        return
-    bundle.transformer.disable_adapters()
-    try:
-        yield bundle
-    finally:
-        bundle.transformer.enable_adapters()
+        if module is not bundle.transformer:
+            import dataclasses
+
+            bundle = dataclasses.replace(bundle, transformer=module)
+        n = x.shape[0]
+        return predict_velocity(bundle, x, sigma, cond[0][:n], cond[1][:n], guidance_scale=guidance_scale,
+                                neg_embeds=None if neg is None else neg[0][:n], neg_pooled=None if neg is None else neg[1][:n])
+
+    @classmethod
+    def decode(cls, bundle: SD3Bundle, latents: torch.Tensor) -> torch.Tensor:
+        from stages.models.sd3_ops import decode_latents
+
+        return decode_latents(bundle, latents)
+
+    @classmethod
+    def encode_images(cls, bundle: SD3Bundle, images: Any) -> torch.Tensor:
+        from stages.models.sd3_ops import encode_images
+
+        return encode_images(bundle, images)
+
+    @classmethod
+    def prepare_sft(cls, bundle: SD3Bundle, cfg: SD3ModelConfig, images: Any, *, seed: int, all_reduce: Any,
+                    rank: int, world: int) -> dict[str, float]:
+        """Before flow-matching SFT: warm the VAE up on the SFT images (a tiny model's VAE is
+        random) and standardize its latents; a checkpoint's VAE is kept (`model.vae_warmup`)."""
+        from stages.diffusion import sft as S
+
+        warm = cfg.vae_warmup
+        steps = warm.resolved_steps(bool(cfg.path))
+        if not steps:
+            return {}
+        info = S.warm_up_vae(bundle.vae, images, steps=steps, lr=warm.lr, batch_size=warm.batch_size, seed=seed,
+                             all_reduce=all_reduce, rank=rank, world=world)
+        info.update(S.standardize_latents(bundle.vae, images))
+        return info

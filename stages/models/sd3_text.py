@@ -25,30 +25,55 @@ logger = logging.getLogger(__name__)
 DEFAULT_T5_LENGTH = 256
 
 
+def learn_bpe(words: list[str], alphabet: list[str]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """BPE merges learned on `words` until every word is one token (`</w>` marks a word's end):
+    each round merges the most frequent adjacent pair, ties broken by the pair itself, so the
+    same words give the same vocabulary in every process (the `tokenizers` trainer breaks ties by
+    hash order, which changes between processes). The vocabulary: the special tokens, the
+    alphabet, each character as a word end, then the merges in order."""
+    from collections import Counter
+
+    vocab: dict[str, int] = {}
+    for token in ["<|startoftext|>", "<|endoftext|>", *alphabet, *(ch + "</w>" for ch in alphabet)]:
+        vocab.setdefault(token, len(vocab))
+    counts = Counter(words)
+    pieces = {w: [*w[:-1], w[-1] + "</w>"] for w in counts}
+    merges: list[tuple[str, str]] = []
+    while True:
+        pairs: Counter[tuple[str, str]] = Counter()
+        for w, seq in pieces.items():
+            for pair in zip(seq, seq[1:]):
+                pairs[pair] += counts[w]
+        if not pairs:
+            return vocab, merges
+        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
+        merges.append(best)
+        vocab.setdefault(best[0] + best[1], len(vocab))
+        for w, seq in pieces.items():
+            out, i = [], 0
+            while i < len(seq):
+                if i + 1 < len(seq) and (seq[i], seq[i + 1]) == best:
+                    out.append(seq[i] + seq[i + 1])
+                    i += 2
+                else:
+                    out.append(seq[i])
+                    i += 1
+            pieces[w] = out
+
+
 def build_tiny_tokenizer(words: tuple[str, ...] | None = None, model_max_length: int = 16) -> Any:
-    """A CLIP BPE tokenizer (byte-level alphabet, `</w>` word ends) whose merges are trained, in
-    code and deterministically, on `words` (default: the toy-GenEval vocabulary), so each of those
-    words is one token and any other text still tokenizes character by character."""
-    from tokenizers import pre_tokenizers, trainers
+    """A CLIP BPE tokenizer (byte-level alphabet, `</w>` word ends) whose merges are learned in code,
+    deterministically, on `words` (default: the toy-GenEval vocabulary), so each of those words is
+    one token and any other text still tokenizes character by character. Single characters that
+    end a word ("a", ",") are in the vocabulary, or they would map to the unknown token, which
+    CLIP shares with end-of-text (where the pooled embedding is read)."""
+    from tokenizers import pre_tokenizers
     from transformers import CLIPTokenizer
 
     if words is None:
         from stages.geneval.dataset import WORDS as words
-    bos, eos = "<|startoftext|>", "<|endoftext|>"
-    backend = CLIPTokenizer().backend_tokenizer
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    trainer = trainers.BpeTrainer(
-        vocab_size=100_000, min_frequency=1, special_tokens=[bos, eos], initial_alphabet=alphabet,
-        end_of_word_suffix="</w>", show_progress=False,
-    )
-    backend.train_from_iterator(list(words), trainer=trainer)
-    model = json.loads(backend.to_str())["model"]
-    vocab = dict(model["vocab"])
-    # Single characters that end a word ("a", ",") must be known, or they would map to the
-    # unknown token, which CLIP shares with end-of-text (where the pooled embedding is read).
-    for ch in alphabet:
-        vocab.setdefault(ch + "</w>", len(vocab))
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    vocab, merges = learn_bpe(list(words), alphabet)
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
 
 

@@ -49,7 +49,7 @@ def load_linear_chain(path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
     return layers
 
 
-@register_scorer("aesthetic")
+@register_scorer("aesthetic", reads=("image",))
 class AestheticScore:
     """Needs batch.images. Params: model_path (CLIPModel dir), head_file (relative to model_path,
     or absolute), activation (none | relu | gelu), processor_path, device, dtype, batch_size."""
@@ -62,7 +62,10 @@ class AestheticScore:
         *,
         head_file: str = "aesthetic_head.safetensors",
         activation: str = "none",
-        **embedder_kwargs: object,
+        processor_path: str | None = None,
+        device: str = "auto",
+        dtype: str = "float32",
+        batch_size: int = 32,
     ) -> None:
         from stages.rewards._clip import ClipEmbedder
 
@@ -73,7 +76,7 @@ class AestheticScore:
             raise FileNotFoundError(f"scorer 'aesthetic': head file {str(head)!r} not found")
         self.layers = load_linear_chain(head)
         self.activation = _ACTIVATIONS[activation]
-        self.embedder = ClipEmbedder(model_path, scorer=self.name, **embedder_kwargs)
+        self.embedder = ClipEmbedder(model_path, scorer=self.name, processor_path=processor_path, device=device, dtype=dtype, batch_size=batch_size)
         dim = self.embedder.model.config.projection_dim
         if self.layers[0][0].shape[1] != dim:
             raise ValueError(f"scorer 'aesthetic': {head} expects {self.layers[0][0].shape[1]}-d "

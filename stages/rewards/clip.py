@@ -11,18 +11,19 @@ from stages.rewards._hf import need_images
 from stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
 
 
-@register_scorer("clip")
+@register_scorer("clip", reads=("image",))
 class ClipScore:
     """Needs batch.images (N PIL) and batch.prompts. Params: model_path (local CLIPModel dir),
     w, processor_path, device, dtype, batch_size (see _clip.ClipEmbedder)."""
 
     name = "clip"
 
-    def __init__(self, model_path: str, *, w: float = 1.0, **embedder_kwargs: object) -> None:
+    def __init__(self, model_path: str, *, w: float = 1.0,
+                 processor_path: str | None = None, device: str = "auto", dtype: str = "float32", batch_size: int = 32) -> None:
         from stages.rewards._clip import ClipEmbedder  # torch + transformers only when built
 
         self.w = float(w)
-        self.embedder = ClipEmbedder(model_path, scorer=self.name, **embedder_kwargs)
+        self.embedder = ClipEmbedder(model_path, scorer=self.name, processor_path=processor_path, device=device, dtype=dtype, batch_size=batch_size)
 
     def __call__(self, batch: ScoreBatch) -> ScoreResult:
         cos = self.embedder.cosine(need_images(batch, self.name), batch.prompts)

@@ -36,7 +36,7 @@ def _rgb(image: Any) -> np.ndarray:
     return np.asarray(image, dtype=np.float64)
 
 
-@register_scorer("geneval")
+@register_scorer("geneval", reads=("image",))
 class GenEvalScorer:
     """Toy GenEval (stages.geneval): the image against its sample's prompt.
     mode "strict": 1 when object, colour, count and position all hold, else 0 (GenEval's score);
@@ -46,6 +46,12 @@ class GenEvalScorer:
     are logged either way: strict, object, colour, count, position."""
 
     name = "geneval"
+
+    @staticmethod
+    def check_prompt(text: str) -> None:
+        from stages.geneval import parse_prompt
+
+        parse_prompt(text)
 
     def __init__(self, mode: str = "strict") -> None:
         if mode not in GENEVAL_MODES:
@@ -71,7 +77,7 @@ def jpeg_kilobytes(image: Any, quality: int = 95) -> float:
     return buf.tell() / 1000.0
 
 
-@register_scorer("jpeg_compressibility")
+@register_scorer("jpeg_compressibility", reads=("image",))
 class JpegCompressibility:
     """DDPO's compressibility reward: -(JPEG size in kB at quality 95). Higher = smaller file.
     Not normalised by resolution: compare only images of one size."""
@@ -89,7 +95,7 @@ class JpegCompressibility:
         return ScoreResult(self.sign * kb, {"jpeg_kb": kb})
 
 
-@register_scorer("jpeg_incompressibility")
+@register_scorer("jpeg_incompressibility", reads=("image",))
 class JpegIncompressibility(JpegCompressibility):
     """DDPO's incompressibility reward: +(JPEG size in kB at quality 95)."""
 
@@ -97,7 +103,7 @@ class JpegIncompressibility(JpegCompressibility):
     sign = 1.0
 
 
-@register_scorer("brightness")
+@register_scorer("brightness", reads=("image",))
 class Brightness:
     """Mean luma in [0, 1]: (0.299 R + 0.587 G + 0.114 B) / 255 (ITU-R BT.601), averaged over pixels."""
 
@@ -109,7 +115,7 @@ class Brightness:
         return ScoreResult(np.array(values, dtype=np.float64))
 
 
-@register_scorer("colorfulness")
+@register_scorer("colorfulness", reads=("image",))
 class Colorfulness:
     """Hasler & Suesstrunk (2003) colourfulness, divided by 255: with rg = R - G and
     yb = (R + G) / 2 - B over pixels, M = sqrt(std(rg)^2 + std(yb)^2) + 0.3 sqrt(mean(rg)^2 + mean(yb)^2).

@@ -368,7 +368,7 @@ def _answers(batch: ScoreBatch, scorer: str) -> list[str]:
     return out
 
 
-@register_scorer("math_verify")
+@register_scorer("math_verify", reads=("text",))
 class MathVerify:
     """1.0 when the final answer equals the `answer` metadata (see the module docstring), else 0.0.
 
@@ -421,7 +421,7 @@ def think_then_answer(text: str) -> str | None:
     return rest
 
 
-@register_scorer("format")
+@register_scorer("format", reads=("text",))
 class Format:
     """1.0 when the response has the asked-for shape, else 0.0.
 

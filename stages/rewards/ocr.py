@@ -54,7 +54,7 @@ def text_similarity(read: str, target: str, *, ignore_case: bool = True, ignore_
     return 1.0 if longest == 0 else 1.0 - edit_distance(a, b) / longest
 
 
-@register_scorer("ocr")
+@register_scorer("ocr", reads=("image",))
 class OcrScore:
     """Needs batch.images and quoted text in batch.prompts. Params: model_path (directory with the
     VisionEncoderDecoderModel, its tokenizer and image processor), max_new_tokens, ignore_case,

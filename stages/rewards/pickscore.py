@@ -13,20 +13,21 @@ from stages.rewards._hf import need_images
 from stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
 
 
-@register_scorer("pickscore")
+@register_scorer("pickscore", reads=("image",))
 class PickScore:
     """Needs batch.images and batch.prompts. Params: model_path, divisor, processor_path, device,
     dtype, batch_size."""
 
     name = "pickscore"
 
-    def __init__(self, model_path: str, *, divisor: float = 1.0, **embedder_kwargs: object) -> None:
+    def __init__(self, model_path: str, *, divisor: float = 1.0,
+                 processor_path: str | None = None, device: str = "auto", dtype: str = "float32", batch_size: int = 32) -> None:
         from stages.rewards._clip import ClipEmbedder
 
         if divisor <= 0:
             raise ValueError(f"scorer 'pickscore': divisor must be positive, got {divisor}")
         self.divisor = float(divisor)
-        self.embedder = ClipEmbedder(model_path, scorer=self.name, **embedder_kwargs)
+        self.embedder = ClipEmbedder(model_path, scorer=self.name, processor_path=processor_path, device=device, dtype=dtype, batch_size=batch_size)
         self.scale = self.embedder.logit_scale  # fixed after loading
 
     def __call__(self, batch: ScoreBatch) -> ScoreResult:

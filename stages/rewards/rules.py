@@ -15,7 +15,7 @@ def extract_answer(text: str) -> str:
     return text.strip()
 
 
-@register_scorer("exact_match")
+@register_scorer("exact_match", reads=("text",))
 class ExactMatch:
     """1.0 when the response equals the sample's `answer` metadata exactly (after stripping
     surrounding whitespace), else 0.0. A sample without an `answer` is an error naming it."""
@@ -33,7 +33,7 @@ class ExactMatch:
         return ScoreResult(scores)
 
 
-@register_scorer("integer_format")
+@register_scorer("integer_format", reads=("text",))
 class IntegerFormat:
     """1.0 when the response (stripped) is a signed integer such as `12` or `-3`, else 0.0:
     a format reward that gives an untrained model a signal before it gets answers right."""

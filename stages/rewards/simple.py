@@ -20,7 +20,7 @@ def _texts(batch: ScoreBatch, field: str, scorer: str) -> list[str]:
     return batch.texts
 
 
-@register_scorer("text_length")
+@register_scorer("text_length", reads=("text",))
 class TextLength:
     """Length of the text in characters (or whitespace-separated words with `unit: words`).
 
@@ -47,7 +47,7 @@ class TextLength:
         return ScoreResult(lengths)
 
 
-@register_scorer("constant")
+@register_scorer("constant", reads=())
 class Constant:
     """The same `value` for every sample (a baseline, or a known value in tests). No normalization."""
 
@@ -60,7 +60,7 @@ class Constant:
         return ScoreResult(np.full(len(batch), self.value, dtype=np.float64))
 
 
-@register_scorer("keyword")
+@register_scorer("keyword", reads=("text",))
 class Keyword:
     """Fraction of `keywords` found as substrings of the text: score in [0, 1].
 

@@ -23,7 +23,7 @@ def frame_indices(n: int, max_frames: int | None) -> list[int]:
     return sorted({round(i * (n - 1) / (max_frames - 1)) for i in range(max_frames)})
 
 
-@register_scorer("video")
+@register_scorer("video", reads=("video",))
 class VideoScore:
     """Needs batch.videos (N lists of PIL frames). Params: scorer (inner scorer name),
     params (its keyword args), max_frames (None = every frame)."""

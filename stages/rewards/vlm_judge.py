@@ -37,7 +37,7 @@ def parse_score(answer: str, min_score: float, max_score: float) -> float | None
     return (value - min_score) / (max_score - min_score)
 
 
-@register_scorer("vlm_judge")
+@register_scorer("vlm_judge", reads=("image",))
 class VlmJudge:
     """Params: model_path (Qwen2VLForConditionalGeneration + tokenizer + image processor), question,
     system (optional system turn), min_score, max_score, max_new_tokens, device, dtype, batch_size."""

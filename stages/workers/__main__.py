@@ -7,37 +7,18 @@ answered with the traceback: the next task relaunches it from the latest checkpo
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import signal
 import sys
 import traceback
 from datetime import timedelta
 from pathlib import Path
 
 
-def die_with_parent() -> None:
-    """Linux: get SIGKILL when the parent (the torchrun agent) dies, so no rank is orphaned."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def worker_class(kind: str):
-    """The per-rank worker of a model family (same command interface for all)."""
-    if kind == "sd3":
-        from stages.workers.diffusion import DiffusionWorker
-
-        return DiffusionWorker
-    from stages.workers.policy import PolicyWorker
-
-    return PolicyWorker
-
-
 def main(argv: list[str] | None = None) -> int:
-    die_with_parent()
+    from stages.workers.group import die_with_parent
+
+    die_with_parent()  # the torchrun agent's death takes every rank with it
     parser = argparse.ArgumentParser(prog="python -m stages.workers")
     parser.add_argument("--spec", required=True, help="JSON file: recipe, run storage, initial weights, checkpoint")
     args = parser.parse_args(argv)
@@ -48,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
     from stages.workers.control import ControlServer, broadcast_json
+    from stages.workers.worker import Worker
 
     backend = spec["backend"]
     if backend == "auto":
@@ -64,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     server = None
     try:
-        worker = worker_class(spec["recipe"]["model"]["kind"])(spec, mesh, device)
+        worker = Worker(spec, mesh, device)
         if rank == 0:
             server = ControlServer(os.environ["UNIRL_CONTROL_TOKEN"])
             ready = Path(spec["ready_file"])

@@ -51,8 +51,10 @@ def free_port() -> int:
 
 
 class WorkerGroup:
-    def __init__(self, recipe: Recipe, storage: RunStorage, *, init_weights: str, log: Callable[[str], None] = print):
+    def __init__(self, recipe: Recipe, storage: RunStorage, *, init_weights: str, log: Callable[[str], None] = print,
+                 mode: str = "rl"):
         self.recipe = recipe
+        self.mode = mode
         self.storage = storage
         self.init_weights = init_weights
         self.log = log
@@ -78,7 +80,7 @@ class WorkerGroup:
             "recipe": self.recipe.model_dump(mode="json"), "root": self.storage.root, "run": self.storage.run,
             "options": self.storage.options, "init_weights": self.init_weights, "init_version": 0,
             "checkpoint": checkpoint, "backend": t.backend, "ready_file": str(ready),
-            "scratch": str(self.scratch), "threads_per_rank": threads_per_rank(t.nproc),
+            "scratch": str(self.scratch), "threads_per_rank": threads_per_rank(t.nproc), "mode": self.mode,
         }
         spec_path = self.scratch / "spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -93,7 +95,7 @@ class WorkerGroup:
         logf = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent, start_new_session=True,
+            preexec_fn=die_with_parent, start_new_session=True,
         )
         logf.close()
         _LIVE.add(self)
@@ -198,7 +200,8 @@ class WorkerGroup:
         return self.call("train", iteration=iteration, rollouts=rollouts, advantages=adv["files"][0])
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """Linux: get SIGKILL when the parent process dies (PR_SET_PDEATHSIG), so no child is orphaned."""
     import ctypes
 
     try:

@@ -42,7 +42,13 @@ def test_quickstart_sft_then_flow_grpo(tmp_path, unirl_env):
     rewards = read_arrow(run / "iter-000000" / "rewards.arrow")
     assert {"reward/geneval/strict", "reward/geneval/colour", "reward/geneval/position"} <= set(rewards.column_names)
     train = json.loads((run / "iter-000001" / "train.json").read_text())["metrics"]
-    assert train["ratio_min"] == train["ratio_max"] == 1.0
+    assert train["behaviour_logp_max_abs_diff"] == 0.0  # the replay is the sampler's record, bit for bit
+    # the rollout grid of iteration 0 (quickstart: every 10 iterations) is in MLflow
+    from mlflow.tracking import MlflowClient
+
+    info = json.loads((run / "run.json").read_text())
+    client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
+    assert [a.path for a in client.list_artifacts(info["mlflow_run_id"], "images/rollouts")] == ["images/rollouts/step-000000.png"]
     from stages.models.sd3 import load_sd3
 
     bundle = load_sd3(run / "weights" / "v000002")
@@ -56,7 +62,7 @@ def test_world_size_two(tmp_path, unirl_env):
     parts = [read_arrow(run / "iter-000001" / "rollouts" / f"part-{k:03d}.arrow") for k in range(2)]
     assert sorted(p.num_rows for p in parts) == [6, 6]
     train = json.loads((run / "iter-000001" / "train.json").read_text())["metrics"]
-    assert train["ratio_min"] == train["ratio_max"] == 1.0 and train["samples"] == 12
+    assert train["behaviour_logp_max_abs_diff"] == 0.0 and train["samples"] == 12
     assert json.loads((run / "checkpoints" / "000002" / "_COMMITTED").read_text())["version"] == 2
 
 

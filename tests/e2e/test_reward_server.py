@@ -23,7 +23,7 @@ from flows.reward_server import main
 from stages.rewards import ScoreBatch, aggregate, build_scorer, run_scorer
 from stages.rewards.client import RemoteScorer, RemoteScorerError
 from stages.rewards.server import ScoringService, load_config
-from stages.rewards.tiny_models import random_images, save_tiny_clip
+from stages.tiny_models import random_images, save_tiny_clip
 from stages.rewards.wire import encode_batch
 from stages.sample import metadata
 from tests.conftest import TINY, isolated_env, run_unirl
@@ -56,7 +56,7 @@ import math, time
 import numpy as np
 from stages.rewards.base import ScoreResult, register_scorer
 
-@register_scorer("faulty")
+@register_scorer("faulty", reads=("text",))
 class Faulty:
     name = "faulty"
     def __init__(self, calls):

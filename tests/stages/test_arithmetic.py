@@ -72,7 +72,7 @@ def test_bad_settings_are_named(kwargs, message):
 
 
 def test_built_from_a_recipe_section():
-    from stages.recipe import ArithmeticData
+    from stages.sources.arithmetic import ArithmeticData
 
     src = arithmetic_source(ArithmeticData(digits=2, heldout_size=3, seed=9))
     assert len(src.heldout()) == 3 and src.operands == 2 and src.template == "{expr}="

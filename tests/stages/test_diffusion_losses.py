@@ -1,19 +1,60 @@
-"""One micro-batch of a diffusion update on hand-made velocity models: gradient accumulation
-across timesteps and micro-batches equals the loss over the whole batch, the on-policy check,
-Flow-DPPO's frozen old means, NFT against its closed form, and LoRA merging."""
+"""One micro-batch of a flow algorithm's update on hand-made velocity models: gradient
+accumulation across timesteps and micro-batches equals the loss over the whole batch, the
+behaviour check, Flow-DPPO's frozen old means, NFT against its closed form, and LoRA merging.
+
+The algorithms replay through a policy (`replay`, `velocity`); here a two-method stand-in binds
+them to a hand-made linear velocity, so the losses are checked against hand-computed tensors
+without a diffusion model."""
 from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 
-from stages.algorithms import flow_grpo_loss, nft_loss
-from stages.diffusion import losses as L
-from stages.diffusion.export import merge_lora
-from stages.diffusion.sampling import make_plan, replay_step, sample, sample_noise, stored_steps
+from stages.algorithms import BehaviourMismatchError, TrainContext, flow_grpo_loss, nft_loss
+from stages.algorithms.flow_dppo import FlowDPPO, FlowDPPOConfig
+from stages.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
+from stages.algorithms.flow_likelihood import transition_means
+from stages.algorithms.nft import NFT, NFTConfig, nft_points
+from stages.diffusion.sampling import make_plan, replay_step, sample, stored_steps
 from stages.diffusion.trajectory import LatentBatch
-from stages.recipe_diffusion import DiffusionSampler, FlowDPPOConfig, FlowGRPOConfig, NFTConfig
+from stages.models.sd3_ops import merge_lora
+from stages.policies.flow import FlowSampler
 
 SHAPE = (2, 4, 4)
+
+
+def noise(n: int) -> torch.Tensor:
+    return torch.stack([torch.randn(SHAPE, generator=torch.Generator().manual_seed(s)) for s in range(n)])
+
+
+class LinearPolicy:
+    """The flow policy's replay and velocity, bound to a hand-made velocity model `module`."""
+
+    def velocity(self, module, prompts):
+        return module
+
+    def replay(self, module, batch, step):
+        x = batch.at(step)
+        return replay_step(batch.plan, step, x, module(x, batch.plan.sigmas[step].expand(x.shape[0])), batch.at(step + 1))
+
+
+@dataclass
+class Stack:
+    module: Any
+    ref: Any = None
+    world: int = 1
+
+    @contextmanager
+    def reference(self):
+        yield self.ref
+
+
+def ctx(model, ref=None, tolerance=0.0) -> TrainContext:
+    return TrainContext(LinearPolicy(), Stack(model, ref), iteration=2, seed=5, tolerance=tolerance)
 
 
 class Linear(torch.nn.Module):
@@ -29,13 +70,19 @@ class Linear(torch.nn.Module):
         return torch.einsum("oc,bchw->bohw", self.w, x) + sigma.reshape(-1, 1, 1, 1) * self.b.reshape(1, 2, 1, 1)
 
 
-def rollouts(model, n=4, steps=4, kind="flow", mode="all"):
-    s = DiffusionSampler(num_steps=steps, sde_kind=kind, sde_steps={"mode": mode, "window_size": 2, "num_sde_steps": 2}
-                         if mode == "window" else {"mode": mode})
+def rollouts(model, n=4, steps=4, kind="flow", mode="all", adv=None):
+    s = FlowSampler(num_steps=steps, sde_kind=kind, sde_steps={"mode": mode, "window_size": 2, "num_sde_steps": 2}
+                    if mode == "window" else {"mode": mode})
     plan = make_plan(s, seed=0, iteration=0, latent_tokens=4)
     store = stored_steps(plan.sde_indices.tolist(), steps)
-    traj = sample(model, sample_noise(SHAPE, list(range(n))), plan, list(range(100, 100 + n)), store=store)
-    return LatentBatch([f"g/{i}" for i in range(n)], ["p"] * n, traj.latents, traj.logprobs, traj.stored, plan)
+    traj = sample(model, noise(n), plan, list(range(100, 100 + n)), store=store)
+    return LatentBatch([f"g/{i}" for i in range(n)], ["p"] * n, traj.latents, traj.logprobs, traj.stored, plan,
+                       torch.zeros(n) if adv is None else adv)
+
+
+def part(batch, lo, hi):
+    return LatentBatch(batch.sample_ids[lo:hi], batch.prompts[lo:hi], batch.latents[lo:hi], batch.logprobs[lo:hi],
+                       batch.stored, batch.plan, batch.advantage[lo:hi])
 
 
 def grads(model):
@@ -44,9 +91,9 @@ def grads(model):
 
 def test_flow_grpo_accumulated_over_steps_and_micro_batches_equals_whole_batch_loss():
     model = Linear()
-    batch = rollouts(model, mode="window")
     adv = torch.tensor([1.0, -0.5, 2.0, -1.5])
-    algo = FlowGRPOConfig(clip_range=0.2)
+    batch = rollouts(model, mode="window", adv=adv)
+    algo = FlowGRPO(FlowGRPOConfig(clip_range=0.2), None)
     # reference: every step's log-prob in one (B, K) tensor, one backward
     logps = []
     for step in batch.plan.sde_indices.tolist():
@@ -55,55 +102,57 @@ def test_flow_grpo_accumulated_over_steps_and_micro_batches_equals_whole_batch_l
     flow_grpo_loss(torch.stack(logps, 1), batch.logprobs, adv, clip_range=0.2).loss.backward()
     expected = grads(model)
     model.zero_grad()
-    halves = [LatentBatch(batch.sample_ids[i:i + 2], batch.prompts[i:i + 2], batch.latents[i:i + 2], batch.logprobs[i:i + 2],
-                          batch.stored, batch.plan) for i in (0, 2)]
-    for i, half in enumerate(halves):
-        m = L.likelihood_backward(algo, half, adv[2 * i:2 * i + 2], model, weight=0.5, check_on_policy=True)
+    for half in (part(batch, 0, 2), part(batch, 2, 4)):
+        m = algo.loss_backward(ctx(model), half, None, share=0.5, update=0, real=True)
         assert m["ratio_min"] == pytest.approx(1.0) and m["clip_frac"] == 0.0
+        assert m["behaviour_logp_max_abs_diff"] == 0.0
     for got, want in zip(grads(model), expected):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
-def test_first_update_off_policy_raises():
+def test_first_update_off_policy_raises_naming_the_sample_and_step():
     model = Linear()
-    batch = rollouts(model)
+    batch = rollouts(model, adv=torch.ones(4))
     batch.logprobs[1, 2] += 1e-6
-    with pytest.raises(L.OnPolicyRatioError, match="SDE step 2 differ from the sampled ones"):
-        L.likelihood_backward(FlowGRPOConfig(), batch, torch.ones(4), model, weight=1.0, check_on_policy=True)
+    with pytest.raises(BehaviourMismatchError, match=r"iteration 2, rank 0: sample 'g/1': the trainer's replay of SDE step 2"):
+        FlowGRPO(FlowGRPOConfig(), None).loss_backward(ctx(model), batch, None, share=1.0, update=0, real=True)
+    # later updates replay a moved policy: no behaviour check there
+    FlowGRPO(FlowGRPOConfig(), None).loss_backward(ctx(model), batch, None, share=1.0, update=1, real=True)
 
 
 def test_kl_to_the_reference_adds_its_gradient():
     model, ref = Linear(0), Linear(1)
-    batch = rollouts(model, steps=3)
-    adv = torch.zeros(4)  # only the KL term moves the weights
-    m = L.likelihood_backward(FlowGRPOConfig(kl_coef=2.0), batch, adv, model, weight=1.0, ref_velocity=ref)
+    batch = rollouts(model, steps=3)  # advantages 0: only the KL term moves the weights
+    m = FlowGRPO(FlowGRPOConfig(kl_coef=2.0), None).loss_backward(ctx(model, ref), batch, None, share=1.0, update=0, real=True)
     assert m["kl"] > 0
     assert any(p.grad.abs().sum() > 0 for p in model.parameters())
 
 
 def test_flow_dppo_drops_with_frozen_old_means():
     model = Linear()
-    batch = rollouts(model, steps=3)
-    old_means = L.transition_means(model, batch)
+    batch = rollouts(model, steps=3, adv=torch.tensor([1.0, -1.0, 1.0, -1.0]))
+    algo = FlowDPPO(FlowDPPOConfig(threshold=1e-12), None)
+    assert algo.freeze_old(ctx(model), batch, update=0) is None  # the first mini-batch uses the live means
+    old_means = algo.freeze_old(ctx(model), batch, update=1)
+    torch.testing.assert_close(old_means, transition_means(ctx(model), batch))
     with torch.no_grad():  # the policy moves after the means were frozen
         model.w.add_(0.5)
-    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
-    m = L.likelihood_backward(FlowDPPOConfig(threshold=1e-12), batch, adv, model, weight=1.0, old_means=old_means)
+    m = algo.loss_backward(ctx(model), batch, old_means, share=1.0, update=1, real=True)
     assert 0 < m["drop_frac"] <= 1
     model.zero_grad()
-    on_policy = L.likelihood_backward(FlowDPPOConfig(threshold=1e-12), batch, adv, model, weight=1.0)
+    on_policy = algo.loss_backward(ctx(model), batch, None, share=1.0, update=1, real=True)
     assert on_policy["drop_frac"] == 0.0  # old mean = current mean: k = 0 < threshold
 
 
 def test_nft_backward_is_the_mean_of_nft_loss_over_draws():
     model, old = Linear(0), Linear(1)
-    batch = rollouts(model, mode="all")
-    algo = NFTConfig(timesteps=3, beta=0.7)
     adv = torch.tensor([2.0, -1.0, 0.5, -3.0])
-    points = L.nft_points(batch, seed=5, iteration=2, update=0, draws=3)
+    batch = rollouts(model, mode="all", adv=adv)
+    algo = NFT(NFTConfig(timesteps=3, beta=0.7), None)
+    points = nft_points(batch, seed=5, iteration=2, update=0, draws=3)
     with torch.no_grad():
-        v_old = [old(xt, t) for t, xt in points]
-    L.nft_backward(algo, batch, adv, model, v_old, weight=1.0, seed=5, iteration=2, update=0)
+        v_old = algo.freeze_old(ctx(old), batch, update=0)  # under the old (EMA) weights
+    algo.loss_backward(ctx(model), batch, v_old, share=1.0, update=0, real=True)
     got = grads(model)
     model.zero_grad()
     total = sum(nft_loss(batch.final, xt, t, model(xt, t), vo, adv, beta=0.7).loss for (t, xt), vo in zip(points, v_old)) / 3
@@ -112,7 +161,7 @@ def test_nft_backward_is_the_mean_of_nft_loss_over_draws():
         torch.testing.assert_close(g, want, atol=1e-6, rtol=1e-5)
     t0, _ = points[0]
     assert set(t0.tolist()) <= set(batch.plan.sigmas[batch.plan.sigmas > 0].tolist())
-    again = L.nft_points(batch, seed=5, iteration=2, update=0, draws=3)
+    again = nft_points(batch, seed=5, iteration=2, update=0, draws=3)
     assert all(torch.equal(a[1], b[1]) for a, b in zip(points, again))
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.diffusion.model import bind, encode
-from stages.diffusion.sampling import make_plan, replay_step, sample, sample_noise, stored_steps
-from stages.models.sd3 import build_tiny_sd3, load_sd3
-from stages.recipe_diffusion import DiffusionSampler
+from stages.diffusion.model import PromptCache, bind
+from stages.diffusion.sampling import make_plan, replay_step, sample, stored_steps
+from stages.models.sd3 import SD3, load_sd3
+from stages.models.sd3_tiny import build_tiny_sd3
+from stages.policies.flow import FlowSampler
 from stages.sde import sde_step, shifted_sigmas
 
 PROMPTS = ["two red circles", "a blue square on the left of a green triangle", "a yellow triangle"]
@@ -19,8 +20,16 @@ def bundle(tmp_path_factory):
     return load_sd3(build_tiny_sd3(tmp_path_factory.mktemp("sd3") / "tiny", seed=0))
 
 
-def sampler(**kw) -> DiffusionSampler:
-    return DiffusionSampler(**kw)
+def sampler(**kw) -> FlowSampler:
+    return FlowSampler(**kw)
+
+
+def sample_noise(shape, seeds) -> torch.Tensor:
+    return torch.stack([torch.randn(tuple(shape), generator=torch.Generator().manual_seed(int(s))) for s in seeds])
+
+
+def velocity_of(bundle, prompts, s):
+    return bind(SD3, bundle, PromptCache(SD3, bundle)(prompts, s), 1.0)
 
 
 def test_plan_all_window_mixgrpo_and_ode():
@@ -62,13 +71,13 @@ def test_replay_logprobs_equal_sampled_bit_for_bit(bundle, kind):
     x = sample_noise((4, 16, 16), [1, 2, 3])
     bundle.transformer.eval()
     with torch.no_grad():
-        velocity = bind(bundle, encode(bundle, PROMPTS, s), 1.0)
+        velocity = velocity_of(bundle, PROMPTS, s)
         traj = sample(velocity, x, plan, [10, 11, 12], store=store)
     assert traj.stored == store and traj.latents.shape == (3, len(store), 4, 16, 16)
     assert traj.logprobs.shape == (3, 2) and torch.isfinite(traj.logprobs).all()
     # training: train mode, autograd on, embeddings encoded again for the same batch
     bundle.transformer.train()
-    velocity = bind(bundle, encode(bundle, PROMPTS, s), 1.0)
+    velocity = velocity_of(bundle, PROMPTS, s)
     for j, step in enumerate(plan.sde_indices.tolist()):
         x_i = traj.latents[:, store.index(step)]
         out = replay_step(plan, step, x_i, velocity(x_i, plan.sigmas[step].expand(3)), traj.latents[:, store.index(step + 1)])
@@ -82,7 +91,7 @@ def test_ode_plan_is_the_euler_sampler_and_deterministic(bundle):
     plan = make_plan(s, seed=0, iteration=0, latent_tokens=64)
     x = sample_noise((4, 16, 16), [5, 6])
     with torch.no_grad():
-        velocity = bind(bundle, encode(bundle, PROMPTS[:2], s), 1.0)
+        velocity = velocity_of(bundle, PROMPTS[:2], s)
         a = sample(velocity, x, plan, [0, 1], store=[4])
         b = sample(velocity, x, plan, [7, 8], store=[4])
         euler = x
@@ -97,7 +106,7 @@ def test_sde_noise_is_per_sample_and_seeded(bundle):
     plan = make_plan(s, seed=0, iteration=0, latent_tokens=64)
     x = sample_noise((4, 16, 16), [1, 1])
     with torch.no_grad():
-        velocity = bind(bundle, encode(bundle, PROMPTS[:1] * 2, s), 1.0)
+        velocity = velocity_of(bundle, PROMPTS[:1] * 2, s)
         same = sample(velocity, x, plan, [3, 3], store=[3])
         other = sample(velocity, x, plan, [3, 4], store=[3])
     assert torch.equal(same.final[0], same.final[1])
@@ -110,7 +119,7 @@ def test_sampling_noise_follows_the_kernel(bundle):
     plan = make_plan(s, seed=0, iteration=0, latent_tokens=64)
     x = sample_noise((4, 16, 16), [9])
     with torch.no_grad():
-        velocity = bind(bundle, encode(bundle, PROMPTS[:1], s), 1.0)
+        velocity = velocity_of(bundle, PROMPTS[:1], s)
         traj = sample(velocity, x, plan, [21], store=[0, 1, 2])
         v = velocity(x, plan.sigmas[0].expand(1))
     expected = sde_step("flow", x, v, plan.sigmas[0].expand(1), plan.sigmas[1].expand(1), eta=0.7, sigma_max=plan.sigma_max,

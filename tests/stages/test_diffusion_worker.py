@@ -1,7 +1,7 @@
-"""The DiffusionWorker at world size 1 (gloo, in this process) on a tiny SD3: generate writes the
-latent segment, train replays it with the first ratio exactly 1, checkpoints restore, published
-weights load, NFT samples with its EMA old policy, SFT warms up the VAE, and bad input fails
-before any sampling."""
+"""The worker at world size 1 (gloo, in this process) on a tiny SD3: generate writes the latent
+segment, train replays it with the first ratio exactly 1, checkpoints restore, published weights
+load, NFT samples with its EMA old policy, SFT warms up the VAE, and bad input fails before any
+sampling."""
 from __future__ import annotations
 
 import io
@@ -57,14 +57,14 @@ def recipe(root, **over) -> Recipe:
     return Recipe.model_validate(data)
 
 
-def worker(r: Recipe, tmp_path, checkpoint=None, init=None):
-    from stages.workers.diffusion import DiffusionWorker
+def worker(r: Recipe, tmp_path, checkpoint=None, init=None, mode="rl"):
+    from stages.workers.worker import Worker
 
     storage = RunStorage(r.storage.root, RUN)
     init = init or initial_weights(storage, r)
     spec = {"recipe": r.model_dump(mode="json"), "root": r.storage.root, "run": RUN, "init_weights": init,
-            "init_version": 0, "scratch": str(tmp_path / "scratch"), "checkpoint": checkpoint}
-    return DiffusionWorker(spec, None, torch.device("cpu")), storage
+            "init_version": 0, "scratch": str(tmp_path / "scratch"), "checkpoint": checkpoint, "mode": mode}
+    return Worker(spec, None, torch.device("cpu")), storage
 
 
 def one_iteration(w, storage, r, i=0):
@@ -82,7 +82,7 @@ def test_flow_grpo_generate_train_checkpoint_publish(mesh, tmp_path):
     w, storage = worker(r, tmp_path)
     gen, trained = one_iteration(w, storage, r)
     table = read_rollouts(storage, gen["files"])
-    assert table.num_rows == 6 and gen["sde_steps"] == 2
+    assert table.num_rows == 6 and gen["images"] == 6
     row = table.slice(0, 1).to_pylist()[0]
     assert row["parts"] == ["latent"] and len(row["sigmas"]) == 4 and len(row["sde_logprobs"]) == 2
     n, c, h, wd = row["latent_shape"]
@@ -90,16 +90,17 @@ def test_flow_grpo_generate_train_checkpoint_publish(mesh, tmp_path):
     assert Image.open(io.BytesIO(row["media_png"])).size == (16, 16)
     m = trained["metrics"]
     assert m["ratio_min"] == m["ratio_max"] == 1.0 and m["approx_kl"] == 0.0 and np.isfinite(m["grad_norm"])
+    assert m["behaviour_logp_max_abs_diff"] == 0.0
     assert trained["policy_version"] == w.version == 1
     w.save()
     published = w.publish()
     folder = storage.local_path(published["path"])
-    mine = {k: full(v) for k, v in w.model.state_dict().items()}
+    mine = {k: full(v) for k, v in w.stack.module.state_dict().items()}
     loaded = load_sd3(folder).transformer.state_dict()
     assert all(torch.equal(loaded[k], mine[k]) for k in loaded)
     again, _ = worker(r, tmp_path, checkpoint=1)
-    assert again.version == 1 and again.opt_steps == 1
-    for (name, p), q in zip(w.model.named_parameters(), again.model.parameters()):
+    assert again.version == 1 and again.stack.opt_steps == 1
+    for (name, p), q in zip(w.stack.module.named_parameters(), again.stack.module.parameters()):
         assert torch.equal(full(p), full(q)), name
     # the same iteration sampled again gives the same images (seeded per sample, not per batch)
     gen2 = again.generate(iteration=0, requests="iter-000000/requests.arrow", out_dir="again")
@@ -128,20 +129,20 @@ def test_nft_samples_with_the_ema_old_policy(mesh, tmp_path):
     gen, trained = one_iteration(w, storage, r)
     assert read_rollouts(storage, gen["files"]).slice(0, 1).to_pylist()[0]["latent_shape"][0] == 1  # x_T only
     assert {"pos_mse", "neg_mse", "p_mean"} <= set(trained["metrics"])
-    for name, p in w.model.named_parameters():
-        if name in w.ema.shadow and not torch.equal(full(p), full(w.ema.shadow[name])):
+    for name, p in w.stack.module.named_parameters():
+        if name in w.stack.ema.shadow and not torch.equal(full(p), full(w.stack.ema.shadow[name])):
             break
     else:
         pytest.fail("after a step with decay 0.5 the EMA old policy must differ from the policy")
 
 
 def test_bad_prompt_and_sigma_mismatch_fail_before_compute(mesh, tmp_path):
+    from stages.data import Prompt
+
     r = recipe(tmp_path)
     w, storage = worker(r, tmp_path)
-    rows = [{"group_id": "g0", "prompt": "a purple hexagon", "metadata": {}, "group_size": 2, "iteration": 0}]
-    write_shard(storage, "bad.arrow", table_from_rows(rows, "requests"))
-    with pytest.raises(ValueError, match="sample 'g0/0': the geneval scorer cannot score this prompt"):
-        w.generate(iteration=0, requests="bad.arrow", out_dir="bad")
+    with pytest.raises(ValueError, match="prompt 'p0': scorer 'geneval' cannot score it: cannot parse"):
+        it.check_prompts(r, [Prompt("p1", "two red circles"), Prompt("p0", "a purple hexagon")])
     gen, _ = one_iteration(w, storage, r)
     shifted = recipe(tmp_path, **{"rollout.sampler.shift": 1.0})
     w2, _ = worker(shifted, tmp_path)
@@ -153,16 +154,16 @@ def test_sft_warms_up_the_vae_then_flow_matching(mesh, tmp_path):
     from stages.diffusion.sft import geneval_records
 
     from stages.run import materialize_model
-    from stages.workers.checkpoint import write_weights_dir
+    from stages.train.checkpoint import write_weights_dir
 
-    r = recipe(tmp_path, **{"model.vae_warmup": {"steps": 3, "batch_size": 4}})
+    r = recipe(tmp_path, **{"model.vae_warmup": {"steps": 3, "batch_size": 4}, "sft": {"steps": 3, "lr": 1e-3}})
     storage = RunStorage(r.storage.root, RUN)
     write_weights_dir(storage, materialize_model(r, tmp_path / "base"), "sft/base", {"version": 0})
-    w, _ = worker(r, tmp_path, init="sft/base")  # as flows/sft.py: the SFT publishes v000000
+    w, _ = worker(r, tmp_path, init="sft/base", mode="sft")  # as flows/sft.py: the SFT publishes v000000
     write_shard(storage, "sft.arrow", table_from_rows(geneval_records(8, seed=0, image_size=16), "sft"))
-    first = w.sft(data="sft.arrow", steps=2, batch_size=4, lr=1e-3, seed=0, start_step=0)
+    first = w.sft(data="sft.arrow", steps=2, batch_size=4, seed=0, start_step=0)
     assert first["steps"] == 2 and np.isfinite(first["loss"]) and "vae_loss" in first
-    second = w.sft(data="sft.arrow", steps=1, batch_size=4, lr=1e-3, seed=0, start_step=2)
+    second = w.sft(data="sft.arrow", steps=1, batch_size=4, seed=0, start_step=2)
     assert second["steps"] == 3 and "vae_loss" not in second
     folder = storage.local_path(w.publish()["path"])
     vae = json.loads((folder / "vae" / "config.json").read_text())
@@ -170,14 +171,14 @@ def test_sft_warms_up_the_vae_then_flow_matching(mesh, tmp_path):
     from stages.models.sd3 import load_sd3
 
     published = load_sd3(folder).transformer.state_dict()
-    for name, shadow in w.ema.shadow.items():  # SFT publishes the EMA of its weights
+    for name, shadow in w.stack.ema.shadow.items():  # SFT publishes the EMA of its weights
         assert torch.equal(published[name], full(shadow)), name
-    assert not all(torch.equal(published[n], full(p)) for n, p in w.model.named_parameters())
+    assert not all(torch.equal(published[n], full(p)) for n, p in w.stack.module.named_parameters())
 
 
 def test_in_process_loop_does_the_same_math_as_the_worker(mesh, tmp_path):
-    """The benchmark's floor (stages.diffusion.loop) samples the same images and takes the same step."""
-    from stages.diffusion.loop import InProcessLoop
+    """The benchmark's floor (stages.loop) samples the same images and takes the same step."""
+    from stages.loop import InProcessLoop
 
     r = recipe(tmp_path, **{"reward.scorers": [{"name": "brightness"}], "rollout.sampler.sde_steps": {"mode": "window",
                             "window_size": 2, "num_sde_steps": 1}})
@@ -187,8 +188,51 @@ def test_in_process_loop_does_the_same_math_as_the_worker(mesh, tmp_path):
     metrics = loop.iteration(0)
     table = read_rollouts(storage, gen["files"])
     rewards = it.read_shard(storage, "iter-000000/rewards.arrow", "rewards").column("reward").to_numpy()
-    assert metrics["rollout/reward_mean"] == pytest.approx(float(rewards.mean()), abs=1e-12)
-    assert metrics["train/loss"] == pytest.approx(trained["metrics"]["loss"], abs=1e-6)
-    for (name, p), q in zip(w.model.named_parameters(), loop.model.parameters()):
-        torch.testing.assert_close(full(p), q.detach(), atol=1e-6, rtol=1e-5, msg=name)
+    assert metrics["rollout/reward_mean"] == float(rewards.mean())
+    assert metrics["train/loss"] == trained["metrics"]["loss"]
+    for (name, p), q in zip(w.stack.module.named_parameters(), loop.worker.stack.module.parameters()):
+        assert torch.equal(full(p), q.detach()), name
     assert table.num_rows == 6
+
+
+def sft_worker(tmp_path, **over):
+    from stages.diffusion.sft import geneval_records
+    from stages.run import materialize_model
+    from stages.train.checkpoint import write_weights_dir
+
+    r = recipe(tmp_path, **{"model.vae_warmup": {"steps": 1, "batch_size": 4}, **over})
+    storage = RunStorage(r.storage.root, RUN)
+    write_weights_dir(storage, materialize_model(r, tmp_path / "base"), "sft/base", {"version": 0})
+    w, _ = worker(r, tmp_path, init="sft/base", mode="sft")
+    write_shard(storage, "sft.arrow", table_from_rows(geneval_records(8, seed=0, image_size=16), "sft"))
+    return w, storage
+
+
+def test_sft_follows_the_cosine_schedule_over_all_of_its_steps(mesh, tmp_path):
+    """Regression: the SFT loop once reused its step count for the loss, so after the first step
+    of every chunk the cosine schedule read progress 1 and the learning rate was 0."""
+    w, _ = sft_worker(tmp_path, **{"sft": {"steps": 4, "lr": 1e-3},
+                                   "model.flow_matching": {"schedule": "cosine", "warmup_steps": 1, "ema": 0.0}})
+    lrs = []
+    for step in range(4):  # one step per call, as chunks of flows/sft.py
+        w.sft(data="sft.arrow", steps=1, batch_size=4, seed=0, start_step=step)
+        lrs.append(w.stack.lr)
+    assert lrs == pytest.approx([1e-3, 1e-3, 1e-3 * 0.75, 1e-3 * 0.25])  # warm-up, then cosine over steps 1..4
+
+
+def test_lora_sft_publishes_its_ema_merged(mesh, tmp_path):
+    """Regression: LoRA + flow-matching SFT merged the adapters of the raw weights and dropped the EMA."""
+    from safetensors.torch import load_file
+
+    from stages.models.sd3_ops import TRANSFORMER_FILE, merge_lora
+
+    w, storage = sft_worker(tmp_path, **{"sft": {"steps": 3, "lr": 1e-2}, "model.lora": {"rank": 2, "alpha": 4},
+                                         "model.flow_matching": {"schedule": "constant", "warmup_steps": 0, "ema": 0.5}})
+    w.sft(data="sft.arrow", steps=3, batch_size=4, seed=0, start_step=0)
+    folder = storage.local_path(w.publish()["path"])
+    published = load_file(str(folder / "transformer" / TRANSFORMER_FILE))
+    state = {k: full(v).detach() for k, v in w.stack.module.state_dict().items()}
+    ema = {**state, **{k: full(v) for k, v in w.stack.ema.shadow.items()}}
+    want, raw = merge_lora(ema, rank=2, alpha=4), merge_lora(state, rank=2, alpha=4)
+    assert all(torch.equal(published[k], want[k]) for k in want)
+    assert not all(torch.equal(published[k], raw[k]) for k in raw), "the EMA must differ from the raw weights here"

@@ -8,7 +8,8 @@ import torch
 
 from stages.algorithms.aggregate import LossOutput
 from stages.algorithms.flow_dppo import flow_dppo_loss
-from stages.algorithms.flow_grpo import flow_grpo_loss, flow_kl
+from stages.algorithms.flow_grpo import flow_grpo_loss
+from stages.algorithms.kl import flow_kl
 from stages.algorithms.nft import nft_loss
 
 

@@ -7,7 +7,7 @@ import torch
 
 from stages.models import check_model_dir, load_qwen3, save_tiny_qwen3
 from stages.models.tokenizer import build_char_tokenizer, encode_prompt, uses_chat_template
-from stages.recipe import TinyQwen3
+from stages.models.qwen3 import TinyQwen3
 
 
 def test_tiny_model_saves_and_loads_by_path_deterministically(tmp_path):

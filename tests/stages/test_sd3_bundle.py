@@ -11,20 +11,11 @@ import torch
 from PIL import Image
 
 from stages.geneval import WORDS, all_prompts
-from stages.models.sd3 import (
-    TIMESTEP_SCALE,
-    add_lora,
-    build_tiny_sd3,
-    decode_latents,
-    encode_images,
-    encode_prompts,
-    latent_shape,
-    load_sd3,
-    predict_velocity,
-    reference_policy,
-    to_pil,
-    to_png_bytes,
-)
+from stages.media import to_pil, to_png_bytes
+from stages.models.sd3 import TIMESTEP_SCALE, latent_shape, load_sd3
+from stages.models.sd3_tiny import build_tiny_sd3
+from stages.models.sd3_ops import add_lora, decode_latents, encode_images, predict_velocity, reference_policy
+from stages.models.sd3_text import encode_prompts
 
 PROMPTS = ["two red circles", "a blue square on the left of a green triangle"]
 
@@ -238,3 +229,22 @@ def test_without_t5_zero_rows_stand_in(tmp_path):
     assert bundle.t5_encoder is None and len(bundle.text_encoders) == 2
     e = encode_prompts(bundle, PROMPTS)
     assert e.embeds.shape == (2, 16 + 3, 64) and torch.count_nonzero(e.embeds[:, 16:]) == 0
+
+
+def test_tiny_tokenizer_is_the_same_in_every_process():
+    """Regression: the `tokenizers` BPE trainer broke ties by hash order, so every process built a
+    different vocabulary and a run's tiny SD3 (and its results) changed from one launch to the next."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from stages.models.sd3_text import build_tiny_tokenizer; import json; "
+            "print(json.dumps(build_tiny_tokenizer().get_vocab(), sort_keys=True))")
+    vocabs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2, 3)}
+    assert len(vocabs) == 1
+    from stages.models.sd3_text import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    for word in WORDS:
+        assert len(tok(word, add_special_tokens=False).input_ids) == 1, word

@@ -2,7 +2,7 @@ import subprocess
 import sys
 
 MODULES = ["clip", "pickscore", "hps", "aesthetic", "ocr", "vlm_judge", "video", "simple", "remote",
-           "wire", "tiny_models"]
+           "wire"]
 
 
 def test_scorer_modules_load_torch_transformers_and_httpx_only_when_built():

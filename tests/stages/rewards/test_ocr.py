@@ -3,7 +3,7 @@ import pytest
 
 from stages.rewards import ScoreBatch, ScorerError, build_scorer, run_scorer
 from stages.rewards.ocr import edit_distance, quoted_text, text_similarity
-from stages.rewards.tiny_models import random_images
+from stages.tiny_models import random_images
 
 
 @pytest.mark.parametrize("a, b, d", [("", "", 0), ("abc", "", 3), ("kitten", "sitting", 3),

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from stages.rewards import ScoreBatch, ScorerError, build_scorer, run_scorer
-from stages.rewards.tiny_models import random_images
+from stages.tiny_models import random_images
 from stages.rewards.vlm_judge import parse_score
 
 

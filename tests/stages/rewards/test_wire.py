@@ -5,7 +5,7 @@ import pyarrow as pa
 import pytest
 
 from stages.rewards import ScoreBatch, ScoreResult
-from stages.rewards.tiny_models import random_images
+from stages.tiny_models import random_images
 from stages.rewards.wire import WireError, decode_batch, encode_batch, result_from_json, result_to_json
 
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 import hashlib
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -26,7 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
 from stages.storage import join
 
 if TYPE_CHECKING:
-    from stages.workers.policy import PolicyWorker
+    from stages.storage import RunStorage
+    from stages.train.stack import TrainStack
 
 MANIFEST = "manifest.json"
 
@@ -56,69 +56,66 @@ def _unflatten(tensors: dict[str, torch.Tensor], model_sd: dict, optim_sd: dict,
     optim_sd["param_groups"] = extra["param_groups"]
 
 
-def _local_state_dir(worker: "PolicyWorker", rel: str) -> Path:
+def _local_state_dir(storage: "RunStorage", scratch: Path, rel: str) -> Path:
     """DCP's safetensors writer needs a local folder: object stores get a per-rank staging copy."""
-    if worker.storage.local:
-        return worker.storage.local_path(rel)
-    staged = worker.scratch / "staging" / rel
+    if storage.local:
+        return storage.local_path(rel)
+    staged = scratch / "staging" / rel
     staged.mkdir(parents=True, exist_ok=True)
     return staged
 
 
-def save(worker: "PolicyWorker") -> dict[str, Any]:
-    """Write checkpoint `worker.version` (idempotent: an existing committed one is kept)."""
+def save(stack: "TrainStack", storage: "RunStorage", scratch: Path, version: int) -> dict[str, Any]:
+    """Write checkpoint `version` of the stack (idempotent: an existing committed one is kept)."""
     start = time.perf_counter()
-    storage = worker.storage
-    rel = storage.checkpoint_rel(worker.version)
+    rel = storage.checkpoint_rel(version)
     if storage.exists(join(rel, "_COMMITTED")):
-        return {"version": worker.version, "path": rel, "seconds": 0.0, "existing": True}
-    model_sd, optim_sd = get_state_dict(worker.model, worker.optimizer)
+        return {"version": version, "path": rel, "seconds": 0.0, "existing": True}
+    model_sd, optim_sd = get_state_dict(stack.module, stack.optimizer)
     tensors, extra = _flatten(model_sd, optim_sd)
-    tensors.update(_ema_tensors(worker))
+    tensors.update(_ema_tensors(stack))
     state_rel = join(rel, "state")
-    local = _local_state_dir(worker, state_rel)
+    local = _local_state_dir(storage, scratch, state_rel)
     dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(local), save_distributed=True))
     if not storage.local:  # each rank uploads the shard files it wrote
         for path in sorted(p for p in local.rglob("*") if p.is_file()):
             storage.put_file(path, join(state_rel, path.relative_to(local).as_posix()))
-    dist.barrier()
-    if worker.rank == 0:
+    stack.barrier()
+    if stack.rank == 0:
         storage.write_json(join(rel, "extra.json"), {
-            "version": worker.version, "optimizer": extra, "world_size": worker.world,
-            "worker": worker.extra_state() if hasattr(worker, "extra_state") else {},
+            "version": version, "optimizer": extra, "world_size": stack.world,
+            "worker": {"opt_steps": stack.opt_steps},
         })
-        storage.write_json(join(rel, "_COMMITTED"), {"version": worker.version})
-    dist.barrier()
-    return {"version": worker.version, "path": rel, "seconds": time.perf_counter() - start, "existing": False}
+        storage.write_json(join(rel, "_COMMITTED"), {"version": version})
+    stack.barrier()
+    return {"version": version, "path": rel, "seconds": time.perf_counter() - start, "existing": False}
 
 
-def load(worker: "PolicyWorker", version: int) -> int:
-    """Restore model and optimizer from checkpoint `version` (any world size); returns it."""
-    storage = worker.storage
+def load(stack: "TrainStack", storage: "RunStorage", scratch: Path, version: int) -> int:
+    """Restore model, optimizer, EMA and schedule position from checkpoint `version` (any world
+    size); returns it."""
     rel = storage.checkpoint_rel(version)
     if not storage.exists(join(rel, "_COMMITTED")):
         raise FileNotFoundError(f"{storage.url(rel)}: checkpoint is not committed")
-    model_sd, optim_sd = get_state_dict(worker.model, worker.optimizer)
+    model_sd, optim_sd = get_state_dict(stack.module, stack.optimizer)
     tensors, _ = _flatten(model_sd, optim_sd)
-    ema = _ema_tensors(worker)
+    ema = _ema_tensors(stack)
     tensors.update(ema)
     state_rel = join(rel, "state")
-    local = storage.local_path(state_rel) if storage.local else storage.get_dir(state_rel, worker.scratch / "restore" / rel)
+    local = storage.local_path(state_rel) if storage.local else storage.get_dir(state_rel, scratch / "restore" / rel)
     dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(local)))
     extra = storage.read_json(join(rel, "extra.json"))
     _unflatten(tensors, model_sd, optim_sd, extra["optimizer"])
-    set_state_dict(worker.model, worker.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(stack.module, stack.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     with torch.no_grad():
         for key in ema:
-            worker.ema.shadow[key[len("ema."):]].copy_(tensors[key])
-    if hasattr(worker, "load_extra_state"):
-        worker.load_extra_state(extra.get("worker", {}))
+            stack.ema.shadow[key[len("ema."):]].copy_(tensors[key])
+    stack.opt_steps = int(extra.get("worker", {}).get("opt_steps", 0))
     return int(extra["version"])
 
 
-def _ema_tensors(worker: "PolicyWorker") -> dict[str, torch.Tensor]:
-    ema = getattr(worker, "ema", None)
-    return {} if ema is None else {f"ema.{n}": v for n, v in ema.shadow.items()}
+def _ema_tensors(stack: "TrainStack") -> dict[str, torch.Tensor]:
+    return {} if stack.ema is None else {f"ema.{n}": v for n, v in stack.ema.shadow.items()}
 
 
 def sha256_file(path: Path) -> str:
@@ -129,23 +126,25 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def publish(worker: "PolicyWorker") -> dict[str, Any]:
-    """Write `weights/v{version:06d}/`: model.safetensors, config, tokenizer, then manifest.json
-    with the sha256 of every file (written last: a version without it is incomplete)."""
+def publish(stack: "TrainStack", storage: "RunStorage", scratch: Path, version: int,
+            export: Callable[[Path, dict[str, torch.Tensor], dict[str, torch.Tensor] | None], None]) -> dict[str, Any]:
+    """Write `weights/v{version:06d}/`: `export(folder, full state, full EMA state or None)` on
+    rank 0, then manifest.json with the sha256 of every file (written last: a version without
+    it is incomplete). Every rank takes part in gathering the full states (a rank-0-only gather
+    deadlocks under FSDP2)."""
     start = time.perf_counter()
-    storage = worker.storage
-    rel = storage.weights_rel(worker.version)
-    full = get_model_state_dict(worker.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    ema = getattr(worker, "ema", None)
-    if ema is not None:  # every rank takes part in gathering the EMA shards
-        worker._ema_full = {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu() for n, v in ema.shadow.items()}
-    if worker.rank == 0 and not storage.exists(join(rel, MANIFEST)):
-        local = worker.scratch / f"publish-{worker.version:06d}"
+    rel = storage.weights_rel(version)
+    full = get_model_state_dict(stack.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    ema_full = None
+    if stack.ema is not None:
+        ema_full = {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu() for n, v in stack.ema.shadow.items()}
+    if stack.rank == 0 and not storage.exists(join(rel, MANIFEST)):
+        local = scratch / f"publish-{version:06d}"
         local.mkdir(parents=True, exist_ok=True)
-        worker.export(local, full)
-        write_weights_dir(storage, local, rel, {"version": worker.version})
-    dist.barrier()
-    return {"version": worker.version, "path": rel, "seconds": time.perf_counter() - start}
+        export(local, full, ema_full)
+        write_weights_dir(storage, local, rel, {"version": version})
+    stack.barrier()
+    return {"version": version, "path": rel, "seconds": time.perf_counter() - start}
 
 
 def write_weights_dir(storage: Any, local: Path, rel: str, info: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Autoregressive sampling inside the worker group, with fp32 log-probs recorded at sampling time.
+"""Autoregressive sampling of the text policy, with fp32 log-probs recorded at sampling time.
 
 Each sample draws its randomness from its own generator, seeded from (run seed, iteration,
 sample id), so a sample's tokens do not depend on the batch it was in, the rank that made it, or
@@ -7,17 +7,10 @@ parameters collectively), stopping only when all ranks' samples are finished.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-
-def derive_seed(*parts: object) -> int:
-    """A 63-bit seed from any parts, stable across processes and Python versions."""
-    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 @dataclass
@@ -43,6 +36,14 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = probs.cumsum(-1)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
     return idx.clamp(max=probs.shape[-1] - 1)
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The forward argument that takes the KV cache: `cache` in transformers 5, else `past_key_values`."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 @torch.no_grad()
@@ -77,8 +78,8 @@ def sample(
     input_ids, attn = input_ids.to(device), attn.to(device)
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
     generators = [torch.Generator().manual_seed(s) for s in seeds]
-    cache = DynamicCache()
-    out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache, use_cache=True)
+    cache = {cache_kwarg(model): DynamicCache()}
+    out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True, **cache)
     logits = out.logits[:, -1, :]
     next_pos = positions[:, -1] + 1
     finished = torch.zeros(batch, dtype=torch.bool)
@@ -104,10 +105,7 @@ def sample(
             break
         feed = torch.where(finished, torch.full_like(tokens, pad_id), tokens).to(device)
         attn = torch.cat([attn, torch.ones((batch, 1), dtype=attn.dtype, device=device)], dim=1)
-        out = model(
-            input_ids=feed.unsqueeze(-1), attention_mask=attn, position_ids=next_pos.unsqueeze(-1),
-            past_key_values=cache, use_cache=True,
-        )
+        out = model(input_ids=feed.unsqueeze(-1), attention_mask=attn, position_ids=next_pos.unsqueeze(-1), use_cache=True, **cache)
         logits = out.logits[:, -1, :]
         next_pos = next_pos + 1
     reasons = ["stop" if r and r[-1] == eos_id else "length" for r in responses]

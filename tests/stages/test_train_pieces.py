@@ -1,4 +1,4 @@
-"""AR training pieces: label masks, lr schedules by hand, EMA by hand, sampling primitives."""
+"""Training pieces: label masks, lr schedules by hand, EMA by hand, sampling primitives, seeds."""
 from __future__ import annotations
 
 import math
@@ -6,8 +6,10 @@ import math
 import pytest
 import torch
 
-from stages.workers.ar_train import EMA, lr_factor, token_batch
-from stages.workers.sampling import derive_seed, inverse_cdf, top_p_filter
+from stages.policies.text import token_batch
+from stages.train.stack import EMA, lr_factor
+from stages.policies.text_sampling import inverse_cdf, top_p_filter
+from stages.seeds import derive_seed
 
 
 def test_token_batch_masks_exactly_the_response_labels():

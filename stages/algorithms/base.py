@@ -1,0 +1,130 @@
+"""The algorithm seam: one registered class per algorithm, next to its loss kernel.
+
+    @algorithms.register("grpo")
+    class GRPO(TokenPolicyGradient):
+        config = GRPOConfig            # the recipe's `algorithm:` section, `name: Literal["grpo"]`
+
+An algorithm declares the segment kind it trains ("text", "latent"), whether it supports several
+updates per batch, whether rollouts sample with the EMA weights, which recorded fields it
+anchors on, and whether it needs a reference policy. It implements "freeze the old policy once"
+(`freeze_old`, before the batch's first optimizer step) and "loss + backward for a micro-batch"
+(`loss_backward`). The update loop (stages/train/update.py) owns everything else.
+
+Behaviour policy. The log-probs recorded at sampling time are the behaviour policy; the trainer's
+replay before the batch's first step (the proximal policy) is compared with them by
+`check_behaviour`, which fails loud, naming the iteration and the sample, above the policy's
+tolerance, and reports the largest difference as `train/behaviour_logp_max_abs_diff`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from stages.config_base import Section
+from stages.registry import Registry
+
+algorithms: Registry[type["Algorithm"]] = Registry("algorithm", "stages.algorithms", "algorithm.name")
+
+
+class BehaviourMismatchError(RuntimeError):
+    """The trainer's replay of sampled data differs from the behaviour log-probs recorded at
+    sampling time by more than the tolerance: sampling and training did not see the same policy."""
+
+
+@dataclass
+class TrainContext:
+    """What an algorithm sees of the update: the policy (replay), the train stack (the module,
+    the reference), the iteration, the run seed and the behaviour tolerance."""
+
+    policy: Any
+    stack: Any
+    iteration: int
+    seed: int
+    tolerance: float
+    rank: int = 0
+
+    @property
+    def module(self) -> Any:
+        return self.stack.module
+
+    @property
+    def world(self) -> int:
+        return self.stack.world
+
+    def reference(self) -> Any:
+        return self.stack.reference()
+
+
+def check_behaviour(replayed: torch.Tensor, recorded: torch.Tensor, mask: torch.Tensor | None, *, ctx: TrainContext,
+                    sample_ids: list[str], what: str) -> tuple[float, float]:
+    """Compare the trainer's replay with the sampler's record; (max, mean) |difference| over the
+    mask. Raises BehaviourMismatchError naming the worst sample above `ctx.tolerance`."""
+    diff = (replayed.detach().float() - recorded.float()).abs()
+    if mask is not None:
+        diff = torch.where(mask > 0, diff, torch.zeros_like(diff))
+    per_sample = diff.reshape(diff.shape[0], -1).max(dim=1).values
+    worst = int(per_sample.argmax()) if per_sample.numel() else 0
+    largest = float(per_sample.max()) if per_sample.numel() else 0.0
+    if not largest <= ctx.tolerance:  # also catches nan
+        raise BehaviourMismatchError(
+            f"iteration {ctx.iteration}, rank {ctx.rank}: sample {sample_ids[worst]!r}: the trainer's replay of {what} "
+            f"differs from the log-probs recorded at sampling time by {largest:.3g} (tolerance {ctx.tolerance:.3g}); "
+            "sampling and training must see the same weights, inputs and positions (rollout.behaviour_tolerance "
+            "raises the tolerance for an engine with other kernels)"
+        )
+    count = float(mask.sum()) if mask is not None else float(diff.numel())
+    return largest, float(diff.sum()) / max(count, 1.0)
+
+
+class Algorithm:
+    name: ClassVar[str]
+    config: ClassVar[type[Section]]
+    segment: ClassVar[str]
+    supports_multi_update: ClassVar[bool] = True
+    samples_with_ema: ClassVar[bool] = False
+    # Fields of the stored segment the loss anchors on (the behaviour record it replays against).
+    anchors: ClassVar[tuple[str, ...]] = ()
+    # Whether rollouts must keep every SDE transition (x_i, x_{i+1}) for the loss to replay.
+    replays_transitions: ClassVar[bool] = False
+
+    def __init__(self, cfg: Any, recipe: Any):
+        self.cfg, self.recipe = cfg, recipe
+
+    @classmethod
+    def check(cls, recipe: Any) -> None:
+        """Cross-section rules of a recipe using this algorithm; ValueError('field.path: ...')."""
+
+    @classmethod
+    def sampler_defaults(cls) -> dict[str, Any]:
+        """Flow sampler settings this algorithm implies when the recipe leaves them empty."""
+        return {}
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss reads the frozen reference policy (a KL term)."""
+        return False
+
+    def ema_decay(self, step: int, decay: float) -> float:
+        """Decay of the EMA update after optimizer step `step` (the recipe's, by default)."""
+        return decay
+
+    def units(self, batch: Any) -> float:
+        """What a micro-batch's share of the mini-batch loss is measured in (samples by default)."""
+        return float(len(batch.sample_ids))
+
+    def freeze_old(self, ctx: TrainContext, batch: Any, update: int) -> Any:
+        """What the loss needs of the old policy, computed before the first step (no grad)."""
+        return None
+
+    def loss_backward(self, ctx: TrainContext, batch: Any, frozen: Any, *, share: float, update: int, real: bool) -> dict[str, float]:
+        """The loss of one micro-batch times `share` * world, backpropagated, in optimizer step
+        `update` of the batch (0: the first, where the behaviour record is checked). `real`: False
+        for a stand-in of weight 0 (collectives only).
+        Returns metrics (averaged by the update loop with the policy's weights)."""
+        raise NotImplementedError
+
+
+def get_algorithm(name: str) -> type[Algorithm]:
+    return algorithms.get(name)

@@ -1,0 +1,49 @@
+"""The rollout-engine seam: where samples are generated. An engine is one file here that
+registers a `RolloutEngine` subclass with its recipe section (`rollout.engine: {name: ...}`).
+
+    generate(requests, out_dir, iteration, policy_version) -> manifest of committed rollout shards
+    load_weights(weights_rel, version)                    after an update, for engines with their own weights
+    version                                               the policy version the engine samples with
+
+Tasks and flows talk to an engine only through this protocol, so dedicated servers and
+asynchronous producers plug in without touching them. Every row an engine writes records the
+weights version that produced it (`policy_version`) and its behaviour log-probs.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Union
+
+from pydantic import Field
+
+from stages.config_base import Section
+from stages.registry import Registry
+
+engines: Registry[type["RolloutEngine"]] = Registry("rollout engine", "stages.engines", "rollout.engine.name")
+
+
+def engine_config() -> Any:
+    """The `rollout.engine` section: a union of every registered engine's config, by `name`."""
+    members = tuple(cls.config for _, cls in engines.items())
+    return Annotated[Union[members], Field(discriminator="name")] if len(members) > 1 else members[0]
+
+
+class RolloutEngine:
+    name: ClassVar[str]
+    config: ClassVar[type[Section]]
+    # True when the engine holds its own copy of the weights, which the sync task must update.
+    own_weights: ClassVar[bool] = False
+
+    @classmethod
+    def check(cls, recipe: Any) -> None:
+        """Cross-section rules of a recipe using this engine; ValueError('field.path: ...')."""
+
+    @property
+    def version(self) -> int | None:
+        raise NotImplementedError
+
+    def generate(self, requests: str, out_dir: str, iteration: int, policy_version: int, *,
+                 greedy: bool = False, seed_tag: str = "") -> dict[str, Any]:
+        raise NotImplementedError
+
+    def load_weights(self, weights_rel: str, version: int) -> None:
+        raise NotImplementedError

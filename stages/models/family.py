@@ -1,0 +1,76 @@
+"""The model-family seam: what a family supplies, and the registry that finds it by `model.kind`.
+
+A family is one file under stages/models/ that registers a `Family` subclass:
+
+    @families.register("qwen3")
+    class Qwen3(Family):
+        config = Qwen3ModelConfig      # the recipe's `model:` section, `kind: Literal["qwen3"]`
+        policy = "text"                # the policy it offers (stages/policies/)
+        ...
+
+It supplies its config (a tiny seeded architecture or a local Hugging Face / diffusers folder),
+`materialize` (the folder a run starts from), `load` -> a bundle (the trainable module, frozen
+parts such as text encoders and VAE, the tokenizer), the FSDP2 units, LoRA (default targets, the
+adapter-disabled reference) and `export` to a plain HF / diffusers folder. Families are
+stateless: every method is a classmethod on the bundle it is given.
+"""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, ClassVar
+
+from stages.config_base import Section
+from stages.registry import Registry
+
+families: Registry[type["Family"]] = Registry("model family", "stages.models", "model.kind")
+
+
+def get_family(kind: str) -> type["Family"]:
+    return families.get(kind)
+
+
+class Family:
+    name: ClassVar[str]
+    config: ClassVar[type[Section]]
+    # The policy this family's models run as ("text": autoregressive tokens, "flow": flow-matching
+    # latents) and the media its samples carry for scorers ("text", "image", "video").
+    policy: ClassVar[str]
+    produces: ClassVar[tuple[str, ...]]
+    lora_targets: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def check(cls, recipe: Any) -> None:
+        """Cross-section rules of a recipe of this family; ValueError('field.path: what to do')."""
+
+    @classmethod
+    def materialize(cls, cfg: Any, scratch: Path) -> Path:
+        """The folder a run starts from: `cfg.path` (checked), or the tiny seeded model saved to
+        `scratch` in the same layout a real checkpoint has."""
+        raise NotImplementedError
+
+    @classmethod
+    def load(cls, directory: Path, cfg: Any, device: Any) -> Any:
+        """The bundle of the model in `directory` on `device`; its `.module` is what trains."""
+        raise NotImplementedError
+
+    @classmethod
+    def fsdp_units(cls, module: Any) -> list[Any]:
+        """The submodules FSDP2 shards one by one (decoder layers, transformer blocks)."""
+        raise NotImplementedError
+
+    @classmethod
+    def add_lora(cls, bundle: Any, lora: Any) -> None:
+        """Put LoRA adapters on `bundle.module` (only they stay trainable)."""
+        raise NotImplementedError
+
+    @classmethod
+    def reference(cls, bundle: Any) -> AbstractContextManager[Any]:
+        """Inside the block `bundle.module` runs as the frozen reference (its adapters disabled)."""
+        raise NotImplementedError
+
+    @classmethod
+    def export(cls, bundle: Any, local: Path, state: dict[str, Any], *, lora: Any) -> None:
+        """Write `state` (the full module state, adapters not yet merged) as a folder that is a
+        valid `model.path` for this family."""
+        raise NotImplementedError

@@ -1,0 +1,85 @@
+"""The policy seam: how a model turns conditions (prompts) into a generated segment and replays it.
+
+A policy is one file here that registers a `Policy` subclass; a model family names the policy
+it offers (`Family.policy`). Two exist: `text` (autoregressive tokens, stages/policies/text.py)
+and `flow` (flow-matching latents, 4-D images or 5-D video, stages/policies/flow.py).
+
+    encode(prompts)                       -> conditions (token ids; prompt embeddings)
+    rollout(module, samples, ...)         -> segment rows, with the behaviour log-probs recorded at
+                                             sampling time, and the batches to train on
+    batch(table, rows)                    -> a micro-batch read back from a stored shard (replay needs
+                                             nothing but the shard)
+    replay(module, batch, selection)      -> log-probs (plus means / std for flow policies)
+    decode(...)                           -> media for scorers and people
+
+Each policy also owns its recipe section (`rollout:`, the union member whose `kind` is the
+policy's name: text sampling fields for `text`, SDE fields for `flow`) and its supervised
+objective for SFT.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from stages.config_base import Section
+from stages.engines import engine_config
+from stages.registry import Registry
+
+policies: Registry[type["Policy"]] = Registry("policy", "stages.policies", "rollout.kind")
+EngineConfig = engine_config()
+
+
+class DynamicSamplingConfig(Section):
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and refill with new prompts."""
+
+    max_rounds: int = Field(3, ge=1, description="Generation rounds per iteration at most (the cap).")
+
+
+class RolloutBase(Section):
+    """How samples are generated: the fields every policy shares."""
+
+    prompts_per_iteration: int = Field(8, ge=1, description="Prompt groups per iteration.")
+    group_size: int = Field(4, ge=1, description="Samples per prompt (the GRPO group).")
+    dynamic_sampling: DynamicSamplingConfig | None = Field(None, description="DAPO dynamic sampling.")
+    engine: EngineConfig = Field(default_factory=lambda: engine_config_default(), description="Where rollouts are sampled.")
+    behaviour_tolerance: float | None = Field(
+        None, ge=0,
+        description="Largest |replayed - recorded| behaviour log-prob the first update accepts before failing "
+        "(empty: the policy's measured default, see docs/extending.md).",
+    )
+
+
+def engine_config_default() -> Section:
+    from stages.engines.trainside import TrainsideConfig
+
+    return TrainsideConfig()
+
+
+class Policy:
+    kind: ClassVar[str]
+    # The segment kind of the rows it writes (stages/sample.py SEGMENT_COLUMNS) and what the
+    # metrics of an update are weighted by ("tokens", "samples").
+    segment: ClassVar[str]
+    weight_name: ClassVar[str]
+    rollout_config: ClassVar[type[RolloutBase]]
+
+    @classmethod
+    def check(cls, recipe: Any) -> None:
+        """Cross-section rules of a recipe using this policy; ValueError('field.path: ...')."""
+
+    @classmethod
+    def default_tolerance(cls, dtype: str) -> float:
+        """Largest behaviour-vs-replay log-prob difference of trainside sampling at `dtype`."""
+        raise NotImplementedError
+
+    @classmethod
+    def log_preview(cls, recipe: Any, tracker: Any, storage: Any, iteration: int) -> str | None:
+        """Log what people should see of an iteration's rollouts (nothing by default)."""
+        return None
+
+
+def policy_for(recipe: Any) -> type[Policy]:
+    from stages.models.family import get_family
+
+    return policies.get(get_family(recipe.model.kind).policy)

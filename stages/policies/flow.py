@@ -1,0 +1,337 @@
+"""The flow-matching latent policy, for any family that supplies a velocity, a text encoder and a
+VAE (the flow-family operations of `stages.models.sd3.SD3` are the reference): prompts ->
+embeddings (stages/diffusion/model.py), sampled trajectories with the SDE steps' log-probs
+recorded at sampling time (stages/diffusion/sampling.py), the stored latent segment
+(stages/diffusion/trajectory.py), and the trainer's replay of a stored transition, which calls the
+sampler's own kernel on the same inputs: with the same weights and micro-batch the replayed
+log-prob equals the recorded one bit for bit (the behaviour tolerance is 0).
+
+Geometry: a rank's samples are the sorted sample ids [rank::world], cut by the train stack into
+`train.updates_per_batch` mini-batches of micro-batches of `train.micro_batch_size`; generation
+and training use the same cut. Latents are (C, h, w) for
+images and (C, F, h, w) for video; nothing here assumes which.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import pyarrow as pa
+import torch
+from pydantic import Field, model_validator
+
+from stages.config_base import Section
+from stages.policies import Policy, RolloutBase, policies
+from stages.seeds import derive_seed
+
+
+class SDESteps(Section):
+    """Which denoising steps are SDE steps (sampled with noise, stored and trained on); the others
+    are ODE (Euler) steps. See `stages.sde.select_sde_steps`."""
+
+    mode: Literal["all", "window", "mixgrpo"] | None = Field(
+        None,
+        description="all: every step; window: `num_sde_steps` of a `window_size` block drawn per iteration "
+        "(Flow-GRPO-Fast); mixgrpo: a `window_size` block sliding by `stride` every `shift_every` iterations. "
+        "Empty: the algorithm's (mixgrpo for MixGRPO, else all).",
+    )
+    window: tuple[float, float] = Field((0.0, 1.0), description="[lo, hi) fractions of the schedule the steps come from.")
+    window_size: int | None = Field(None, ge=1, description="Steps in the block; empty: the whole `window`.")
+    num_sde_steps: int | None = Field(None, ge=1, description="mode window: steps drawn from the block; empty: all of it.")
+    stride: int = Field(1, ge=1, description="mode mixgrpo: steps the block moves at a time.")
+    shift_every: int = Field(1, ge=1, description="mode mixgrpo: iterations between moves.")
+    wrap: bool = Field(False, description="mode mixgrpo: restart from the first step after the last position.")
+
+    @property
+    def selection(self) -> str:
+        """The mode in force: `mode`, or every step when it is left empty."""
+        return self.mode or "all"
+
+
+def fraction_range(num_steps: int, window: tuple[float, float]) -> tuple[int, int]:
+    """Steps i with lo <= i/T < hi as [first, end)."""
+    import math
+
+    lo, hi = window
+    return math.ceil(lo * num_steps - 1e-9), math.ceil(hi * num_steps - 1e-9)
+
+
+class FlowSampler(Section):
+    """How latents are sampled."""
+
+    num_steps: int = Field(10, ge=1, description="Denoising steps T.")
+    shift: float = Field(3.0, gt=0, description="Sigma shift (DESIGN.md `shifted_sigmas`).")
+    dynamic_shift: bool = Field(False, description="Shift from the number of latent tokens (FLUX / SD3.5) instead of `shift`.")
+    guidance_scale: float = Field(1.0, ge=1, description="Classifier-free guidance; 1 is guidance-free.")
+    negative_prompt: str = Field("", description="Negative prompt for CFG.")
+    eta: float = Field(0.7, ge=0, description="SDE noise level.")
+    sde_kind: Literal["flow", "dance", "cps", "ode"] | None = Field(
+        None, description="SDE step kernel; empty: the algorithm's (dance for DanceGRPO, cps for CPS, else flow).")
+    init_same_noise: bool = Field(True, description="One initial noise per group (else per sample).")
+    image_size: int | None = Field(None, ge=8, description="Side of sampled images; empty: the model's default.")
+    sde_steps: SDESteps = Field(default_factory=SDESteps, description="Which steps are SDE steps.")
+    grid_every: int = Field(1, ge=0, description="Log an image grid of the rollouts to MLflow every N iterations (0: never).")
+
+    @property
+    def kernel(self) -> str:
+        """The SDE kernel in force: `sde_kind`, or Flow-GRPO's when it is left empty."""
+        return self.sde_kind or "flow"
+
+    @model_validator(mode="after")
+    def _check_window(self) -> "FlowSampler":
+        sel, t = self.sde_steps, self.num_steps
+        lo, hi = sel.window
+        if not 0 <= lo < hi <= 1:
+            raise ValueError(f"rollout.sampler.sde_steps.window: need 0 <= lo < hi <= 1, got [{lo}, {hi}]")
+        if sel.selection == "all":
+            return self
+        first, end = fraction_range(t, sel.window)
+        span = end - first
+        if span < 1:
+            raise ValueError(
+                f"rollout.sampler.sde_steps.window: [{lo}, {hi}] holds no step of num_steps={t}; widen it or raise num_steps"
+            )
+        size = span if sel.window_size is None else sel.window_size
+        if size > span:
+            raise ValueError(
+                f"rollout.sampler.sde_steps.window_size: {size} is larger than the {span} steps available "
+                f"(steps {first}..{end - 1} of num_steps={t} in window [{lo}, {hi}]); lower window_size, "
+                "widen window or raise rollout.sampler.num_steps"
+            )
+        if sel.mode == "window" and sel.num_sde_steps is not None and sel.num_sde_steps > size:
+            raise ValueError(
+                f"rollout.sampler.sde_steps.num_sde_steps: {sel.num_sde_steps} is more than the window's {size} steps"
+            )
+        return self
+
+
+class FlowRollout(RolloutBase):
+    """How flow-matching samples are generated."""
+
+    kind: Literal["flow"] = Field("flow", description="Policy kind (set from the model family).")
+    sampler: FlowSampler = Field(default_factory=FlowSampler, description="Latent sampling.")
+
+
+@policies.register("flow")
+class FlowPolicy(Policy):
+    kind = "flow"
+    segment = "latent"
+    weight_name = "samples"
+    rollout_config = FlowRollout
+
+    @classmethod
+    def default_tolerance(cls, dtype: str) -> float:
+        return 0.0
+
+    @classmethod
+    def check(cls, recipe: Any) -> None:
+        """Resolve the sampler settings the algorithm implies (DanceGRPO's kernel, MixGRPO's
+        window) where the recipe leaves them empty, refuse ones that contradict it, and refuse
+        settings no flow sample can use."""
+        from stages.algorithms.base import algorithms
+
+        sampler = recipe.rollout.sampler
+        algo = algorithms.get(recipe.algorithm.name)
+        wanted = {"sde_kind": sampler.kernel, "sde_steps.mode": sampler.sde_steps.selection, **algo.sampler_defaults()}
+        for path, value in wanted.items():
+            node, leaf = (sampler.sde_steps, "mode") if path == "sde_steps.mode" else (sampler, path)
+            current = getattr(node, leaf)
+            if current is None:
+                setattr(node, leaf, value)
+            elif path in algo.sampler_defaults() and current != value:
+                raise ValueError(f"rollout.sampler.{path}: algorithm {algo.name!r} samples with {path}={value!r}, the "
+                                 f"recipe sets {current!r}; remove it or choose another algorithm.name")
+        sampler._check_window()  # the window rules again, now that the mode is known
+        if recipe.reward.overlong.truncated != "keep":
+            raise ValueError("reward.overlong.truncated: flow samples are never truncated; remove reward.overlong")
+        if sampler.init_same_noise and (sampler.eta == 0 or sampler.kernel == "ode") and recipe.rollout.group_size > 1:
+            raise ValueError(
+                "rollout.sampler.init_same_noise: with deterministic sampling (eta 0 or sde_kind ode) one initial "
+                "noise per group makes every image of a group the same, so no group carries a signal; set "
+                "`init_same_noise: false`"
+            )
+
+    @classmethod
+    def log_preview(cls, recipe: Any, tracker: Any, storage: Any, iteration: int) -> str | None:
+        from stages.diffusion.grid import log_iteration_grid
+
+        return log_iteration_grid(tracker, storage, recipe.rollout.sampler.grid_every, iteration)
+
+    def __init__(self, family: Any, bundle: Any, recipe: Any, device: torch.device):
+        from stages.diffusion.model import PromptCache
+
+        # Policy-gradient steps make many tiny gradients; Adam's squared averages of those turn
+        # denormal, and CPU kernels that touch denormals run many times slower.
+        torch.set_flush_denormal(True)
+        self.family, self.bundle, self.recipe, self.device = family, bundle, recipe, device
+        self.sampler: FlowSampler = recipe.rollout.sampler
+        self.image_size = self.sampler.image_size or family.default_image_size(bundle)
+        family.check_image_size(bundle, self.image_size)  # before any compute
+        self.shape = tuple(family.latent_shape(bundle, self.image_size))
+        self.prompts = PromptCache(family, bundle)
+
+    # -- conditions -----------------------------------------------------------------------------
+    def encode(self, prompts: list[str]) -> Any:
+        return self.prompts(prompts, self.sampler)
+
+    def velocity(self, module: Any, prompts: list[str]) -> Any:
+        """v(x, sigma) of `module` (the policy, the EMA old policy or the reference) for `prompts`."""
+        from stages.diffusion.model import bind
+
+        return bind(self.family, self.bundle, self.encode(prompts), self.sampler.guidance_scale, module)
+
+    def plan(self, iteration: int, *, deterministic: bool = False) -> Any:
+        from stages.diffusion.sampling import make_plan
+
+        return make_plan(self.sampler, seed=self.recipe.seed, iteration=iteration,
+                         latent_tokens=self.family.latent_tokens(self.bundle, self.shape), deterministic=deterministic)
+
+    # -- sampling -------------------------------------------------------------------------------
+    def rollout(self, module: Any, samples: list[tuple[str, str, str, Any]], *, iteration: int, seed_tag: str,
+                greedy: bool, stack: Any, transitions: bool) -> list[dict[str, Any]]:
+        """Sample this rank's (sample id, group id, prompt, metadata) micro-batch by micro-batch.
+        `transitions`: keep x_i and x_{i+1} of every SDE step (likelihood losses), else only x_T.
+        greedy: the deterministic ODE sampler (evaluation)."""
+        from stages.diffusion.sampling import sample, stored_steps
+        from stages.diffusion.trajectory import latent_rows
+        from stages.media import to_png_bytes
+        from stages.sde import initial_noise
+
+        plan = self.plan(iteration, deterministic=greedy)
+        store = stored_steps(plan.sde_indices.tolist(), plan.num_steps, transitions=transitions and not greedy)
+        t = self.recipe.train
+        groups, counts = stack.cut(samples, t.micro_batch_size, t.updates_per_batch)
+        slots = [group[c] if c < len(group) else None for group, count in zip(groups, counts) for c in range(count)]
+        module.eval()
+        rows = []
+        for chunk in slots:
+            if chunk is None:  # take part in the collectives only
+                sample(self.velocity(module, [""]), torch.zeros(1, *self.shape, device=self.device), plan, [0], store=[plan.num_steps])
+                continue
+            noises, noise_seeds = zip(*(
+                initial_noise(self.shape, base_seed=derive_seed(self.recipe.seed, seed_tag), group_id=gid, sample_id=sid,
+                              init_same_noise=self.sampler.init_same_noise)
+                for sid, gid, _, _ in chunk
+            ))
+            sde_seeds = [derive_seed(self.recipe.seed, seed_tag, "sde", iteration, sid) for sid, _, _, _ in chunk]
+            traj = sample(self.velocity(module, [p for _, _, p, _ in chunk]), torch.stack(noises).to(self.device), plan,
+                          sde_seeds, store=store)
+            pngs = to_png_bytes(self.family.decode(self.bundle, traj.final))
+            for (sid, gid, prompt, meta), seg, seed, png in zip(chunk, latent_rows(traj.latents, traj.logprobs, plan), noise_seeds, pngs):
+                rows.append({"sample_id": sid, "group_id": gid, "metadata": meta, "prompt": prompt, "noise_seed": seed,
+                             "media_png": png, **seg})
+        return rows
+
+    @staticmethod
+    def counters(rows: list[dict[str, Any]]) -> dict[str, int]:
+        return {"images": len(rows)}
+
+    # -- replay ---------------------------------------------------------------------------------
+    def batches(self, table: pa.Table, chunks: list[list[int]], advantages: Any, where: str) -> list[Any]:
+        """Micro-batches (LatentBatch with advantages) of a rollout table, one per chunk of rows."""
+        from stages.diffusion.trajectory import read_latents
+
+        kind, eta = self.sampler.kernel, self.sampler.eta
+        out = []
+        for rows in chunks:
+            b = read_latents(table, rows, kind=kind, eta=eta, where=where).to(self.device)
+            out.append(dataclasses.replace(b, advantage=torch.tensor(advantages[rows], dtype=torch.float32, device=self.device)))
+        return out
+
+    def check_batch(self, batch: Any, iteration: int, algorithm: Any, where: str) -> None:
+        """The stored rows were sampled with this iteration's sigmas (and SDE steps, when the loss
+        replays them): the trainer must replay what the sampler did."""
+        from stages.sde import SigmaMismatchError, check_sigmas
+
+        requested = self.plan(iteration)
+        check_sigmas(requested.sigmas, batch.plan.sigmas)
+        if algorithm.replays_transitions and batch.plan.sde_indices.tolist() != requested.sde_indices.tolist():
+            raise SigmaMismatchError(
+                f"{where}: rollouts were sampled with SDE steps {batch.plan.sde_indices.tolist()}, the trainer "
+                f"expects {requested.sde_indices.tolist()} for iteration {iteration}; rollout.sampler must match between "
+                "generate and train"
+            )
+
+    def template(self, batch: Any, stack: Any) -> Any:
+        """A rank without any micro-batch still needs the plan and shapes: take the first rank's."""
+        from stages.diffusion.trajectory import LatentBatch
+
+        info = None if batch is None else (tuple(batch.latents.shape[1:]), batch.stored, batch.plan)
+        shape, stored, plan = next(g for g in stack.all_gather_object(info) if g is not None)
+        if batch is not None:
+            return batch
+        k = plan.sde_indices.numel()
+        return LatentBatch([], [], torch.zeros(0, *shape, device=self.device), torch.zeros(0, k, device=self.device), stored, plan)
+
+    def stand_in(self, template: Any) -> Any:
+        """A one-sample batch of zeros shaped like `template` (weight 0: collectives only)."""
+        from stages.diffusion.trajectory import LatentBatch
+
+        return LatentBatch(["stand-in"], [""], torch.zeros_like(template.latents[:1]), torch.zeros_like(template.logprobs[:1]),
+                           template.stored, template.plan, torch.zeros(1, device=self.device))
+
+    def replay(self, module: Any, batch: Any, selection: int) -> Any:
+        """The stored transition at SDE step `selection` scored under `module`: SDEStepOutput
+        (log_prob (B,), mean, std); the same kernel call the sampler made."""
+        from stages.diffusion.sampling import replay_step
+
+        x = batch.at(selection)
+        sigma = batch.plan.sigmas[selection].expand(x.shape[0])
+        return replay_step(batch.plan, selection, x, self.velocity(module, batch.prompts)(x, sigma), batch.at(selection + 1))
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.family.decode(self.bundle, latents)
+
+    # -- supervised warm start ------------------------------------------------------------------
+    @classmethod
+    def sft_spec(cls, recipe: Any) -> tuple[Any, Any]:
+        """AdamW at `sft.lr` on the family's `flow_matching` schedule over `sft.steps`, and its EMA
+        (what SFT publishes), whose decay starts short so early steps do not linger."""
+        from stages.train.stack import OptimizerSpec
+
+        fm = recipe.model.flow_matching
+        spec = OptimizerSpec(lr=recipe.sft.lr, schedule=fm.schedule, warmup=fm.warmup_steps, total=recipe.sft.steps,
+                             max_grad_norm=recipe.train.max_grad_norm, ema=fm.ema if fm.ema > 0 else None)
+        return spec, lambda step: min(fm.ema, (1 + step) / (10 + step))
+
+    def sft_setup(self, table: pa.Table, where: str, stack: Any, seed: int) -> dict[str, Any]:
+        """Decode the records' images, let the family prepare its VAE for them (a tiny model's is
+        random), and encode every image to latents once."""
+        from stages.diffusion import sft as S
+
+        if "media_png" not in table.schema.names:
+            raise ValueError(f"{where}: SFT records for an image model need a 'media_png' column")
+        images = S.decode_images(table.column("media_png").to_pylist(), where)
+        self.family.check_image_size(self.bundle, images.shape[1], images.shape[2])
+
+        def reduce(grads: list[torch.Tensor]) -> None:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            stack.all_reduce(flat)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].reshape(g.shape) / stack.world)
+                offset += g.numel()
+
+        info = self.family.prepare_sft(self.bundle, self.recipe.model, images, seed=seed, all_reduce=reduce,
+                                       rank=stack.rank, world=stack.world)
+        self._sft_latents = torch.cat([self.family.encode_images(self.bundle, images[i:i + 256]) for i in range(0, len(images), 256)])
+        self._sft_prompts = table.column("prompt").to_pylist()
+        return info
+
+    def sft_loss(self, module: Any, step: int, *, seed: int, batch_size: int, stack: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flow matching on step `step`'s records (a function of (seed, step)), as this rank's share
+        of the batch mean: (loss to backpropagate, its value to sum over ranks)."""
+        from stages.diffusion import sft as S
+
+        idx = S.batch_indices(step, seed=seed, batch_size=batch_size, num_records=len(self._sft_prompts))
+        mine = stack.my_share(idx) or idx[:1]
+        real = 1.0 if stack.my_share(idx) else 0.0
+        x0 = self._sft_latents[mine].to(self.device)
+        g = torch.Generator().manual_seed(derive_seed(seed, "sft-noise", step, stack.rank))
+        noise = torch.randn(x0.shape, generator=g).to(self.device)
+        sigma = S.logit_normal_sigmas(mine, seed=seed, step=step).to(self.device)
+        from stages.diffusion.model import bind
+
+        velocity = bind(self.family, self.bundle, self.prompts([self._sft_prompts[i] for i in mine], self.sampler), 1.0, module)
+        loss = S.flow_matching_loss(velocity, x0, noise, sigma)
+        return loss * real * len(mine) / len(idx) * stack.world, loss.detach() * real * len(mine) / len(idx)

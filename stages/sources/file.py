@@ -1,0 +1,43 @@
+"""`data.name: file`: prompts and reference answers from a local JSONL or Parquet file
+(stages/data_files.py)."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from stages.config_base import Section
+from stages.sources import Source, sources
+
+
+class FileData(Section):
+    """Prompts and reference answers from a local JSONL (one JSON object per line) or Parquet file."""
+
+    name: Literal["file"] = "file"
+    path: str = Field(description="Local .jsonl / .ndjson / .json (one object per line) or .parquet file.")
+    prompt_column: str = Field("prompt", min_length=1, description="Column holding the prompt text.")
+    answer_column: str = Field("answer", min_length=1, description="Column holding the reference answer (metadata `answer`).")
+    id_column: str | None = Field(None, description="Column of unique row ids, used in prompt ids (empty: line/row number).")
+    heldout_fraction: float = Field(
+        0.0, ge=0, lt=1, description="Fraction of the distinct prompts held out, fixed by `seed` (0: none, or heldout_path)."
+    )
+    heldout_path: str | None = Field(None, description="A separate held-out file with the same columns (instead of heldout_fraction).")
+    seed: int = Field(1234, description="Seed of the per-epoch shuffles and of the held-out draw.")
+
+    @model_validator(mode="after")
+    def _one_heldout(self) -> "FileData":
+        if self.heldout_path is not None and self.heldout_fraction > 0:
+            raise ValueError("data.heldout_fraction: set either heldout_fraction or heldout_path, not both")
+        return self
+
+
+@sources.register("file")
+class FileSource(Source):
+    name = "file"
+    config = FileData
+
+    @classmethod
+    def build(cls, cfg: FileData) -> Any:
+        from stages.data_files import file_prompt_source
+
+        return file_prompt_source(cfg)

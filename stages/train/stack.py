@@ -1,0 +1,251 @@
+"""The train stack: the one owner of what every trainable model needs, whatever its family,
+policy or algorithm, in a worker group or in one process.
+
+* FSDP2 `fully_shard` on the family's units (a one-rank group keeps the plain module);
+* the frozen reference policy (the adapter disabled with LoRA, else a sharded frozen copy);
+* AdamW, the learning-rate schedule, gradient clipping, skipping a step whose gradient norm is
+  not finite, and an EMA of the trainable weights with the swap that puts it in place;
+* micro-batch geometry across ranks (every rank issues the same collectives in the same order);
+* metric reduction across ranks; checkpoint and publish (stages/train/checkpoint.py).
+
+Collectives are no-ops without a process group, so the in-process loop (stages/loop.py) runs
+this same code in one process.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from stages.seeds import derive_seed
+
+
+def lr_factor(step: int, *, schedule: str, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the base lr before optimizer step `step` (0-based).
+    constant: 1 after warm-up; linear: warm-up then linear decay to min_ratio at `total`;
+    cosine: warm-up then min_ratio + (1-min_ratio) * (1 + cos(pi * progress)) / 2."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_ratio) * progress
+    if schedule == "cosine":
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"train.lr_schedule: unknown schedule {schedule!r} (allowed: constant, linear, cosine)")
+
+
+class EMA:
+    """theta_ema <- decay * theta_ema + (1 - decay) * theta, over the trainable parameters (local
+    shards under FSDP2, so the EMA is sharded like the model)."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.shadow = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        for n, p in model.named_parameters():
+            if n in self.shadow:
+                self.shadow[n].lerp_(p.detach(), 1.0 - self.decay)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """AdamW and its schedule: lr * lr_factor(step) before every step; `total` steps in all."""
+
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    schedule: str = "constant"
+    warmup: int = 0
+    total: int = 1
+    min_ratio: float = 0.0
+    max_grad_norm: float = 1.0
+    ema: float | None = None  # decay of an EMA of the trainable weights; None: no EMA
+
+
+def shard(model: torch.nn.Module, units: list[torch.nn.Module], mesh: Any) -> torch.nn.Module:
+    """FSDP2 `fully_shard` on each unit (decoder layer, transformer block) and at the root. A
+    one-rank group keeps the plain module: sharding there is a copy and two hooks per unit and
+    forward with nothing to shard (measured 4x slower on the tiny Qwen3's train step, +0.3 s per
+    diffusion quickstart iteration); checkpoints and publication read both the same way."""
+    if world_size() == 1:
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank_of() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class TrainStack:
+    """`bundle.module` (a family's trainable module) sharded and trained. `ema_decay(step)` gives
+    the EMA decay after optimizer step `step` (the spec's by default; NFT's old policy and SFT
+    follow their own schedules)."""
+
+    def __init__(self, family: Any, bundle: Any, *, mesh: Any, device: torch.device, spec: OptimizerSpec,
+                 reference_dir: Any = None, reference_cfg: Any = None, lora: Any = None, seed: int = 0,
+                 ema_decay: Callable[[int], float] | None = None):
+        self.family, self.bundle, self.mesh, self.device, self.spec = family, bundle, mesh, device, spec
+        self.rank, self.world = rank_of(), world_size()
+        self.lora = lora
+        if lora is not None:  # seeded: a restarted group must draw the same initial adapters
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derive_seed(seed, "lora-init"))
+                family.add_lora(bundle, lora)
+        bundle.module = self.module = shard(bundle.module.to(device), family.fsdp_units(bundle.module), mesh)
+        self._reference = None
+        if reference_dir is not None and lora is None:  # a full fine-tune keeps a frozen copy
+            ref = family.load(reference_dir, reference_cfg, device).module.requires_grad_(False).eval()
+            self._reference = shard(ref.to(device), family.fsdp_units(ref), mesh)
+        self.trainable = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=spec.lr, betas=tuple(spec.betas), weight_decay=spec.weight_decay)
+        self.ema = EMA(self.module, spec.ema) if spec.ema else None
+        self._ema_decay = ema_decay or (lambda step: spec.ema)
+        self.opt_steps = 0
+        self.ema_full: dict[str, torch.Tensor] | None = None  # gathered by publish
+
+    # -- collectives (no-ops in one process) ----------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+        return tensor
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        if self.world == 1:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    # -- geometry -------------------------------------------------------------------------------
+    def my_share(self, items: Sequence[Any]) -> list[Any]:
+        """This rank's items of a globally sorted list: [rank::world]."""
+        return list(items[self.rank::self.world])
+
+    def cut(self, items: Sequence[Any], size: int, updates: int = 1) -> tuple[list[list[list[Any]]], list[int]]:
+        """`items` (this rank's, in order) split into `updates` balanced mini-batches, each cut into
+        micro-batches of at most `size`; and per mini-batch the most micro-batches any rank has:
+        every rank runs that many, ranks short of it with stand-ins of weight 0. Sampling and
+        training cut the same way, so the first update replays exactly the sampled micro-batches."""
+        n = len(items)
+        bounds = [round(k * n / updates) for k in range(updates + 1)]
+        groups = [[list(items[i:min(i + size, bounds[k + 1])]) for i in range(bounds[k], bounds[k + 1], size)]
+                  for k in range(updates)]
+        counts = torch.tensor([len(g) for g in groups], dtype=torch.int64, device=self.device)
+        self.all_reduce(counts, "max")
+        return groups, [int(c) for c in counts]
+
+    # -- stepping -------------------------------------------------------------------------------
+    def step(self) -> float:
+        """Clip, then step at the scheduled lr unless the gradient norm is not finite (the step is
+        skipped and not counted), then update the EMA. Returns the norm."""
+        s = self.spec
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, s.max_grad_norm)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if np.isfinite(norm):
+            factor = lr_factor(self.opt_steps, schedule=s.schedule, warmup=s.warmup, total=s.total, min_ratio=s.min_ratio)
+            for group in self.optimizer.param_groups:
+                group["lr"] = s.lr * factor
+            self.optimizer.step()
+            if self.ema is not None:
+                self.ema.decay = self._ema_decay(self.opt_steps)
+                self.ema.update(self.module)
+            self.opt_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    # -- policies other than the one training -------------------------------------------------
+    @contextmanager
+    def ema_weights(self) -> Iterator[None]:
+        """Inside the block the module holds the EMA weights (the old policy of NFT)."""
+        if self.ema is None:
+            raise ValueError("the EMA weights need train.ema")
+        self._reshard()
+        backup = {n: p.detach().clone() for n, p in self.module.named_parameters() if n in self.ema.shadow}
+        with torch.no_grad():
+            for n, p in self.module.named_parameters():
+                if n in backup:
+                    p.copy_(self.ema.shadow[n])
+        try:
+            yield
+        finally:
+            self._reshard()
+            with torch.no_grad():
+                for n, p in self.module.named_parameters():
+                    if n in backup:
+                        p.copy_(backup[n])
+
+    def maybe_ema(self, use: bool) -> Any:
+        return self.ema_weights() if use else nullcontext()
+
+    def _reshard(self) -> None:
+        """FSDP2 keeps the root's parameters gathered after a forward; swap weights only on shards."""
+        if self.world == 1:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    @contextmanager
+    def reference(self) -> Iterator[Any]:
+        """The frozen reference policy: the adapter disabled with LoRA (no second copy), else the copy."""
+        if self.lora is not None:
+            with self.family.reference(self.bundle):
+                yield self.module
+        elif self._reference is not None:
+            yield self._reference
+        else:
+            raise ValueError("this train stack keeps no reference policy (the algorithm asks for none)")
+
+    # -- metrics --------------------------------------------------------------------------------
+    def reduce_metrics(self, totals: dict[str, float], weight: float, maxima: dict[str, float], weight_name: str) -> dict[str, float]:
+        """Weighted means across ranks of `totals` (sums of value * weight; the keys of rank 0),
+        maxima across ranks of `maxima`, and the total weight as `weight_name`."""
+        keys = self.broadcast_object(sorted(totals) if self.rank == 0 else None)
+        vec = torch.tensor([totals.get(k, 0.0) for k in keys] + [weight], dtype=torch.float64, device=self.device)
+        self.all_reduce(vec)
+        n = max(float(vec[-1]), 1.0)
+        out = {k: float(vec[i]) / n for i, k in enumerate(keys)}
+        out[weight_name] = float(vec[-1])
+        max_keys = self.broadcast_object(sorted(maxima) if self.rank == 0 else None)
+        if max_keys:
+            top = torch.tensor([maxima.get(k, -math.inf) for k in max_keys], dtype=torch.float64, device=self.device)
+            self.all_reduce(top, "max")
+            out.update({k: float(top[i]) for i, k in enumerate(max_keys)})
+        return out

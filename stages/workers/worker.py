@@ -1,0 +1,158 @@
+"""What every rank of a worker group holds and does, for every model family: the family's bundle,
+its policy, the recipe's algorithm and the train stack around the trainable module, and the
+commands ping / generate / train / sft / save / publish.
+
+Data moves only through run storage: commands carry relative paths, never tensors. The same
+class runs in one process without a process group (stages/loop.py).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.compute as pc
+import torch
+
+from stages.algorithms.base import get_algorithm
+from stages.models.family import get_family
+from stages.policies import policies
+from stages.recipe import Recipe
+from stages.sample import join_on_sample_id, read_rollouts, read_shard, table_from_rows, write_shard
+from stages.storage import RunStorage, join
+from stages.train import checkpoint
+from stages.train.stack import OptimizerSpec, TrainStack, rank_of, world_size
+from stages.train.update import rl_update, sft_steps
+
+COMMANDS = ("ping", "generate", "train", "sft", "save", "publish")
+
+
+def rl_spec(recipe: Recipe) -> OptimizerSpec:
+    t = recipe.train
+    return OptimizerSpec(lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, schedule=t.lr_schedule,
+                         warmup=t.warmup_steps, total=recipe.iterations * t.updates_per_batch, min_ratio=t.min_lr_ratio,
+                         max_grad_norm=t.max_grad_norm, ema=t.ema.decay if t.ema else None)
+
+
+class Worker:
+    """`spec`: recipe, run storage (root, run, options), `init_weights` (a run-relative weights
+    folder) or `weights_dir` (a local folder), `init_version`, `checkpoint` to restore, `scratch`,
+    and `mode`: "rl" (the recipe's optimizer) or "sft" (the warm start's)."""
+
+    def __init__(self, spec: dict[str, Any], mesh: Any, device: torch.device):
+        self.recipe = recipe = Recipe.model_validate(spec["recipe"])
+        self.storage = RunStorage(spec["root"], spec["run"], spec.get("options"))
+        self.device = device
+        self.rank, self.world = rank_of(), world_size()
+        self.scratch = Path(spec["scratch"]) / f"rank{self.rank}"
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        self.base_dir = Path(spec["weights_dir"]) if spec.get("weights_dir") else self._local_weights(spec["init_weights"])
+        self.version = int(spec.get("init_version", 0))
+        self.mode = spec.get("mode", "rl")
+        self.family = get_family(recipe.model.kind)
+        bundle = self.family.load(self.base_dir, recipe.model, device)
+        policy_cls = policies.get(self.family.policy)
+        self.policy = policy_cls(self.family, bundle, recipe, device)
+        self.algorithm = get_algorithm(recipe.algorithm.name)(recipe.algorithm, recipe)
+        if self.mode == "sft":
+            opt, decay = policy_cls.sft_spec(recipe)
+        else:
+            opt, decay = rl_spec(recipe), (lambda step: self.algorithm.ema_decay(step, recipe.train.ema.decay))
+        self.stack = TrainStack(
+            self.family, bundle, mesh=mesh, device=device, spec=opt, lora=recipe.model.lora, seed=recipe.seed, ema_decay=decay,
+            reference_dir=self.base_dir if self.mode == "rl" and self.algorithm.needs_reference else None,
+            reference_cfg=recipe.model,
+        )
+        tolerance = recipe.rollout.behaviour_tolerance
+        self.tolerance = policy_cls.default_tolerance(recipe.model.dtype) if tolerance is None else tolerance
+        self._sft_info: dict[str, Any] | None = None
+        if spec.get("checkpoint") is not None:
+            self.version = checkpoint.load(self.stack, self.storage, self.scratch, int(spec["checkpoint"]))
+
+    def _local_weights(self, rel: str) -> Path:
+        """A run folder as a local path (object stores: a per-rank copy in the scratch folder)."""
+        if self.storage.local:
+            return self.storage.local_path(rel)
+        return self.storage.get_dir(rel, self.scratch / "init_weights")
+
+    def execute(self, cmd: str, args: dict[str, Any]) -> dict[str, Any]:
+        if cmd not in COMMANDS:
+            raise ValueError(f"unknown worker command {cmd!r} (allowed: {', '.join(COMMANDS)})")
+        return getattr(self, cmd)(**args)
+
+    # -- commands ---------------------------------------------------------------------------
+    def ping(self) -> dict[str, Any]:
+        return {"version": self.version, "world_size": self.world}
+
+    def generate(self, iteration: int, requests: str, out_dir: str, greedy: bool = False, seed_tag: str = "") -> dict[str, Any]:
+        """`group_size` samples per request; each rank writes `out_dir/part-{rank:03d}.arrow`.
+        greedy: the policy's deterministic sampler (evaluation). Rows record the policy version."""
+        start = time.perf_counter()
+        req = read_shard(self.storage, requests, "requests")
+        samples = []
+        for gid, prompt, meta, gsize in zip(req.column("group_id").to_pylist(), req.column("prompt").to_pylist(),
+                                            req.column("metadata").to_pylist(), req.column("group_size").to_pylist()):
+            samples += [(f"{gid}/{j}", gid, prompt, meta) for j in range(gsize)]
+        samples.sort(key=lambda s: s[0])
+        segment = self.policy.segment
+        with self.stack.maybe_ema(self.algorithm.samples_with_ema and not greedy):
+            rows = self.policy.rollout(self.stack.module, self.stack.my_share(samples), iteration=iteration, seed_tag=seed_tag,
+                                       greedy=greedy, stack=self.stack, transitions=self.algorithm.replays_transitions)
+        for row in rows:
+            row.update(iteration=iteration, policy_version=self.version, parts=[segment])
+        write_shard(self.storage, join(out_dir, f"part-{self.rank:03d}.arrow"), table_from_rows(rows, "rollouts", [segment]))
+        counters = {"rows": len(rows), **self.policy.counters(rows)}
+        totals = torch.tensor(list(counters.values()), dtype=torch.int64, device=self.device)
+        self.stack.all_reduce(totals)
+        return {"files": [join(out_dir, f"part-{k:03d}.arrow") for k in range(self.world)],
+                **{k: int(v) for k, v in zip(counters, totals.tolist())},
+                "policy_version": self.version, "seconds": time.perf_counter() - start}
+
+    def train(self, iteration: int, rollouts: list[str], advantages: str) -> dict[str, Any]:
+        """One batch: `train.updates_per_batch` optimizer steps over this rank's micro-batches."""
+        start = time.perf_counter()
+        table = read_rollouts(self.storage, rollouts)
+        adv_table = read_shard(self.storage, advantages, "advantages")
+        if adv_table.num_rows < table.num_rows:  # dynamic sampling dropped groups
+            table = table.filter(pc.is_in(table.column("sample_id"), value_set=adv_table.column("sample_id")))
+        table = join_on_sample_id(table, adv_table, ["advantage"], self.storage.url(advantages))
+        where = self.storage.url(rollouts[0]) + (" ..." if len(rollouts) > 1 else "")
+        t = self.recipe.train
+        groups, counts = self.stack.cut(self.stack.my_share(range(table.num_rows)), t.micro_batch_size, t.updates_per_batch)
+        advantages = table.column("advantage").to_numpy()
+        batches = [self.policy.batches(table, group, advantages, where) for group in groups]
+        first = next((b[0] for b in batches if b), None)
+        if first is not None:
+            self.policy.check_batch(first, iteration, self.algorithm, where)
+        metrics = rl_update(self.stack, self.policy, self.algorithm, batches, counts, iteration=iteration,
+                            seed=self.recipe.seed, tolerance=self.tolerance)
+        self.version += 1
+        return {"iteration": iteration, "policy_version": self.version, "metrics": metrics, "seconds": time.perf_counter() - start}
+
+    def sft(self, data: str, steps: int, batch_size: int, seed: int, start_step: int = 0) -> dict[str, Any]:
+        """SFT steps [start_step, start_step + steps) on the records `data` (run-relative Arrow
+        shard): the first call prepares them (the policy encodes them once)."""
+        if self.mode != "sft":
+            raise ValueError("the sft command needs a worker group started for SFT (mode 'sft')")
+        info: dict[str, Any] = {}
+        if self._sft_info is None:
+            table = read_shard(self.storage, data, "sft")
+            self._sft_info = info = self.policy.sft_setup(table, self.storage.url(data), self.stack, seed)
+        return {**sft_steps(self.stack, self.policy, start_step, steps, seed=seed, batch_size=batch_size), **info}
+
+    def save(self) -> dict[str, Any]:
+        return checkpoint.save(self.stack, self.storage, self.scratch, self.version)
+
+    def publish(self) -> dict[str, Any]:
+        return checkpoint.publish(self.stack, self.storage, self.scratch, self.version, self.export)
+
+    def export(self, local: Path, full: dict[str, torch.Tensor], ema_full: dict[str, torch.Tensor] | None) -> None:
+        """The family's plain folder of the policy (adapters merged). SFT publishes its EMA when it
+        keeps one; RL publishes the policy and, with `train.ema`, the EMA under `ema/`."""
+        bundle, lora = self.stack.bundle, self.recipe.model.lora
+        if self.mode == "sft" and ema_full is not None:
+            self.family.export(bundle, local, {**full, **ema_full}, lora=lora)
+            return
+        self.family.export(bundle, local, full, lora=lora)
+        if ema_full is not None:
+            self.family.export(bundle, local / "ema", {**full, **ema_full}, lora=lora)

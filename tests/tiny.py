@@ -1,0 +1,31 @@
+"""Tiny recipes of every registered family, shared by the tests: small enough for one iteration in
+a second or two on a CPU, with a reward that varies on a random model, so an update has a signal."""
+from __future__ import annotations
+
+TINY = {
+    "qwen3": {"model": {"kind": "qwen3", "tiny": {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64}},
+              "data": {"name": "arithmetic"}, "reward": {"scorers": [{"name": "integer_format"}]},
+              "rollout": {"prompts_per_iteration": 3, "group_size": 4, "max_new_tokens": 3},
+              "train": {"micro_batch_size": 4}},
+    "sd3": {"model": {"kind": "sd3", "tiny": {"image_size": 16}}, "data": {"name": "geneval"},
+            "reward": {"scorers": [{"name": "brightness"}]},
+            "rollout": {"prompts_per_iteration": 2, "group_size": 3, "sampler": {"num_steps": 3, "init_same_noise": False}},
+            "train": {"micro_batch_size": 4}},
+}
+# What an algorithm needs beyond the family's tiny recipe, and options the matrix exercises on the
+# way: KL to the reference (the frozen copy; LoRA's adapter-disabled reference is in the e2e
+# tests), classifier-free guidance with a negative prompt.
+EXTRA = {"nft": {"train": {"ema": {"decay": 0.5}}, "algorithm": {"timesteps": 2}},
+         "mixgrpo": {"rollout": {"sampler": {"sde_steps": {"window_size": 2}}}},
+         "gspo": {"algorithm": {"kl_coef": 0.05, "kl_estimator": "k2"}},
+         "drpo": {"algorithm": {"kl_coef": 0.05, "kl_estimator": "k1"}},
+         "flow_grpo": {"rollout": {"sampler": {"guidance_scale": 2.0, "negative_prompt": "a black square"}}}}
+
+
+def merged(*parts: dict) -> dict:
+    """Nested dicts merged left to right (later values win; dicts merge)."""
+    out: dict = {}
+    for part in parts:
+        for key, value in part.items():
+            out[key] = merged(out.get(key, {}), value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
