@@ -32,7 +32,7 @@ STAGES = ("generate", "score", "advantage", "train", "sync")
 
 def flow_run(work: Path, name: str, iterations: int, overrides: list[str], env: dict[str, str]) -> list[dict]:
     cmd = [sys.executable, "-m", "flows.cli", "run", str(QUICKSTART), f"storage.root={work}", "--run-name", name,
-           "sft=null", "eval.enabled=false", "rollout.sampler.grid_every=0", f"iterations={iterations}",
+           "sft=null", "eval.enabled=false", "tracking.preview_every=0", f"iterations={iterations}",
            f"checkpoint_every={iterations}", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -1,6 +1,6 @@
 """`unirl`: run and validate recipes, serve rewards.
 
-    unirl run RECIPE [key.sub=value ...] [--run-name NAME]
+    unirl run RECIPE [key.sub=value ...] [--run-name NAME] [--verbose]
     unirl validate RECIPE [key.sub=value ...]
     unirl sft RECIPE [key.sub=value ...] [--run-name NAME]
     unirl evaluate RECIPE [key.sub=value ...] [--run-name NAME] [--version N]
@@ -21,15 +21,18 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("recipe", help="recipe YAML file")
     run.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     run.add_argument("--run-name", default="", help="run folder name (default: the recipe's name); same name resumes")
+    run.add_argument("--verbose", action="store_true", help="Prefect's flow and task run logs on the console too")
     sft = sub.add_parser("sft", help="run only the supervised warm start of a recipe (its `sft` section)")
     sft.add_argument("recipe", help="recipe YAML file")
     sft.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     sft.add_argument("--run-name", default="", help="run folder name (default: the recipe's name)")
+    sft.add_argument("--verbose", action="store_true", help="Prefect's flow and task run logs on the console too")
     ev = sub.add_parser("evaluate", help="held-out accuracy of a run's policy")
     ev.add_argument("recipe", help="recipe YAML file")
     ev.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     ev.add_argument("--run-name", default="", help="run folder name (default: the recipe's name)")
     ev.add_argument("--version", type=int, default=None, help="policy version (default: the last finished)")
+    ev.add_argument("--verbose", action="store_true", help="Prefect's flow and task run logs on the console too")
     val = sub.add_parser("validate", help="print the resolved recipe or every error, without loading a model")
     val.add_argument("recipe", help="recipe YAML file")
     val.add_argument("overrides", nargs="*", help="key.sub=value overrides")
@@ -59,23 +62,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         print(recipe.to_yaml(), end="")
         return 0
+    from flows.console import quiet_prefect
+
+    quiet_prefect(args.verbose)  # before Prefect configures its logging
     try:
-        from flows.ephemeral import tie_ephemeral_api
+        from flows.ephemeral import lean_ephemeral_api, tie_ephemeral_api
 
-        tie_ephemeral_api()  # a killed `unirl` must not leave Prefect's temporary API server behind
-        if args.command == "sft":
-            from flows.sft import sft
+        with lean_ephemeral_api():
+            tie_ephemeral_api()  # a killed `unirl` must not leave Prefect's temporary API server behind
+            if args.command == "sft":
+                from flows.sft import sft
 
-            sft(recipe, args.run_name or recipe.name)
-            return 0
-        if args.command == "evaluate":
-            from flows.evaluate import evaluate_run
+                sft(recipe, args.run_name or recipe.name)
+                return 0
+            if args.command == "evaluate":
+                from flows.evaluate import evaluate_run
 
-            evaluate_run(recipe, args.run_name or recipe.name, args.version)
-            return 0
-        from flows.rl import rl_train
+                evaluate_run(recipe, args.run_name or recipe.name, args.version)
+                return 0
+            from flows.rl import rl_train
 
-        result = rl_train(recipe, args.run_name or recipe.name)
+            result = rl_train(recipe, args.run_name or recipe.name)
     except KeyboardInterrupt:
         print("interrupted; run the same command again to resume", file=sys.stderr)
         return 130

@@ -15,6 +15,43 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+# The ephemeral API serves one local run and stops with it: nobody schedules, automates or reads
+# its logs later. Its server keeps only what a run needs and records task runs in batches (one
+# transaction per task run made the next iteration's flow-run creation wait behind it).
+LEAN_SERVER_ENV = {
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "200",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "200",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "0.5",
+    "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_PAUSE_EXPIRATIONS_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_FOREMAN_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_REPOSSESSOR_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED": "false",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+}
+# Client side: no CSRF token round trip (a loopback server of our own), and no log records sent
+# to an API that is gone when the run ends (they are in the run's log file).
+LEAN_CLIENT = {"client.csrf_support_enabled": False, "logging.to_api.enabled": False}
+
+
+def lean_ephemeral_api() -> AbstractContextManager[Any]:
+    """Inside the block, a run on Prefect's ephemeral API uses the settings above (a user's own
+    server is left as configured). A variable the user set wins."""
+    from prefect.settings import get_current_settings, temporary_settings
+
+    from tasks.common import on_server
+
+    if on_server() or not get_current_settings().server.ephemeral.enabled:
+        return nullcontext()
+    for key, value in LEAN_SERVER_ENV.items():
+        os.environ.setdefault(key, value)
+    return temporary_settings(updates={k: v for k, v in LEAN_CLIENT.items()
+                                       if f"PREFECT_{k.upper().replace('.', '_')}" not in os.environ})
 
 
 def tie_ephemeral_api() -> None:

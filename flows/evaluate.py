@@ -8,6 +8,8 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
+from flows.console import say
+
 from stages.recipe import Recipe
 from stages.run import open_run
 from stages.tracking import Tracker
@@ -35,8 +37,11 @@ def evaluate_run(recipe: Recipe, run_name: str = "", version: int | None = None)
         result = staged(evaluate)(recipe, run_name, version)
     finally:
         close_group(storage.url())
+    tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"))
     if result.get("fresh"):
-        Tracker(recipe, storage, run_name, info.get("mlflow_run_id")).log_metrics(version, result["metrics"], dedupe=False)
+        tracker.log_metrics(version, result["metrics"], dedupe=False)
+    if recipe.tracking.registry:  # the results land on the version they evaluate
+        tracker.tag_version(recipe.name, run_name, version, result["metrics"])
     eval_artifact(recipe, run_name, version, result["metrics"])
-    print(f"[unirl] held-out v{version:06d}: " + "  ".join(f"{k} {v:.3f}" for k, v in result["metrics"].items()), flush=True)
+    say(f"[unirl] held-out v{version:06d}: " + "  ".join(f"{k} {v:.3f}" for k, v in result["metrics"].items()))
     return result

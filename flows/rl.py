@@ -14,12 +14,14 @@ from prefect.settings import temporary_settings
 from pydantic import Field
 
 from flows.artifacts import RunArtifacts
+from flows.console import Progress, log_to_run_folder, say
 from flows.hooks import stop_worker_group
 from stages.data import build_prompt_source
 from stages.policies import policy_for
 from stages.recipe import Recipe
 from stages.run import initial_weights, open_run, update_run_info
-from stages.storage import iter_dir
+from stages.storage import iter_dir, join
+from stages.train.checkpoint import MANIFEST
 from stages.tracking import Tracker
 from stages.workers.group import close_group
 from flows.evaluate import eval_artifact
@@ -66,16 +68,6 @@ def rl_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any
     }
 
 
-def progress_line(i: int, total: int, m: dict[str, float]) -> str:
-    """One line per iteration; kl and clip only for losses that have them (not NFT's)."""
-    kl = f"  kl {m['train/approx_kl']:.2e}" if "train/approx_kl" in m else ""
-    clip = f"  clip {m['train/clip_frac']:.3f}" if "train/clip_frac" in m else ""
-    return (
-        f"[unirl] {iter_dir(i)} ({i + 1}/{total})  reward {m['rollout/reward_mean']:.3f}±{m['rollout/reward_std']:.3f}"
-        f"  loss {m['train/loss']:+.4f}{kl}{clip}  grad {m['train/grad_norm']:.3f}  {m['time/iteration_s']:.1f}s"
-    )
-
-
 @flow(name="rl-train", flow_run_name="{recipe.name}/{run_name}",
       on_cancellation=[stop_worker_group], on_crashed=[stop_worker_group])
 def rl_train(
@@ -102,13 +94,17 @@ def rl_train(
         run_sft(recipe, storage, tracker)
     else:
         initial_weights(storage, recipe)
+    register(recipe, tracker, storage, run_name, 0)
     first = storage.last_success() + 1
     if first > 0:
         logger.info("resuming %s at %s", storage.url(), iter_dir(first))
-    print(f"[unirl] run {run_name} at {storage.url()}  (MLflow {tracker.link()})", flush=True)
+    log_file = log_to_run_folder(storage.local_path())
+    say(f"[unirl] run {run_name} at {storage.url()}  (MLflow {tracker.link()})"
+        + (f"\n[unirl] log: {log_file}" if log_file else ""))
     last: dict[str, Any] = {}
     artifacts = RunArtifacts(recipe, run_name, storage, tracker)
     artifacts.start(first)
+    progress = Progress(recipe.iterations, first)
     evals: dict[int, dict[str, float]] = {}
     try:
         # The run's own flow run keeps its heartbeat (started with it); one per iteration flow run
@@ -120,6 +116,8 @@ def rl_train(
             for i in range(first, recipe.iterations):
                 summary = rl_iteration(recipe, run_name, i)
                 version = i + 1
+                if summary.get("weights"):
+                    register(recipe, tracker, storage, run_name, version)
                 if (recipe.eval.every and version % recipe.eval.every == 0) or (
                     recipe.eval.enabled and version == recipe.iterations
                 ):
@@ -128,13 +126,14 @@ def rl_train(
                 preview(recipe, tracker, storage, i)
                 storage.mark_success(i, summary)
                 artifacts.iteration(summary)
-                print(progress_line(i, recipe.iterations, summary["metrics"]), flush=True)
+                progress.iteration(i, summary["metrics"])
                 last = summary
     except BaseException:
         tracker.finish("FAILED")
         artifacts.publish_table()
         raise
     finally:
+        progress.close()
         close_group(storage.url())
     tracker.finish()
     artifacts.finish()
@@ -143,25 +142,40 @@ def rl_train(
 
 
 def preview(recipe: Recipe, tracker: Tracker, storage: Any, iteration: int) -> None:
-    """What people should see of the iteration's rollouts in MLflow (the policy decides: image
-    grids every `rollout.sampler.grid_every` iterations for flow models); never fails the run."""
+    """What people should see of the iteration's rollouts in MLflow every `tracking.preview_every`
+    iterations (the policy decides: a samples table for text, an image grid for flow models);
+    never fails the run."""
+    every = recipe.tracking.preview_every
+    if not every or iteration % every:
+        return
     try:
         policy_for(recipe).log_preview(recipe, tracker, storage, iteration)
     except Exception as exc:  # noqa: BLE001 - a preview is for people, not for the run
         get_run_logger().warning("rollout preview of %s not logged: %s", iter_dir(iteration), exc)
 
 
+def register(recipe: Recipe, tracker: Tracker, storage: Any, run_name: str, version: int) -> None:
+    """Published weights `version` as a version of the MLflow registered model named after the
+    recipe (`tracking.registry`), its source the weights folder in run storage."""
+    if not recipe.tracking.registry:
+        return
+    rel = storage.weights_rel(version)
+    tracker.register_version(recipe.name, run_name, version, storage.url(rel), storage.read_json(join(rel, MANIFEST)))
+
+
 def held_out(recipe: Recipe, run_name: str, version: int, tracker: Tracker, label: str) -> dict[str, float]:
-    """Evaluate policy `version` on the held-out split, print it, and publish a table artifact."""
+    """Evaluate policy `version` on the held-out split, print it, publish a table artifact, and
+    put the metrics on the version's registry entry."""
     result = staged(evaluate)(recipe, run_name, version)
     m = result["metrics"]
     if result.get("fresh"):
         tracker.log_metrics(version, m, dedupe=False)
+    if recipe.tracking.registry:
+        tracker.tag_version(recipe.name, run_name, version, m)
     k = recipe.eval.k
-    print(
+    say(
         f"[unirl] held-out v{version:06d}{' (' + label + ')' if label else ''}: accuracy {m['eval/accuracy']:.3f}"
-        f"  avg@{k} {m[f'eval/avg_at_{k}']:.3f}  pass@{k} {m[f'eval/pass_at_{k}']:.3f}  ({int(m['eval/prompts'])} prompts)",
-        flush=True,
+        f"  avg@{k} {m[f'eval/avg_at_{k}']:.3f}  pass@{k} {m[f'eval/pass_at_{k}']:.3f}  ({int(m['eval/prompts'])} prompts)"
     )
     eval_artifact(recipe, run_name, version, m)
     return m

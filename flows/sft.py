@@ -18,6 +18,8 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from flows.console import say
+
 from stages.recipe import Recipe
 from stages.run import materialize_model, open_run, update_run_info
 from stages.sft import write_sft_data
@@ -25,6 +27,7 @@ from stages.storage import RunStorage, join
 from stages.tracking import Tracker
 from stages.train.checkpoint import MANIFEST, write_weights_dir
 from stages.workers.group import WorkerGroup
+from tasks.common import announce
 
 BASE = "sft/base"
 CHUNK = 50
@@ -44,7 +47,7 @@ def run_sft(recipe: Recipe, storage: RunStorage, tracker: Tracker | None = None)
         manifest = write_sft_data(storage, recipe)
         storage.write_json("sft/manifest.json", manifest)
     s = recipe.sft
-    group = WorkerGroup(recipe, storage, init_weights=BASE, log=logger.info, mode="sft")
+    group = WorkerGroup(recipe, storage, init_weights=BASE, log=announce(logger), mode="sft")
     try:
         group.start(None)
         done = 0
@@ -52,7 +55,7 @@ def run_sft(recipe: Recipe, storage: RunStorage, tracker: Tracker | None = None)
             steps = min(CHUNK, s.steps - done)
             out = group.call("sft", data=manifest["files"][0], steps=steps, batch_size=s.batch_size, seed=s.seed, start_step=done)
             done = out["steps"]
-            print(f"[unirl] sft step {done}/{s.steps}  loss {out['last_loss']:.4f}  {out['seconds']:.1f}s", flush=True)
+            say(f"[unirl] sft step {done}/{s.steps}  loss {out['last_loss']:.4f}  {out['seconds']:.1f}s")
             if tracker is not None:
                 tracker.log_metrics(done, {"sft/loss": out["loss"]}, dedupe=False)
         group.call("publish")
@@ -72,5 +75,5 @@ def sft(recipe: Recipe, run_name: str = "") -> dict[str, Any]:
     if info.get("mlflow_run_id") != tracker.run_id:
         update_run_info(storage, mlflow_run_id=tracker.run_id)
     out = run_sft(recipe, storage, tracker)
-    print(f"[unirl] sft weights: {storage.url(out['weights'])}", flush=True)
+    say(f"[unirl] sft weights: {storage.url(out['weights'])}")
     return {**out, "storage": storage.url()}

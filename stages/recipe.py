@@ -143,6 +143,12 @@ class TrackingConfig(Section):
         None, description="Tracking URI; empty: $MLFLOW_TRACKING_URI, else sqlite in the run folder (local storage) or ./mlruns.db."
     )
     experiment: str = Field("unirl", description="MLflow experiment name.")
+    preview_every: int = Field(
+        1, ge=0, description="Log what people should see of an iteration's rollouts every N iterations (0: never): a "
+        "samples table for text (prompt, response, reward, advantage), an image grid for flow models.",
+    )
+    registry: bool = Field(
+        True, description="Register every published weights version in the MLflow Model Registry under the recipe's name.")
 
 
 class Recipe(Section):

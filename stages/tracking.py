@@ -1,7 +1,14 @@
 """MLflow tracking through `MlflowClient` with an explicit run id (the fluent API is not
-thread-safe). Default store: SQLite in the run folder for local runs, else ./mlruns.db."""
+thread-safe). Default store: SQLite in the run folder for local runs, else ./mlruns.db.
+
+MLflow is also the model's home: every published weights version is a version of the registered
+model named after the recipe, its source the weights folder in run storage (no second copy),
+tagged with the run, iteration, policy version, the manifest's sha256 and, once evaluated, its
+held-out metrics; per iteration a small samples table (text) or preview image (flow)."""
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 from typing import Any
@@ -79,6 +86,55 @@ class Tracker:
         path = f"images/{key}/step-{step:06d}.png"
         self.client.log_image(self.run_id, image, artifact_file=path)
         return path
+
+    def log_table(self, step: int, columns: dict[str, list[Any]], key: str) -> str:
+        """Log a table (column -> values) as `tables/<key>/step-<step>.json`; returns its path."""
+        path = f"tables/{key}/step-{step:06d}.json"
+        self.client.log_table(self.run_id, data=columns, artifact_file=path)
+        return path
+
+    # -- the model registry ----------------------------------------------------------------------
+    def register_version(self, model: str, run_name: str, policy_version: int, source: str, manifest: dict[str, Any]) -> str:
+        """Register published weights `policy_version` of this run as a version of registered model
+        `model` (once: a resumed run finds it by its tags); returns the registry version."""
+        from mlflow.exceptions import MlflowException
+
+        found = self.registered_version(model, run_name, policy_version)
+        if found is not None:
+            return found
+        try:
+            self.client.create_registered_model(model, tags={"unirl": "true"},
+                                                description="Weights versions published by unirl runs of this recipe.")
+        except MlflowException as exc:
+            if "RESOURCE_ALREADY_EXISTS" not in str(exc.error_code):
+                raise
+        digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+        tags = {"unirl.run": run_name, "unirl.policy_version": str(policy_version),
+                "unirl.iteration": str(policy_version - 1) if policy_version else "initial",
+                "unirl.manifest_sha256": digest, "unirl.weights": source}
+        mv = self.client.create_model_version(model, source=source, run_id=self.run_id, tags=tags,
+                                              description=f"{run_name}: policy version {policy_version} (weights after "
+                                              f"{policy_version} train steps) at {source}")
+        return str(mv.version)
+
+    def registered_version(self, model: str, run_name: str, policy_version: int) -> str | None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            found = self.client.search_model_versions(f"name = '{model}' and tags.`unirl.run` = '{run_name}' and "
+                                                      f"tags.`unirl.policy_version` = '{policy_version}'")
+        except MlflowException:
+            return None
+        return str(found[0].version) if found else None
+
+    def tag_version(self, model: str, run_name: str, policy_version: int, metrics: dict[str, float]) -> bool:
+        """Put held-out `metrics` on the registry version of `policy_version` (False: not registered)."""
+        version = self.registered_version(model, run_name, policy_version)
+        if version is None:
+            return False
+        for key, value in metrics.items():
+            self.client.set_model_version_tag(model, version, key, f"{value:.6g}")
+        return True
 
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 from prefect import get_run_logger, tags
 from prefect.settings import get_current_settings
+
+from flows.console import say
 
 from stages.engines import RolloutEngine, engines
 from stages.recipe import Recipe
@@ -46,11 +48,20 @@ def storage_of(recipe: Recipe, run_name: str) -> RunStorage:
     return RunStorage(recipe.storage.root, run_name, recipe.storage.options)
 
 
+def announce(logger: Any) -> Callable[[str], None]:
+    """A worker group's news (starting, replaying): in the run's log and on the console, where a
+    model that takes minutes to load should not look like a hang."""
+    def log(message: str) -> None:
+        logger.info(message)
+        say(f"[unirl] {message}")
+
+    return log
+
+
 def group_of(recipe: Recipe, storage: RunStorage) -> WorkerGroup:
     """The run's trainer: the process-wide worker group (tasks of one flow run share it)."""
     def make() -> WorkerGroup:
-        logger = get_run_logger()
-        return WorkerGroup(recipe, storage, init_weights=storage.weights_rel(0), log=logger.info)
+        return WorkerGroup(recipe, storage, init_weights=storage.weights_rel(0), log=announce(get_run_logger()))
 
     return get_group(storage.url(), make)
 

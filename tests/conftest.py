@@ -1,4 +1,5 @@
-"""Shared fixtures: an isolated environment for real `unirl` / Prefect subprocesses."""
+"""Shared fixtures: an isolated environment for real `unirl` / Prefect subprocesses, one Prefect
+server and one MLflow database for the whole session, and tiny models built once."""
 from __future__ import annotations
 
 import os
@@ -22,7 +23,6 @@ def isolated_env(tmp: Path) -> dict[str, str]:
     env.update({
         "PREFECT_HOME": str(tmp / "prefect-home"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_LOGGING_LEVEL": "WARNING",
         "PYTHONUNBUFFERED": "1",
     })
     # Worker ranks take cores / ranks threads, capped by OMP_NUM_THREADS when it is set: the
@@ -31,8 +31,39 @@ def isolated_env(tmp: Path) -> dict[str, str]:
     return env
 
 
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """One real Prefect server for the session (tests/prefect_server.py), started on first use."""
+    from tests.prefect_server import PrefectServer
+
+    tmp = tmp_path_factory.mktemp("prefect-server")
+    server = PrefectServer(tmp, isolated_env(tmp), REPO).serve()
+    try:
+        yield server
+    finally:
+        server.stop_all()
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory) -> str:
+    """One MLflow database for the session, its schema created once (a new SQLite database takes
+    about 3 s of migrations; runs are told apart by their MLflow run id in run.json)."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    MlflowClient(tracking_uri=uri).search_experiments()
+    return uri
+
+
 @pytest.fixture
-def unirl_env(tmp_path: Path) -> dict[str, str]:
+def unirl_env(tmp_path: Path, prefect_server, mlflow_uri: str) -> dict[str, str]:
+    """For `unirl` subprocesses: their own Prefect home, the session's Prefect server and MLflow."""
+    return {**isolated_env(tmp_path), "PREFECT_API_URL": prefect_server.url, "MLFLOW_TRACKING_URI": mlflow_uri}
+
+
+@pytest.fixture
+def ephemeral_env(tmp_path: Path) -> dict[str, str]:
+    """For `unirl` as a user first runs it: Prefect's ephemeral API, MLflow in the run folder."""
     return isolated_env(tmp_path)
 
 

@@ -1,6 +1,6 @@
 """Image grids of an iteration's rollouts for people: each image enlarged (nearest neighbour, so
 pixels stay pixels), with its prompt and reward written under it. The flow logs one per
-`rollout.sampler.grid_every` iterations to MLflow; the PNG bytes stay in the rollout shards."""
+`tracking.preview_every` iterations to MLflow; the PNG bytes stay in the rollout shards."""
 from __future__ import annotations
 
 import io
@@ -33,11 +33,8 @@ def image_grid(pngs: list[bytes], captions: list[str], *, columns: int = 4, cell
     return grid
 
 
-def log_iteration_grid(tracker: Any, storage: RunStorage, every: int, iteration: int) -> str | None:
-    """Log iteration `iteration`'s grid to MLflow every `every` iterations (0: never); returns the
-    artifact path (None when not due)."""
-    if not every or iteration % every:
-        return None
+def log_iteration_grid(tracker: Any, storage: RunStorage, iteration: int) -> str | None:
+    """Log iteration `iteration`'s grid to MLflow; returns the artifact path."""
     gen = storage.stage_manifest(iteration, "generate")
     scored = storage.stage_manifest(iteration, "score")
     if gen is None:

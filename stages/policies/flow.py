@@ -70,7 +70,6 @@ class FlowSampler(Section):
     init_same_noise: bool = Field(True, description="One initial noise per group (else per sample).")
     image_size: int | None = Field(None, ge=8, description="Side of sampled images; empty: the model's default.")
     sde_steps: SDESteps = Field(default_factory=SDESteps, description="Which steps are SDE steps.")
-    grid_every: int = Field(1, ge=0, description="Log an image grid of the rollouts to MLflow every N iterations (0: never).")
 
     @property
     def kernel(self) -> str:
@@ -155,7 +154,7 @@ class FlowPolicy(Policy):
     def log_preview(cls, recipe: Any, tracker: Any, storage: Any, iteration: int) -> str | None:
         from stages.diffusion.grid import log_iteration_grid
 
-        return log_iteration_grid(tracker, storage, recipe.rollout.sampler.grid_every, iteration)
+        return log_iteration_grid(tracker, storage, iteration)
 
     def __init__(self, family: Any, bundle: Any, recipe: Any, device: torch.device):
         from stages.diffusion.model import PromptCache

@@ -22,6 +22,9 @@ from stages.policies import Policy, RolloutBase, policies
 from stages.seeds import derive_seed
 
 
+PREVIEW_ROWS = 16
+
+
 class TextRollout(RolloutBase):
     """How text samples are generated."""
 
@@ -103,6 +106,33 @@ class TextPolicy(Policy):
                 f"reward.overlong.buffer: {overlong.buffer} is longer than rollout.max_new_tokens "
                 f"({recipe.rollout.max_new_tokens}); the soft penalty ramp must fit inside the length cap"
             )
+
+    @classmethod
+    def log_preview(cls, recipe: Any, tracker: Any, storage: Any, iteration: int) -> str | None:
+        """A table of the iteration's first samples, one per group first: prompt, response, reward,
+        advantage (MLflow `tables/samples/step-N.json`)."""
+        from stages.sample import read_rollouts, read_shard
+
+        gen = storage.stage_manifest(iteration, "generate")
+        if gen is None:
+            return None
+        table = read_rollouts(storage, gen["files"], columns=["sample_id", "group_id", "prompt", "text"])
+        values = {}
+        for stage, column in (("score", "reward"), ("advantage", "advantage")):
+            manifest = storage.stage_manifest(iteration, stage)
+            if manifest is not None:
+                shard = read_shard(storage, manifest["files"][0], "rewards" if stage == "score" else "advantages")
+                values[column] = dict(zip(shard.column("sample_id").to_pylist(), shard.column(column).to_pylist()))
+        ids, groups = table.column("sample_id").to_pylist(), table.column("group_id").to_pylist()
+        seen: set[str] = set()
+        first = [i for i, g in enumerate(groups) if not (g in seen or seen.add(g))]
+        pick = (first + [i for i in range(len(ids)) if i not in first])[:PREVIEW_ROWS]
+        prompts, texts = table.column("prompt").to_pylist(), table.column("text").to_pylist()
+        columns = {"sample_id": [ids[i] for i in pick], "prompt": [prompts[i] for i in pick],
+                   "response": [texts[i] for i in pick]}
+        for column, by_id in values.items():
+            columns[column] = [by_id.get(ids[i]) for i in pick]
+        return tracker.log_table(iteration, columns, "samples")
 
     def __init__(self, family: Any, bundle: Any, recipe: Any, device: torch.device):
         from stages.models.tokenizer import uses_chat_template

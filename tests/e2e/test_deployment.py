@@ -3,131 +3,44 @@ a process work pool and `prefect worker`, deployments from prefect.yaml, `prefec
 artifacts read back through the API, the parameter schema enforced by the server, a run cancelled
 (its torchrun worker group must go with it) and resumed, an event-triggered run, a schedule.
 
-The tests share one server and worker (module fixture) and run in file order.
+The tests share the session's Prefect server (tests/prefect_server.py) and one worker (module
+fixture), and run in file order.
 """
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 import pytest
 import yaml
 
 from flows.hooks import worker_processes
-from tests.conftest import REPO, TINY, isolated_env
+from tests.conftest import TINY
+from tests.prefect_server import PrefectServer
 
 pytestmark = pytest.mark.slow
 
-PREFECT = [sys.executable, "-m", "prefect"]
+class Deployments:
+    """The session's Prefect server (tests/prefect_server.py) with this module's process work pool
+    `cpu`, its worker and the run folders of its deployments."""
 
+    def __init__(self, server: PrefectServer, runs: Path):
+        self.server, self.runs, self.url = server, runs, server.url
+        self.env = {**server.env, "PREFECT_LOGGING_LEVEL": "INFO"}  # the hooks' log lines reach the API
+        self.worker = None
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    def cli(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess:
+        return self.server.cli(*args, env=self.env, **kwargs)
 
+    def log(self, name: str) -> str:
+        return self.server.log(name)
 
-class Server:
-    """A Prefect server, a process work pool `cpu` and its worker, all in one temp dir."""
-
-    def __init__(self, tmp: Path):
-        self.tmp = tmp
-        self.runs = tmp / "runs"
-        self.url = f"http://127.0.0.1:{free_port()}/api"
-        self.env = isolated_env(tmp)
-        self.env.update({
-            "PREFECT_API_URL": self.url,
-            "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{tmp / 'prefect.db'}",
-            "PREFECT_SERVER_UI_ENABLED": "false",
-            "PREFECT_SERVER_SERVICES_FOREMAN_ENABLED": "false",
-            "PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED": "false",
-            "PREFECT_WORKER_QUERY_SECONDS": "1",
-            "PREFECT_LOGGING_LEVEL": "INFO",
-            "PREFECT_CLI_COLORS": "false",
-            "COLUMNS": "200",
-            "DO_NOT_TRACK": "1",
-            "MLFLOW_DISABLE_TELEMETRY": "true",
-        })
-        self.procs: list[subprocess.Popen] = []
-        self.worker: subprocess.Popen | None = None
-
-    # -- processes ------------------------------------------------------------------------------
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "ab")
-        proc = subprocess.Popen([*PREFECT, *args], env=self.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
-        self.procs.append(proc)
-        return proc
-
-    def log(self, name: str, tail: int = 4000) -> str:
-        path = self.tmp / f"{name}.log"
-        return path.read_text(errors="replace")[-tail:] if path.exists() else ""
-
-    def cli(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
-        proc = subprocess.run([*PREFECT, *args], env=self.env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-        if check and proc.returncode != 0:
-            raise AssertionError(
-                f"prefect {' '.join(args)[:300]} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
-                f"stderr:\n{proc.stderr[-4000:]}\nworker log:\n{self.log('worker')}"
-            )
-        return proc
-
-    def wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.procs[0].poll() is not None:
-                break
-            time.sleep(0.3)
-        raise AssertionError(f"prefect server did not come up:\n{self.log('server')}")
-
-    def stop_all(self) -> None:
-        """Everything this fixture started, and anything left under it, even after a failure."""
-        tree = []
-        for proc in self.procs:
-            try:
-                tree += psutil.Process(proc.pid).children(recursive=True)
-            except psutil.Error:
-                pass
-        strays = worker_processes(lambda url: url.startswith(str(self.runs)))
-        for proc in reversed(self.procs):  # the worker before the server
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pass
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait(timeout=10)
-        for p in tree + strays:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(tree + strays, timeout=10)
-
-    # -- the API ----------------------------------------------------------------------------------
-    def client(self):
-        from prefect.client.orchestration import SyncPrefectClient
-
-        return SyncPrefectClient(self.url)
+    def client(self) -> Any:
+        return self.server.client()
 
     def flow_runs(self, deployment: str) -> list[Any]:
         from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
@@ -135,6 +48,7 @@ class Server:
         with self.client() as c:
             dep = c.read_deployment_by_name(deployment)
             return c.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])))
+
 
 
 def tiny_recipe(**changes: Any) -> dict[str, Any]:
@@ -149,11 +63,9 @@ def tiny_recipe(**changes: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    srv = Server(tmp_path_factory.mktemp("deploy"))
+def server(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPathFactory):
+    srv = Deployments(prefect_server, tmp_path_factory.mktemp("deploy") / "runs")
     try:
-        srv.start("server", "server", "start", "--host", "127.0.0.1", "--port", srv.url.split(":")[-1].split("/")[0])
-        srv.wait_healthy()
         srv.cli("work-pool", "create", "cpu", "--type", "process")
         # Every deployment in prefect.yaml deploys as written ...
         srv.cli("--no-prompt", "deploy", "--all", timeout=300)
@@ -161,10 +73,23 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         params = json.dumps({"recipe": tiny_recipe(**{"storage.root": str(srv.runs), "eval.enabled": False})})
         for name in ("tiny", "tiny-on-prompts"):
             srv.cli("--no-prompt", "deploy", "--name", name, "--params", params, timeout=300)
-        srv.worker = srv.start("worker", "worker", "start", "--pool", "cpu", "--type", "process")
+        srv.worker = prefect_server.start("worker", "worker", "start", "--pool", "cpu", "--type", "process", env=srv.env)
         yield srv
     finally:
-        srv.stop_all()
+        tree = []
+        if srv.worker is not None:
+            try:
+                tree = psutil.Process(srv.worker.pid).children(recursive=True)
+            except psutil.Error:
+                pass
+            prefect_server.stop(srv.worker)
+        strays = worker_processes(lambda url: url.startswith(str(srv.runs)))
+        for p in tree + strays:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(tree + strays, timeout=10)
 
 
 def _alive(proc: psutil.Process) -> bool:
@@ -174,7 +99,7 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
-def wait_for(what: str, check, timeout: float, server: Server, interval: float = 0.5):
+def wait_for(what: str, check, timeout: float, server: Deployments, interval: float = 0.5):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
@@ -184,7 +109,7 @@ def wait_for(what: str, check, timeout: float, server: Server, interval: float =
     raise AssertionError(f"timed out after {timeout}s waiting for {what}\nworker log:\n{server.log('worker')}")
 
 
-def test_deployments_carry_the_recipe_schema_and_the_schedule(server: Server) -> None:
+def test_deployments_carry_the_recipe_schema_and_the_schedule(server: Deployments) -> None:
     with server.client() as c:
         dep = c.read_deployment_by_name("rl-train/tiny")
         nightly = c.read_deployment_by_name("retrain/tiny-nightly")
@@ -215,7 +140,7 @@ def test_deployments_carry_the_recipe_schema_and_the_schedule(server: Server) ->
     assert "unirl.prompts.landed" in mine[0].trigger.expect
 
 
-def test_invalid_parameters_are_rejected_before_a_run_starts(server: Server) -> None:
+def test_invalid_parameters_are_rejected_before_a_run_starts(server: Deployments) -> None:
     before = len(server.flow_runs("rl-train/tiny"))
     bad = json.dumps({"recipe": tiny_recipe(**{"train.lr": -1.0, "storage.root": str(server.runs)})})
     out = server.cli("deployment", "run", "rl-train/tiny", "--params", bad, check=False)
@@ -226,7 +151,7 @@ def test_invalid_parameters_are_rejected_before_a_run_starts(server: Server) -> 
     assert len(server.flow_runs("rl-train/tiny")) == before
 
 
-def test_deployment_run_completes_with_artifacts(server: Server) -> None:
+def test_deployment_run_completes_with_artifacts(server: Deployments) -> None:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
 
     started = time.monotonic()
@@ -242,7 +167,7 @@ def test_deployment_run_completes_with_artifacts(server: Server) -> None:
     with server.client() as c:
         artifacts = c.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
         iterations = c.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])))
-        tasks = c.read_task_runs()
+        tasks = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in iterations])))
     by_key: dict[str, list[Any]] = {}
     for art in artifacts:
         by_key.setdefault(art.key, []).append(art)
@@ -274,7 +199,7 @@ def test_deployment_run_completes_with_artifacts(server: Server) -> None:
     print(f"\n[deploy] rl-train/tiny, 2 iterations through the worker: {seconds:.1f}s")
 
 
-def test_event_starts_a_run_cancel_stops_its_workers_and_it_resumes(server: Server) -> None:
+def test_event_starts_a_run_cancel_stops_its_workers_and_it_resumes(server: Deployments) -> None:
     run_dir = server.runs / "landed"
     server.cli("event", "emit", "unirl.prompts.landed", "--resource-id", "unirl.prompts.arithmetic",
                "--payload", json.dumps({"run_name": "landed"}))

@@ -47,7 +47,7 @@ def test_quickstart_sft_then_flow_grpo(tmp_path, unirl_env):
     from mlflow.tracking import MlflowClient
 
     info = json.loads((run / "run.json").read_text())
-    client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=unirl_env["MLFLOW_TRACKING_URI"])
     assert [a.path for a in client.list_artifacts(info["mlflow_run_id"], "images/rollouts")] == ["images/rollouts/step-000000.png"]
     from stages.models.sd3 import load_sd3
 
@@ -80,8 +80,7 @@ def test_on_s3(tmp_path, unirl_env):
     try:
         url = f"http://127.0.0.1:{port}"
         env = {**unirl_env, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": url,
-               "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+               "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": url}
         fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": url})
         fs.mkdir("unirl-runs")
         args = ["run", str(QUICKSTART), "storage.root=s3://unirl-runs/team", "iterations=2", *TINY, *TINY_SFT]

@@ -26,7 +26,7 @@ from stages.rewards.server import ScoringService, load_config
 from stages.tiny_models import random_images, save_tiny_clip
 from stages.rewards.wire import encode_batch
 from stages.sample import metadata
-from tests.conftest import TINY, isolated_env, run_unirl
+from tests.conftest import TINY, run_unirl
 
 pytestmark = pytest.mark.slow
 
@@ -345,12 +345,12 @@ def test_cli_rejects_bad_configs_before_serving(tmp_path, monkeypatch, capsys):
     assert "$UNIRL_REWARD_TOKEN is empty" in capsys.readouterr().err
 
 
-def test_rl_recipe_with_remote_reward_gives_the_local_rewards(servers, tmp_path):
+def test_rl_recipe_with_remote_reward_gives_the_local_rewards(servers, tmp_path, unirl_env):
     """The AR smoke recipe, one iteration, its reward served by the `rl` server; rewards.arrow
     must equal the same scorers run locally on the rollouts it wrote."""
     server = servers["rl"]
     root = tmp_path / "runs"
-    env = {**isolated_env(tmp_path), "UNIRL_REWARD_TOKEN": TOKEN}
+    env = {**unirl_env, "UNIRL_REWARD_TOKEN": TOKEN}
     remote = f"reward.scorers=[{{name: remote, params: {{url: '{server.url}', batch_size: 8}}}}]"
     run_unirl(["run", str(TINY), "iterations=1", f"storage.root={root}", remote], env)
     it = root / "tiny" / "iter-000000"

@@ -2,6 +2,7 @@
 group (gloo), Arrow shards in storage, MLflow on SQLite."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -46,7 +47,8 @@ def assert_no_pickles(run: Path) -> None:
 
 def test_three_iterations_layout_shards_advantages_and_mlflow(tmp_path, unirl_env):
     root = tmp_path / "runs"
-    out = run_unirl(["run", str(TINY), "iterations=3", f"storage.root={root}", SIGNAL], unirl_env)
+    env = {k: v for k, v in unirl_env.items() if k != "MLFLOW_TRACKING_URI"}  # the default: MLflow in the run folder
+    out = run_unirl(["run", str(TINY), "iterations=3", f"storage.root={root}", SIGNAL], env)
     assert "[unirl] iter-000002 (3/3)" in out.stdout
     run = root / "tiny"
     check_layout(run, 3)
@@ -86,6 +88,23 @@ def test_three_iterations_layout_shards_advantages_and_mlflow(tmp_path, unirl_en
         steps = [m.step for m in client.get_metric_history(info["mlflow_run_id"], key)]
         assert steps == [0, 1, 2], key
     assert mlrun.info.status == "FINISHED"
+    # MLflow is the model's home: every published weights version is registered under the recipe's
+    # name, pointing at the weights folder, tagged with the run, its version, the manifest's
+    # sha256 and, where evaluated, the held-out metrics; every iteration logs a samples table.
+    versions = {int(v.tags["unirl.policy_version"]): v for v in client.search_model_versions("name = 'tiny'")}
+    assert sorted(versions) == [0, 2, 3]
+    for version, mv in versions.items():
+        manifest = json.loads((run / f"weights/v{version:06d}/manifest.json").read_text())
+        assert mv.source == str(run / f"weights/v{version:06d}") and mv.run_id == info["mlflow_run_id"]
+        assert mv.tags["unirl.run"] == "tiny"
+        assert mv.tags["unirl.manifest_sha256"] == hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+    for version in (0, 3):
+        accuracy = json.loads((run / f"eval/v{version:06d}/metrics.json").read_text())["metrics"]["eval/accuracy"]
+        assert float(versions[version].tags["eval/accuracy"]) == pytest.approx(accuracy)
+    assert "eval/accuracy" not in versions[2].tags
+    local = client.download_artifacts(info["mlflow_run_id"], "tables/samples/step-000002.json", str(tmp_path))
+    table = json.loads(Path(local).read_text())
+    assert table["columns"] == ["sample_id", "prompt", "response", "reward", "advantage"] and len(table["data"]) == 16
     # checkpoint_every=2: a checkpoint after iteration 1 and the final one after iteration 2
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["000002", "000003"]
     assert (run / "weights" / "v000003" / "model.safetensors").is_file()
@@ -99,7 +118,10 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
         time.sleep(0.05)
 
 
-def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, unirl_env):
+def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, ephemeral_env):
+    """As a user first runs it: Prefect's ephemeral API server (which must die with the run) and
+    MLflow in the run folder."""
+    unirl_env = ephemeral_env
     root = tmp_path / "runs"
     args = ["run", str(TINY), "iterations=4", f"storage.root={root}", SIGNAL, "checkpoint_every=3"]
     proc = subprocess.Popen(
@@ -124,11 +146,12 @@ def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, uni
     assert not (api[0].is_running() and api[0].status() != psutil.STATUS_ZOMBIE), "Prefect's ephemeral API server outlived the run"
     assert not (run / "iter-000001" / "_SUCCESS").exists()
     out = run_unirl(args, unirl_env)
-    assert "iter-000000" not in out.stdout.split("[unirl] run", 1)[1].split("\n", 1)[1]  # resumed after it
+    assert "[unirl] iter-000000 (" not in out.stdout and "[unirl] iter-000001 (2/4)" in out.stdout  # resumed after it
     check_layout(run, 4)
     # Same command, uninterrupted, elsewhere: identical results and identical final weights.
     ref_root = tmp_path / "ref"
-    run_unirl(["run", str(TINY), "iterations=4", f"storage.root={ref_root}", SIGNAL, "checkpoint_every=3"], unirl_env)
+    ref = run_unirl(["run", str(TINY), "iterations=4", f"storage.root={ref_root}", SIGNAL, "checkpoint_every=3"], unirl_env)
+    assert_default_console(ref, 4)
     for i in range(4):
         a = json.loads((run / f"iter-{i:06d}/train.json").read_text())["metrics"]
         b = json.loads((ref_root / f"tiny/iter-{i:06d}/train.json").read_text())["metrics"]
@@ -142,6 +165,19 @@ def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, uni
     info = json.loads((run / "run.json").read_text())
     client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
     assert [m.step for m in client.get_metric_history(info["mlflow_run_id"], "train/loss")] == [0, 1, 2, 3]
+
+
+def assert_default_console(out: subprocess.CompletedProcess, iterations: int) -> None:
+    """What `unirl run` shows by default (not on a terminal): its own lines, one per iteration and
+    per held-out evaluation, where the log file is; none of Prefect's per-task INFO lines, MLflow's
+    migrations, progress bars or an offline telemetry error (those are in the log file / the API)."""
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    assert all(line.startswith("[unirl] ") for line in lines), [x for x in lines if not x.startswith("[unirl] ")][:5]
+    assert sum(" iter-0" in line and f"/{iterations})" in line for line in lines) == iterations
+    assert sum("held-out v" in line for line in lines) == 2 and any(line.startswith("[unirl] log: ") for line in lines)
+    log = next(line for line in lines if line.startswith("[unirl] log: ")).split(": ", 1)[1]
+    text = Path(log).read_text()
+    assert "Beginning subflow run 'iter-000000'" in text and "Task run 'train-" in text  # Prefect's INFO lines go there
 
 
 def test_world_size_two(tmp_path, unirl_env):

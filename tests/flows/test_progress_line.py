@@ -1,7 +1,7 @@
 """The per-iteration progress line `unirl run` prints."""
 from __future__ import annotations
 
-from flows.rl import progress_line
+from flows.console import iteration_line as progress_line
 
 BASE = {"rollout/reward_mean": 0.25, "rollout/reward_std": 0.5, "train/loss": -0.0123, "train/grad_norm": 0.75,
         "time/iteration_s": 2.04}

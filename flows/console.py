@@ -1,0 +1,117 @@
+"""What `unirl` shows on the console: its own lines (`[unirl] ...`) and, on a terminal, one live
+progress line per run (iteration i/N, reward, loss, seconds per iteration, ETA) that held-out
+results and warnings print above. Not on a terminal (a log file, CI, a test) every iteration is a
+line of its own. Prefect's per-task INFO chatter stays in the Prefect UI / API and the run's log
+file (`logs/` in a local run folder), and comes back on the console with `unirl run --verbose`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import TextIO
+
+QUIET_ENV = {
+    # Prefect's console handler shows warnings and errors only; the API handler still gets INFO.
+    "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
+    # MLflow's schema migrations and Hugging Face's progress bars say nothing a user acts on.
+    "MLFLOW_LOGGING_LEVEL": "WARNING",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+}
+EPHEMERAL_ENV = {
+    # The ephemeral API server's telemetry heartbeat fails loudly offline (and fights the
+    # server's own SQLite writes); nothing of it is needed for a local run.
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+}
+
+
+def quiet_prefect(verbose: bool) -> None:
+    """Before Prefect configures its logging: keep its INFO lines off the console unless `verbose`,
+    and the ephemeral server's telemetry off."""
+    for key, value in {**EPHEMERAL_ENV, **({} if verbose else QUIET_ENV)}.items():
+        os.environ.setdefault(key, value)
+
+
+def log_to_run_folder(local_dir: Path | None) -> Path | None:
+    """Prefect's records of this process also go to `<run>/logs/unirl-<time>.log` (local storage)."""
+    if local_dir is None:
+        return None
+    path = local_dir / "logs" / f"unirl-{datetime.now().strftime('%Y%m%d-%H%M%S')}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    from prefect.logging.formatters import PrefectFormatter
+
+    handler = logging.FileHandler(path)
+    handler.setFormatter(PrefectFormatter(
+        format="%(asctime)s | %(levelname)-7s | %(name)s - %(message)s",
+        flow_run_fmt="%(asctime)s | %(levelname)-7s | Flow run %(flow_run_name)r - %(message)s",
+        task_run_fmt="%(asctime)s | %(levelname)-7s | Task run %(task_run_name)r - %(message)s",
+    ))
+    handler.setLevel(logging.INFO)
+    logging.getLogger("prefect").addHandler(handler)
+    return path
+
+
+def say(text: str, stream: TextIO | None = None) -> None:
+    """A line of `unirl`'s own, above the live progress line if there is one."""
+    Progress.clear_line(stream or sys.stdout)
+    print(text, file=stream or sys.stdout, flush=True)
+
+
+def iteration_line(i: int, total: int, m: dict[str, float]) -> str:
+    """One line per iteration; kl and clip only for losses that have them (not NFT's)."""
+    kl = f"  kl {m['train/approx_kl']:.2e}" if "train/approx_kl" in m else ""
+    clip = f"  clip {m['train/clip_frac']:.3f}" if "train/clip_frac" in m else ""
+    return (
+        f"[unirl] iter-{i:06d} ({i + 1}/{total})  reward {m['rollout/reward_mean']:.3f}±{m['rollout/reward_std']:.3f}"
+        f"  loss {m['train/loss']:+.4f}{kl}{clip}  grad {m['train/grad_norm']:.3f}  {m['time/iteration_s']:.1f}s"
+    )
+
+
+class Progress:
+    """The run's progress: a live line on a terminal, a line per iteration elsewhere."""
+
+    _live: bool = False  # a live line is on screen (class-wide: one console)
+
+    def __init__(self, total: int, first: int, stream: TextIO | None = None):
+        self.total, self.first, self.stream = total, first, stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.started = time.monotonic()
+
+    def iteration(self, i: int, m: dict[str, float]) -> None:
+        if not self.tty:
+            print(iteration_line(i, self.total, m), file=self.stream, flush=True)
+            return
+        done = i + 1 - self.first
+        per = (time.monotonic() - self.started) / max(done, 1)
+        left = per * (self.total - i - 1)
+        width = max(10, min(30, shutil.get_terminal_size((100, 20)).columns - 90))
+        filled = int(width * (i + 1) / self.total)
+        bar = "█" * filled + "░" * (width - filled)
+        line = (f"[unirl] {bar} {i + 1}/{self.total}  reward {m['rollout/reward_mean']:.3f}  loss {m['train/loss']:+.4f}"
+                f"  {per:.1f} s/it  ETA {_clock(left)}")
+        self.stream.write("\r\x1b[2K" + line)
+        self.stream.flush()
+        Progress._live = True
+
+    def close(self) -> None:
+        if self.tty and Progress._live:
+            self.stream.write("\n")
+            self.stream.flush()
+            Progress._live = False
+
+    @staticmethod
+    def clear_line(stream: TextIO) -> None:
+        if Progress._live and stream.isatty():
+            stream.write("\r\x1b[2K")
+            stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else f"{seconds // 60}:{seconds % 60:02d}"
