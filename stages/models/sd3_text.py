@@ -8,7 +8,6 @@ A checkpoint without T5 gets `max_sequence_length` zero rows instead, as diffuse
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
