@@ -7,6 +7,7 @@ when `iter-NNNNNN/_SUCCESS` exists; a run resumes after the last one.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import posixpath
@@ -31,12 +32,36 @@ def join(*parts: str) -> str:
     return posixpath.join(*parts)
 
 
+# How long object-store calls are retried while the store is unreachable (an outage, a restart).
+RETRY_S = float(os.environ.get("UNIRL_STORAGE_RETRY_S", "300"))
+_TRANSIENT = {"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
+              "ClientConnectorError", "ServerDisconnectedError", "ClientOSError"}
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether an object-store error is the store being unreachable for a while (worth a retry),
+    not a wrong request."""
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    if any(c.__name__ in _TRANSIENT for c in type(exc).__mro__):
+        return True
+    text = str(exc)
+    return any(code in text for code in ("SlowDown", "ServiceUnavailable", "503", "RequestTimeout"))
+
+
+def no_space(exc: OSError, where: str) -> OSError:
+    """A clear error for a full disk or quota, naming the file being written."""
+    return OSError(exc.errno, f"{where}: no space left on the device (or quota) while writing it; nothing of it was "
+                   "committed. Free space (or use a larger storage.root) and rerun the same command: the run resumes")
+
+
 class RunStorage:
     """Files of one run: `{root}/{run}/...`, addressed by paths relative to the run folder."""
 
     def __init__(self, root: str, run: str, options: dict[str, Any] | None = None):
-        if not run or "/" in run or run.startswith("."):
-            raise ValueError(f"run name {run!r} must be a plain folder name")
+        from stages.recipe import check_run_name
+
+        check_run_name(run, "run name")
         self.root = root
         self.run = run
         self.options = dict(options or {})
@@ -50,7 +75,15 @@ class RunStorage:
 
     # -- addressing -------------------------------------------------------------------------
     def path(self, rel: str = "") -> str:
-        return join(self.base, rel) if rel else self.base
+        """The full path of `rel` inside the run folder; a path that would leave it (absolute,
+        `..`, a URL) is an error naming it, wherever it came from (a manifest, a command)."""
+        if not rel:
+            return self.base
+        clean = posixpath.normpath(rel)
+        if rel.startswith("/") or "://" in rel or "\x00" in rel or clean == ".." or clean.startswith("../"):
+            raise ValueError(f"{rel!r} is not a path inside the run folder {self.url()}; run-relative paths cannot "
+                             "be absolute, contain '..' that leaves the folder, or be URLs")
+        return join(self.base, clean)
 
     def url(self, rel: str = "") -> str:
         """A URL another process can open (never memory:// across processes)."""
@@ -61,21 +94,49 @@ class RunStorage:
         return Path(self.path(rel)) if self.local else None
 
     # -- writing ----------------------------------------------------------------------------
+    def io(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` on the store; on an object store that is unreachable for a while,
+        retried with exponential backoff for up to RETRY_S seconds, saying so on stderr."""
+        if self.local:
+            return fn(*args, **kwargs)
+        import sys
+        import time
+
+        deadline, delay = time.monotonic() + RETRY_S, 1.0
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - re-raised unless transient
+                if not transient(exc) or time.monotonic() + delay > deadline:
+                    raise
+                print(f"[unirl] storage {self.url()} unreachable ({what}: {type(exc).__name__}); retrying in {delay:.0f}s",
+                      file=sys.stderr, flush=True)
+                time.sleep(delay)
+                delay = min(2 * delay, 15.0)
+
     def write_bytes(self, rel: str, data: bytes) -> str:
-        """Write a whole file so that readers see all of it or nothing."""
+        """Write a whole file so that readers see all of it or nothing (a temporary file renamed
+        on local disk, removed again when the disk is full; one PUT on an object store)."""
         target = self.path(rel)
         parent = posixpath.dirname(target)
         if self.local:
             os.makedirs(parent, exist_ok=True)
             tmp = join(parent, f".{posixpath.basename(target)}.{uuid.uuid4().hex}.tmp")
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, target)
+            try:
+                with open(tmp, "wb") as fh:
+                    fh.write(data)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.replace(tmp, target)
+            except OSError as exc:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise no_space(exc, self.url(rel)) from exc
+                raise
         else:
-            self.fs.makedirs(parent, exist_ok=True)
-            self.fs.pipe_file(target, data)
+            self.io(f"write {rel}", self.fs.makedirs, parent, exist_ok=True)
+            self.io(f"write {rel}", self.fs.pipe_file, target, data)
         return target
 
     def write_json(self, rel: str, obj: Any) -> str:
@@ -84,16 +145,26 @@ class RunStorage:
     def write_text(self, rel: str, text: str) -> str:
         return self.write_bytes(rel, text.encode())
 
+    def remove(self, rel: str) -> None:
+        """Delete one file (gone already is fine)."""
+        try:
+            if self.local:
+                os.remove(self.path(rel))
+            else:
+                self.io(f"remove {rel}", self.fs.rm_file, self.path(rel))
+        except FileNotFoundError:
+            pass
+
     def put_file(self, local: str | Path, rel: str) -> str:
         with open(local, "rb") as fh:
             return self.write_bytes(rel, fh.read())
 
     # -- reading ----------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
-        return self.fs.exists(self.path(rel))
+        return self.io(f"exists {rel}", self.fs.exists, self.path(rel))
 
     def read_bytes(self, rel: str) -> bytes:
-        return self.fs.cat_file(self.path(rel))
+        return self.io(f"read {rel}", self.fs.cat_file, self.path(rel))
 
     def read_json(self, rel: str) -> Any:
         return json.loads(self.read_bytes(rel))
@@ -104,10 +175,22 @@ class RunStorage:
     def listdir(self, rel: str = "") -> list[str]:
         """Names (not paths) directly under `rel`; empty when it does not exist."""
         try:
-            entries = self.fs.ls(self.path(rel), detail=False, refresh=True) if not self.local else os.listdir(self.path(rel))
+            entries = (self.io(f"list {rel}", self.fs.ls, self.path(rel), detail=False, refresh=True) if not self.local
+                       else os.listdir(self.path(rel)))
         except (FileNotFoundError, NotADirectoryError):
             return []
         return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries)
+
+    def files(self, rel: str) -> list[str]:
+        """Every file under the folder `rel`, as paths relative to it, sorted."""
+        out = []
+        for name in self.listdir(rel):
+            sub = join(rel, name)
+            if self.io(f"stat {sub}", self.fs.isdir, self.path(sub)):
+                out += [join(name, f) for f in self.files(sub)]
+            else:
+                out.append(name)
+        return sorted(out)
 
     def get_dir(self, rel: str, local_dir: str | Path) -> Path:
         """Copy a folder of the run to a local directory (for libraries that need local files)."""
@@ -115,7 +198,7 @@ class RunStorage:
         local_dir.mkdir(parents=True, exist_ok=True)
         for name in self.listdir(rel):
             src = join(rel, name)
-            if self.fs.isdir(self.path(src)):
+            if self.io(f"stat {src}", self.fs.isdir, self.path(src)):
                 self.get_dir(src, local_dir / name)
             else:
                 (local_dir / name).write_bytes(self.read_bytes(src))

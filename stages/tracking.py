@@ -56,7 +56,7 @@ class Tracker:
             self.log_params(recipe)
         else:
             self.run_id = mlflow_run_id
-        self.logged_steps = {m.step for m in self.client.get_metric_history(self.run_id, "time/iteration_s")}
+        self.logged_steps: dict[str, set[int]] = {}  # metric key -> steps already in MLflow
 
     def log_params(self, recipe: Recipe) -> None:
         from mlflow.entities import Param
@@ -66,19 +66,22 @@ class Tracker:
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i:i + 100])
 
-    def log_metrics(self, step: int, metrics: dict[str, float], dedupe: bool = True) -> None:
-        """Log `metrics` at `step`; an iteration step already logged (a resumed run) is skipped."""
+    def log_metrics(self, step: int, metrics: dict[str, float], key: str = "time/iteration_s") -> None:
+        """Log `metrics` at `step` once: when metric `key` already has `step` (a resumed run that
+        logged it before it was killed), nothing is logged again."""
         import time
 
         from mlflow.entities import Metric
 
-        if dedupe and step in self.logged_steps:
+        if key not in self.logged_steps:
+            self.logged_steps[key] = {m.step for m in self.client.get_metric_history(self.run_id, key)}
+        if step in self.logged_steps[key]:
             return
         now = int(time.time() * 1000)
         items = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items()) if isinstance(v, (int, float)) and math.isfinite(v)]
         self.client.log_batch(self.run_id, metrics=items)
-        if dedupe:
-            self.logged_steps.add(step)
+        if key in metrics:
+            self.logged_steps[key].add(step)
 
     def log_image(self, step: int, image: Any, key: str) -> str:
         """Log a PIL image as `images/<key>/step-<step>.png` (MLflow's image history under `key`);
@@ -140,4 +143,6 @@ class Tracker:
         self.client.set_terminated(self.run_id, status=status)
 
     def link(self) -> str:
-        return f"{self.uri} run {self.run_id}"
+        from stages.secrets import redact_url
+
+        return f"{redact_url(self.uri)} run {self.run_id}"

@@ -366,3 +366,20 @@ def test_rl_recipe_with_remote_reward_gives_the_local_rewards(servers, tmp_path,
     np.testing.assert_array_equal(rewards.column("reward").to_numpy(), local.scores)
     for name in ("exact_match", "integer_format"):
         np.testing.assert_array_equal(rewards.column(f"reward/remote/{name}").to_numpy(), local.components[name])
+
+
+def test_a_token_put_in_the_url_by_mistake_is_not_in_the_access_log(tmp_path):
+    """Regression: uvicorn's access log recorded `?token=...` verbatim."""
+    env = {**os.environ, "UNIRL_REWARD_TOKEN": TOKEN, "PYTHONPATH": str(REPO)}
+    server = launch("access", {"scorers": RULES, "log_level": "info"}, tmp_path, env)
+    try:
+        wait_ready(server)
+        assert httpx.get(f"{server.url}/healthz?token={TOKEN}&verbose=1").status_code == 200
+        assert httpx.post(f"{server.url}/v1/score?api_key={TOKEN}", content=b"{}").status_code == 401
+        time.sleep(0.5)
+    finally:
+        server.proc.terminate()
+        server.proc.wait(timeout=30)
+    log = server.log.read_text()
+    assert "GET /healthz?token=***&verbose=1" in log and "POST /v1/score?api_key=***" in log, log[-2000:]
+    assert TOKEN not in log

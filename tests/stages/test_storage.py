@@ -56,5 +56,5 @@ def test_local_write_is_atomic_rename(tmp_path):
 
 
 def test_bad_run_name():
-    with pytest.raises(ValueError, match="plain folder name"):
+    with pytest.raises(ValueError, match="not a plain run name"):
         RunStorage("/tmp", "a/b")
