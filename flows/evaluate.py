@@ -38,8 +38,7 @@ def evaluate_run(recipe: Recipe, run_name: str = "", version: int | None = None)
     finally:
         close_group(storage.url())
     tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"))
-    if result.get("fresh"):
-        tracker.log_metrics(version, result["metrics"], dedupe=False)
+    tracker.log_metrics(version, result["metrics"], key="eval/accuracy")
     if recipe.tracking.registry:  # the results land on the version they evaluate
         tracker.tag_version(recipe.name, run_name, version, result["metrics"])
     eval_artifact(recipe, run_name, version, result["metrics"])

@@ -29,7 +29,7 @@ from flows.hooks import stop_matching_workers
 from flows.rl import rl_train
 from stages.recipe import Recipe
 from stages.storage import RunStorage
-from stages.train.checkpoint import MANIFEST, verify_weights_dir
+from stages.train.manifests import MANIFEST, verify_weights_dir
 
 
 class RetrainError(RuntimeError):

@@ -19,15 +19,16 @@ from flows.hooks import stop_worker_group
 from stages.data import build_prompt_source
 from stages.policies import policy_for
 from stages.recipe import Recipe
+from stages.lease import RunLease
 from stages.run import initial_weights, open_run, update_run_info
 from stages.storage import iter_dir, join
-from stages.train.checkpoint import MANIFEST
+from stages.train.manifests import MANIFEST
 from stages.tracking import Tracker
 from stages.workers.group import close_group
 from flows.evaluate import eval_artifact
 from flows.sft import run_sft
 from tasks.advantage import advantage
-from tasks.common import run_tags, staged
+from tasks.common import run_tags, staged, storage_of
 from tasks.evaluate import evaluate
 from tasks.generate import generate
 from tasks.score import score
@@ -81,11 +82,20 @@ def rl_train(
         iterations: Overrides `recipe.iterations` (e.g. `--param iterations=2`); more than the
             run has finished extends it.
     """
-    logger = get_run_logger()
     run_name = run_name or recipe.name
     if iterations is not None:
         recipe = recipe.model_copy(update={"iterations": iterations})
     build_prompt_source(recipe.data)  # a bad data file fails here, before any model loads
+    lease = RunLease(storage_of(recipe, run_name), log=lambda m: say(f"[unirl] {m}")).acquire()  # one owner per run
+    try:
+        return train_run(recipe, run_name)
+    finally:
+        lease.release()
+
+
+def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
+    """The body of `rl_train`, under the run's lease."""
+    logger = get_run_logger()
     storage, info = open_run(recipe, run_name)
     tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"))
     if info.get("mlflow_run_id") != tracker.run_id:
@@ -168,8 +178,7 @@ def held_out(recipe: Recipe, run_name: str, version: int, tracker: Tracker, labe
     put the metrics on the version's registry entry."""
     result = staged(evaluate)(recipe, run_name, version)
     m = result["metrics"]
-    if result.get("fresh"):
-        tracker.log_metrics(version, m, dedupe=False)
+    tracker.log_metrics(version, m, key="eval/accuracy")  # once, also when a killed run had computed it
     if recipe.tracking.registry:
         tracker.tag_version(recipe.name, run_name, version, m)
     k = recipe.eval.k

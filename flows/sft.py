@@ -20,12 +20,13 @@ from prefect import flow, get_run_logger
 
 from flows.console import say
 
+from stages.faults import fault_point
 from stages.recipe import Recipe
 from stages.run import materialize_model, open_run, update_run_info
 from stages.sft import write_sft_data
 from stages.storage import RunStorage, join
 from stages.tracking import Tracker
-from stages.train.checkpoint import MANIFEST, write_weights_dir
+from stages.train.manifests import MANIFEST, write_weights_dir
 from stages.workers.group import WorkerGroup
 from tasks.common import announce
 
@@ -55,9 +56,10 @@ def run_sft(recipe: Recipe, storage: RunStorage, tracker: Tracker | None = None)
             steps = min(CHUNK, s.steps - done)
             out = group.call("sft", data=manifest["files"][0], steps=steps, batch_size=s.batch_size, seed=s.seed, start_step=done)
             done = out["steps"]
+            fault_point("sft")
             say(f"[unirl] sft step {done}/{s.steps}  loss {out['last_loss']:.4f}  {out['seconds']:.1f}s")
             if tracker is not None:
-                tracker.log_metrics(done, {"sft/loss": out["loss"]}, dedupe=False)
+                tracker.log_metrics(done, {"sft/loss": out["loss"]}, key="sft/loss")
         group.call("publish")
     finally:
         group.stop()
@@ -70,10 +72,13 @@ def sft(recipe: Recipe, run_name: str = "") -> dict[str, Any]:
     if recipe.sft is None:
         raise ValueError("the recipe has no `sft` section; add one (see recipes/ar/quickstart.yaml)")
     run_name = run_name or recipe.name
-    storage, info = open_run(recipe, run_name)
-    tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"))
-    if info.get("mlflow_run_id") != tracker.run_id:
-        update_run_info(storage, mlflow_run_id=tracker.run_id)
-    out = run_sft(recipe, storage, tracker)
+    from stages.lease import RunLease
+
+    with RunLease(RunStorage(recipe.storage.root, run_name, recipe.storage.options), log=lambda m: say(f"[unirl] {m}")):
+        storage, info = open_run(recipe, run_name)
+        tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"))
+        if info.get("mlflow_run_id") != tracker.run_id:
+            update_run_info(storage, mlflow_run_id=tracker.run_id)
+        out = run_sft(recipe, storage, tracker)
     say(f"[unirl] sft weights: {storage.url(out['weights'])}")
     return {**out, "storage": storage.url()}

@@ -12,6 +12,7 @@ import numpy as np
 
 from stages.advantage import group_advantages, group_stats
 from stages.data import build_prompt_source
+from stages.faults import fault_point
 from stages.media import decode_png
 from stages.recipe import Recipe
 from stages.rewards.base import ScoreBatch, ScoreResult, aggregate, build_scorer, prompt_check, run_scorer
@@ -28,6 +29,7 @@ def committed(storage: RunStorage, iteration: int, stage: str, make: Callable[[]
     start = time.perf_counter()
     manifest = make()
     manifest.setdefault("seconds", time.perf_counter() - start)
+    fault_point(stage.split("-")[0], iteration)  # the worst moment to die: work done, nothing committed
     storage.commit_stage(iteration, stage, manifest)
     return {**manifest, "reused": False}
 

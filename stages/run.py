@@ -10,7 +10,7 @@ from typing import Any
 
 from stages.recipe import Recipe
 from stages.storage import RunStorage, join
-from stages.train.checkpoint import MANIFEST, write_weights_dir
+from stages.train.manifests import MANIFEST, write_weights_dir
 
 
 class RunMismatchError(ValueError):
@@ -35,7 +35,7 @@ def code_version() -> str:
 
 def open_run(recipe: Recipe, run_name: str) -> tuple[RunStorage, dict[str, Any]]:
     """Create the run (or reopen it to resume). A resumed run must have the same recipe
-    fingerprint (everything but iterations, storage and tracking)."""
+    fingerprint (everything but iterations, storage, tracking, and the ranks it trains on)."""
     storage = RunStorage(recipe.storage.root, run_name, recipe.storage.options)
     if storage.exists("run.json"):
         info = storage.read_json("run.json")
@@ -47,6 +47,7 @@ def open_run(recipe: Recipe, run_name: str) -> tuple[RunStorage, dict[str, Any]]
         if recipe.iterations != info.get("iterations"):
             info["iterations"] = recipe.iterations
             storage.write_json("run.json", info)
+        if storage.read_text("recipe.yaml") != recipe.to_yaml():  # iterations, ranks, storage, tracking
             storage.write_text("recipe.yaml", recipe.to_yaml())
         return storage, info
     info = {

@@ -7,6 +7,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from stages.evaluation import eval_dir, eval_metrics, write_eval_requests
+from stages.faults import fault_point
 from stages.recipe import Recipe
 from stages.storage import join
 from tasks.common import engine_of, storage_of
@@ -25,6 +26,7 @@ def evaluate(recipe: Recipe, run_name: str, version: int) -> dict[str, Any]:
         outputs[name] = engine.generate(requests, join(eval_dir(version), name), version, policy_version=version,
                                         greedy=greedy, seed_tag="eval")["files"]
     metrics = eval_metrics(storage, recipe, outputs["greedy"], outputs["sampled"])
+    fault_point("evaluate", version)
     result = {"version": version, "metrics": metrics}
     storage.write_json(rel, result)
-    return {**result, "fresh": True}
+    return result

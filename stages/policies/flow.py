@@ -253,12 +253,18 @@ class FlowPolicy(Policy):
 
     def template(self, batch: Any, stack: Any) -> Any:
         """A rank without any micro-batch still needs the plan and shapes: take the first rank's."""
+        from stages.diffusion.sampling import Plan
         from stages.diffusion.trajectory import LatentBatch
 
-        info = None if batch is None else (tuple(batch.latents.shape[1:]), batch.stored, batch.plan)
-        shape, stored, plan = next(g for g in stack.all_gather_object(info) if g is not None)
+        info = None if batch is None else {
+            "shape": list(batch.latents.shape[1:]), "stored": batch.stored, "sigmas": batch.plan.sigmas.tolist(),
+            "sde_indices": batch.plan.sde_indices.tolist(), "kind": batch.plan.kind, "eta": batch.plan.eta}
+        first = next(g for g in stack.all_gather_json(info) if g is not None)
         if batch is not None:
             return batch
+        shape, stored = tuple(first["shape"]), first["stored"]
+        plan = Plan(torch.tensor(first["sigmas"], dtype=torch.float32), torch.tensor(first["sde_indices"], dtype=torch.int64),
+                    first["kind"], first["eta"])
         k = plan.sde_indices.numel()
         return LatentBatch([], [], torch.zeros(0, *shape, device=self.device), torch.zeros(0, k, device=self.device), stored, plan)
 

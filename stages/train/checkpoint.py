@@ -3,12 +3,13 @@ publication (full safetensors + sha256 manifest), without a single pickle in run
 
 Checkpoint `checkpoints/{version:06d}/`: model and optimizer tensors through DCP's Hugging Face
 storage writer (safetensors shards + a JSON index), the optimizer's non-tensor state and the
-policy version in `extra.json`, and `_COMMITTED` written last. Generation randomness is derived
+policy version in `extra.json`, `manifest.json` with the sha256 of every file, and `_COMMITTED`
+written last. A restart restores the newest checkpoint that is committed and whose files match
+its manifest (`usable_checkpoint`), saying why it passed over newer ones. Generation randomness is derived
 from (seed, iteration, sample id), so no RNG state needs saving to resume bit-for-bit.
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -22,13 +23,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from stages.faults import fault_point
 from stages.storage import join
+from stages.train.manifests import MANIFEST, checkpoint_problem, file_digests, write_weights_dir
 
 if TYPE_CHECKING:
     from stages.storage import RunStorage
     from stages.train.stack import TrainStack
 
-MANIFEST = "manifest.json"
 
 
 def _flatten(model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -70,7 +72,12 @@ def save(stack: "TrainStack", storage: "RunStorage", scratch: Path, version: int
     start = time.perf_counter()
     rel = storage.checkpoint_rel(version)
     if storage.exists(join(rel, "_COMMITTED")):
-        return {"version": version, "path": rel, "seconds": 0.0, "existing": True}
+        if checkpoint_problem(storage, version) is None:
+            return {"version": version, "path": rel, "seconds": 0.0, "existing": True}
+        stack.barrier()
+        if stack.rank == 0:  # a corrupted one is written again, uncommitted until it is whole
+            storage.remove(join(rel, "_COMMITTED"))
+        stack.barrier()
     model_sd, optim_sd = get_state_dict(stack.module, stack.optimizer)
     tensors, extra = _flatten(model_sd, optim_sd)
     tensors.update(_ema_tensors(stack))
@@ -81,11 +88,13 @@ def save(stack: "TrainStack", storage: "RunStorage", scratch: Path, version: int
         for path in sorted(p for p in local.rglob("*") if p.is_file()):
             storage.put_file(path, join(state_rel, path.relative_to(local).as_posix()))
     stack.barrier()
+    fault_point("checkpoint", version)  # shards written, nothing committed
     if stack.rank == 0:
         storage.write_json(join(rel, "extra.json"), {
             "version": version, "optimizer": extra, "world_size": stack.world,
             "worker": {"opt_steps": stack.opt_steps},
         })
+        storage.write_json(join(rel, MANIFEST), {"version": version, "files": file_digests(storage, rel)})
         storage.write_json(join(rel, "_COMMITTED"), {"version": version})
     stack.barrier()
     return {"version": version, "path": rel, "seconds": time.perf_counter() - start, "existing": False}
@@ -118,14 +127,6 @@ def _ema_tensors(stack: "TrainStack") -> dict[str, torch.Tensor]:
     return {} if stack.ema is None else {f"ema.{n}": v for n, v in stack.ema.shadow.items()}
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def publish(stack: "TrainStack", storage: "RunStorage", scratch: Path, version: int,
             export: Callable[[Path, dict[str, torch.Tensor], dict[str, torch.Tensor] | None], None]) -> dict[str, Any]:
     """Write `weights/v{version:06d}/`: `export(folder, full state, full EMA state or None)` on
@@ -145,25 +146,3 @@ def publish(stack: "TrainStack", storage: "RunStorage", scratch: Path, version: 
         write_weights_dir(storage, local, rel, {"version": version})
     stack.barrier()
     return {"version": version, "path": rel, "seconds": time.perf_counter() - start}
-
-
-def write_weights_dir(storage: Any, local: Path, rel: str, info: dict[str, Any]) -> dict[str, Any]:
-    """Upload every file of `local` to `rel`, then the sha256 manifest."""
-    files = {}
-    for path in sorted(p for p in local.rglob("*") if p.is_file()):
-        name = path.relative_to(local).as_posix()
-        storage.put_file(path, join(rel, name))
-        files[name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-    manifest = {**info, "files": files}
-    storage.write_json(join(rel, MANIFEST), manifest)
-    return manifest
-
-
-def verify_weights_dir(directory: Path) -> None:
-    """Check a downloaded weights folder against its manifest; name the first bad file."""
-    import json
-
-    manifest = json.loads((directory / MANIFEST).read_text())
-    for name, info in manifest["files"].items():
-        if sha256_file(directory / name) != info["sha256"]:
-            raise ValueError(f"{directory / name}: sha256 does not match {MANIFEST}; the copy is corrupt")

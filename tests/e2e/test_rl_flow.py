@@ -118,10 +118,10 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
         time.sleep(0.05)
 
 
-def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, ephemeral_env):
+def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, ephemeral_env, unirl_env):
     """As a user first runs it: Prefect's ephemeral API server (which must die with the run) and
-    MLflow in the run folder."""
-    unirl_env = ephemeral_env
+    MLflow in the run folder. While it runs, the same run started again is refused."""
+    second_env, unirl_env = unirl_env, ephemeral_env
     root = tmp_path / "runs"
     args = ["run", str(TINY), "iterations=4", f"storage.root={root}", SIGNAL, "checkpoint_every=3"]
     proc = subprocess.Popen(
@@ -129,6 +129,10 @@ def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, eph
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     run = root / "tiny"
+    wait_for(run / "lease.json", proc)
+    twice = run_unirl(args, second_env, check=False)
+    assert twice.returncode == 1
+    assert f"run 'tiny' at {run} is being run by host " in twice.stderr and f"pid {proc.pid}, started " in twice.stderr
     # Kill after iteration 1 trained but before it finished: the group holds a version that
     # no checkpoint has, so the resumed run must restore and replay, not retrain.
     wait_for(run / "iter-000001" / "manifests" / "train.json", proc)
@@ -180,9 +184,10 @@ def assert_default_console(out: subprocess.CompletedProcess, iterations: int) ->
     assert "Beginning subflow run 'iter-000000'" in text and "Task run 'train-" in text  # Prefect's INFO lines go there
 
 
-def test_world_size_two(tmp_path, unirl_env):
+def test_world_size_two_and_resume_at_another_world_size(tmp_path, unirl_env):
     root = tmp_path / "runs"
-    run_unirl(["run", str(TINY), "iterations=2", f"storage.root={root}", SIGNAL, "train.nproc=2", "train.micro_batch_size=4"], unirl_env)
+    common = [f"storage.root={root}", SIGNAL, "train.micro_batch_size=4", "checkpoint_every=1", "eval.enabled=false"]
+    run_unirl(["run", str(TINY), "iterations=2", *common, "train.nproc=2"], unirl_env)
     run = root / "tiny"
     check_layout(run, 2)
     parts = sorted(p.name for p in (run / "iter-000000" / "rollouts").iterdir())
@@ -191,11 +196,21 @@ def test_world_size_two(tmp_path, unirl_env):
     assert rows == 32
     # Sampling does not depend on the rank that made a sample: compare with world size 1.
     one = tmp_path / "one"
-    run_unirl(["run", str(TINY), "iterations=1", f"storage.root={one}", SIGNAL, "train.micro_batch_size=4"], unirl_env)
+    run_unirl(["run", str(TINY), "iterations=1", f"storage.root={one}", *common[1:]], unirl_env)
     def texts(base):
         tables = [ipc.open_file(str(p)).read_all() for p in sorted((base / "iter-000000/rollouts").iterdir())]
         return {s: t for tb in tables for s, t in zip(tb.column("sample_id").to_pylist(), tb.column("text").to_pylist())}
     assert texts(run) == texts(one / "tiny")
+    # The world-size-2 checkpoint resumes at world size 1 (DCP reshards), and back at 2.
+    out = run_unirl(["run", str(TINY), "iterations=3", *common, "train.nproc=1"], unirl_env)
+    assert "[unirl] iter-000002 (3/3)" in out.stdout and "iter-000001 (" not in out.stdout
+    assert sorted(p.name for p in (run / "iter-000002" / "rollouts").iterdir()) == ["part-000.arrow"]
+    out = run_unirl(["run", str(TINY), "iterations=4", *common, "train.nproc=2"], unirl_env)
+    assert "[unirl] iter-000003 (4/4)" in out.stdout
+    check_layout(run, 4)
+    assert "nproc: 2" in (run / "recipe.yaml").read_text()
+    assert json.loads((run / "checkpoints/000003/extra.json").read_text())["world_size"] == 1
+    assert json.loads((run / "checkpoints/000004/extra.json").read_text())["world_size"] == 2
 
 
 def test_corrupted_shard_fails_naming_the_file(tmp_path, unirl_env):

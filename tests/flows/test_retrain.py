@@ -13,7 +13,7 @@ from flows.retrain import RetrainError, generations, local_weights, plan
 from stages.recipe import load_recipe
 from stages.run import open_run
 from stages.storage import RunStorage
-from stages.train.checkpoint import write_weights_dir
+from stages.train.manifests import write_weights_dir
 from tests.conftest import TINY
 
 

@@ -154,7 +154,7 @@ def test_sft_warms_up_the_vae_then_flow_matching(mesh, tmp_path):
     from stages.diffusion.sft import geneval_records
 
     from stages.run import materialize_model
-    from stages.train.checkpoint import write_weights_dir
+    from stages.train.manifests import write_weights_dir
 
     r = recipe(tmp_path, **{"model.vae_warmup": {"steps": 3, "batch_size": 4}, "sft": {"steps": 3, "lr": 1e-3}})
     storage = RunStorage(r.storage.root, RUN)
@@ -198,7 +198,7 @@ def test_in_process_loop_does_the_same_math_as_the_worker(mesh, tmp_path):
 def sft_worker(tmp_path, **over):
     from stages.diffusion.sft import geneval_records
     from stages.run import materialize_model
-    from stages.train.checkpoint import write_weights_dir
+    from stages.train.manifests import write_weights_dir
 
     r = recipe(tmp_path, **{"model.vae_warmup": {"steps": 1, "batch_size": 4}, **over})
     storage = RunStorage(r.storage.root, RUN)
