@@ -62,11 +62,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         print(recipe.to_yaml(), end="")
         return 0
-    from flows.console import quiet_prefect
+    if args.run_name:
+        from stages.recipe import check_run_name
+
+        try:
+            check_run_name(args.run_name, "--run-name")
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    from flows.console import error_text, failures_once, quiet_prefect
 
     quiet_prefect(args.verbose)  # before Prefect configures its logging
     try:
         from flows.ephemeral import lean_ephemeral_api, tie_ephemeral_api
+
+        failures_once(args.verbose)
 
         with lean_ephemeral_api():
             tie_ephemeral_api()  # a killed `unirl` must not leave Prefect's temporary API server behind
@@ -87,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted; run the same command again to resume", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - one clear line for the user; Prefect logged the trace
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"error: {error_text(exc)}", file=sys.stderr)
         return 1
     print(f"[unirl] done: {result['iterations']} iterations in {result['storage']}", flush=True)
     return 0

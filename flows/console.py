@@ -38,6 +38,41 @@ def quiet_prefect(verbose: bool) -> None:
         os.environ.setdefault(key, value)
 
 
+class _FailureTraces(logging.Filter):
+    """Prefect's engines log a failed task's or flow's whole traceback at ERROR, once per task,
+    flow and retry; `unirl` prints the error once itself, so those stay in the log file and the
+    Prefect UI."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and record.name.startswith(
+            ("prefect.task_runs", "prefect.flow_runs", "prefect.task_engine", "prefect.flow_engine")))
+
+
+def failures_once(verbose: bool) -> None:
+    """After Prefect configured its logging: unless `verbose`, its console handlers leave failure
+    tracebacks to the log file (the CLI's `error:` line says what failed)."""
+    if verbose:
+        return
+    import prefect.main  # noqa: F401 - configures Prefect's logging (its handlers exist from here on)
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    names = ["prefect", *(n for n in logging.root.manager.loggerDict if n.startswith("prefect."))]
+    for logger in [logging.root, *map(logging.getLogger, names)]:
+        for handler in logger.handlers:
+            if isinstance(handler, PrefectConsoleHandler) and not any(isinstance(f, _FailureTraces) for f in handler.filters):
+                handler.addFilter(_FailureTraces())
+
+
+def error_text(exc: BaseException, lines: int = 30) -> str:
+    """`Type: message`, its middle cut when longer than `lines` lines (a traceback's last lines
+    name the error; the whole of it is in the run's log file)."""
+    text = f"{type(exc).__name__}: {exc}".rstrip().splitlines()
+    if len(text) <= lines:
+        return "\n".join(text)
+    head, tail = 8, lines - 8
+    return "\n".join([*text[:head], f"... ({len(text) - lines} lines more in the run's logs/ folder) ...", *text[-tail:]])
+
+
 def log_to_run_folder(local_dir: Path | None) -> Path | None:
     """Prefect's records of this process also go to `<run>/logs/unirl-<time>.log` (local storage)."""
     if local_dir is None:

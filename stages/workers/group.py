@@ -1,5 +1,6 @@
-"""The client side of the worker group: launch `torchrun -m stages.workers`, send it commands,
-notice when it died, and bring it back at the right policy version.
+"""The client side of the worker group: launch `torchrun -m stages.workers` (one rank: the rank
+process itself, without the agent), send it commands, notice when it died (naming the rank that
+failed first), and bring it back at the right policy version.
 
 A group lives across iterations (weights and optimizer load once). Relaunching restores the
 latest committed checkpoint at or below the wanted version, then replays the train steps of the
@@ -41,7 +42,24 @@ def threads_per_rank(nproc: int) -> int:
 
 
 class WorkerGroupDied(WorkerError):
-    """The worker group's processes exited; the message carries the end of its log."""
+    """The worker group's processes exited; the message names the rank that died first (as
+    torchrun reports it) and carries the end of the group's log."""
+
+
+def first_failure(log: str) -> str:
+    """`rank R (local rank L, pid P) exited with <signal or code>` from torchrun's report of the
+    first failure in `log` ('' when it has none)."""
+    import re
+
+    root = log.rfind("Root Cause")  # the report lists the other ranks' failures first
+    m = re.search(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)",
+                  log[root:] if root >= 0 else log)
+    if m is None:
+        return ""
+    rank, local, code, pid = m.groups()
+    code_i = int(code)
+    how = f"signal {signal.Signals(-code_i).name}" if code_i < 0 and -code_i in signal.valid_signals() else f"exit code {code_i}"
+    return f"rank {rank} (local rank {local}, pid {pid}) exited with {how}"
 
 
 def free_port() -> int:
@@ -84,12 +102,20 @@ class WorkerGroup:
         }
         spec_path = self.scratch / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(t.nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
-            "-m", "stages.workers", "--spec", str(spec_path),
-        ]
-        env = {**os.environ, "UNIRL_CONTROL_TOKEN": self.token, "OMP_NUM_THREADS": str(spec["threads_per_rank"])}
+        env = {**os.environ, "UNIRL_CONTROL_TOKEN": self.token, "OMP_NUM_THREADS": str(spec["threads_per_rank"]),
+               "UNIRL_OWNER_PID": str(os.getpid())}
+        if t.nproc == 1:
+            # One rank needs no torchrun agent (an extra interpreter importing torch, ~2 s a start):
+            # the rank itself, with the rendezvous variables torchrun would set.
+            cmd = [sys.executable, "-m", "stages.workers", "--spec", str(spec_path)]
+            env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(free_port()))
+        else:
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(t.nproc),
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
+                "-m", "stages.workers", "--spec", str(spec_path),
+            ]
         what = f"checkpoint {checkpoint}" if checkpoint is not None else "initial weights"
         self.log(f"starting worker group: {t.nproc} rank(s), {what}")
         logf = open(self.log_path, "ab")
@@ -128,6 +154,22 @@ class WorkerGroup:
         self.version = None
         _LIVE.discard(self)
 
+    def died(self, when: str) -> WorkerGroupDied:
+        """The error for a group found dead `when`, naming the rank that failed first."""
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=15)  # torchrun writes its failure report on the way out
+            except subprocess.TimeoutExpired:
+                pass
+        tail = self.log_tail(80)
+        who = first_failure(tail)
+        code = self.proc.returncode if self.proc is not None else None
+        if not who and self.recipe.train.nproc == 1 and code is not None and code != 0:  # no agent: the rank is the process
+            how = f"signal {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exit code {code}"
+            who = f"rank 0 (pid {self.proc.pid}) exited with {how}"
+        head = f"worker {who} {when}; the group is gone" if who else f"worker group died {when}"
+        return WorkerGroupDied(f"{head} (rerun to resume from the last checkpoint):\n{tail}")
+
     def log_tail(self, lines: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -148,18 +190,20 @@ class WorkerGroup:
                     break
                 except socket.timeout:
                     if not self.alive():
-                        raise WorkerGroupDied(f"worker group died during {cmd!r}:\n{self.log_tail()}") from None
+                        raise self.died(f"during {cmd!r}") from None
                     if deadline is not None and time.monotonic() > deadline:
                         raise WorkerError(f"{cmd!r} took longer than {timeout}s") from None
                 except ConnectionError:
                     time.sleep(0.5)
-                    raise WorkerGroupDied(f"worker group closed the connection during {cmd!r}:\n{self.log_tail()}") from None
+                    raise self.died(f"(it closed the connection) during {cmd!r}") from None
         if not reply.get("ok"):
             if cmd != "shutdown":
                 try:
                     self.proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     kill_tree(self.proc)
+                if first_failure(self.log_tail(80)):  # a peer rank died: its collective broke here
+                    raise self.died(f"during {cmd!r}") from WorkerError(str(reply.get("error")))
             raise WorkerError(f"worker command {cmd!r} failed:\n{reply.get('error')}")
         return reply["result"]
 
@@ -177,8 +221,9 @@ class WorkerGroup:
         if self.alive() and self.version == version:
             return
         if not self.alive() or self.version is None or self.version > version:
-            candidates = [v for v in self.storage.checkpoints() if v <= version]
-            self.start(max(candidates) if candidates else None)
+            from stages.train.manifests import usable_checkpoint
+
+            self.start(usable_checkpoint(self.storage, version, self.log))
         while self.version < version:
             self.replay(self.version)
 

@@ -15,13 +15,14 @@ import pyarrow.compute as pc
 import torch
 
 from stages.algorithms.base import get_algorithm
+from stages.faults import fault_point
 from stages.models.family import get_family
 from stages.policies import policies
 from stages.recipe import Recipe
 from stages.sample import join_on_sample_id, read_rollouts, read_shard, table_from_rows, write_shard
 from stages.storage import RunStorage, join
 from stages.train import checkpoint
-from stages.train.stack import OptimizerSpec, TrainStack, rank_of, world_size
+from stages.train.stack import OptimizerSpec, TrainStack, load_bundle, rank_of, world_size
 from stages.train.update import rl_update, sft_steps
 
 COMMANDS = ("ping", "generate", "train", "sft", "save", "publish")
@@ -50,7 +51,8 @@ class Worker:
         self.version = int(spec.get("init_version", 0))
         self.mode = spec.get("mode", "rl")
         self.family = get_family(recipe.model.kind)
-        bundle = self.family.load(self.base_dir, recipe.model, device)
+        sharded = self.world > 1 and recipe.train.sharded_load
+        bundle = load_bundle(self.family, self.base_dir, recipe.model, device, sharded=sharded)
         policy_cls = policies.get(self.family.policy)
         self.policy = policy_cls(self.family, bundle, recipe, device)
         self.algorithm = get_algorithm(recipe.algorithm.name)(recipe.algorithm, recipe)
@@ -61,10 +63,12 @@ class Worker:
         self.stack = TrainStack(
             self.family, bundle, mesh=mesh, device=device, spec=opt, lora=recipe.model.lora, seed=recipe.seed, ema_decay=decay,
             reference_dir=self.base_dir if self.mode == "rl" and self.algorithm.needs_reference else None,
-            reference_cfg=recipe.model,
+            reference_cfg=recipe.model, weights_dir=self.base_dir, sharded_load=sharded,
+            mixed_precision=recipe.train.mixed_precision,
         )
         tolerance = recipe.rollout.behaviour_tolerance
-        self.tolerance = policy_cls.default_tolerance(recipe.model.dtype) if tolerance is None else tolerance
+        compute = "bfloat16" if recipe.train.mixed_precision == "bf16" else recipe.model.dtype
+        self.tolerance = policy_cls.default_tolerance(compute) if tolerance is None else tolerance
         self._sft_info: dict[str, Any] | None = None
         if spec.get("checkpoint") is not None:
             self.version = checkpoint.load(self.stack, self.storage, self.scratch, int(spec["checkpoint"]))
@@ -110,6 +114,7 @@ class Worker:
 
     def train(self, iteration: int, rollouts: list[str], advantages: str) -> dict[str, Any]:
         """One batch: `train.updates_per_batch` optimizer steps over this rank's micro-batches."""
+        fault_point(f"train-rank{self.rank}", iteration, owner=False)
         start = time.perf_counter()
         table = read_rollouts(self.storage, rollouts)
         adv_table = read_shard(self.storage, advantages, "advantages")

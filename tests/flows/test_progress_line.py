@@ -17,3 +17,13 @@ def test_progress_line_leaves_out_what_a_likelihood_free_loss_lacks():
     line = progress_line(0, 2, BASE)
     assert line == "[unirl] iter-000000 (1/2)  reward 0.250±0.500  loss -0.0123  grad 0.750  2.0s"
     assert "nan" not in line
+
+
+def test_a_long_error_keeps_its_first_and_last_lines():
+    from flows.console import error_text
+
+    exc = RuntimeError("\n".join(f"line {i}" for i in range(100)))
+    text = error_text(exc).splitlines()
+    assert text[0] == "RuntimeError: line 0" and text[-1] == "line 99" and len(text) == 31
+    assert "70 lines more in the run's logs/ folder" in text[8]
+    assert error_text(ValueError("short")) == "ValueError: short"

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from stages.workers.group import threads_per_rank
+from stages.workers.group import first_failure, threads_per_rank
 
 
 def test_ranks_split_the_cores_and_obey_a_user_omp_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -35,3 +35,31 @@ def test_a_group_that_is_not_ready_in_time_is_killed_and_the_timeout_reported(tm
     with pytest.raises(WorkerGroupDied, match="not ready after 0.2s"):
         group.start(None)
     assert group.proc is None and not group.alive()
+
+
+REPORT = """stages.workers FAILED
+-------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-01_07:53:44
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 17220)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 17220
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_07:53:44
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 17221)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 17221
+=======================================================
+"""
+
+
+def test_the_rank_named_is_torchruns_root_cause_not_the_ranks_it_stopped_after() -> None:
+    assert first_failure(REPORT) == "rank 1 (local rank 1, pid 17221) exited with signal SIGKILL"
+    assert first_failure("no report here") == ""
