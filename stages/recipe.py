@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from stages.algorithms.base import algorithms
 from stages.config_base import EMAConfig, Section
@@ -127,6 +128,12 @@ class TrainConfig(Section):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final lr as a fraction of lr (linear/cosine).")
     ema: EMAConfig | None = Field(None, description="Keep an EMA of the trainable weights.")
     startup_timeout_s: float = Field(300.0, gt=0, description="How long the worker group may take to load the model.")
+    sharded_load: bool = Field(
+        True, description="With 2+ ranks, build the model on the meta device and read only each rank's FSDP2 shards from "
+        "the safetensors files (a host holds about one copy of the weights); false: every rank loads the whole model.")
+    mixed_precision: Literal["off", "bf16"] = Field(
+        "off", description="FSDP2 mixed precision: bf16 parameters in forward and backward, fp32 gradient reduction; "
+        "weights and optimizer stay in model.dtype (use with float32). Any world size; needs the worker group.")
 
 
 class StorageConfig(Section):
@@ -154,7 +161,7 @@ class TrackingConfig(Section):
 class Recipe(Section):
     """A whole RL post-training run."""
 
-    name: str = Field("recipe", description="Recipe name; the default run name.")
+    name: str = Field("recipe", description="Recipe name; the default run name (letters, digits, '.', '_', '-').")
     seed: int = Field(0, description="Base seed for sampling.")
     model: ModelConfig = Field(default_factory=lambda: families.get("qwen3").config(), description="The policy model.")
     data: DataConfig = Field(default_factory=lambda: sources.get("arithmetic").config(), description="Prompt source.")
@@ -170,6 +177,11 @@ class Recipe(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     iterations: int = Field(3, ge=1, description="RL iterations in the run.")
     checkpoint_every: int = Field(1, ge=1, description="Save a checkpoint (and publish weights) every N iterations.")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        return check_run_name(name, "name")
 
     @model_validator(mode="before")
     @classmethod
@@ -207,6 +219,7 @@ class Recipe(Section):
         if self.train.updates_per_batch > 1 and not algo.supports_multi_update:
             errors.append(f"train.updates_per_batch: algorithm {algo.name!r} takes one update per batch, not "
                           f"{self.train.updates_per_batch}; set train.updates_per_batch=1 or choose another algorithm.name")
+        errors += credential_errors(self)
         if self.sft is not None and self.sft.source == "file" and not self.sft.path:
             errors.append("sft.path: `source: file` needs the path of a JSONL or Arrow file of prompt/response records")
         if errors:
@@ -262,12 +275,43 @@ class Recipe(Section):
         return first.name, dict(first.params)
 
     def fingerprint(self) -> str:
-        """sha256 of the resolved recipe, without where it is stored and tracked."""
-        data = self.model_dump(mode="json", exclude={"storage": {"root", "options"}, "tracking": True, "iterations": True})
+        """sha256 of the resolved recipe, without where it is stored and tracked, how long it runs,
+        and where and how it loads (ranks, backend, sharded loading: a run checkpointed at one world
+        size resumes at another, DCP resharding it)."""
+        data = self.model_dump(mode="json", exclude={"storage": {"root", "options"}, "tracking": True, "iterations": True,
+                                                     "train": {"nproc", "backend", "startup_timeout_s", "sharded_load"}})
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_run_name(name: str, field: str) -> str:
+    """A run name is a plain folder name under the storage root: letters, digits, '.', '_', '-',
+    not starting with '.' or '-' (no '/', '..', URL characters: it cannot leave the root)."""
+    if not RUN_NAME.match(name or "") or ".." in name:
+        raise ValueError(f"{field}: {name!r} is not a plain run name; use letters, digits, '.', '_' and '-' "
+                         "(at most 128, starting with a letter or digit)")
+    return name
+
+
+def credential_errors(recipe: "Recipe") -> list[str]:
+    """A credential written into a recipe would end up in recipe.yaml, MLflow params and the
+    Prefect UI: refuse it, naming the field and where it belongs instead."""
+    from stages.secrets import literal_secrets, redact_url
+
+    where = "set it in the environment (AWS_* variables, a remote scorer's token_env, MLFLOW_TRACKING_* ...) or a Prefect Secret block"
+    data = recipe.model_dump(mode="json")
+    storage_options = literal_secrets(data["storage"].pop("options"), ".storage.options", also=("key", "username", "user"))
+    out = [f"{path.lstrip('.')}: a literal credential in a recipe is written to recipe.yaml, MLflow and the Prefect UI; {where}"
+           for path in literal_secrets(data, "") + storage_options]
+    for field, url in (("storage.root", recipe.storage.root), ("tracking.mlflow_uri", recipe.tracking.mlflow_uri or "")):
+        if url and redact_url(url) != url:
+            out.append(f"{field}: {redact_url(url)!r} carries a credential; {where}")
+    return out
 
 
 class RecipeError(ValueError):

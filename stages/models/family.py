@@ -55,6 +55,19 @@ class Family:
         raise NotImplementedError
 
     @classmethod
+    def load_empty(cls, directory: Path, cfg: Any, device: Any) -> Any:
+        """The bundle with its trainable `.module` built on the meta device, for a sharded load
+        (stages/train/shards.py fills each rank's shards from `weight_files`); None where the
+        family or the folder allows only a whole load."""
+        return None
+
+    @classmethod
+    def weight_files(cls, directory: Path) -> list[Path]:
+        """The safetensors files holding the trainable module's weights under their state-dict
+        names (what `load_empty`'s module is filled from)."""
+        raise NotImplementedError
+
+    @classmethod
     def fsdp_units(cls, module: Any) -> list[Any]:
         """The submodules FSDP2 shards one by one (decoder layers, transformer blocks)."""
         raise NotImplementedError

@@ -141,6 +141,30 @@ class Qwen3(Family):
         return TextBundle(model, tokenizer, Path(directory))
 
     @classmethod
+    def load_empty(cls, directory: Path, cfg: Qwen3ModelConfig, device: Any) -> TextBundle | None:
+        """The architecture from config.json on the meta device (rotary buffers computed for real)."""
+        import torch
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from stages.models.tokenizer import load_tokenizer
+
+        d = check_model_dir(directory)
+        if not cls.weight_files(d):
+            return None
+        config = AutoConfig.from_pretrained(str(d))
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.dtype), attn_implementation="sdpa")
+        model.tie_weights()  # from_pretrained ties lm_head to the embedding when the config says so; from_config does not
+        model.config.use_cache = False
+        model.eval()  # as from_pretrained leaves it
+        return TextBundle(model, load_tokenizer(d), d)
+
+    @classmethod
+    def weight_files(cls, directory: Path) -> list[Path]:
+        return sorted(Path(directory).glob("*.safetensors"))
+
+    @classmethod
     def fsdp_units(cls, module: Any) -> list[Any]:
         return [m for m in module.modules() if type(m).__name__.endswith("DecoderLayer")]
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from stages.seeds import derive_seed
+from stages.train.shards import fill, is_empty, lora_init
 
 
 def lr_factor(step: int, *, schedule: str, warmup: int, total: int, min_ratio: float) -> float:
@@ -73,19 +74,35 @@ class OptimizerSpec:
     ema: float | None = None  # decay of an EMA of the trainable weights; None: no EMA
 
 
-def shard(model: torch.nn.Module, units: list[torch.nn.Module], mesh: Any) -> torch.nn.Module:
+def shard(model: torch.nn.Module, units: list[torch.nn.Module], mesh: Any, mixed_precision: str = "off") -> torch.nn.Module:
     """FSDP2 `fully_shard` on each unit (decoder layer, transformer block) and at the root. A
     one-rank group keeps the plain module: sharding there is a copy and two hooks per unit and
     forward with nothing to shard (measured 4x slower on the tiny Qwen3's train step, +0.3 s per
-    diffusion quickstart iteration); checkpoints and publication read both the same way."""
-    if world_size() == 1:
+    diffusion quickstart iteration); checkpoints and publication read both the same way.
+    `mixed_precision` "bf16": FSDP2's MixedPrecisionPolicy (bf16 parameters in forward and
+    backward, fp32 gradient reduction, the stored weights and optimizer in their own dtype), on
+    any world size."""
+    if world_size() == 1 and mixed_precision == "off":
         return model
-    from torch.distributed.fsdp import fully_shard
+    if mesh is None:
+        raise ValueError("train.mixed_precision needs a worker group (it is FSDP2's); the in-process loop has none")
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    options: dict[str, Any] = {"mesh": mesh}
+    if mixed_precision == "bf16":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for unit in units:
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(unit, **options)
+    fully_shard(model, **options)
     return model
+
+
+def load_bundle(family: Any, directory: Any, cfg: Any, device: Any, *, sharded: bool) -> Any:
+    """The family's bundle of the model in `directory`: its trainable module built on the meta
+    device (each rank's shards filled by TrainStack, stages/train/shards.py) when `sharded` and
+    the family can, else loaded whole."""
+    bundle = family.load_empty(directory, cfg, device) if sharded else None
+    return bundle if bundle is not None else family.load(directory, cfg, device)
 
 
 def world_size() -> int:
@@ -103,7 +120,8 @@ class TrainStack:
 
     def __init__(self, family: Any, bundle: Any, *, mesh: Any, device: torch.device, spec: OptimizerSpec,
                  reference_dir: Any = None, reference_cfg: Any = None, lora: Any = None, seed: int = 0,
-                 ema_decay: Callable[[int], float] | None = None):
+                 ema_decay: Callable[[int], float] | None = None, weights_dir: Any = None,
+                 sharded_load: bool = False, mixed_precision: str = "off"):
         self.family, self.bundle, self.mesh, self.device, self.spec = family, bundle, mesh, device, spec
         self.rank, self.world = rank_of(), world_size()
         self.lora = lora
@@ -111,11 +129,13 @@ class TrainStack:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(derive_seed(seed, "lora-init"))
                 family.add_lora(bundle, lora)
-        bundle.module = self.module = shard(bundle.module.to(device), family.fsdp_units(bundle.module), mesh)
+            if not is_empty(bundle.module):
+                lora_init(bundle.module, seed)  # the values a sharded load draws too
+        bundle.module = self.module = self._build(bundle.module, weights_dir, seed, mixed_precision)
         self._reference = None
         if reference_dir is not None and lora is None:  # a full fine-tune keeps a frozen copy
-            ref = family.load(reference_dir, reference_cfg, device).module.requires_grad_(False).eval()
-            self._reference = shard(ref.to(device), family.fsdp_units(ref), mesh)
+            ref = load_bundle(family, reference_dir, reference_cfg, device, sharded=sharded_load).module
+            self._reference = self._build(ref.requires_grad_(False).eval(), reference_dir, seed, mixed_precision)
         self.trainable = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=spec.lr, betas=tuple(spec.betas), weight_decay=spec.weight_decay)
         self.ema = EMA(self.module, spec.ema) if spec.ema else None
@@ -123,25 +143,34 @@ class TrainStack:
         self.opt_steps = 0
         self.ema_full: dict[str, torch.Tensor] | None = None  # gathered by publish
 
+    def _build(self, module: torch.nn.Module, weights_dir: Any, seed: int, mixed_precision: str) -> torch.nn.Module:
+        """`module` sharded on this stack's device; one built on the meta device gets only this
+        rank's shards, read from the family's weight files in `weights_dir`."""
+        if not is_empty(module):
+            return shard(module.to(self.device), self.family.fsdp_units(module), self.mesh, mixed_precision)
+        if weights_dir is None:
+            raise ValueError("a module built on the meta device needs the folder its weights are read from")
+        module = shard(module, self.family.fsdp_units(module), self.mesh, mixed_precision)
+        fill(module, self.device, self.family.weight_files(weights_dir), seed=seed)
+        return module
+
     # -- collectives (no-ops in one process) ----------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.world > 1:
             dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
         return tensor
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        if self.world == 1:
-            return [obj]
-        out = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's JSON-able `obj` (JSON bytes between ranks: nothing is unpickled)."""
+        from stages.workers.control import all_gather_json
 
-    def broadcast_object(self, obj: Any) -> Any:
-        if self.world == 1:
-            return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src=0)
-        return holder[0]
+        return [obj] if self.world == 1 else all_gather_json(obj, device=self.device)
+
+    def broadcast_json(self, obj: Any) -> Any:
+        """Rank 0's JSON-able `obj` on every rank."""
+        from stages.workers.control import broadcast_json
+
+        return obj if self.world == 1 else broadcast_json(obj, rank=self.rank, device=self.device)
 
     def barrier(self) -> None:
         if self.world > 1:
@@ -237,13 +266,13 @@ class TrainStack:
     def reduce_metrics(self, totals: dict[str, float], weight: float, maxima: dict[str, float], weight_name: str) -> dict[str, float]:
         """Weighted means across ranks of `totals` (sums of value * weight; the keys of rank 0),
         maxima across ranks of `maxima`, and the total weight as `weight_name`."""
-        keys = self.broadcast_object(sorted(totals) if self.rank == 0 else None)
+        keys = self.broadcast_json(sorted(totals) if self.rank == 0 else None)
         vec = torch.tensor([totals.get(k, 0.0) for k in keys] + [weight], dtype=torch.float64, device=self.device)
         self.all_reduce(vec)
         n = max(float(vec[-1]), 1.0)
         out = {k: float(vec[i]) / n for i, k in enumerate(keys)}
         out[weight_name] = float(vec[-1])
-        max_keys = self.broadcast_object(sorted(maxima) if self.rank == 0 else None)
+        max_keys = self.broadcast_json(sorted(maxima) if self.rank == 0 else None)
         if max_keys:
             top = torch.tensor([maxima.get(k, -math.inf) for k in max_keys], dtype=torch.float64, device=self.device)
             self.all_reduce(top, "max")
