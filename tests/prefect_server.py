@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flows.ephemeral import LEAN_SERVER_ENV
+
 PREFECT = [sys.executable, "-m", "prefect"]
 
 
@@ -35,7 +37,11 @@ class PrefectServer:
             "PREFECT_SERVER_UI_ENABLED": "false",
             "PREFECT_SERVER_SERVICES_FOREMAN_ENABLED": "false",
             "PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED": "false",
+            # task runs recorded in batches, as unirl's own ephemeral API does (docs/deploy.md):
+            # one transaction each makes every iteration's next flow run wait behind them
+            **{k: v for k, v in LEAN_SERVER_ENV.items() if "TASK_RUN_RECORDER" in k or "ANALYTICS" in k},
             "PREFECT_WORKER_QUERY_SECONDS": "1",
+            "PREFECT_CLIENT_CSRF_SUPPORT_ENABLED": "false",  # our own loopback server has CSRF protection off
             "PREFECT_CLI_COLORS": "false",
             "COLUMNS": "200",
             "DO_NOT_TRACK": "1",
