@@ -172,14 +172,20 @@ def checkpoint_rows(bench: Bench) -> list[Row]:
     shard: the run says why it passes over each, restores the newest good state (here the initial
     weights) and replays the train steps after it."""
     root = bench.work / "ckpt"
-    unirl(run_args(root, "r", [*NO_SFT, "iterations=2", "checkpoint_every=1"]), bench.env)
+    extra = [*NO_SFT, "checkpoint_every=1"]
+    # Killed as the last iteration starts, after checkpoints 000001 and 000002 were written.
+    killed = unirl(run_args(root, "r", extra), {**bench.env, "UNIRL_FAULTS": f"generate@{ITERATIONS - 1}"}, check=False)
+    if killed.returncode != -signal.SIGKILL:
+        raise RuntimeError(f"the run was not killed before its last iteration (exit {killed.returncode}):\n{killed.stderr[-3000:]}")
     (root / "r" / "checkpoints" / "000002" / "_COMMITTED").unlink()
     shard = next(p for p in sorted((root / "r" / "checkpoints" / "000001" / "state").rglob("*.safetensors")))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    resumed = unirl(run_args(root, "r", [*NO_SFT, "checkpoint_every=1"]), bench.env)
-    same, _ = bench.equal(root / "r", key="-nosft-every1", extra=[*NO_SFT, "checkpoint_every=1"])
+    resumed = unirl(run_args(root, "r", extra), bench.env)
+    same, diffs = bench.equal(root / "r", key="-nosft-every1", extra=extra)
+    if diffs:
+        print(f"  checkpoints: differs in {diffs}", file=sys.stderr)
     said = notable(resumed.stdout)
     out = resumed.stdout
     ok = same and "000002 is not usable: it was never committed" in out and "000001 is not usable" in out and "corrupted" in out
