@@ -28,7 +28,7 @@ from stages.workers.group import close_group
 from flows.evaluate import eval_artifact
 from flows.sft import run_sft
 from tasks.advantage import advantage
-from tasks.common import run_tags, staged, storage_of
+from tasks.common import group_of, run_tags, staged, storage_of
 from tasks.evaluate import evaluate
 from tasks.generate import generate
 from tasks.score import score
@@ -97,6 +97,8 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
     """The body of `rl_train`, under the run's lease."""
     logger = get_run_logger()
     storage, info = open_run(recipe, run_name)
+    if recipe.sft is None or storage.exists(join(storage.weights_rel(0), MANIFEST)):
+        group_of(recipe, storage).prewarm()  # its imports overlap the setup below
     tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"))
     if info.get("mlflow_run_id") != tracker.run_id:
         info = update_run_info(storage, mlflow_run_id=tracker.run_id)

@@ -40,16 +40,18 @@ def run_sft(recipe: Recipe, storage: RunStorage, tracker: Tracker | None = None)
     target = storage.weights_rel(0)
     if storage.exists(join(target, MANIFEST)):
         return {"weights": target, "reused": True}
-    if not storage.exists(join(BASE, MANIFEST)):
-        with tempfile.TemporaryDirectory() as tmp:
-            write_weights_dir(storage, materialize_model(recipe, Path(tmp) / "base"), BASE, {"version": 0, "source": recipe.model.path or "tiny"})
-    manifest = storage.read_json("sft/manifest.json") if storage.exists("sft/manifest.json") else None
-    if manifest is None:
-        manifest = write_sft_data(storage, recipe)
-        storage.write_json("sft/manifest.json", manifest)
-    s = recipe.sft
     group = WorkerGroup(recipe, storage, init_weights=BASE, log=announce(logger), mode="sft")
+    group.prewarm()  # its imports overlap building the base weights and the SFT data
     try:
+        if not storage.exists(join(BASE, MANIFEST)):
+            with tempfile.TemporaryDirectory() as tmp:
+                write_weights_dir(storage, materialize_model(recipe, Path(tmp) / "base"), BASE,
+                                  {"version": 0, "source": recipe.model.path or "tiny"})
+        manifest = storage.read_json("sft/manifest.json") if storage.exists("sft/manifest.json") else None
+        if manifest is None:
+            manifest = write_sft_data(storage, recipe)
+            storage.write_json("sft/manifest.json", manifest)
+        s = recipe.sft
         group.start(None)
         done = 0
         while done < s.steps:

@@ -12,9 +12,35 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # Every process the suite starts records the recipe fields it reads (stages/config_base.py);
-# tests/test_recipe_fields.py, which runs last, fails on a field nothing read.
+# `pytest_sessionfinish` below fails the whole suite on a field nothing read (tests/recipe_fields.py).
 os.environ.setdefault("UNIRL_FIELD_TRACE", tempfile.mkdtemp(prefix="unirl-field-trace-"))
 TINY = REPO / "recipes" / "ar" / "tiny.yaml"
+
+
+def whole_suite(config: pytest.Config) -> bool:
+    return (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
+            and not config.option.markexpr and not config.option.deselect)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A pytest-xdist worker writes the recipe fields it read; the session's own process (after
+    its workers) judges them, when the whole suite ran and passed: a field nothing read fails it."""
+    from tests.recipe_fields import dump_reads, unread_fields
+
+    trace = Path(os.environ["UNIRL_FIELD_TRACE"])
+    if hasattr(session.config, "workerinput"):
+        dump_reads(trace)
+        return
+    if exitstatus != 0 or not whole_suite(session.config):
+        return
+    unread = unread_fields(trace)
+    if unread:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"recipe fields nothing read in the whole suite (remove them or use them): {unread}"
+        if reporter is not None:
+            reporter.write_line(f"FAILED every recipe field is read by something: {message}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def isolated_env(tmp: Path) -> dict[str, str]:

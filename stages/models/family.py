@@ -38,6 +38,9 @@ class Family:
     policy: ClassVar[str]
     produces: ClassVar[tuple[str, ...]]
     lora_targets: ClassVar[tuple[str, ...]] = ()
+    # Modules `load` imports (the model classes: seconds each on a small machine); a worker group
+    # launched ahead of its spec imports them while it waits (WorkerGroup.prewarm).
+    modules: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def check(cls, recipe: Any) -> None:

@@ -130,6 +130,7 @@ class Qwen3(Family):
     policy = "text"
     produces = ("text",)
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    modules = ("transformers.models.qwen3.modeling_qwen3", "peft")
 
     @classmethod
     def materialize(cls, cfg: Qwen3ModelConfig, scratch: Path) -> Path:

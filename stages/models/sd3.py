@@ -305,6 +305,8 @@ class SD3(Family):
     policy = "flow"
     produces = ("image",)
     lora_targets = SD3_LORA_TARGETS
+    modules = ("diffusers.models.transformers.transformer_sd3", "diffusers.models.autoencoders.autoencoder_kl",
+               "transformers.models.clip.modeling_clip", "transformers.models.t5.modeling_t5", "peft")
 
     @classmethod
     def check(cls, recipe: Any) -> None:

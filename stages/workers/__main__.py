@@ -7,9 +7,11 @@ answered with the traceback: the next task relaunches it from the latest checkpo
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -21,8 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # the torchrun agent's death takes every rank with it
     parser = argparse.ArgumentParser(prog="python -m stages.workers")
     parser.add_argument("--spec", required=True, help="JSON file: recipe, run storage, initial weights, checkpoint")
+    parser.add_argument("--preload", default="", help="modules to import while waiting for the spec (comma-separated)")
     args = parser.parse_args(argv)
-    spec = json.loads(Path(args.spec).read_text())
 
     import torch
     import torch.distributed as dist
@@ -30,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from stages.workers.control import ControlServer, broadcast_json
     from stages.workers.worker import Worker
+
+    for module in filter(None, args.preload.split(",")):
+        importlib.import_module(module)
+    spec = wait_for_spec(Path(args.spec))
 
     backend = spec["backend"]
     if backend == "auto":
@@ -78,6 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def wait_for_spec(path: Path) -> dict:
+    """The group is launched before its spec is written (it imports meanwhile: see
+    `WorkerGroup.prewarm`); the owner writes it whole, by rename. The owner's death ends the wait
+    (this process gets SIGKILL with it)."""
+    while not path.exists():
+        time.sleep(0.02)
+    return json.loads(path.read_text())
 
 
 if __name__ == "__main__":

@@ -82,49 +82,72 @@ class WorkerGroup:
         self.token = secrets.token_hex(16)
         self.scratch = Path(tempfile.mkdtemp(prefix=f"unirl-{storage.run}-"))
         self.log_path = self.scratch / "workers.log"
+        self._threads = threads_per_rank(recipe.train.nproc)
         self._lock = threading.Lock()
 
     # -- lifecycle --------------------------------------------------------------------------
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def start(self, checkpoint: int | None) -> None:
-        """Launch the group, loading `checkpoint` (a committed version) or the initial weights."""
+    def prewarm(self) -> None:
+        """Launch the group's processes now, before there is anything to load: they import torch
+        and the model code (seconds on a small machine) while the run is still being set up, and
+        wait for `start` to say what to load. A group that is already running is left alone."""
+        if self.alive():
+            return
         self.stop()
         t = self.recipe.train
-        ready = self.scratch / "ready.json"
-        ready.unlink(missing_ok=True)
-        spec = {
-            "recipe": self.recipe.model_dump(mode="json"), "root": self.storage.root, "run": self.storage.run,
-            "options": self.storage.options, "init_weights": self.init_weights, "init_version": 0,
-            "checkpoint": checkpoint, "backend": t.backend, "ready_file": str(ready),
-            "scratch": str(self.scratch), "threads_per_rank": threads_per_rank(t.nproc), "mode": self.mode,
-        }
-        spec_path = self.scratch / "spec.json"
-        spec_path.write_text(json.dumps(spec))
-        env = {**os.environ, "UNIRL_CONTROL_TOKEN": self.token, "OMP_NUM_THREADS": str(spec["threads_per_rank"]),
+        for path in (self.scratch / "spec.json", self.scratch / "ready.json"):
+            path.unlink(missing_ok=True)
+        threads = threads_per_rank(t.nproc)
+        env = {**os.environ, "UNIRL_CONTROL_TOKEN": self.token, "OMP_NUM_THREADS": str(threads),
                "UNIRL_OWNER_PID": str(os.getpid())}
+        spec_path = self.scratch / "spec.json"
+        from stages.models.family import get_family
+
+        preload = ["--preload", ",".join(get_family(self.recipe.model.kind).modules)]
         if t.nproc == 1:
             # One rank needs no torchrun agent (an extra interpreter importing torch, ~2 s a start):
             # the rank itself, with the rendezvous variables torchrun would set.
-            cmd = [sys.executable, "-m", "stages.workers", "--spec", str(spec_path)]
+            cmd = [sys.executable, "-m", "stages.workers", "--spec", str(spec_path), *preload]
             env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(free_port()))
         else:
             cmd = [
                 sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(t.nproc),
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
-                "-m", "stages.workers", "--spec", str(spec_path),
+                "-m", "stages.workers", "--spec", str(spec_path), *preload,
             ]
-        what = f"checkpoint {checkpoint}" if checkpoint is not None else "initial weights"
-        self.log(f"starting worker group: {t.nproc} rank(s), {what}")
         logf = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             preexec_fn=die_with_parent, start_new_session=True,
         )
         logf.close()
+        self._threads = threads
         _LIVE.add(self)
+
+    def start(self, checkpoint: int | None) -> None:
+        """Load `checkpoint` (a committed version) or the initial weights into the group: the
+        prewarmed processes when they are waiting, else newly launched ones."""
+        waiting = self.alive() and self.port is None and not (self.scratch / "spec.json").exists()
+        if not waiting:
+            self.stop()
+            self.prewarm()
+        t = self.recipe.train
+        ready = self.scratch / "ready.json"
+        spec = {
+            "recipe": self.recipe.model_dump(mode="json"), "root": self.storage.root, "run": self.storage.run,
+            "options": self.storage.options, "init_weights": self.init_weights, "init_version": 0,
+            "checkpoint": checkpoint, "backend": t.backend, "ready_file": str(ready),
+            "scratch": str(self.scratch), "threads_per_rank": self._threads, "mode": self.mode,
+        }
+        spec_path = self.scratch / "spec.json"
+        tmp = spec_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(spec))
+        tmp.replace(spec_path)  # the ranks wait for this file to appear whole
+        what = f"checkpoint {checkpoint}" if checkpoint is not None else "initial weights"
+        self.log(f"starting worker group: {t.nproc} rank(s), {what}")
         deadline = time.monotonic() + t.startup_timeout_s
         while not ready.exists():
             if not self.alive():
@@ -132,7 +155,7 @@ class WorkerGroup:
             if time.monotonic() > deadline:
                 self.stop()
                 raise WorkerGroupDied(f"worker group not ready after {t.startup_timeout_s}s:\n{self.log_tail()}")
-            time.sleep(0.2)
+            time.sleep(0.05)
         info = json.loads(ready.read_text())
         self.port, self.version = info["port"], info["version"]
 

@@ -45,19 +45,32 @@ def assert_no_pickles(run: Path) -> None:
             assert path.suffix not in (".pt", ".pkl", ".pickle", ".distcp", ".bin"), f"{path} is a torch/pickle file"
 
 
-def test_three_iterations_layout_shards_advantages_and_mlflow(tmp_path, unirl_env):
-    root = tmp_path / "runs"
-    env = {k: v for k, v in unirl_env.items() if k != "MLFLOW_TRACKING_URI"}  # the default: MLflow in the run folder
-    out = run_unirl(["run", str(TINY), "iterations=3", f"storage.root={root}", SIGNAL], env)
-    assert "[unirl] iter-000002 (3/3)" in out.stdout
-    run = root / "tiny"
-    check_layout(run, 3)
+REFERENCE = ["run", str(TINY), "iterations=4", SIGNAL, "checkpoint_every=3"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, prefect_server):
+    """One uninterrupted run the tests below look into and compare with: 4 iterations, a
+    checkpoint after the third, MLflow in the run folder (the default)."""
+    from tests.conftest import isolated_env
+
+    root = tmp_path_factory.mktemp("reference") / "runs"
+    env = {**isolated_env(root.parent), "PREFECT_API_URL": prefect_server.url}
+    out = run_unirl([*REFERENCE, f"storage.root={root}"], env)
+    return root / "tiny", out
+
+
+def test_four_iterations_layout_shards_advantages_and_mlflow(tmp_path, reference):
+    run, out = reference
+    assert "[unirl] iter-000003 (4/4)" in out.stdout
+    assert_default_console(out, 4)
+    check_layout(run, 4)
     assert_no_pickles(run)
     # Every shard opens with plain pyarrow.
     for shard in run.rglob("*.arrow"):
         ipc.open_file(str(shard)).read_all()
     # The group z-score recomputed from rewards.arrow matches advantages.arrow.
-    for i in range(3):
+    for i in range(4):
         rewards = ipc.open_file(str(run / f"iter-{i:06d}/rewards.arrow")).read_all()
         adv = ipc.open_file(str(run / f"iter-{i:06d}/advantages.arrow")).read_all()
         r = np.array(rewards.column("reward").to_pylist())
@@ -74,7 +87,7 @@ def test_three_iterations_layout_shards_advantages_and_mlflow(tmp_path, unirl_en
         rollouts = ipc.open_file(str(run / f"iter-{i:06d}/rollouts/part-000.arrow")).read_all()
         assert set(rollouts.column("policy_version").to_pylist()) == {i}
     # The policy learned something: it was trained on a non-zero signal.
-    train = [json.loads((run / f"iter-{i:06d}/train.json").read_text()) for i in range(3)]
+    train = [json.loads((run / f"iter-{i:06d}/train.json").read_text()) for i in range(4)]
     assert all(t["metrics"]["grad_norm"] > 0 for t in train)
     assert all(0.0 <= t["metrics"]["behaviour_logp_max_abs_diff"] <= 1e-4 for t in train)  # the sampler's record
     # MLflow on SQLite in the run folder: params from the recipe, metrics per iteration.
@@ -86,28 +99,28 @@ def test_three_iterations_layout_shards_advantages_and_mlflow(tmp_path, unirl_en
     for key in ["rollout/reward_mean", "rollout/reward_std", "rollout/zero_std_group_frac", "train/loss",
                 "train/clip_frac", "train/approx_kl", "train/grad_norm", "time/generate_s", "time/train_s"]:
         steps = [m.step for m in client.get_metric_history(info["mlflow_run_id"], key)]
-        assert steps == [0, 1, 2], key
+        assert steps == [0, 1, 2, 3], key
     assert mlrun.info.status == "FINISHED"
     # MLflow is the model's home: every published weights version is registered under the recipe's
     # name, pointing at the weights folder, tagged with the run, its version, the manifest's
     # sha256 and, where evaluated, the held-out metrics; every iteration logs a samples table.
     versions = {int(v.tags["unirl.policy_version"]): v for v in client.search_model_versions("name = 'tiny'")}
-    assert sorted(versions) == [0, 2, 3]
+    assert sorted(versions) == [0, 3, 4]
     for version, mv in versions.items():
         manifest = json.loads((run / f"weights/v{version:06d}/manifest.json").read_text())
         assert mv.source == str(run / f"weights/v{version:06d}") and mv.run_id == info["mlflow_run_id"]
         assert mv.tags["unirl.run"] == "tiny"
         assert mv.tags["unirl.manifest_sha256"] == hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
-    for version in (0, 3):
+    for version in (0, 4):
         accuracy = json.loads((run / f"eval/v{version:06d}/metrics.json").read_text())["metrics"]["eval/accuracy"]
         assert float(versions[version].tags["eval/accuracy"]) == pytest.approx(accuracy)
-    assert "eval/accuracy" not in versions[2].tags
-    local = client.download_artifacts(info["mlflow_run_id"], "tables/samples/step-000002.json", str(tmp_path))
+    assert "eval/accuracy" not in versions[3].tags
+    local = client.download_artifacts(info["mlflow_run_id"], "tables/samples/step-000003.json", str(tmp_path))
     table = json.loads(Path(local).read_text())
     assert table["columns"] == ["sample_id", "prompt", "response", "reward", "advantage"] and len(table["data"]) == 16
-    # checkpoint_every=2: a checkpoint after iteration 1 and the final one after iteration 2
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["000002", "000003"]
-    assert (run / "weights" / "v000003" / "model.safetensors").is_file()
+    # checkpoint_every=3: a checkpoint after iteration 2 and the final one after iteration 3
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["000003", "000004"]
+    assert (run / "weights" / "v000004" / "model.safetensors").is_file()
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -118,12 +131,12 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
         time.sleep(0.05)
 
 
-def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, ephemeral_env, unirl_env):
+def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, ephemeral_env, unirl_env, reference):
     """As a user first runs it: Prefect's ephemeral API server (which must die with the run) and
     MLflow in the run folder. While it runs, the same run started again is refused."""
     second_env, unirl_env = unirl_env, ephemeral_env
     root = tmp_path / "runs"
-    args = ["run", str(TINY), "iterations=4", f"storage.root={root}", SIGNAL, "checkpoint_every=3"]
+    args = [*REFERENCE, f"storage.root={root}"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "flows.cli", *args], env=unirl_env, cwd=REPO,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -152,19 +165,17 @@ def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, eph
     out = run_unirl(args, unirl_env)
     assert "[unirl] iter-000000 (" not in out.stdout and "[unirl] iter-000001 (2/4)" in out.stdout  # resumed after it
     check_layout(run, 4)
-    # Same command, uninterrupted, elsewhere: identical results and identical final weights.
-    ref_root = tmp_path / "ref"
-    ref = run_unirl(["run", str(TINY), "iterations=4", f"storage.root={ref_root}", SIGNAL, "checkpoint_every=3"], unirl_env)
-    assert_default_console(ref, 4)
+    # The same command uninterrupted (the reference run): identical results and final weights.
+    ref_run, _ = reference
     for i in range(4):
         a = json.loads((run / f"iter-{i:06d}/train.json").read_text())["metrics"]
-        b = json.loads((ref_root / f"tiny/iter-{i:06d}/train.json").read_text())["metrics"]
+        b = json.loads((ref_run / f"iter-{i:06d}/train.json").read_text())["metrics"]
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], i
         ra = json.loads((run / f"iter-{i:06d}/_SUCCESS").read_text())["metrics"]["rollout/reward_mean"]
-        rb = json.loads((ref_root / f"tiny/iter-{i:06d}/_SUCCESS").read_text())["metrics"]["rollout/reward_mean"]
+        rb = json.loads((ref_run / f"iter-{i:06d}/_SUCCESS").read_text())["metrics"]["rollout/reward_mean"]
         assert ra == rb, f"iteration {i}: reward {ra} after resume, {rb} uninterrupted"
     wa = json.loads((run / "weights/v000004/manifest.json").read_text())["files"]["model.safetensors"]["sha256"]
-    wb = json.loads((ref_root / "tiny/weights/v000004/manifest.json").read_text())["files"]["model.safetensors"]["sha256"]
+    wb = json.loads((ref_run / "weights/v000004/manifest.json").read_text())["files"]["model.safetensors"]["sha256"]
     assert wa == wb
     info = json.loads((run / "run.json").read_text())
     client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
@@ -227,9 +238,10 @@ def test_corrupted_shard_fails_naming_the_file(tmp_path, unirl_env):
     assert not (run / "iter-000000/_SUCCESS").exists()
 
 
-def test_resume_with_a_different_recipe_is_refused(tmp_path, unirl_env):
-    root = tmp_path / "runs"
-    run_unirl(["run", str(TINY), "iterations=1", f"storage.root={root}"], unirl_env)
-    out = run_unirl(["run", str(TINY), "iterations=2", f"storage.root={root}", "train.lr=0.5"], unirl_env, check=False)
+def test_resume_with_a_different_recipe_is_refused(reference, unirl_env):
+    run, _ = reference
+    before = sorted(str(p) for p in run.rglob("*"))
+    out = run_unirl([*REFERENCE, "iterations=5", f"storage.root={run.parent}", "train.lr=0.5"], unirl_env, check=False)
     assert out.returncode == 1
     assert "was started with a different recipe" in out.stderr
+    assert sorted(str(p) for p in run.rglob("*")) == before  # nothing written, nothing left behind

@@ -1,6 +1,6 @@
 """The seams: recipes validated whole from the registries, the behaviour-policy check that fails on
 a perturbed weight, and no family or algorithm name compared outside its own file. (That every
-recipe field is read by something is checked at the end of the suite: tests/test_recipe_fields.py.)"""
+recipe field is read by something is checked at the end of the suite: tests/recipe_fields.py.)"""
 from __future__ import annotations
 
 import re
