@@ -24,7 +24,9 @@ from typing import Any
 LEAN_SERVER_ENV = {
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "200",
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "200",
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "0.5",
+    # A whole number: Prefect 3.9 passes int(flush_interval) to its flush loop, so 0.5 becomes
+    # asyncio.sleep(0) in a loop that keeps a core busy for the server's whole life.
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
     "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
     "PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED": "false",
     "PREFECT_SERVER_SERVICES_PAUSE_EXPIRATIONS_ENABLED": "false",
@@ -37,6 +39,9 @@ LEAN_SERVER_ENV = {
 # Client side: no CSRF token round trip (a loopback server of our own), and no log records sent
 # to an API that is gone when the run ends (they are in the run's log file).
 LEAN_CLIENT = {"client.csrf_support_enabled": False, "logging.to_api.enabled": False}
+# Seconds the ephemeral server may take to come up (Prefect's default, 20, is short for a busy
+# 2-core machine where a worker group imports torch beside it).
+STARTUP_TIMEOUT_S = 120
 
 
 def lean_ephemeral_api() -> AbstractContextManager[Any]:
@@ -66,7 +71,8 @@ def tie_ephemeral_api() -> None:
     from prefect.server.api.server import SubprocessASGIServer
 
     server = SubprocessASGIServer()
-    server.start()
+    # A startup timeout the user set wins.
+    server.start(timeout=None if "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in os.environ else STARTUP_TIMEOUT_S)
     if server.server_process is None:
         return
     subprocess.Popen(
