@@ -43,6 +43,7 @@ KILLS = [
     ("SIGKILL in train", "train@1"),
     ("SIGKILL in checkpoint write", "checkpoint@2"),
     ("SIGKILL in sync (checkpoint + publish done, not committed)", "sync@1"),
+    ("SIGKILL after a commit, before its MLflow report (the run loop's bookkeeping)", "report@1"),
     ("SIGKILL in held-out evaluation", "evaluate@3"),
 ]
 
@@ -72,7 +73,7 @@ def run_args(root: Path, name: str, extra: list[str] = ()) -> list[str]:
 
 def notable(out: str) -> str:
     """What a resumed run says about the fault it recovers from."""
-    keys = ("replaying", "not usable", "taking over", "unreachable", "resum", "starting worker group: 1 rank(s), checkpoint")
+    keys = ("replaying", "not reported", "not usable", "taking over", "unreachable", "resum", "starting worker group: 1 rank(s), checkpoint")
     lines = [ln.removeprefix("[unirl] ") for ln in out.splitlines() if any(k in ln for k in keys)]
     return "; ".join(dict.fromkeys(lines))[:300] or "resumes silently: every committed stage is reused"
 

@@ -14,9 +14,12 @@ from prefect.settings import temporary_settings
 from pydantic import Field
 
 from flows.artifacts import RunArtifacts
+from flows.bookkeeping import Bookkeeping
 from flows.console import Progress, log_to_run_folder, say
 from flows.hooks import stop_worker_group
 from stages.data import build_prompt_source
+from stages.evaluation import eval_dir
+from stages.faults import fault_point
 from stages.policies import policy_for
 from stages.recipe import Recipe
 from stages.lease import RunLease
@@ -116,31 +119,39 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
     last: dict[str, Any] = {}
     artifacts = RunArtifacts(recipe, run_name, storage, tracker)
     artifacts.start(first)
+    caught = catch_up(recipe, tracker, storage, run_name, first)
+    if caught:
+        say(f"[unirl] {', '.join(iter_dir(i) for i in caught)}: committed but not reported by the killed run; reported now")
     progress = Progress(recipe.iterations, first)
     evals: dict[int, dict[str, float]] = {}
+    books = Bookkeeping()  # MLflow, previews, the registry, progress: off the critical path
     try:
         # The run's own flow run keeps its heartbeat (started with it); one per iteration flow run
         # would cost up to a second each (Prefect joins a heartbeat thread that sleeps in 1 s
         # steps). Entered once: building the settings costs 30 ms.
         with run_tags(recipe, run_name), temporary_settings(updates={"flows.heartbeat_frequency": None}):
             if recipe.eval.enabled:
-                evals[0] = held_out(recipe, run_name, 0, tracker, "before RL")
+                evals[0] = held_out(recipe, run_name, 0, tracker, "before RL", books)
             for i in range(first, recipe.iterations):
                 summary = rl_iteration(recipe, run_name, i)
                 version = i + 1
                 if summary.get("weights"):
-                    register(recipe, tracker, storage, run_name, version)
+                    books.submit(register, recipe, tracker, storage, run_name, version)
                 if (recipe.eval.every and version % recipe.eval.every == 0) or (
                     recipe.eval.enabled and version == recipe.iterations
                 ):
-                    evals[version] = held_out(recipe, run_name, version, tracker, "after RL" if version == recipe.iterations else "")
-                tracker.log_metrics(i, summary["metrics"])
-                preview(recipe, tracker, storage, i)
+                    label = "after RL" if version == recipe.iterations else ""
+                    evals[version] = held_out(recipe, run_name, version, tracker, label, books)
                 storage.mark_success(i, summary)
-                artifacts.iteration(summary)
+                books.submit(report, recipe, tracker, storage, artifacts, i, summary)
                 progress.iteration(i, summary["metrics"])
                 last = summary
+        books.close()
     except BaseException:
+        try:
+            books.close()
+        except Exception as exc:  # noqa: BLE001 - the run's own error is the one to raise
+            logger.warning("bookkeeping after the failure also failed: %s: %s", type(exc).__name__, exc)
         tracker.finish("FAILED")
         artifacts.publish_table()
         raise
@@ -151,6 +162,33 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
     artifacts.finish()
     return {"run": run_name, "storage": storage.url(), "iterations": recipe.iterations,
             "last": last, "mlflow_run_id": tracker.run_id, "eval": {str(k): v for k, v in evals.items()}}
+
+
+def report(recipe: Recipe, tracker: Tracker, storage: Any, artifacts: RunArtifacts, iteration: int,
+           summary: dict[str, Any]) -> None:
+    """What a committed iteration reports (on the bookkeeping thread): its metrics to MLflow, its
+    rollout preview, its row in the Prefect artifacts."""
+    fault_point("report", iteration)
+    tracker.log_metrics(iteration, summary["metrics"])
+    preview(recipe, tracker, storage, iteration)
+    artifacts.iteration(summary)
+
+
+def catch_up(recipe: Recipe, tracker: Tracker, storage: Any, run_name: str, first: int) -> list[int]:
+    """The bookkeeping of committed iterations before `first` that a killed run had not finished
+    (their MLflow step is missing; an iteration's jobs run in order, its metrics last): its
+    registry entry, held-out results and report, from what storage holds. Returns them."""
+    missing = [i for i in range(first) if not tracker.has_step(i)]
+    for i in missing:
+        version = i + 1
+        if storage.exists(join(storage.weights_rel(version), MANIFEST)):
+            register(recipe, tracker, storage, run_name, version)
+        evaluated = join(eval_dir(version), "metrics.json")
+        if storage.exists(evaluated):
+            report_eval(recipe, tracker, run_name, version, storage.read_json(evaluated)["metrics"])
+        tracker.log_metrics(i, storage.read_json(join(iter_dir(i), "_SUCCESS"))["metrics"])
+        preview(recipe, tracker, storage, i)
+    return missing
 
 
 def preview(recipe: Recipe, tracker: Tracker, storage: Any, iteration: int) -> None:
@@ -175,18 +213,22 @@ def register(recipe: Recipe, tracker: Tracker, storage: Any, run_name: str, vers
     tracker.register_version(recipe.name, run_name, version, storage.url(rel), storage.read_json(join(rel, MANIFEST)))
 
 
-def held_out(recipe: Recipe, run_name: str, version: int, tracker: Tracker, label: str) -> dict[str, float]:
-    """Evaluate policy `version` on the held-out split, print it, publish a table artifact, and
-    put the metrics on the version's registry entry."""
+def held_out(recipe: Recipe, run_name: str, version: int, tracker: Tracker, label: str, books: Bookkeeping) -> dict[str, float]:
+    """Evaluate policy `version` on the held-out split and print it; MLflow, the registry entry's
+    tags and the table artifact get the metrics on the bookkeeping thread."""
     result = staged(evaluate)(recipe, run_name, version)
     m = result["metrics"]
-    tracker.log_metrics(version, m, key="eval/accuracy")  # once, also when a killed run had computed it
-    if recipe.tracking.registry:
-        tracker.tag_version(recipe.name, run_name, version, m)
     k = recipe.eval.k
     say(
         f"[unirl] held-out v{version:06d}{' (' + label + ')' if label else ''}: accuracy {m['eval/accuracy']:.3f}"
         f"  avg@{k} {m[f'eval/avg_at_{k}']:.3f}  pass@{k} {m[f'eval/pass_at_{k}']:.3f}  ({int(m['eval/prompts'])} prompts)"
     )
-    eval_artifact(recipe, run_name, version, m)
+    books.submit(report_eval, recipe, tracker, run_name, version, m)
     return m
+
+
+def report_eval(recipe: Recipe, tracker: Tracker, run_name: str, version: int, m: dict[str, float]) -> None:
+    tracker.log_metrics(version, m, key="eval/accuracy")  # once, also when a killed run had computed it
+    if recipe.tracking.registry:
+        tracker.tag_version(recipe.name, run_name, version, m)
+    eval_artifact(recipe, run_name, version, m)

@@ -5,10 +5,11 @@ OOM killer or `kill -9` would — the moment it reaches them:
     UNIRL_FAULTS=train@1        inside iteration 1's train stage: its work done, its output not committed
     UNIRL_FAULTS=checkpoint     while a checkpoint is being written (in a worker rank)
     UNIRL_FAULTS=sft            in the middle of SFT
+    UNIRL_FAULTS=report@1       iteration 1 committed (`_SUCCESS`), its MLflow report not yet made
     UNIRL_FAULTS=train-rank1@1  worker rank 1 alone, as iteration 1's update starts (the rank dies, not unirl)
 
 Points: requests, generate, score, advantage, train, sync (checkpoint + publish), checkpoint,
-evaluate, sft. A point in a worker rank kills the `unirl` process that owns the group
+evaluate, sft, report. A point in a worker rank kills the `unirl` process that owns the group
 (UNIRL_OWNER_PID) and then the rank. Unset (always, outside these tests), a point costs one dict
 lookup.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import os
 import signal
 
-POINTS = ("requests", "generate", "score", "advantage", "train", "sync", "checkpoint", "evaluate", "sft")
+POINTS = ("requests", "generate", "score", "advantage", "train", "sync", "checkpoint", "evaluate", "sft", "report")
 
 
 def fault_point(point: str, iteration: int | None = None, *, owner: bool = True) -> None:

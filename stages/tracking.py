@@ -66,6 +66,12 @@ class Tracker:
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i:i + 100])
 
+    def has_step(self, step: int, key: str = "time/iteration_s") -> bool:
+        """Whether metric `key` has a value at `step` in MLflow (read once per key, then kept)."""
+        if key not in self.logged_steps:
+            self.logged_steps[key] = {m.step for m in self.client.get_metric_history(self.run_id, key)}
+        return step in self.logged_steps[key]
+
     def log_metrics(self, step: int, metrics: dict[str, float], key: str = "time/iteration_s") -> None:
         """Log `metrics` at `step` once: when metric `key` already has `step` (a resumed run that
         logged it before it was killed), nothing is logged again."""
@@ -73,9 +79,7 @@ class Tracker:
 
         from mlflow.entities import Metric
 
-        if key not in self.logged_steps:
-            self.logged_steps[key] = {m.step for m in self.client.get_metric_history(self.run_id, key)}
-        if step in self.logged_steps[key]:
+        if self.has_step(step, key):
             return
         now = int(time.time() * 1000)
         items = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items()) if isinstance(v, (int, float)) and math.isfinite(v)]
