@@ -1,13 +1,16 @@
-"""unirl vs TRL's GRPOTrainer, side by side in one run, at the quickstart geometry.
+"""unirl vs TRL's GRPOTrainer, side by side in one run, at the quickstart geometry and at multiples
+of its batch.
 
 Both start from the same SFT weights (made once by `unirl sft`), train on the same prompts in the
 same order (prompts per step x group size completions, same max new tokens, lr, clip range, loss
-aggregation, one update per batch, no KL), and are scored by the same greedy held-out evaluation. Prints steady-state
-seconds per iteration (median after the warm-up iterations) for both with the ratio, and held-out
-accuracy before and after the same number of iterations.
+aggregation, the same micro-batch size with gradient accumulation to one optimizer step per
+batch, no KL), and are scored by the same greedy held-out evaluation. Prints steady-state seconds
+per iteration (median after the warm-up iterations) for both with the ratio, and held-out accuracy
+before and after the same number of iterations, for each `--scale` (prompts per iteration times
+the scale).
 
     pip install -e ".[bench]"
-    python benchmarks/vs_trl.py --iterations 20
+    python benchmarks/vs_trl.py --iterations 20 --scale 1 4 16
 
 unirl's time is the whole product path: the Prefect flow run per iteration, Arrow shards through
 storage, the torchrun worker group. TRL's is its in-process trainer step (generation included).
@@ -56,6 +59,8 @@ def greedy_accuracy(model, tokenizer, prompts) -> float:
 
 
 def run_trl(sft_dir: Path, recipe, iterations: int, out: Path) -> tuple[list[float], object, object]:
+    """TRL's trainer on `recipe`'s geometry: one optimizer step per batch of prompts x group size
+    completions, generated at once, in micro-batches of `train.micro_batch_size` (as unirl's)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
@@ -84,8 +89,12 @@ def run_trl(sft_dir: Path, recipe, iterations: int, out: Path) -> tuple[list[flo
             self.times.append(time.perf_counter() - self._t)
 
     timer = Timer()
+    batch = r.prompts_per_iteration * r.group_size
+    micro = min(t.micro_batch_size, batch)
+    while batch % micro or micro % r.group_size:  # TRL needs whole groups per micro-batch
+        micro -= 1
     config = GRPOConfig(
-        output_dir=str(out), per_device_train_batch_size=r.prompts_per_iteration * r.group_size,
+        output_dir=str(out), per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro,
         num_generations=r.group_size, max_completion_length=r.max_new_tokens, temperature=r.temperature,
         learning_rate=t.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, num_iterations=1, beta=0.0, loss_type=TRL_LOSS[a.agg],
@@ -102,6 +111,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3, help="iterations left out of the steady state")
+    parser.add_argument("--scale", type=int, nargs="+", default=[1], help="multiples of the quickstart's prompts per iteration")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("overrides", nargs="*", help="recipe overrides for both, e.g. rollout.group_size=8")
     args = parser.parse_args()
@@ -113,34 +123,39 @@ def main() -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="unirl-vs-trl-"))
     env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_LOGGING_LEVEL": "WARNING"}
     root = work / "runs"
-    recipe = load_recipe(QUICKSTART, args.overrides)
+    base = load_recipe(QUICKSTART, args.overrides)
     unirl(["sft", str(QUICKSTART), f"storage.root={root}", "--run-name", "sft", *args.overrides], env)
     sft_dir = root / "sft" / "weights" / "v000000"
-    heldout = build_prompt_source(recipe.data).heldout()
+    heldout = build_prompt_source(base.data).heldout()
+    sft_model, tokenizer = load_qwen3(sft_dir)
+    sft_acc = greedy_accuracy(sft_model, tokenizer, heldout)
 
-    ours_args = ["run", str(QUICKSTART), f"storage.root={root}", "--run-name", "ours", f"model.path={sft_dir}",
-                 "sft=null", "eval.enabled=false", f"iterations={args.iterations}", f"checkpoint_every={args.iterations}", *args.overrides]
-    unirl(ours_args, env)
-    ours = iteration_metrics(root / "ours", args.iterations)
-    trl_times, trl_model, tokenizer = run_trl(sft_dir, recipe, args.iterations, work / "trl")
+    rows = []
+    for scale in args.scale:
+        overrides = [*args.overrides, f"rollout.prompts_per_iteration={base.rollout.prompts_per_iteration * scale}"]
+        recipe = load_recipe(QUICKSTART, overrides)
+        name = f"ours-x{scale}"
+        unirl(["run", str(QUICKSTART), f"storage.root={root}", "--run-name", name, f"model.path={sft_dir}", "sft=null",
+               "eval.enabled=false", f"iterations={args.iterations}", f"checkpoint_every={args.iterations}", *overrides], env)
+        steady = steady_state(iteration_metrics(root / name, args.iterations), args.warmup)  # wall time between commits
+        ours_s = statistics.median(m["time/wall_s"] for m in steady)
+        inside = statistics.median(m["time/iteration_s"] for m in steady)
+        trl_times, trl_model, _ = run_trl(sft_dir, recipe, args.iterations, work / f"trl-x{scale}")
+        ours_model, _ = load_qwen3(root / name / "weights" / f"v{args.iterations:06d}")
+        rows.append((scale, recipe.rollout, ours_s, inside, statistics.median(trl_times[args.warmup:]),
+                     greedy_accuracy(ours_model, tokenizer, heldout), greedy_accuracy(trl_model, tokenizer, heldout)))
 
-    sft_model, _ = load_qwen3(sft_dir)
-    ours_model, _ = load_qwen3(root / "ours" / "weights" / f"v{args.iterations:06d}")
-    acc = {name: greedy_accuracy(m, tokenizer, heldout) for name, m in (("sft", sft_model), ("unirl", ours_model), ("trl", trl_model))}
-    steady = steady_state(ours, args.warmup)  # wall time between commits: the whole flow run
-    ours_s = statistics.median(m["time/wall_s"] for m in steady)
-    inside = statistics.median(m["time/iteration_s"] for m in steady)
-    trl_s = statistics.median(trl_times[args.warmup:])
-    r = recipe.rollout
-    print(f"geometry: {r.prompts_per_iteration} prompts x {r.group_size} samples, max_new_tokens {r.max_new_tokens}, "
-          f"lr {recipe.train.lr}, {args.iterations} iterations, 1 update per batch, {os.cpu_count()} cores")
-    print(f"{'':8s} {'s/iter (steady)':>16s} {'held-out acc':>13s} {'gain vs SFT':>12s}")
-    print(f"{'SFT':8s} {'':>16s} {acc['sft']:13.3f}")
-    for name, secs in (("unirl", ours_s), ("TRL", trl_s)):
-        a = acc[name.lower()]
-        print(f"{name:8s} {secs:16.3f} {a:13.3f} {a - acc['sft']:+12.3f}")
-    print(f"ratio unirl/TRL seconds per iteration: {ours_s / trl_s:.2f}")
-    print(f"(unirl inside its iteration flow runs, without their creation and the run loop: {inside:.3f} s/iter)")
+    r = base.rollout
+    print(f"geometry 1x: {r.prompts_per_iteration} prompts x {r.group_size} samples, max_new_tokens {r.max_new_tokens}, "
+          f"micro-batch {base.train.micro_batch_size}, lr {base.train.lr}, {args.iterations} iterations, "
+          f"1 update per batch, {os.cpu_count()} cores; held-out accuracy after SFT {sft_acc:.3f}")
+    print(f"{'scale':>5s} {'samples':>8s} {'unirl s/it':>11s} {'TRL s/it':>9s} {'ratio':>6s} {'unirl acc':>10s} "
+          f"{'TRL acc':>8s} {'unirl inside':>13s}")
+    for scale, rollout, ours_s, inside, trl_s, ours_acc, trl_acc in rows:
+        print(f"{scale:>4d}x {rollout.prompts_per_iteration * rollout.group_size:8d} {ours_s:11.3f} {trl_s:9.3f} "
+              f"{ours_s / trl_s:6.2f} {ours_acc:10.3f} {trl_acc:8.3f} {inside:13.3f}")
+    print("(ratio: unirl / TRL seconds per iteration; unirl inside: its iteration flow runs' own clock, without their "
+          "creation and the run loop)")
     return 0
 
 
