@@ -4,18 +4,22 @@ state (after `--warmup` iterations, without the last, which also checkpoints and
 
     python benchmarks/iteration_profile.py recipes/ar/quickstart.yaml --iterations 12 sft=null eval.enabled=false
 
-Rows:
-  prefect: subflow start    `rl_iteration(...)` called -> its function body starts (flow run creation,
-                            parameter validation, Running state)
-  prefect: subflow end      body returns -> the call returns (Completed state)
+Each iteration's window runs from its turn (its body may start) to the next iteration's turn.
+Iteration flow runs are started ahead (flows/ahead.py): the next one's start overlaps this one's
+work; `--no-ahead` starts each after the previous ended (the A/B). Rows:
   prefect: task runs        in the body, everything outside the task functions (task-run creation
                             and states)
+  prefect: subflow end      body returns -> the call returns (Completed state)
+  prefect: subflow start (not overlapped)
+                            the run loop asked for the next iteration -> its turn begins: the part
+                            of the next flow run's start (creation, Running state) not hidden
   worker: <cmd>             the worker group's own clock for a command (generate, train, save, ...)
   control: round trips      a command's wall time in the flow minus the worker's own clock
   flow: <task>              the task functions' own work in the flow process outside worker calls
                             (requests, scoring, advantages, manifests)
-  run loop                  between iterations: evaluation check, MLflow, _SUCCESS, artifacts, progress
-In each iteration the rows add up to its wall time (`total`); the medians printed add up about.
+  run loop                  between iterations: evaluation check, _SUCCESS, queueing the report
+In each iteration the rows add up to its window (`total`); the medians printed add up about.
+The fixed orchestration cost is the prefect rows, the run loop and the control round trips.
 """
 from __future__ import annotations
 
@@ -33,59 +37,73 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class Timeline:
-    """(time, label) marks, cut into iterations from one `subflow>` to the next."""
+    """(time, label, iteration) marks from every thread (iteration flow runs start on threads of
+    their own, flows/ahead.py); `iteration` is None for worker calls, which belong to the window
+    they fall in."""
 
     def __init__(self) -> None:
-        self.marks: list[tuple[float, str]] = []
+        self.marks: list[tuple[float, str, int | None]] = []
+        self._lock = __import__("threading").Lock()
 
-    def mark(self, label: str) -> None:
-        self.marks.append((time.perf_counter(), label))
+    def mark(self, label: str, iteration: int | None = None) -> None:
+        with self._lock:
+            self.marks.append((time.perf_counter(), label, iteration))
 
-    def iterations(self) -> list[list[tuple[float, str]]]:
-        starts = [i for i, (_, label) in enumerate(self.marks) if label == "subflow>"]
-        return [self.marks[a:b + 1] for a, b in zip(starts, starts[1:])]  # up to the next start
+    def first(self, label: str, iteration: int) -> float | None:
+        return next((t for t, lab, it in self.marks if lab == label and it == iteration), None)
 
 
-def breakdown(marks: list[tuple[float, str]]) -> dict[str, float]:
-    """Seconds per row of one iteration (from its `subflow>` to the next one)."""
+def breakdown(timeline: Timeline, i: int) -> dict[str, float]:
+    """Seconds per row of iteration i's window: from its turn (`gate<`: its body may start) to
+    the next iteration's turn. The rows add up to the window."""
     out: dict[str, float] = defaultdict(float)
-    t0, t_end = marks[0][0], marks[-1][0]
-    stack: list[tuple[str, float, float]] = []  # open task: (name, start, seconds inside worker calls)
-    body = body_end = returned = call_start = 0.0
+    t0, t_end = timeline.first("gate<", i), timeline.first("gate<", i + 1)
+    body_end, returned = timeline.first("body<", i), timeline.first("subflow<", i)
+    # The run loop ends when it asks for the next iteration: a flow run it starts now (one after
+    # the other), or one started ahead that it lets go (`take>`).
+    asked = [t for t in (timeline.first("take>", i + 1), timeline.first("subflow>", i + 1)) if t is not None and t >= returned]
+    loop_end = min(asked) if asked else t_end
     tasks = 0.0
-    for t, label in marks:
-        if label == "body>":
-            out["prefect: subflow start"] += t - t0
-            body = t
-        elif label == "body<":
-            body_end = t
-        elif label == "subflow<":
-            out["prefect: subflow end"] += t - body_end
-            returned = t
-        elif label.startswith("task>"):
-            stack.append((label[5:], t, 0.0))
-        elif label.startswith("task<"):
-            name, start, inside = stack.pop()
+    open_tasks: list[tuple[str, float, float]] = []
+    call_start = 0.0
+    for t, label, it in timeline.marks:
+        if not t0 <= t <= t_end or (it is not None and it != i):
+            continue
+        if label.startswith("task>"):
+            open_tasks.append((label[5:], t, 0.0))
+        elif label.startswith("task<") and open_tasks:
+            name, start, inside = open_tasks.pop()
             out[f"flow: {name}"] += (t - start) - inside
             tasks += t - start
         elif label.startswith("call>"):
             call_start = t
         elif label.startswith("call<"):
             cmd, worker_s = label[5:].split(" ")
-            wall = t - call_start
             out[f"worker: {cmd}"] += float(worker_s)
-            out["control: round trips"] += wall - float(worker_s)
-            if stack:
-                name, start, inside = stack[-1]
-                stack[-1] = (name, start, inside + wall)
-    out["prefect: task runs"] = (body_end - body) - tasks
-    out["run loop"] = t_end - returned
+            out["control: round trips"] += (t - call_start) - float(worker_s)
+            if open_tasks:
+                name, start, inside = open_tasks[-1]
+                open_tasks[-1] = (name, start, inside + t - call_start)
+            elif returned <= t:  # a held-out evaluation's calls in the run loop
+                out["run loop"] -= t - call_start
+    out["prefect: task runs"] = (body_end - t0) - tasks
+    out["prefect: subflow end"] = returned - body_end
+    out["run loop"] += loop_end - returned
+    out["prefect: subflow start (not overlapped)"] = t_end - loop_end
     out["total"] = t_end - t0
     return dict(out)
 
 
+def overlapped_start(timeline: Timeline, i: int) -> float:
+    """The whole of iteration i's flow-run start (call -> its body's turn could begin), overlapped
+    or not: what starting ahead hides."""
+    return timeline.first("gate>", i) - timeline.first("subflow>", i)
+
+
 def instrument(timeline: Timeline) -> None:
-    """Timers around the subflow, its body, the five task functions and worker-group calls."""
+    """Timers around the iteration subflow, its gate, its body, the five task functions,
+    `Ahead.take` and worker-group calls."""
+    import flows.ahead
     import flows.rl as rl
     import tasks.advantage
     import tasks.generate
@@ -94,32 +112,50 @@ def instrument(timeline: Timeline) -> None:
     import tasks.train
     from stages.workers.group import WorkerGroup
 
-    def around(fn: Callable[..., Any], before: str, after: Callable[[Any], str]) -> Callable[..., Any]:
-        # A function compiled in `fn`'s module, so Prefect still resolves its annotations.
+    def around(fn: Callable[..., Any], before: str, after: str) -> Callable[..., Any]:
+        # A function compiled in `fn`'s module, so Prefect still resolves its annotations; the
+        # iteration is the third positional argument (recipe, run_name, iteration) or `iteration`.
         ns = dict(fn.__globals__, _fn=fn, _mark=timeline.mark, _before=before, _after=after)
-        exec("def wrapped(*a, **k):\n    _mark(_before)\n    out = _fn(*a, **k)\n    _mark(_after(out))\n    return out", ns)
+        exec("def wrapped(*a, **k):\n    i = a[2] if len(a) > 2 else k.get('iteration')\n    _mark(_before, i)\n"
+             "    out = _fn(*a, **k)\n    _mark(_after, i)\n    return out", ns)
         wrapped = ns["wrapped"]
         for attr in ("__name__", "__qualname__", "__doc__", "__module__", "__annotations__", "__defaults__", "__kwdefaults__"):
             setattr(wrapped, attr, getattr(fn, attr))
         wrapped.__wrapped__ = fn
         return wrapped
 
-    rl.rl_iteration.fn = around(rl.rl_iteration.fn, "body>", lambda _: "body<")
+    rl.rl_iteration.fn = around(rl.rl_iteration.fn, "body>", "body<")
     for t in (tasks.generate.generate, tasks.score.score, tasks.advantage.advantage, tasks.train.train, tasks.sync.sync):
-        t.fn = around(t.fn, f"task>{t.name}", lambda _, n=t.name: f"task<{n}")
+        t.fn = around(t.fn, f"task>{t.name}", f"task<{t.name}")
+    wait_turn = rl.wait_turn
+
+    def timed_wait_turn(run_name: str, iteration: int) -> bool:
+        timeline.mark("gate>", iteration)
+        out = wait_turn(run_name, iteration)
+        timeline.mark("gate<", iteration)
+        return out
+
+    rl.wait_turn = timed_wait_turn
     subflow = rl.rl_iteration
 
     class Subflow:
-        def __call__(self, *a: Any, **k: Any) -> Any:
-            timeline.mark("subflow>")
-            out = subflow(*a, **k)
-            timeline.mark("subflow<")
+        def __call__(self, recipe: Any, run_name: str, iteration: int) -> Any:
+            timeline.mark("subflow>", iteration)
+            out = subflow(recipe, run_name, iteration)
+            timeline.mark("subflow<", iteration)
             return out
 
         def __getattr__(self, name: str) -> Any:
             return getattr(subflow, name)
 
     rl.rl_iteration = Subflow()
+    take = flows.ahead.Ahead.take
+
+    def timed_take(self: Any, i: int) -> Any:
+        timeline.mark("take>", i)
+        return take(self, i)
+
+    flows.ahead.Ahead.take = timed_take  # type: ignore[method-assign]
     call = WorkerGroup.call
 
     def timed_call(self: WorkerGroup, cmd: str, **kwargs: Any) -> Any:
@@ -136,6 +172,8 @@ def main() -> int:
     parser.add_argument("recipe")
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-ahead", action="store_true", help="start each iteration's flow run after the previous "
+                        "one ended (flows/ahead.py off): the A/B of starting them ahead")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. sft=null eval.enabled=false")
     args = parser.parse_intermixed_args()
     if args.iterations < args.warmup + 3:
@@ -148,23 +186,33 @@ def main() -> int:
     (work / "prefect").mkdir(parents=True, exist_ok=True)
     timeline = Timeline()
     instrument(timeline)
+    if args.no_ahead:
+        import flows.rl
+
+        flows.rl.LOOKAHEAD = False
     from flows.cli import main as cli
 
     code = cli(["run", args.recipe, f"storage.root={work}", "--run-name", "profile", f"iterations={args.iterations}",
                 f"checkpoint_every={args.iterations}", *args.overrides])
     if code:
         return code
-    # The last iteration has no following `subflow>`: it (and its checkpoint) is left out.
-    rows = [breakdown(m) for m in timeline.iterations()[args.warmup:]]
+    # The last iteration has no following turn: it (and its checkpoint) is left out.
+    steady = range(args.warmup, args.iterations - 1)
+    rows = [breakdown(timeline, i) for i in steady]
+    hidden = statistics.median(overlapped_start(timeline, i) for i in steady)
     if not rows:
         print("error: no steady-state iterations were timed", file=sys.stderr)
         return 1
     keys = sorted({k for r in rows for k in r if k != "total"}, key=lambda k: (k.split(":")[0], k))
     total = statistics.median(r["total"] for r in rows)
-    print(f"\n{args.recipe}: median over {len(rows)} steady-state iterations (ms)")
+    mode = "one after the other (--no-ahead)" if args.no_ahead else "started ahead"
+    print(f"\n{args.recipe}: iteration flow runs {mode}; median over {len(rows)} steady-state iterations (ms)")
     for k in keys + ["total"]:
         v = statistics.median(r.get(k, 0.0) for r in rows)
-        print(f"  {k:28s} {v * 1000:9.1f}  {100 * v / total:5.1f}%")
+        print(f"  {k:40s} {v * 1000:9.1f}  {100 * v / total:5.1f}%")
+    fixed = statistics.median(sum(v for k, v in r.items() if k.startswith(("prefect", "run loop", "control"))) for r in rows)
+    print(f"  {'fixed orchestration cost (prefect, run loop, control)':40s} {fixed * 1000:9.1f}")
+    print(f"  (a flow run's whole start, overlapped or not: {hidden * 1000:.1f} ms)")
     return 0
 
 

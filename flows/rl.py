@@ -11,8 +11,10 @@ from typing import Annotated, Any, Optional
 
 from prefect import flow, get_run_logger
 from prefect.settings import temporary_settings
+from prefect.states import Cancelled
 from pydantic import Field
 
+from flows.ahead import Ahead, wait_turn
 from flows.artifacts import RunArtifacts
 from flows.bookkeeping import Bookkeeping
 from flows.console import Progress, log_to_run_folder, say
@@ -39,10 +41,15 @@ from tasks.sync import sync
 from tasks.train import train
 
 STAGES = ("generate", "score", "advantage", "train", "sync")
+# Start each iteration's flow run while the previous one works (flows/ahead.py); the profile
+# benchmark turns it off for its A/B.
+LOOKAHEAD = True
 
 
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
 def rl_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any]:
+    if not wait_turn(run_name, iteration):  # started ahead (flows/ahead.py), and the run stopped meanwhile
+        return Cancelled(message=f"run {run_name} stopped before {iter_dir(iteration)}'s turn; nothing was done")
     start = time.perf_counter()
     generate_, score_, advantage_, train_, sync_ = (staged(t) for t in (generate, score, advantage, train, sync))
     gen = generate_(recipe, run_name, iteration)
@@ -125,6 +132,7 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
     progress = Progress(recipe.iterations, first)
     evals: dict[int, dict[str, float]] = {}
     books = Bookkeeping()  # MLflow, previews, the registry, progress: off the critical path
+    ahead = Ahead(run_name, recipe.iterations, lambda i: rl_iteration(recipe, run_name, i))
     try:
         # The run's own flow run keeps its heartbeat (started with it); one per iteration flow run
         # would cost up to a second each (Prefect joins a heartbeat thread that sleeps in 1 s
@@ -133,7 +141,7 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
             if recipe.eval.enabled:
                 evals[0] = held_out(recipe, run_name, 0, tracker, "before RL", books)
             for i in range(first, recipe.iterations):
-                summary = rl_iteration(recipe, run_name, i)
+                summary = ahead.take(i) if LOOKAHEAD else rl_iteration(recipe, run_name, i)
                 version = i + 1
                 if summary.get("weights"):
                     books.submit(register, recipe, tracker, storage, run_name, version)
@@ -148,6 +156,7 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
                 last = summary
         books.close()
     except BaseException:
+        ahead.close()
         try:
             books.close()
         except Exception as exc:  # noqa: BLE001 - the run's own error is the one to raise
@@ -156,6 +165,7 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
         artifacts.publish_table()
         raise
     finally:
+        ahead.close()
         progress.close()
         close_group(storage.url())
     tracker.finish()
