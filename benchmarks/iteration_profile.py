@@ -5,11 +5,12 @@ state (after `--warmup` iterations, without the last, which also checkpoints and
     python benchmarks/iteration_profile.py recipes/ar/quickstart.yaml --iterations 12 sft=null eval.enabled=false
 
 Each iteration's window runs from its turn (its body may start) to the next iteration's turn.
-Iteration flow runs are started ahead (flows/ahead.py): the next one's start overlaps this one's
-work; `--no-ahead` starts each after the previous ended (the A/B). Rows:
+With iteration flow runs started ahead (flows/ahead.py; `--ahead on`, while `auto` does so only
+with a GPU worker group and `off` never) the next one's start overlaps this one's work. Rows:
   prefect: task runs        in the body, everything outside the task functions (task-run creation
                             and states)
-  prefect: subflow end      body returns -> the call returns (Completed state)
+  prefect: subflow end      body returns -> the call returns (Completed state); started ahead, 0:
+                            the run loop goes on with the body's result while Prefect ends the run
   prefect: subflow start (not overlapped)
                             the run loop asked for the next iteration -> its turn begins: the part
                             of the next flow run's start (creation, Running state) not hidden
@@ -58,7 +59,11 @@ def breakdown(timeline: Timeline, i: int) -> dict[str, float]:
     the next iteration's turn. The rows add up to the window."""
     out: dict[str, float] = defaultdict(float)
     t0, t_end = timeline.first("gate<", i), timeline.first("gate<", i + 1)
-    body_end, returned = timeline.first("body<", i), timeline.first("subflow<", i)
+    body_end = timeline.first("body<", i)
+    # One after the other, the run loop goes on when the flow run has ended; started ahead, when
+    # its body has handed over its result (Prefect ends the flow run meanwhile, on its thread).
+    ahead = any(label == "take>" for _, label, _ in timeline.marks)
+    returned = body_end if ahead else timeline.first("subflow<", i)
     # The run loop ends when it asks for the next iteration: a flow run it starts now (one after
     # the other), or one started ahead that it lets go (`take>`).
     asked = [t for t in (timeline.first("take>", i + 1), timeline.first("subflow>", i + 1)) if t is not None and t >= returned]
@@ -167,13 +172,37 @@ def instrument(timeline: Timeline) -> None:
     WorkerGroup.call = timed_call  # type: ignore[method-assign]
 
 
+def pin_worker_group(cpus: set[int], others: set[int]) -> None:
+    """Every thread of the worker group's processes on `cpus`, this process (the flow) on `others`;
+    the ephemeral API server, started later by this process, inherits `others`. So the model's
+    work has cores of its own, as on a GPU host, and the flow's bookkeeping the rest."""
+    from stages.workers.group import WorkerGroup
+
+    os.sched_setaffinity(0, others)
+    start = WorkerGroup.start
+
+    def pinned_start(self: WorkerGroup, checkpoint: Any) -> None:
+        start(self, checkpoint)
+        import psutil
+
+        root = psutil.Process(self.proc.pid)
+        for proc in [root, *root.children(recursive=True)]:
+            for thread in proc.threads():
+                os.sched_setaffinity(thread.id, cpus)
+
+    WorkerGroup.start = pinned_start  # type: ignore[method-assign]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe")
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--no-ahead", action="store_true", help="start each iteration's flow run after the previous "
-                        "one ended (flows/ahead.py off): the A/B of starting them ahead")
+    parser.add_argument("--ahead", choices=("auto", "on", "off"), default="auto",
+                        help="start each iteration's flow run while the previous one works (flows/ahead.py): auto "
+                        "(on with a GPU worker group), on, off; the A/B of starting them ahead")
+    parser.add_argument("--pin-worker", type=int, default=None, metavar="CPU",
+                        help="the worker group on core CPU (one thread per rank), the flow and Prefect on the others")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. sft=null eval.enabled=false")
     args = parser.parse_intermixed_args()
     if args.iterations < args.warmup + 3:
@@ -186,10 +215,10 @@ def main() -> int:
     (work / "prefect").mkdir(parents=True, exist_ok=True)
     timeline = Timeline()
     instrument(timeline)
-    if args.no_ahead:
-        import flows.rl
-
-        flows.rl.LOOKAHEAD = False
+    if args.pin_worker is not None:
+        os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank on its one core
+        pin_worker_group({args.pin_worker}, set(range(os.cpu_count() or 1)) - {args.pin_worker})
+    os.environ["UNIRL_OVERLAP_ITERATIONS"] = args.ahead
     from flows.cli import main as cli
 
     code = cli(["run", args.recipe, f"storage.root={work}", "--run-name", "profile", f"iterations={args.iterations}",
@@ -205,7 +234,7 @@ def main() -> int:
         return 1
     keys = sorted({k for r in rows for k in r if k != "total"}, key=lambda k: (k.split(":")[0], k))
     total = statistics.median(r["total"] for r in rows)
-    mode = "one after the other (--no-ahead)" if args.no_ahead else "started ahead"
+    mode = "started ahead" if any(label == "take>" for _, label, _ in timeline.marks) else "one after the other"
     print(f"\n{args.recipe}: iteration flow runs {mode}; median over {len(rows)} steady-state iterations (ms)")
     for k in keys + ["total"]:
         v = statistics.median(r.get(k, 0.0) for r in rows)

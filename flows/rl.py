@@ -6,6 +6,7 @@ finished iteration; every stage returns its committed output instead of recomput
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Annotated, Any, Optional
 
@@ -14,7 +15,7 @@ from prefect.settings import temporary_settings
 from prefect.states import Cancelled
 from pydantic import Field
 
-from flows.ahead import Ahead, wait_turn
+from flows.ahead import Ahead, hand_over, wait_turn
 from flows.artifacts import RunArtifacts
 from flows.bookkeeping import Bookkeeping
 from flows.console import Progress, log_to_run_folder, say
@@ -41,9 +42,22 @@ from tasks.sync import sync
 from tasks.train import train
 
 STAGES = ("generate", "score", "advantage", "train", "sync")
-# Start each iteration's flow run while the previous one works (flows/ahead.py); the profile
-# benchmark turns it off for its A/B.
-LOOKAHEAD = True
+
+
+def starts_ahead(recipe: Recipe) -> bool:
+    """Whether each iteration's flow run starts while the previous one works (flows/ahead.py), by
+    UNIRL_OVERLAP_ITERATIONS: "auto" (the default) when the model works on a GPU, where Prefect's
+    bookkeeping has the host's cores to itself; a CPU worker group takes every core (train.nproc
+    ranks x cores/nproc threads), and measured on 2 cores the overlap only moved the
+    bookkeeping's CPU into the model's (benchmarks/README.md). "on" / "off" force it."""
+    mode = os.environ.get("UNIRL_OVERLAP_ITERATIONS", "auto")
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"UNIRL_OVERLAP_ITERATIONS={mode!r}: use auto, on or off")
+    if mode != "auto":
+        return mode == "on"
+    import torch
+
+    return recipe.train.backend != "gloo" and torch.cuda.is_available()
 
 
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
@@ -73,10 +87,10 @@ def rl_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any
     for name, manifest in zip(STAGES, (gen, scored, adv, trained, synced)):
         metrics[f"time/{name}_s"] = float(manifest.get("seconds", 0.0))
     metrics["time/iteration_s"] = time.perf_counter() - start
-    return {
+    return hand_over(run_name, iteration, {
         "iteration": iteration, "policy_version": synced["policy_version"], "metrics": metrics,
         "checkpoint": synced.get("checkpoint"), "weights": synced.get("weights"),
-    }
+    })
 
 
 @flow(name="rl-train", flow_run_name="{recipe.name}/{run_name}",
@@ -133,6 +147,7 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
     evals: dict[int, dict[str, float]] = {}
     books = Bookkeeping()  # MLflow, previews, the registry, progress: off the critical path
     ahead = Ahead(run_name, recipe.iterations, lambda i: rl_iteration(recipe, run_name, i))
+    overlap = starts_ahead(recipe)
     try:
         # The run's own flow run keeps its heartbeat (started with it); one per iteration flow run
         # would cost up to a second each (Prefect joins a heartbeat thread that sleeps in 1 s
@@ -141,7 +156,7 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
             if recipe.eval.enabled:
                 evals[0] = held_out(recipe, run_name, 0, tracker, "before RL", books)
             for i in range(first, recipe.iterations):
-                summary = ahead.take(i) if LOOKAHEAD else rl_iteration(recipe, run_name, i)
+                summary = ahead.take(i) if overlap else rl_iteration(recipe, run_name, i)
                 version = i + 1
                 if summary.get("weights"):
                     books.submit(register, recipe, tracker, storage, run_name, version)
@@ -154,18 +169,18 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
                 books.submit(report, recipe, tracker, storage, artifacts, i, summary)
                 progress.iteration(i, summary["metrics"])
                 last = summary
+        ahead.close()  # the last flow run's end
         books.close()
     except BaseException:
-        ahead.close()
-        try:
-            books.close()
-        except Exception as exc:  # noqa: BLE001 - the run's own error is the one to raise
-            logger.warning("bookkeeping after the failure also failed: %s: %s", type(exc).__name__, exc)
+        for end in (ahead.close, books.close):
+            try:
+                end()
+            except Exception as exc:  # noqa: BLE001 - the run's own error is the one to raise
+                logger.warning("ending the run after the failure also failed: %s: %s", type(exc).__name__, exc)
         tracker.finish("FAILED")
         artifacts.publish_table()
         raise
     finally:
-        ahead.close()
         progress.close()
         close_group(storage.url())
     tracker.finish()

@@ -95,9 +95,14 @@ class Tracker:
         return path
 
     def log_table(self, step: int, columns: dict[str, list[Any]], key: str) -> str:
-        """Log a table (column -> values) as `tables/<key>/step-<step>.json`; returns its path."""
+        """Log a table (column -> values) as `tables/<key>/step-<step>.json` in MLflow's table
+        layout ({"columns": [...], "data": [[row], ...]}); returns its path. Written as a plain
+        artifact: `MlflowClient.log_table` also reads the run and lists its artifacts to update a
+        tag naming every table, which costs ~25 ms per iteration and grows with the run."""
         path = f"tables/{key}/step-{step:06d}.json"
-        self.client.log_table(self.run_id, data=columns, artifact_file=path)
+        names = list(columns)
+        rows = [list(values) for values in zip(*(columns[n] for n in names))]
+        self.client.log_dict(self.run_id, {"columns": names, "data": rows}, artifact_file=path)
         return path
 
     # -- the model registry ----------------------------------------------------------------------

@@ -51,13 +51,30 @@ REFERENCE = ["run", str(TINY), "iterations=4", SIGNAL, "checkpoint_every=3"]
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, prefect_server):
     """One uninterrupted run the tests below look into and compare with: 4 iterations, a
-    checkpoint after the third, MLflow in the run folder (the default)."""
+    checkpoint after the third, MLflow in the run folder (the default), iteration flow runs
+    started ahead."""
     from tests.conftest import isolated_env
 
     root = tmp_path_factory.mktemp("reference") / "runs"
-    env = {**isolated_env(root.parent), "PREFECT_API_URL": prefect_server.url}
+    # Its iteration flow runs start ahead (flows/ahead.py; off by default on a CPU): the SIGKILL
+    # test's run, one after the other, must end the same.
+    env = {**isolated_env(root.parent), "PREFECT_API_URL": prefect_server.url, "UNIRL_OVERLAP_ITERATIONS": "on"}
     out = run_unirl([*REFERENCE, f"storage.root={root}"], env)
     return root / "tiny", out
+
+
+def test_iteration_flow_runs_started_ahead_are_subflows_that_each_complete(reference, prefect_server):
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    run, _ = reference
+    with prefect_server.client() as client:
+        trains = [r for r in client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["rl-train"])))
+                  if r.parameters.get("recipe", {}).get("storage", {}).get("root") == str(run.parent)]
+        assert len(trains) == 1 and trains[0].state.is_completed()
+        subflows = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[trains[0].id])))
+    # Exactly the run's iterations, each Completed: none started past the last one, none left waiting.
+    assert sorted((r.name, r.state.type.value) for r in subflows) == [(f"iter-{i:06d}", "COMPLETED") for i in range(4)]
 
 
 def test_four_iterations_layout_shards_advantages_and_mlflow(tmp_path, reference):
