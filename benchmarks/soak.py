@@ -4,9 +4,10 @@
 
 Runs `unirl run recipes/ar/tiny.yaml iterations=N` on its own ephemeral Prefect API (its database
 under DIR/prefect) and, every `--every` iterations, prints the RSS of the flow process, of the
-worker ranks and of the Prefect API server, the seconds per iteration over the last window (time
-between the `_SUCCESS` markers, i.e. whole iterations), the Prefect database's size and the run
-folder's size. At the end it compares the last window with the first: RSS and seconds per
+worker ranks and of the Prefect API server, the seconds per iteration over the last window (the
+median over the window's iterations of the time between consecutive `_SUCCESS` markers, i.e.
+whole iterations: a stall of the machine moves a mean, not a median), the Prefect database's size
+and the run folder's size. At the end it compares the last window with the first: RSS and seconds per
 iteration should stay within 10%, and storage grow linearly (the same bytes per iteration).
 """
 from __future__ import annotations
@@ -30,6 +31,14 @@ def folder_bytes(path: Path) -> int:
 
 def done(run: Path) -> int:
     return sum(1 for _ in run.glob("iter-*/_SUCCESS"))
+
+
+def iteration_seconds(run: Path, first: int, end: int) -> float:
+    """Median wall time of iterations [first, end): between consecutive `_SUCCESS` commits."""
+    import statistics
+
+    stamps = [(run / f"iter-{i:06d}" / "_SUCCESS").stat().st_mtime for i in range(first - 1, end)]
+    return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
 
 
 def rss_mib(procs: list[psutil.Process]) -> float:
@@ -82,19 +91,18 @@ def main() -> int:
         time.sleep(0.5)
         n = done(run)
         if last is None and n >= 1:  # windows start at the first commit: start-up is not an iteration
-            last = (1, (run / "iter-000000" / "_SUCCESS").stat().st_mtime)
+            last = 1
         if n < mark or last is None:
             continue
         procs = family(root)
-        now = time.time()
-        per_iter = (now - last[1]) / max(1, n - last[0])
+        per_iter = iteration_seconds(run, last, n)
         db = sum(folder_bytes(p) if p.is_dir() else p.stat().st_size for p in (work / "prefect").glob("*.db*"))
         row = {"iter": n, "flow": rss_mib(procs["flow"]), "workers": rss_mib(procs["workers"]), "prefect": rss_mib(procs["prefect"]),
                "s_iter": per_iter, "db": db / 2**20, "run": folder_bytes(run) / 2**20}
         rows.append(row)
         print(f"{n:5d} {row['flow']:9.0f} {row['workers']:12.0f} {row['prefect']:12.0f} {per_iter:7.2f} {row['db']:15.1f} "
               f"{row['run']:15.1f}", flush=True)
-        last, mark = (n, now), mark + args.every
+        last, mark = n, mark + args.every
     log.close()
     if proc.returncode != 0:
         print(f"the run failed (exit {proc.returncode}); see {work / 'soak.log'}", file=sys.stderr)
