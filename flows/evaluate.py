@@ -10,8 +10,10 @@ from prefect.artifacts import create_table_artifact
 
 from flows.console import say
 
+from stages.evaluation import eval_dir
 from stages.recipe import Recipe
 from stages.run import open_run
+from stages.storage import join
 from stages.tracking import Tracker
 from stages.workers.group import close_group
 from tasks.common import staged
@@ -33,6 +35,8 @@ def evaluate_run(recipe: Recipe, run_name: str = "", version: int | None = None)
     storage, info = open_run(recipe, run_name)
     if version is None:
         version = storage.last_success() + 1
+    if not storage.exists(join(eval_dir(version), "metrics.json")):
+        say(f"[unirl] evaluating v{version:06d} of {run_name} on the held-out prompts (greedy, and {recipe.eval.k} samples each) ...")
     try:
         result = staged(evaluate)(recipe, run_name, version)
     finally:

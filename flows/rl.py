@@ -241,6 +241,8 @@ def register(recipe: Recipe, tracker: Tracker, storage: Any, run_name: str, vers
 def held_out(recipe: Recipe, run_name: str, version: int, tracker: Tracker, label: str, books: Bookkeeping) -> dict[str, float]:
     """Evaluate policy `version` on the held-out split and print it; MLflow, the registry entry's
     tags and the table artifact get the metrics on the bookkeeping thread."""
+    if not storage_of(recipe, run_name).exists(join(eval_dir(version), "metrics.json")):  # minutes on a big split
+        say(f"[unirl] evaluating v{version:06d} on the held-out prompts (greedy, and {recipe.eval.k} samples each) ...")
     result = staged(evaluate)(recipe, run_name, version)
     m = result["metrics"]
     k = recipe.eval.k

@@ -207,6 +207,7 @@ def assert_default_console(out: subprocess.CompletedProcess, iterations: int) ->
     assert all(line.startswith("[unirl] ") for line in lines), [x for x in lines if not x.startswith("[unirl] ")][:5]
     assert sum(" iter-0" in line and f"/{iterations})" in line for line in lines) == iterations
     assert sum("held-out v" in line for line in lines) == 2 and any(line.startswith("[unirl] log: ") for line in lines)
+    assert sum(line.startswith("[unirl] evaluating v") for line in lines) == 2  # a long wait says what it waits for
     log = next(line for line in lines if line.startswith("[unirl] log: ")).split(": ", 1)[1]
     text = Path(log).read_text()
     assert "Beginning subflow run 'iter-000000'" in text and "Task run 'train-" in text  # Prefect's INFO lines go there
