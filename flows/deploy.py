@@ -6,7 +6,9 @@
 
 Every recipe `recipes/<domain>/<name>.yaml` becomes a deployment `<flow>/<name>` whose `recipe`
 parameter is the recipe's YAML, so a deployment run without parameters runs the shipped recipe,
-and the Prefect UI renders the `Recipe` model as the form. Only the part of prefect.yaml between
+and the Prefect UI renders the `Recipe` model as the form. A recipe of several nodes
+(`train.nnodes > 1`) also becomes `node-agent/<name>`: one node's torchrun agent, which the run
+starts once per other node (`train.agents.deployment`) or you do with `prefect deployment run`. Only the part of prefect.yaml between
 the BEGIN/END markers is generated; the rest (work pools, schedules, triggers) is written by hand.
 """
 from __future__ import annotations
@@ -75,7 +77,7 @@ def recipe_deployments(root: Path = ROOT) -> list[dict[str, Any]]:
         out.append({
             "name": recipe.name, "flow": flow_name, "entrypoint": entrypoint, "domain": domain,
             "source": str(path.relative_to(root)), "description": _description(path.read_text()),
-            "recipe": raw,
+            "recipe": raw, "nnodes": recipe.train.nnodes,
         })
     return out
 
@@ -99,8 +101,29 @@ def render(deployments: list[dict[str, Any]]) -> str:
         text += "".join(f"      {line}\n" for line in body.splitlines())
         text = "".join(f"  {line}\n" if line else "\n" for line in text.splitlines())
         chunks.append(f"  # {d['flow']}/{d['name']}: {d['source']}\n" + text)
+    for d in deployments:
+        if d.get("nnodes", 1) > 1:
+            chunks.append(node_agent_deployment(d))
     chunks.append(END)
     return "".join(chunks)
+
+
+def node_agent_deployment(d: dict[str, Any]) -> str:
+    """`node-agent/<name>`: one node of a multi-node recipe's group. No concurrency limit (a run
+    starts one per other node at once); the run passes its own recipe, run name and group."""
+    head = {
+        "name": d["name"],
+        "description": f"One node of a {d['name']} run: its torchrun agent joins the run's worker group "
+                       f"({d['nnodes']} nodes). Started by the run, once per other node (train.agents.deployment).",
+        "entrypoint": "flows/nodes.py:node_agent",
+        "tags": ["unirl", "node-agent", d["domain"]],
+    }
+    text = yaml.safe_dump([head], sort_keys=False, width=120, default_flow_style=None)
+    text += "  work_pool: *cpu-pool\n"
+    text += "  enforce_parameter_schema: true\n"
+    text += f"  parameters:\n    run_name: {d['name']}\n    recipe: *{anchor(d['name'])}\n"
+    text = "".join(f"  {line}\n" if line else "\n" for line in text.splitlines())
+    return f"  # node-agent/{d['name']}: {d['source']}, one per other node\n" + text
 
 
 def update(text: str, deployments: list[dict[str, Any]]) -> str:

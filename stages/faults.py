@@ -6,6 +6,8 @@ OOM killer or `kill -9` would — the moment it reaches them:
     UNIRL_FAULTS=checkpoint     while a checkpoint is being written (in a worker rank)
     UNIRL_FAULTS=sft            in the middle of SFT
     UNIRL_FAULTS=train-rank1@1  worker rank 1 alone, as iteration 1's update starts (the rank dies, not unirl)
+    UNIRL_FAULTS=train-node@1   every rank of a node, its torchrun agent and the `unirl agent` around it, as
+                                iteration 1's update starts: the node is lost (set it on that node only)
 
 Points: requests, generate, score, advantage, train, sync (checkpoint + publish), checkpoint,
 evaluate, sft. A point in a worker rank kills the `unirl` process that owns the group
@@ -20,9 +22,10 @@ import signal
 POINTS = ("requests", "generate", "score", "advantage", "train", "sync", "checkpoint", "evaluate", "sft")
 
 
-def fault_point(point: str, iteration: int | None = None, *, owner: bool = True) -> None:
+def fault_point(point: str, iteration: int | None = None, *, owner: bool = True, node: bool = False) -> None:
     """SIGKILL here if UNIRL_FAULTS names `point` (at `iteration`); `owner`: the `unirl` process
-    that owns this worker group dies too (a run killed inside a stage), else only this process."""
+    that owns this worker group dies too (a run killed inside a stage), else only this process;
+    `node`: this worker rank's node agent (UNIRL_NODE_WRAPPER_PID) and torchrun agent first."""
     spec = os.environ.get("UNIRL_FAULTS")
     if not spec:
         return
@@ -32,4 +35,8 @@ def fault_point(point: str, iteration: int | None = None, *, owner: bool = True)
             pid = int(os.environ.get("UNIRL_OWNER_PID", "0") or 0) if owner else 0
             if pid and pid != os.getpid():
                 os.kill(pid, signal.SIGKILL)
+            if node:
+                for holder in (int(os.environ.get("UNIRL_NODE_WRAPPER_PID", "0") or 0), os.getppid()):
+                    if holder > 1:
+                        os.kill(holder, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
