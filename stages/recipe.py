@@ -364,10 +364,16 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), yaml.safe_load(raw) if raw != "" else None
 
 
+# Old field names an override may still use: `train.nproc=2` sets train.nproc_per_node (so it wins
+# over a recipe file that gives nproc_per_node, as any override does).
+RENAMED = {("train", "nproc"): ["train", "nproc_per_node"]}
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Set `key.sub=value` paths in the raw recipe (values parsed as YAML; list items by index)."""
     for text in overrides:
         path, value = parse_override(text)
+        path = RENAMED.get(tuple(path), path)
         node: Any = data
         for depth, part in enumerate(path):
             last = depth == len(path) - 1
