@@ -9,7 +9,8 @@ so everything the nodes need is in the run folder, under `workers/<group>/`:
     workers/<group>/group.json      the plan: rendezvous endpoint and id, node and rank counts
     workers/<group>/spec.json       what the ranks load (written once the checkpoint is known)
     workers/<group>/ready.json      rank 0: where its control channel listens; every rank's node, host, pid
-    workers/<group>/agents/<host>-<pid>.json   each agent: joined, then how it ended
+    workers/<group>/agents/<host>-<pid>.json   each agent that joined
+    workers/<group>/ended/<host>-<pid>.json    ... and how it ended (exit code, torchrun's report)
     workers/<group>/exits/rank-<r>.json        each rank, on its way out: shut down, or its error
     workers/<group>/stopped.json    the flow is done with the group (waiting agents give up)
 
@@ -128,19 +129,17 @@ def bind_address() -> str:
     return os.environ.get(BIND_ENV, "0.0.0.0")
 
 
-def node_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
-def write_agent(storage: RunStorage, group: str, agent_pid: int, **fields: Any) -> None:
-    """An agent's record: `state` joining, then exited with its torchrun exit code and the failure
-    torchrun named (`first_failure`)."""
+def write_agent(storage: RunStorage, group: str, agent_pid: int, state: str, **fields: Any) -> None:
+    """An agent's records: `joining` (in agents/), then `exited` (in ended/) with its torchrun exit
+    code and the failure torchrun named (`first_failure`)."""
     host = socket.gethostname()
-    storage.write_json(group_rel(group, f"agents/{host}-{agent_pid}.json"), {"host": host, "pid": agent_pid, **fields})
+    folder = "agents" if state == "joining" else "ended"
+    storage.write_json(group_rel(group, f"{folder}/{host}-{agent_pid}.json"), {"host": host, "pid": agent_pid, "state": state, **fields})
 
 
-def agents(storage: RunStorage, group: str) -> list[dict[str, Any]]:
-    return [storage.read_json(group_rel(group, f"agents/{n}")) for n in storage.listdir(group_rel(group, "agents"))]
+def agents(storage: RunStorage, group: str, folder: str = "agents") -> list[dict[str, Any]]:
+    """The agents that joined (`agents`) or that ended (`ended`)."""
+    return [storage.read_json(group_rel(group, f"{folder}/{n}")) for n in storage.listdir(group_rel(group, folder))]
 
 
 def write_exit(storage: RunStorage, group: str, rank: int, status: str, error: str = "") -> None:
@@ -158,10 +157,9 @@ def exits(storage: RunStorage, group: str) -> dict[int, dict[str, Any]]:
 
 
 def failing(storage: RunStorage, group: str) -> bool:
-    """Whether a rank of the group has left with an error or an agent has ended (cheap: two listings)."""
-    if any(r.get("status") == "error" for r in exits(storage, group).values()):
-        return True
-    return any(a.get("state") == "exited" for a in agents(storage, group))
+    """Whether a rank of a running group has left or an agent has ended: two listings, no reads
+    (a group says goodbye only after the flow stopped asking)."""
+    return bool(storage.listdir(group_rel(group, "exits")) or storage.listdir(group_rel(group, "ended")))
 
 
 def name_failure(storage: RunStorage, group: str, ready: dict[str, Any] | None, local: tuple[int, str] | None,
@@ -177,7 +175,7 @@ def name_failure(storage: RunStorage, group: str, ready: dict[str, Any] | None, 
     deadline = time.monotonic() + wait_s
     while True:
         gone = exits(storage, group)
-        reports = {(a["host"], int(a["pid"])): a.get("failure", "") for a in agents(storage, group) if a.get("state") == "exited"}
+        reports = {(a["host"], int(a["pid"])): a.get("failure", "") for a in agents(storage, group, "ended")}
         for n in nodes.values():
             if local is not None and n["agent_pid"] == local[0]:
                 reports[(n["host"], n["agent_pid"])] = local[1]

@@ -156,7 +156,7 @@ def records(nodes: int = 2) -> tuple[RunStorage, str, dict]:
 
 
 def agent_record(storage: RunStorage, host: str, pid: int, **fields) -> None:
-    storage.write_json(rdzv.group_rel("g", f"agents/{host}-{pid}.json"), {"host": host, "pid": pid, **fields})
+    storage.write_json(rdzv.group_rel("g", f"ended/{host}-{pid}.json"), {"host": host, "pid": pid, **fields})
 
 
 def test_a_node_that_left_no_word_is_named_lost_not_the_rank_that_saw_it_go() -> None:
