@@ -9,6 +9,9 @@ OOM killer or `kill -9` would — the moment it reaches them:
     UNIRL_FAULTS=train-node@1   every rank of a node, its torchrun agent and the `unirl agent` around it, as
                                 iteration 1's update starts: the node is lost (set it on that node only)
 
+With UNIRL_FAULTS_ONCE=FILE a fault fires only where FILE does not exist yet (it is created as the
+fault fires): a retried task or a relaunched group then gets through.
+
 Points: requests, generate, score, advantage, train, sync (checkpoint + publish), checkpoint,
 evaluate, sft. A point in a worker rank kills the `unirl` process that owns the group
 (UNIRL_OWNER_PID) and then the rank. Unset (always, outside these tests), a point costs one dict
@@ -32,6 +35,8 @@ def fault_point(point: str, iteration: int | None = None, *, owner: bool = True,
     for item in spec.split(","):
         name, _, at = item.strip().partition("@")
         if name == point and (not at or iteration is None or int(at) == iteration):
+            if not _first_time():
+                return
             pid = int(os.environ.get("UNIRL_OWNER_PID", "0") or 0) if owner else 0
             if pid and pid != os.getpid():
                 os.kill(pid, signal.SIGKILL)
@@ -40,3 +45,16 @@ def fault_point(point: str, iteration: int | None = None, *, owner: bool = True,
                     if holder > 1:
                         os.kill(holder, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _first_time() -> bool:
+    """False when UNIRL_FAULTS_ONCE names a file that exists (the fault fired already); else
+    creates it and says True."""
+    marker = os.environ.get("UNIRL_FAULTS_ONCE")
+    if not marker:
+        return True
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False

@@ -47,6 +47,9 @@ def serve_node(storage: RunStorage, recipe: Any, *, group: str = "", log: Callab
     """Run this node's agent for one group of the run; returns torchrun's exit code (0: the group
     was shut down cleanly). Raises NodeSetupError, saying what to fix, before anything starts when
     the group cannot be joined."""
+    if recipe.train.nnodes == 1:
+        raise rdzv.NodeSetupError("train.nnodes is 1: the run's own host is its only node, there is no group to join "
+                                  "from here (set train.nnodes to the number of nodes)")
     group = group or open_group(storage, recipe.train.startup_timeout_s)
     plan = rdzv.read_plan(storage, group)
     if plan.fingerprint != recipe.fingerprint():

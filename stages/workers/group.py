@@ -144,6 +144,7 @@ class WorkerGroup:
         self.plan = plan = rdzv.new_group(self.storage, self.recipe, run_id)
         self.token = rdzv.group_token(secret, plan.group)
         self._checked = (0.0, False)
+        self.log_path = self.scratch / f"workers-{plan.group}.log"  # torchrun's report of this group only
         first = 0
         if t.agents.flow_host:
             first = 1

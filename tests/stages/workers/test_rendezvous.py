@@ -203,6 +203,8 @@ def test_an_agent_joins_only_an_open_group_of_the_same_recipe(monkeypatch: pytes
     other = recipe("storage.root=s3://b/r", "train.nnodes=2", "train.lr=0.5")
     with pytest.raises(rdzv.NodeSetupError, match="started with another recipe than this agent's"):
         serve_node(storage, other, group=plan.group)
+    with pytest.raises(rdzv.NodeSetupError, match="train.nnodes is 1: the run's own host is its only node"):
+        serve_node(storage, recipe(), group=plan.group)
     storage.write_json(rdzv.group_rel(plan.group, "ready.json"), {"ranks": []})
     with pytest.raises(rdzv.NodeSetupError, match="has already started"):
         serve_node(storage, r, group=plan.group)
