@@ -8,7 +8,8 @@ weights' sha256).
 Faults are real: SIGKILL of `unirl run` at a point named in UNIRL_FAULTS (stages/faults.py: the
 stage's work done, its output not committed), a worker rank killed, moto's S3 server stopped
 and started again, a full tmpfs, a checkpoint file corrupted or its commit marker removed, a
-reward server that comes up late, the same run started twice. tests/e2e/test_faults.py runs the
+reward server that comes up late, the same run started twice, a node of a two-node group lost
+(its `unirl agent`, torchrun agent and rank SIGKILLed mid-train). tests/e2e/test_faults.py runs the
 same rows at tiny size (the SIGKILL rows chained in one run folder).
 """
 from __future__ import annotations
@@ -213,6 +214,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def node_row(bench: Bench) -> Row:
+    """A two-node group (two agents on this machine, c10d on 127.0.0.1, the run folder shared):
+    the second node is lost as iteration 1's update starts, in the group and in the train task's
+    retry; the run fails naming the node and rank. The rerun's group (its second node back)
+    resumes from the last checkpoint and ends where one node with two ranks does. The second
+    node's agents are started for every group the run announces, as the node-agent deployment
+    would (`unirl agent --group`)."""
+    import threading
+
+    root = bench.work / "node"
+    port = 29400 + os.getpid() % 500  # below the ephemeral range: no outgoing connection takes it first
+    extra = [*NO_SFT, "train.nnodes=2", "train.nproc_per_node=1", "train.micro_batch_size=8", "storage.shared=true",
+             f"train.rendezvous.endpoint=127.0.0.1:{port}"]
+    env = {**bench.env, "UNIRL_CONTROL_SECRET": "fault-table-secret"}
+    args = run_args(root, "r", extra)
+
+    def serve_groups(stop: threading.Event, faulty: bool) -> None:
+        seen: set[str] = set()
+        current = root / "r" / "workers" / "current.json"
+        while not stop.is_set():
+            group = json.loads(current.read_text())["group"] if current.exists() else None
+            if group and group not in seen:
+                seen.add(group)
+                agent_env = {**env, "UNIRL_FAULTS": "train-node@1"} if faulty else env
+                subprocess.Popen([sys.executable, "-m", "flows.cli", "agent", str(RECIPE), *args[2:], "--group", group],
+                                 cwd=REPO, env=agent_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.5)
+
+    said, resumed = "", None
+    for faulty in (True, False):
+        stop = threading.Event()
+        agents = threading.Thread(target=serve_groups, args=(stop, faulty), daemon=True)
+        agents.start()
+        try:
+            out = unirl(args, env, check=not faulty)
+        finally:
+            stop.set()
+            agents.join()
+        if faulty:
+            said = next((ln for ln in out.stderr.splitlines() if ln.startswith("error:")), out.stderr[-300:])
+            if out.returncode != 1 or "was lost" not in said:
+                raise RuntimeError(f"a lost node must fail the run naming it:\n{out.stderr[-3000:]}")
+        else:
+            resumed = out
+    same, diffs = bench.equal(root / "r", key="-ws2", extra=[*NO_SFT, "train.nproc=2", "train.micro_batch_size=8"])
+    if diffs:
+        print(f"  node lost: differs in {diffs}", file=sys.stderr)
+    return Row("a node of a 2-node group lost mid-train (its agents and rank SIGKILLed)",
+               said.removeprefix("error: ")[:220] + "; rerun: " + notable(resumed.stdout), same)
+
+
 def s3_row(bench: Bench) -> Row:
     """moto's S3 stopped for 10 s mid-run and started again: storage calls retry with backoff and
     the run completes; meanwhile the same run started again on S3 is refused, naming the owner."""
@@ -328,6 +380,7 @@ def reward_server_row(bench: Bench) -> Row:
 ROWS: dict[str, Callable[[Bench], list[Row]]] = {
     "kill": lambda b: kill_rows(b, chained=False),
     "rank": lambda b: [rank_row(b)],
+    "node": lambda b: [node_row(b)],
     "s3": lambda b: [s3_row(b)],
     "disk": lambda b: [disk_full_row(b)],
     "checkpoint": checkpoint_rows,

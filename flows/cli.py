@@ -4,6 +4,7 @@
     unirl validate RECIPE [key.sub=value ...]
     unirl sft RECIPE [key.sub=value ...] [--run-name NAME]
     unirl evaluate RECIPE [key.sub=value ...] [--run-name NAME] [--version N]
+    unirl agent RECIPE [key.sub=value ...] [--run-name NAME] [--group ID]   (one node of a multi-node run)
     unirl reward-server --config FILE
 """
 from __future__ import annotations
@@ -33,6 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--run-name", default="", help="run folder name (default: the recipe's name)")
     ev.add_argument("--version", type=int, default=None, help="policy version (default: the last finished)")
     ev.add_argument("--verbose", action="store_true", help="Prefect's flow and task run logs on the console too")
+    agent = sub.add_parser("agent", help="run this node's torchrun agent for a multi-node run (train.nnodes > 1)")
+    agent.add_argument("recipe", help="the run's recipe YAML file")
+    agent.add_argument("overrides", nargs="*", help="key.sub=value overrides (the run's)")
+    agent.add_argument("--run-name", default="", help="the run's folder name (default: the recipe's name)")
+    agent.add_argument("--group", default="", help="the group to join (default: the run's newest, waiting for one)")
     val = sub.add_parser("validate", help="print the resolved recipe or every error, without loading a model")
     val.add_argument("recipe", help="recipe YAML file")
     val.add_argument("overrides", nargs="*", help="key.sub=value overrides")
@@ -70,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    if args.command == "agent":  # no Prefect here: the flow runs elsewhere
+        return node_agent(recipe, args.run_name or recipe.name, args.group)
     from flows.console import error_text, failures_once, quiet_prefect
 
     quiet_prefect(args.verbose)  # before Prefect configures its logging
@@ -101,6 +109,21 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"[unirl] done: {result['iterations']} iterations in {result['storage']}", flush=True)
     return 0
+
+
+def node_agent(recipe, run_name: str, group: str) -> int:
+    from stages.storage import RunStorage
+    from stages.workers.agent import serve_node
+    from stages.workers.rendezvous import NodeSetupError
+
+    try:
+        return serve_node(RunStorage(recipe.storage.root, run_name, recipe.storage.options), recipe, group=group,
+                          log=lambda line: print(line, flush=True))
+    except NodeSetupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

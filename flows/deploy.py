@@ -3,10 +3,15 @@
     python -m flows.deploy write            regenerate the recipe deployments in prefect.yaml
     python -m flows.deploy check            exit 1 if prefect.yaml is out of date (CI)
     python -m flows.deploy k8s-gpu-template < default.json > gpu.json
+    python -m flows.deploy k8s-node-template --gpus 8 < default.json > nodes.json   (multi-node: flows/k8s_nodes.py)
+    python -m flows.deploy k8s-flow-template < default.json > flow.json
+    python -m flows.deploy k8s-rdzv-service --name unirl-rdzv --namespace ml | kubectl apply -f -
 
 Every recipe `recipes/<domain>/<name>.yaml` becomes a deployment `<flow>/<name>` whose `recipe`
 parameter is the recipe's YAML, so a deployment run without parameters runs the shipped recipe,
-and the Prefect UI renders the `Recipe` model as the form. Only the part of prefect.yaml between
+and the Prefect UI renders the `Recipe` model as the form. A recipe of several nodes
+(`train.nnodes > 1`) also becomes `node-agent/<name>`: one node's torchrun agent, which the run
+starts once per other node (`train.agents.deployment`) or you do with `prefect deployment run`. Only the part of prefect.yaml between
 the BEGIN/END markers is generated; the rest (work pools, schedules, triggers) is written by hand.
 """
 from __future__ import annotations
@@ -75,7 +80,7 @@ def recipe_deployments(root: Path = ROOT) -> list[dict[str, Any]]:
         out.append({
             "name": recipe.name, "flow": flow_name, "entrypoint": entrypoint, "domain": domain,
             "source": str(path.relative_to(root)), "description": _description(path.read_text()),
-            "recipe": raw,
+            "recipe": raw, "nnodes": recipe.train.nnodes,
         })
     return out
 
@@ -99,8 +104,29 @@ def render(deployments: list[dict[str, Any]]) -> str:
         text += "".join(f"      {line}\n" for line in body.splitlines())
         text = "".join(f"  {line}\n" if line else "\n" for line in text.splitlines())
         chunks.append(f"  # {d['flow']}/{d['name']}: {d['source']}\n" + text)
+    for d in deployments:
+        if d.get("nnodes", 1) > 1:
+            chunks.append(node_agent_deployment(d))
     chunks.append(END)
     return "".join(chunks)
+
+
+def node_agent_deployment(d: dict[str, Any]) -> str:
+    """`node-agent/<name>`: one node of a multi-node recipe's group. No concurrency limit (a run
+    starts one per other node at once); the run passes its own recipe, run name and group."""
+    head = {
+        "name": d["name"],
+        "description": f"One node of a {d['name']} run: its torchrun agent joins the run's worker group "
+                       f"({d['nnodes']} nodes). Started by the run, once per other node (train.agents.deployment).",
+        "entrypoint": "flows/nodes.py:node_agent",
+        "tags": ["unirl", "node-agent", d["domain"]],
+    }
+    text = yaml.safe_dump([head], sort_keys=False, width=120, default_flow_style=None)
+    text += "  work_pool: *cpu-pool\n"
+    text += "  enforce_parameter_schema: true\n"
+    text += f"  parameters:\n    run_name: {d['name']}\n    recipe: *{anchor(d['name'])}\n"
+    text = "".join(f"  {line}\n" if line else "\n" for line in text.splitlines())
+    return f"  # node-agent/{d['name']}: {d['source']}, one per other node\n" + text
 
 
 def update(text: str, deployments: list[dict[str, Any]]) -> str:
@@ -144,9 +170,28 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--file", default=str(ROOT / "prefect.yaml"))
     k8s = sub.add_parser("k8s-gpu-template", help="read a Kubernetes base job template on stdin, write it with GPUs")
     k8s.add_argument("--gpus", type=int, default=1, help="default nvidia.com/gpu per flow run")
+    nodes = sub.add_parser("k8s-node-template", help="the base job template of a work pool for node-agent pods (stdin: the default)")
+    nodes.add_argument("--gpus", type=int, default=1, help="default nvidia.com/gpu per node (train.nproc_per_node)")
+    flow_tpl = sub.add_parser("k8s-flow-template", help="the base job template of the rl-train pods of multi-node runs")
+    for p in (nodes, flow_tpl):
+        p.add_argument("--control-secret", default="unirl", help="Secret holding the key UNIRL_CONTROL_SECRET")
+        p.add_argument("--storage-secret", default="unirl-storage", help="Secret whose keys are the storage credentials")
+    svc = sub.add_parser("k8s-rdzv-service", help="the headless Service in front of node 0 (JSON, for kubectl apply -f -)")
+    svc.add_argument("--name", default="unirl-rdzv")
+    svc.add_argument("--namespace", default="default")
     args = parser.parse_args(argv)
-    if args.command == "k8s-gpu-template":
-        json.dump(k8s_gpu_template(json.load(sys.stdin), args.gpus), sys.stdout, indent=2)
+    if args.command.startswith("k8s-"):
+        from flows import k8s_nodes
+
+        if args.command == "k8s-gpu-template":
+            out = k8s_gpu_template(json.load(sys.stdin), args.gpus)
+        elif args.command == "k8s-node-template":
+            out = k8s_nodes.node_template(json.load(sys.stdin), args.gpus, args.control_secret, args.storage_secret)
+        elif args.command == "k8s-flow-template":
+            out = k8s_nodes.flow_template(json.load(sys.stdin), args.control_secret, args.storage_secret)
+        else:
+            out = k8s_nodes.rdzv_service(args.name, args.namespace)
+        json.dump(out, sys.stdout, indent=2)
         print()
         return 0
     path = Path(args.file)

@@ -28,7 +28,7 @@ from stages.storage import RunStorage, join
 from stages.tracking import Tracker
 from stages.train.manifests import MANIFEST, write_weights_dir
 from stages.workers.group import WorkerGroup
-from tasks.common import announce
+from tasks.common import announce, node_launcher
 
 BASE = "sft/base"
 CHUNK = 50
@@ -40,7 +40,8 @@ def run_sft(recipe: Recipe, storage: RunStorage, tracker: Tracker | None = None)
     target = storage.weights_rel(0)
     if storage.exists(join(target, MANIFEST)):
         return {"weights": target, "reused": True}
-    group = WorkerGroup(recipe, storage, init_weights=BASE, log=announce(logger), mode="sft")
+    group = WorkerGroup(recipe, storage, init_weights=BASE, log=announce(logger), mode="sft",
+                        launch_nodes=node_launcher(recipe, storage.run))
     group.prewarm()  # its imports overlap building the base weights and the SFT data
     try:
         if not storage.exists(join(BASE, MANIFEST)):

@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from stages.algorithms.base import algorithms
 from stages.config_base import EMAConfig, Section
 from stages.models.family import families
+from stages.multinode import AgentsConfig, RendezvousConfig, multinode_errors
 from stages.policies import policies
 from stages.sources import sources
 
@@ -119,7 +120,15 @@ class TrainConfig(Section):
     micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward on each rank.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm; a non-finite norm skips the step.")
     updates_per_batch: int = Field(1, ge=1, description="Optimizer steps per batch (disjoint mini-batches).")
-    nproc: int = Field(1, ge=1, description="Ranks in the torchrun worker group.")
+    nnodes: int = Field(
+        1, ge=1, description="Nodes of the worker group: one torchrun agent each, all joining one c10d rendezvous "
+        "(train.rendezvous, train.agents; docs/deploy.md).")
+    nproc_per_node: int = Field(1, ge=1, description="Ranks of each node (formerly `train.nproc`, still accepted).")
+    min_nnodes: int | None = Field(
+        None, ge=1, description="Elastic groups: start with as few as this many nodes when not all train.nnodes "
+        "come (after train.rendezvous.last_call_s); a checkpoint resumes at any node count. Empty: exactly nnodes.")
+    rendezvous: RendezvousConfig = Field(default_factory=RendezvousConfig, description="The c10d rendezvous of the nodes.")
+    agents: AgentsConfig = Field(default_factory=AgentsConfig, description="How the nodes' torchrun agents start.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend (auto: nccl on GPU, else gloo).")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="constant; linear warm-up then linear decay; cosine with warm-up."
@@ -135,12 +144,33 @@ class TrainConfig(Section):
         "off", description="FSDP2 mixed precision: bf16 parameters in forward and backward, fp32 gradient reduction; "
         "weights and optimizer stay in model.dtype (use with float32). Any world size; needs the worker group.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_nproc(cls, data: Any) -> Any:
+        """`nproc` is the name recipes used before multi-node groups: it means nproc_per_node."""
+        if isinstance(data, dict) and "nproc" in data:
+            data = dict(data)
+            nproc = data.pop("nproc")
+            if "nproc_per_node" in data and data["nproc_per_node"] != nproc:
+                raise ValueError(f"train.nproc: {nproc!r} is the old name of train.nproc_per_node, which is also given "
+                                 f"({data['nproc_per_node']!r}); keep only nproc_per_node")
+            data["nproc_per_node"] = nproc
+        return data
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the whole group at its full size."""
+        return self.nnodes * self.nproc_per_node
+
 
 class StorageConfig(Section):
     """Where runs live: any fsspec URL."""
 
     root: str = Field("runs", description="Local path, file://, s3://bucket/prefix or memory:// (single process only).")
     options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options (e.g. s3 client_kwargs).")
+    shared: bool = Field(
+        False, description="A local `root` is a shared filesystem mounted at the same path on every node (NFS, "
+        "Lustre...): needed for a local root when train.nnodes > 1.")
 
 
 class TrackingConfig(Section):
@@ -220,6 +250,7 @@ class Recipe(Section):
             errors.append(f"train.updates_per_batch: algorithm {algo.name!r} takes one update per batch, not "
                           f"{self.train.updates_per_batch}; set train.updates_per_batch=1 or choose another algorithm.name")
         errors += credential_errors(self)
+        errors += multinode_errors(self)
         if self.sft is not None and self.sft.source == "file" and not self.sft.path:
             errors.append("sft.path: `source: file` needs the path of a JSONL or Arrow file of prompt/response records")
         if errors:
@@ -276,10 +307,11 @@ class Recipe(Section):
 
     def fingerprint(self) -> str:
         """sha256 of the resolved recipe, without where it is stored and tracked, how long it runs,
-        and where and how it loads (ranks, backend, sharded loading: a run checkpointed at one world
-        size resumes at another, DCP resharding it)."""
-        data = self.model_dump(mode="json", exclude={"storage": {"root", "options"}, "tracking": True, "iterations": True,
-                                                     "train": {"nproc", "backend", "startup_timeout_s", "sharded_load"}})
+        and where and how it loads (nodes, ranks, how the agents start, backend, sharded loading: a
+        run checkpointed at one world size resumes at another, DCP resharding it)."""
+        data = self.model_dump(mode="json", exclude={"storage": {"root", "options", "shared"}, "tracking": True, "iterations": True,
+                                                     "train": {"nnodes", "nproc_per_node", "min_nnodes", "rendezvous",
+                                                               "agents", "backend", "startup_timeout_s", "sharded_load"}})
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def to_yaml(self) -> str:
@@ -332,10 +364,16 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), yaml.safe_load(raw) if raw != "" else None
 
 
+# Old field names an override may still use: `train.nproc=2` sets train.nproc_per_node (so it wins
+# over a recipe file that gives nproc_per_node, as any override does).
+RENAMED = {("train", "nproc"): ["train", "nproc_per_node"]}
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Set `key.sub=value` paths in the raw recipe (values parsed as YAML; list items by index)."""
     for text in overrides:
         path, value = parse_override(text)
+        path = RENAMED.get(tuple(path), path)
         node: Any = data
         for depth, part in enumerate(path):
             last = depth == len(path) - 1

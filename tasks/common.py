@@ -1,4 +1,5 @@
-"""What the tasks share: the run's storage and the process-wide worker group of a run."""
+"""What the tasks share: the run's storage, the process-wide worker group of a run, and how the
+other nodes of a multi-node group start (`node_launcher`)."""
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
@@ -12,7 +13,8 @@ from flows.console import say
 from stages.engines import RolloutEngine, engines
 from stages.recipe import Recipe
 from stages.storage import RunStorage
-from stages.workers.group import WorkerGroup, get_group
+from stages.workers.group import NodeLauncher, WorkerGroup, get_group
+from stages.workers.rendezvous import GroupPlan, NodeSetupError
 
 T = TypeVar("T")
 _UNTAGGED: dict[int, Any] = {}
@@ -61,7 +63,8 @@ def announce(logger: Any) -> Callable[[str], None]:
 def group_of(recipe: Recipe, storage: RunStorage) -> WorkerGroup:
     """The run's trainer: the process-wide worker group (tasks of one flow run share it)."""
     def make() -> WorkerGroup:
-        return WorkerGroup(recipe, storage, init_weights=storage.weights_rel(0), log=announce(get_run_logger()))
+        return WorkerGroup(recipe, storage, init_weights=storage.weights_rel(0), log=announce(get_run_logger()),
+                           launch_nodes=node_launcher(recipe, storage.run))
 
     return get_group(storage.url(), make)
 
@@ -69,3 +72,37 @@ def group_of(recipe: Recipe, storage: RunStorage) -> WorkerGroup:
 def engine_of(recipe: Recipe, storage: RunStorage) -> RolloutEngine:
     """The run's rollout engine, from the recipe's `rollout.engine` (the engine registry)."""
     return engines.get(recipe.rollout.engine.name)(recipe, storage, group_of(recipe, storage))
+
+
+def node_launcher(recipe: Recipe, run_name: str) -> NodeLauncher | None:
+    """The run's way of starting its other nodes' agents (`train.agents.deployment`), or None
+    (one node, or agents started by hand)."""
+    agents = recipe.train.agents
+    if recipe.train.nnodes == 1 or not agents.deployment:
+        return None
+
+    def launch(plan: GroupPlan, nodes: list[int]) -> None:
+        from prefect.client.orchestration import get_client
+        from prefect.deployments import run_deployment
+        from prefect.exceptions import ObjectNotFound
+
+        with get_client(sync_client=True) as client:
+            try:
+                deployment = client.read_deployment_by_name(agents.deployment)
+            except ObjectNotFound:
+                raise NodeSetupError(
+                    f"train.agents.deployment: no deployment {agents.deployment!r} on the Prefect API "
+                    f"({client.api_url}); deploy it (`prefect deploy --name {agents.deployment.split('/')[-1]}`) and run "
+                    "against that server (PREFECT_API_URL), or leave it empty and start `unirl agent` on each node") from None
+            pool = client.read_work_pool(deployment.work_pool_name) if deployment.work_pool_name else None
+        declared = set(((pool.base_job_template or {}).get("variables") or {}).get("properties") or {}) if pool else set()
+        params = {"recipe": recipe.model_dump(mode="json"), "run_name": run_name, "group": plan.group}
+        for k, index in enumerate(nodes):
+            run_deployment(
+                agents.deployment, parameters={**params, "node_index": index}, timeout=0, as_subflow=False,
+                work_queue_name=agents.work_queues[k] if agents.work_queues else None,
+                job_variables={"node_index": index} if "node_index" in declared else None,
+                tags=["unirl", f"run:{run_name}", f"group:{plan.group}"],
+            )
+
+    return launch

@@ -1,6 +1,11 @@
 """The client side of the worker group: launch `torchrun -m stages.workers` (one rank: the rank
 process itself, without the agent), send it commands, notice when it died (naming the rank that
-failed first), and bring it back at the right policy version.
+failed first, and at several nodes the node), and bring it back at the right policy version.
+
+Several nodes (`train.nnodes`): this host's agent is one of them (`train.agents.flow_host`), the
+others are started by `launch_nodes` (the run's Prefect deployment, tasks/common.py) or by hand
+(`unirl agent`); the spec, rank 0's address and the ranks' last words go through run storage
+(stages/workers/rendezvous.py).
 
 A group lives across iterations (weights and optimizer load once). Relaunching restores the
 latest committed checkpoint at or below the wanted version, then replays the train steps of the
@@ -25,69 +30,65 @@ from typing import Any, Callable
 
 from stages.recipe import Recipe
 from stages.storage import RunStorage, iter_dir, join
+from stages.workers import rendezvous as rdzv
 from stages.workers.control import recv_json, send_json
+from stages.workers.processes import die_with_parent, first_failure, free_port, kill_tree, threads_per_rank  # noqa: F401 (re-exported)
 
 
 class WorkerError(RuntimeError):
     """A command failed inside the worker group (the message carries the remote traceback)."""
 
 
-def threads_per_rank(nproc: int) -> int:
-    """CPU threads of each rank: the cores split between the ranks, or at most `OMP_NUM_THREADS`
-    when the user set it (two runs sharing a machine each take their share; more threads than
-    cores makes CPU kernels many times slower)."""
-    share = max(1, (os.cpu_count() or 1) // nproc)
-    cap = os.environ.get("OMP_NUM_THREADS", "")
-    return min(share, int(cap)) if cap.isdigit() and int(cap) > 0 else share
-
-
 class WorkerGroupDied(WorkerError):
     """The worker group's processes exited; the message names the rank that died first (as
-    torchrun reports it) and carries the end of the group's log."""
+    torchrun reports it) and carries the end of the group's log. `kind`: `lost` (a node), `signal`
+    (a rank killed), `error` (a rank raised), or "" when nothing says."""
+
+    def __init__(self, message: str, kind: str = ""):
+        super().__init__(message)
+        self.kind = kind
 
 
-def first_failure(log: str) -> str:
-    """`rank R (local rank L, pid P) exited with <signal or code>` from torchrun's report of the
-    first failure in `log` ('' when it has none)."""
-    import re
-
-    root = log.rfind("Root Cause")  # the report lists the other ranks' failures first
-    m = re.search(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)",
-                  log[root:] if root >= 0 else log)
-    if m is None:
-        return ""
-    rank, local, code, pid = m.groups()
-    code_i = int(code)
-    how = f"signal {signal.Signals(-code_i).name}" if code_i < 0 and -code_i in signal.valid_signals() else f"exit code {code_i}"
-    return f"rank {rank} (local rank {local}, pid {pid}) exited with {how}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Starts the other nodes' agents of a new group: (plan, node indices) -> None.
+NodeLauncher = Callable[["rdzv.GroupPlan", list[int]], None]
 
 
 class WorkerGroup:
     def __init__(self, recipe: Recipe, storage: RunStorage, *, init_weights: str, log: Callable[[str], None] = print,
-                 mode: str = "rl"):
+                 mode: str = "rl", launch_nodes: NodeLauncher | None = None):
         self.recipe = recipe
         self.mode = mode
         self.storage = storage
         self.init_weights = init_weights
         self.log = log
-        self.proc: subprocess.Popen | None = None
+        self.launch_nodes = launch_nodes
+        self.multinode = recipe.train.nnodes > 1
+        self.plan: rdzv.GroupPlan | None = None  # several nodes: the group being started or running
+        self.ready: dict[str, Any] | None = None  # rank 0's address and every rank's node, host, pid
+        self.proc: subprocess.Popen | None = None  # this host's torchrun agent (or the one rank)
+        self.host = "127.0.0.1"
         self.port: int | None = None
         self.version: int | None = None
         self.token = secrets.token_hex(16)
         self.scratch = Path(tempfile.mkdtemp(prefix=f"unirl-{storage.run}-"))
         self.log_path = self.scratch / "workers.log"
-        self._threads = threads_per_rank(recipe.train.nproc)
+        self._threads = threads_per_rank(recipe.train.nproc_per_node)
         self._lock = threading.Lock()
+        self._checked = (0.0, False)  # (when, whether the group's records said it is failing)
 
     # -- lifecycle --------------------------------------------------------------------------
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        """One node: the agent runs. Several: this host's agent (if any) runs, and no rank or agent
+        has reported an error or an exit (read from storage at most every 2 s)."""
+        if not self.multinode:
+            return self.proc is not None and self.proc.poll() is None
+        if self.plan is None or (self.proc is not None and self.proc.poll() is not None):
+            return False
+        when, bad = self._checked
+        if time.monotonic() - when > 2.0:
+            bad = rdzv.failing(self.storage, self.plan.group)
+            self._checked = (time.monotonic(), bad)
+        return not bad
 
     def prewarm(self) -> None:
         """Launch the group's processes now, before there is anything to load: they import torch
@@ -99,14 +100,18 @@ class WorkerGroup:
         t = self.recipe.train
         for path in (self.scratch / "spec.json", self.scratch / "ready.json"):
             path.unlink(missing_ok=True)
-        threads = threads_per_rank(t.nproc)
+        threads = threads_per_rank(t.nproc_per_node)
         env = {**os.environ, "UNIRL_CONTROL_TOKEN": self.token, "OMP_NUM_THREADS": str(threads),
                "UNIRL_OWNER_PID": str(os.getpid())}
         spec_path = self.scratch / "spec.json"
         from stages.models.family import get_family
 
         preload = ["--preload", ",".join(get_family(self.recipe.model.kind).modules)]
-        if t.nproc == 1:
+        self._threads = threads
+        if self.multinode:
+            self._prewarm_nodes(env, preload)
+            return
+        if t.nproc_per_node == 1:
             # One rank needs no torchrun agent (an extra interpreter importing torch, ~2 s a start):
             # the rank itself, with the rendezvous variables torchrun would set.
             cmd = [sys.executable, "-m", "stages.workers", "--spec", str(spec_path), *preload]
@@ -114,18 +119,47 @@ class WorkerGroup:
                        MASTER_PORT=str(free_port()))
         else:
             cmd = [
-                sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(t.nproc),
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(t.nproc_per_node),
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
                 "-m", "stages.workers", "--spec", str(spec_path), *preload,
             ]
+        self._launch(cmd, env)
+
+    def _launch(self, cmd: list[str], env: dict[str, str]) -> None:
         logf = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             preexec_fn=die_with_parent, start_new_session=True,
         )
         logf.close()
-        self._threads = threads
         _LIVE.add(self)
+
+    def _prewarm_nodes(self, env: dict[str, str], preload: list[str]) -> None:
+        """Several nodes: announce a new group in run storage, start this host's agent (when it is
+        a node) and the other nodes' (`launch_nodes`). Each agent's ranks import while the
+        rendezvous fills and the run sets up; they read the spec from storage once it is there."""
+        t = self.recipe.train
+        secret = rdzv.control_secret(t.nnodes)  # before anything starts: a missing secret is a setup error
+        run_id = (self.storage.read_json("run.json") if self.storage.exists("run.json") else {}).get("run_id") or self.token
+        self.plan = plan = rdzv.new_group(self.storage, self.recipe, run_id)
+        self.token = rdzv.group_token(secret, plan.group)
+        self._checked = (0.0, False)
+        self.log_path = self.scratch / f"workers-{plan.group}.log"  # torchrun's report of this group only
+        first = 0
+        if t.agents.flow_host:
+            first = 1
+            pointer = self.scratch / "node.json"
+            pointer.write_text(json.dumps(rdzv.node_pointer(self.storage, plan, self.scratch, self._threads)))
+            cmd = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args(), "-m", "stages.workers",
+                   "--spec", str(pointer), *preload]
+            self._launch(cmd, {**env, "UNIRL_CONTROL_TOKEN": self.token})
+            rdzv.write_agent(self.storage, plan.group, self.proc.pid, state="joining")
+        others = list(range(first, t.nnodes))
+        if others and self.launch_nodes is not None:
+            self.launch_nodes(plan, others)
+        elif others:
+            self.log(f"waiting for {len(others)} more node(s) at rendezvous {plan.endpoint}: start each with "
+                     f"`unirl agent RECIPE --run-name {self.storage.run}` there")
 
     def start(self, checkpoint: int | None) -> None:
         """Load `checkpoint` (a committed version) or the initial weights into the group: the
@@ -147,20 +181,46 @@ class WorkerGroup:
         tmp.write_text(json.dumps(spec))
         tmp.replace(spec_path)  # the ranks wait for this file to appear whole
         what = f"checkpoint {checkpoint}" if checkpoint is not None else "initial weights"
-        self.log(f"starting worker group: {t.nproc} rank(s), {what}")
+        if self.multinode:
+            self.storage.write_json(rdzv.group_rel(self.plan.group, "spec.json"), {**spec, "endpoint": self.plan.endpoint})
+            nodes = f"{self.plan.min_nnodes}-{t.nnodes}" if self.plan.min_nnodes != t.nnodes else str(t.nnodes)
+            self.log(f"starting worker group: {nodes} node(s) x {t.nproc_per_node} rank(s), {what}")
+        else:
+            self.log(f"starting worker group: {t.nproc_per_node} rank(s), {what}")
         deadline = time.monotonic() + t.startup_timeout_s
-        while not ready.exists():
+        while (info := self._ready(ready)) is None:
             if not self.alive():
+                if self.multinode:
+                    raise self.died("while starting")
                 raise WorkerGroupDied(f"worker group exited while starting:\n{self.log_tail()}")
             if time.monotonic() > deadline:
+                waiting = self._waiting_for() if self.multinode else ""
                 self.stop()
-                raise WorkerGroupDied(f"worker group not ready after {t.startup_timeout_s}s:\n{self.log_tail()}")
-            time.sleep(0.05)
-        info = json.loads(ready.read_text())
-        self.port, self.version = info["port"], info["version"]
+                raise WorkerGroupDied(f"worker group not ready after {t.startup_timeout_s}s{waiting}:\n{self.log_tail()}")
+            time.sleep(0.05 if not self.multinode else 0.25)
+        self.ready = info
+        self.host, self.port, self.version = info["host"], info["port"], info["version"]
+        if self.multinode:
+            hosts = sorted({r["host"] for r in info["ranks"]})
+            self.log(f"worker group ready: {info['world_size']} rank(s) on {len({r['node'] for r in info['ranks']})} "
+                     f"node(s) ({', '.join(hosts)}); rank 0 on {info['ranks'][0]['host']}, control at {self.host}:{self.port}")
+
+    def _ready(self, local: Path) -> dict[str, Any] | None:
+        if not self.multinode:
+            return json.loads(local.read_text()) if local.exists() else None
+        rel = rdzv.group_rel(self.plan.group, "ready.json")
+        return self.storage.read_json(rel) if self.storage.exists(rel) else None
+
+    def _waiting_for(self) -> str:
+        """Why a group of several nodes did not form: how many agents joined the rendezvous."""
+        joined = rdzv.agents(self.storage, self.plan.group)
+        hosts = ", ".join(sorted(a["host"] for a in joined)) or "none"
+        return (f": {len(joined)} of {self.plan.nnodes} node agent(s) joined rendezvous {self.plan.endpoint} "
+                f"(id {self.plan.rdzv_id}; joined: {hosts}); every node must run its agent (train.agents) and reach "
+                f"the endpoint and {self.storage.url()}")
 
     def stop(self, timeout: float = 20.0) -> None:
-        if self.proc is None:
+        if self.proc is None and self.plan is None:
             return
         if self.alive() and self.port is not None:  # a group that never became ready has no control port
             try:
@@ -168,17 +228,30 @@ class WorkerGroup:
             except (WorkerError, OSError):
                 pass
             try:
-                self.proc.wait(timeout=timeout)
+                if self.proc is not None:
+                    self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 pass
-        kill_tree(self.proc)
+        if self.proc is not None:
+            kill_tree(self.proc)
+        if self.plan is not None:  # this host's agent's last record; agents still waiting for the group give up
+            try:
+                if self.proc is not None and self.recipe.train.agents.flow_host:
+                    rdzv.write_agent(self.storage, self.plan.group, self.proc.pid, state="exited",
+                                     exit_code=self.proc.returncode, failure=first_failure(self.log_tail(80)))
+                self.storage.write_json(rdzv.group_rel(self.plan.group, "stopped.json"), {"group": self.plan.group})
+            except Exception:  # noqa: BLE001 - the group is gone either way; waiting agents time out
+                pass
         self.proc = None
+        self.plan = None
+        self.ready = None
         self.port = None
         self.version = None
         _LIVE.discard(self)
 
     def died(self, when: str) -> WorkerGroupDied:
-        """The error for a group found dead `when`, naming the rank that failed first."""
+        """The error for a group found dead `when`, naming the rank that failed first (and, at
+        several nodes, its node; a lost node before the ranks that only saw it go)."""
         if self.proc is not None:
             try:
                 self.proc.wait(timeout=15)  # torchrun writes its failure report on the way out
@@ -186,12 +259,15 @@ class WorkerGroup:
                 pass
         tail = self.log_tail(80)
         who = first_failure(tail)
+        kind = "signal" if "signal" in who else ""
+        if self.multinode and self.plan is not None:
+            kind, who = rdzv.name_failure(self.storage, self.plan.group, self.ready, (self.proc.pid, who) if self.proc else None)
         code = self.proc.returncode if self.proc is not None else None
-        if not who and self.recipe.train.nproc == 1 and code is not None and code != 0:  # no agent: the rank is the process
+        if not who and self.recipe.train.nproc_per_node == 1 and code is not None and code != 0:  # no agent: the rank is the process
             how = f"signal {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exit code {code}"
             who = f"rank 0 (pid {self.proc.pid}) exited with {how}"
         head = f"worker {who} {when}; the group is gone" if who else f"worker group died {when}"
-        return WorkerGroupDied(f"{head} (rerun to resume from the last checkpoint):\n{tail}")
+        return WorkerGroupDied(f"{head} (rerun to resume from the last checkpoint):\n{tail}", kind)
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -203,7 +279,7 @@ class WorkerGroup:
     def _send(self, cmd: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         if not self.alive():
             raise WorkerGroupDied(f"worker group is not running:\n{self.log_tail()}")
-        with self._lock, socket.create_connection(("127.0.0.1", self.port), timeout=30) as sock:
+        with self._lock, socket.create_connection((self.host, self.port), timeout=30) as sock:
             send_json(sock, {"token": self.token, "cmd": cmd, "args": args})
             sock.settimeout(1.0)
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -220,7 +296,11 @@ class WorkerGroup:
                     time.sleep(0.5)
                     raise self.died(f"(it closed the connection) during {cmd!r}") from None
         if not reply.get("ok"):
-            if cmd != "shutdown":
+            if cmd != "shutdown" and self.multinode:
+                died = self.died(f"during {cmd!r}")
+                if died.kind != "error":  # a node or a rank is gone: this rank's collective broke with it
+                    raise died from WorkerError(str(reply.get("error")))
+            elif cmd != "shutdown":
                 try:
                     self.proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
@@ -266,28 +346,6 @@ class WorkerGroup:
         self.log(f"replaying the train step of {iter_dir(iteration)} from storage")
         rollouts = [f for gen in gens for f in gen["files"]]
         return self.call("train", iteration=iteration, rollouts=rollouts, advantages=adv["files"][0])
-
-
-def die_with_parent() -> None:
-    """Linux: get SIGKILL when the parent process dies (PR_SET_PDEATHSIG), so no child is orphaned."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the torchrun agent and every rank (they share its process group)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 _LIVE: set[WorkerGroup] = set()

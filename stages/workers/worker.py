@@ -115,6 +115,7 @@ class Worker:
     def train(self, iteration: int, rollouts: list[str], advantages: str) -> dict[str, Any]:
         """One batch: `train.updates_per_batch` optimizer steps over this rank's micro-batches."""
         fault_point(f"train-rank{self.rank}", iteration, owner=False)
+        fault_point("train-node", iteration, owner=False, node=True)
         start = time.perf_counter()
         table = read_rollouts(self.storage, rollouts)
         adv_table = read_shard(self.storage, advantages, "advantages")

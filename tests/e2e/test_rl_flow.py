@@ -237,7 +237,7 @@ def test_world_size_two_and_resume_at_another_world_size(tmp_path, unirl_env):
     out = run_unirl(["run", str(TINY), "iterations=4", *common, "train.nproc=2"], unirl_env)
     assert "[unirl] iter-000003 (4/4)" in out.stdout
     check_layout(run, 4)
-    assert "nproc: 2" in (run / "recipe.yaml").read_text()
+    assert "nproc_per_node: 2" in (run / "recipe.yaml").read_text()
     assert json.loads((run / "checkpoints/000003/extra.json").read_text())["world_size"] == 1
     assert json.loads((run / "checkpoints/000004/extra.json").read_text())["world_size"] == 2
 

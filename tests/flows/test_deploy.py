@@ -23,7 +23,8 @@ def test_prefect_yaml_is_generated_from_the_recipes() -> None:
 
 def test_every_shipped_recipe_is_a_schema_enforced_deployment() -> None:
     config = yaml.safe_load((REPO / "prefect.yaml").read_text())
-    deployments = {d["name"]: d for d in config["deployments"]}
+    deployments = {d["name"]: d for d in config["deployments"] if d["entrypoint"] != "flows/nodes.py:node_agent"}
+    agents = {d["name"]: d for d in config["deployments"] if d["entrypoint"] == "flows/nodes.py:node_agent"}
     recipes = sorted((REPO / "recipes").glob("*/*.yaml"))
     assert recipes
     for path in recipes:
@@ -33,6 +34,12 @@ def test_every_shipped_recipe_is_a_schema_enforced_deployment() -> None:
         assert dep["enforce_parameter_schema"] is True
         assert dep["work_pool"]["name"] == "cpu"
         assert Recipe.model_validate(dep["parameters"]["recipe"]) == recipe
+        # a recipe of several nodes also ships the deployment that starts its other nodes' agents
+        assert (recipe.name in agents) == (recipe.train.nnodes > 1), recipe.name
+        if recipe.name in agents:
+            assert agents[recipe.name]["parameters"]["recipe"] == dep["parameters"]["recipe"]
+            assert recipe.train.agents.deployment == f"node-agent/{recipe.name}"
+            assert "concurrency_limit" not in agents[recipe.name]  # one run per other node, at once
     for dep in config["deployments"]:
         assert (REPO / dep["entrypoint"].split(":")[0]).is_file(), dep["entrypoint"]
     nightly = deployments["tiny-nightly"]

@@ -1,0 +1,60 @@
+"""Local processes of a worker group: how many threads each rank takes, launching so that a
+child dies with its parent, ending a whole torchrun tree, and reading torchrun's failure report."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+
+
+def threads_per_rank(nproc: int) -> int:
+    """CPU threads of each rank: the cores split between the ranks, or at most `OMP_NUM_THREADS`
+    when the user set it (two runs sharing a machine each take their share; more threads than
+    cores makes CPU kernels many times slower)."""
+    share = max(1, (os.cpu_count() or 1) // nproc)
+    cap = os.environ.get("OMP_NUM_THREADS", "")
+    return min(share, int(cap)) if cap.isdigit() and int(cap) > 0 else share
+
+
+def first_failure(log: str) -> str:
+    """`rank R (local rank L, pid P) exited with <signal or code>` from torchrun's report of the
+    first failure in `log` ('' when it has none)."""
+    root = log.rfind("Root Cause")  # the report lists the other ranks' failures first
+    m = re.search(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)",
+                  log[root:] if root >= 0 else log)
+    if m is None:
+        return ""
+    rank, local, code, pid = m.groups()
+    code_i = int(code)
+    how = f"signal {signal.Signals(-code_i).name}" if code_i < 0 and -code_i in signal.valid_signals() else f"exit code {code_i}"
+    return f"rank {rank} (local rank {local}, pid {pid}) exited with {how}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """Linux: get SIGKILL when the parent process dies (PR_SET_PDEATHSIG), so no child is orphaned."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the torchrun agent and every rank (they share its process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
