@@ -176,13 +176,16 @@ def read_records(
 
 def _row_images(value: Any, path: Path, where: str, column: str) -> tuple[bytes, ...]:
     """A row's images (one, or a list) as PNG bytes; none, a missing file or bad bytes fail."""
-    from stages.images import load_image_value
+    from stages.images import ImageError, load_image_value
 
     values = list(value) if isinstance(value, (list, tuple)) else [] if value is None else [value]
     if not values:
         raise DataFileError(f"{path}: {where} has no image (column {column!r}); every prompt needs one or more")
-    return tuple(load_image_value(v, path.parent, f"{path}: {where}: column {column!r}" + (f" item {k}" if len(values) > 1 else ""))
-                 for k, v in enumerate(values))
+    try:
+        return tuple(load_image_value(v, path.parent, f"{path}: {where}: column {column!r}" + (f" item {k}" if len(values) > 1 else ""))
+                     for k, v in enumerate(values))
+    except ImageError as exc:
+        raise DataFileError(str(exc)) from None
 
 
 class FilePrompts:

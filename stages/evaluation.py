@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from stages.data import build_prompt_source
-from stages.iteration import SCORED_COLUMNS, request_rows, score_batch
+from stages.iteration import SCORED_COLUMNS, reads_images, request_rows, score_batch
 from stages.recipe import Recipe
 from stages.rewards.base import build_scorer, run_scorer
 from stages.sample import read_rollouts, table_from_rows, write_shard
@@ -30,7 +30,7 @@ def correctness(storage: RunStorage, recipe: Recipe, rollouts: list[str]) -> tup
     """(group ids, 0/1 correctness) of every sample in `rollouts`."""
     table = read_rollouts(storage, rollouts, columns=SCORED_COLUMNS)
     name, params = recipe.eval_scorer()
-    scores = run_scorer(build_scorer(name, **params), score_batch(table)).scores
+    scores = run_scorer(build_scorer(name, **params), score_batch(table, prompt_images=reads_images([name]))).scores
     return table.column("group_id").to_pylist(), (scores >= 1.0).astype(np.float64)
 
 

@@ -95,15 +95,18 @@ SCORED_COLUMNS = ["sample_id", "group_id", "prompt", "text", "media_png", "image
                   "response_ids"]
 
 
-def score_batch(table: Any) -> ScoreBatch:
+def score_batch(table: Any, prompt_images: bool = True) -> ScoreBatch:
     """What scorers see of a rollouts table: texts (AR), decoded PNG images (diffusion), or the
-    answer and the first image its prompt showed (vision-language models)."""
+    answer and, with `prompt_images`, the first image its prompt showed (vision-language models)."""
+    from stages.images import decode
+
     names = table.schema.names
     images = None
     if "media_png" in names:
         images = [decode_png(b) for b in table.column("media_png").to_pylist()]
-    elif "images" in names:
-        images = [decode_png(shown[0]) for shown in table.column("images").to_pylist()]
+    elif "images" in names and prompt_images:
+        images = [decode(shown[0], f"sample {sid!r}: image 0") for sid, shown in
+                  zip(table.column("sample_id").to_pylist(), table.column("images").to_pylist())]
     return ScoreBatch(
         sample_ids=table.column("sample_id").to_pylist(),
         prompts=table.column("prompt").to_pylist(),
@@ -114,6 +117,13 @@ def score_batch(table: Any) -> ScoreBatch:
     )
 
 
+def reads_images(scorers: list[str]) -> bool:
+    """Whether one of `scorers` looks at images (a remote scorer may: its server decides)."""
+    from stages.rewards.base import scorer_reads
+
+    return any("image" in (scorer_reads(name) or ("image",)) for name in scorers)
+
+
 def score(
     storage: RunStorage, recipe: Recipe, iteration: int, rollouts: list[str],
     scorers: dict[str, Any] | None = None, round_index: int = 0,
@@ -121,7 +131,7 @@ def score(
     """Score every rollout with the recipe's scorers; write rewards.arrow with components."""
     table = read_rollouts(storage, rollouts, columns=SCORED_COLUMNS)
     names = table.schema.names
-    batch = score_batch(table)
+    batch = score_batch(table, prompt_images=reads_images([s.name for s in recipe.reward.scorers]))
     results, weights = {}, {}
     for spec in recipe.reward.scorers:
         scorer = (scorers or {}).get(spec.component) or build_scorer(spec.name, **spec.params)

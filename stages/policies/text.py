@@ -59,7 +59,7 @@ def token_logp(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperatu
                inputs: dict[str, torch.Tensor] | None = None, banned: torch.Tensor | None = None) -> torch.Tensor:
     """log softmax(logits / temperature) at the next token, fp32. Returns (B, T-1). `inputs`: the
     model's other inputs for these rows (a VLM's pixel values, grids and M-RoPE positions);
-    `banned`: token ids the sampler never draws, at -inf as there (text_sampling.log_probs)."""
+    `banned`: token ids the sampler never draws, at probability 0 as there (text_sampling.log_probs)."""
     from stages.policies.text_sampling import log_probs
 
     logits = model(input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False, **(inputs or {})).logits[:, :-1]
@@ -152,7 +152,7 @@ class TextPolicy(Policy):
 
     @classmethod
     def samples(cls, requests: pa.Table, where: str) -> list[tuple[Any, ...]]:
-        """As every policy's, plus each sample's images: (PNG bytes, grids, where) or None."""
+        """As every policy's, plus each sample's images: (PNG bytes, grids, the requests file) or None."""
         base = super().samples(requests, where)
         if "images" not in requests.schema.names:
             return [(*s, None) for s in base]
@@ -179,11 +179,19 @@ class TextPolicy(Policy):
         encoded = {p: encode_prompt(self.tokenizer, p, self.use_chat) for p in dict.fromkeys(prompts)}
         return [encoded[p] for p in prompts]
 
-    def _image_inputs(self, images: list[list[Any]]) -> Any:
-        """The prefill's / replay's extra inputs for rows showing `images` (None: text-only)."""
+    def _prefill_inputs(self, images: list[list[Any]]) -> Any:
+        """What the sampler's prefill adds for rows showing `images` (None: text-only prompts)."""
         if self.images is None:
             return None
         return lambda ids, attn: self.images.inputs(ids, attn, images)
+
+    def _forward_inputs(self, t: dict[str, torch.Tensor], images: list[list[Any]]) -> dict[str, torch.Tensor] | None:
+        """A full forward's extra inputs for the rows of `t` showing `images`: pixel values, grids
+        and the M-RoPE positions of prompt and response (None: text-only prompts)."""
+        if self.images is None:
+            return None
+        extra, positions = self.images.inputs(t["ids"], t["attn"], images)
+        return {**extra, "position_ids": positions}
 
     # -- sampling -------------------------------------------------------------------------------
     def rollout(self, module: Any, samples: list[tuple[str, str, str, Any, Any]], *, iteration: int, seed_tag: str,
@@ -207,7 +215,7 @@ class TextPolicy(Policy):
         out = sample(
             module, prompt_ids, seeds, max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p,
             eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id, device=self.device, greedy=greedy,
-            inputs=self._image_inputs(shown), banned=self.banned,
+            inputs=self._prefill_inputs(shown), banned=self.banned,
         )
         rows = []
         for (sid, gid, prompt, meta, images), pids, resp, lps, reason in zip(samples, prompt_ids, out.response_ids, out.logprobs, out.finish_reasons):
@@ -240,12 +248,10 @@ class TextPolicy(Policy):
             take = lambda name: [cols[name][r] for r in rows]  # noqa: E731
             t = token_batch(take("prompt_ids"), take("response_ids"), self.tokenizer.pad_token_id, self.device)
             adv = torch.tensor([float(advantages[r]) for r in rows], dtype=torch.float32, device=self.device)
-            inputs = None
-            if self.images is not None:
-                shown = [self.images.decode(pngs, grids_of(grids), f"{where}: sample {sid!r}")
-                         for sid, pngs, grids in zip(take("sample_id"), take("images"), take("image_grids"))]
-                extra, positions = self.images.inputs(t["ids"], t["attn"], shown)
-                inputs = {**extra, "position_ids": positions}
+            shown = [] if self.images is None else [
+                self.images.decode(pngs, grids_of(grids), f"{where}: sample {sid!r}")
+                for sid, pngs, grids in zip(take("sample_id"), take("images"), take("image_grids"))]
+            inputs = self._forward_inputs(t, shown)
             out.append(TextBatch(take("sample_id"), t["ids"], t["attn"], t["mask"],
                                  pad_like(take("response_logprobs"), t["mask"]), adv, inputs))
         return out
@@ -253,14 +259,11 @@ class TextPolicy(Policy):
     def stand_in(self, template: Any) -> TextBatch:
         """A one-sample batch (an eos and a token) for ranks short of micro-batches: its weight is 0."""
         eos = self.tokenizer.eos_token_id
-        prompt, shown = ([eos], None) if self.images is None else self.images.stand_in()
+        # With images, a blank one: every rank runs the vision tower (FSDP2 gathers its blocks collectively).
+        prompt, shown = ([eos], []) if self.images is None else self.images.stand_in()
         t = token_batch([prompt], [[eos]], self.tokenizer.pad_token_id, self.device)
-        inputs = None
-        if shown is not None:  # every rank runs the vision tower (FSDP2 gathers its blocks collectively)
-            extra, positions = self.images.inputs(t["ids"], t["attn"], [shown])
-            inputs = {**extra, "position_ids": positions}
         return TextBatch(["stand-in"], t["ids"], t["attn"], t["mask"], torch.zeros_like(t["mask"]),
-                         torch.zeros(1, device=self.device), inputs)
+                         torch.zeros(1, device=self.device), self._forward_inputs(t, [shown]))
 
     def template(self, batch: TextBatch | None, stack: Any) -> Any:
         return None
@@ -312,10 +315,7 @@ class TextPolicy(Policy):
         idx = stack.my_share([int(order[(step * batch_size + i) % n]) for i in range(batch_size)])
         batch = token_batch([self._sft_prompts[i] for i in idx], [self._sft_responses[i] for i in idx],
                             self.tokenizer.pad_token_id, self.device)
-        inputs = None
-        if self.images is not None:
-            extra, positions = self.images.inputs(batch["ids"], batch["attn"], [self._sft_images[i] for i in idx])
-            inputs = {**extra, "position_ids": positions}
+        inputs = self._forward_inputs(batch, [self._sft_images[i] for i in idx] if self.images is not None else [])
         logp = token_logp(module, batch, 1.0, inputs, self.banned)
         tokens = torch.tensor([float(batch["mask"].sum())], dtype=torch.float64, device=self.device)
         stack.all_reduce(tokens)
