@@ -75,8 +75,3 @@ def image_size(data: bytes) -> tuple[int, int]:
 
     with Image.open(io.BytesIO(data)) as im:
         return im.size
-
-
-def grid_list(grids: Any) -> list[tuple[int, int, int]]:
-    """Stored grids (lists of 3 ints) as tuples."""
-    return [tuple(int(v) for v in g) for g in grids]  # type: ignore[misc]

@@ -16,7 +16,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 from pydantic import Field
 
@@ -110,13 +110,12 @@ _PROCESSORS: dict[tuple[Any, ...], Any] = {}
 
 
 class QwenVL(Family):
-    """The shared family code; subclasses set `model_class`, `model_module` and `tiny_config`."""
+    """The shared family code; a family file supplies `model_class` and `tiny_config`."""
 
     policy = "text"
     produces = ("text", "image")  # the response, and the prompt's first image for scorers that look (vlm_judge)
     takes_images = True
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    model_module: ClassVar[str]
 
     @classmethod
     def model_class(cls) -> Any:

@@ -146,6 +146,7 @@ def test_a_bad_image_fails_before_training_naming_the_sample_and_the_file(tiny_w
 @pytest.mark.parametrize("train_vision", [False, True])
 def test_the_vision_tower_is_frozen_by_default_and_trains_on_request(train_vision, tiny_weights, tmp_path):
     family = "qwen2_5_vl"
+    assert families.get(family).config().train_vision is False
     w, recipe, storage = worker_for(family, tmp_path, tiny_weights(family), model={"train_vision": train_vision})
     module = w.stack.module
     units = {type(u).__name__ for u in families.get(family).fsdp_units(module)}
@@ -232,3 +233,24 @@ def test_recipes_pair_image_sources_with_families_that_see_images(tmp_path):
     assert records.num_rows == 8 and records.column("image_grids").to_pylist()[0] == [[1, 8, 8]]
     responses = records.column("response").to_pylist()
     assert any(r.endswith(".") for r in responses) and not all(r.endswith(".") for r in responses)  # the teacher's slip
+
+
+def test_a_sharded_load_fills_a_qwen3_vl_folder_and_leaves_the_older_layout_to_a_whole_load(tiny_weights, tmp_path):
+    """At 2+ ranks a family builds its module on the meta device and each rank reads its rows from
+    the safetensors (stages/train/shards.py); here one rank reads every row. Qwen2.5-VL's
+    `save_pretrained` writes transformers' older names, which only the whole load renames."""
+    from stages.train.shards import fill
+
+    for family, sharded in (("qwen3_vl", True), ("qwen2_5_vl", False)):
+        fam = families.get(family)
+        cfg = recipe_of(family, tmp_path).model
+        folder = tiny_weights(family)
+        empty = fam.load_empty(folder, cfg, torch.device("cpu"))
+        assert (empty is not None) == sharded, family
+        if empty is None:
+            continue
+        fill(empty.module, torch.device("cpu"), fam.weight_files(folder), seed=0)
+        whole = fam.load(folder, cfg, torch.device("cpu")).module.state_dict()
+        filled = empty.module.state_dict()
+        assert filled.keys() == whole.keys()
+        assert all(torch.equal(filled[k], whole[k]) for k in whole)
