@@ -10,11 +10,13 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt and what its scorers need to know about it (e.g. the `answer`)."""
+    """One prompt and what its scorers need to know about it (e.g. the `answer`); `images`: the
+    PNG bytes it is conditioned on, for vision-language models (stages/images.py)."""
 
     prompt_id: str
     text: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    images: tuple[bytes, ...] = ()
 
 
 def build_prompt_source(config: Any) -> Any:

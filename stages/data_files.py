@@ -13,6 +13,14 @@ prompts of an iteration depend only on (seed, iteration, n): a resumed run sees 
 Held-out split: either `heldout_path` (a second file with the same columns) or a fixed
 `heldout_fraction` of the distinct prompt texts drawn from the seed. Training never yields a
 prompt whose text is in the held-out split (duplicates of a held-out prompt are dropped too).
+With images, a prompt is its text and its images: the same question about two images is two
+prompts.
+
+Images (vision-language models, `image_column`): each row names one image or a list of them, as
+file paths (relative to the data file's folder, or absolute) or image bytes (Parquet binary, or
+the Hugging Face `{"bytes": ...}` struct). Every image is read, decoded and encoded as PNG when
+the source is built, so a missing or undecodable one fails before training, naming the line or
+row and the file.
 """
 from __future__ import annotations
 
@@ -42,6 +50,12 @@ class Record:
     key: str
     text: str
     metadata: dict[str, str]
+    images: tuple[bytes, ...] = ()
+
+    @property
+    def identity(self) -> tuple[str, tuple[bytes, ...]]:
+        """What makes two rows the same prompt (the held-out split keeps them apart)."""
+        return (self.text, self.images)
 
 
 def _as_text(value: Any) -> str:
@@ -101,11 +115,13 @@ def read_records(
     prompt_column: str = "prompt",
     answer_column: str = "answer",
     id_column: str | None = None,
+    image_column: str | None = None,
 ) -> list[Record]:
     """Read and check every row of a .jsonl/.parquet file. Raises `DataFileError` naming the file
     for: a missing file, an unknown suffix, unreadable JSON (with its line), no rows, a missing
     prompt/answer/id column (listing the columns there are), an empty prompt or answer (with its
-    line or row), a duplicate id."""
+    line or row), a duplicate id, a row without images or with one that is missing or does not
+    decode (with `image_column`)."""
     p = Path(path)
     if not p.is_file():
         raise DataFileError(f"{p}: no such file (data.path and data.heldout_path are local paths)")
@@ -121,7 +137,7 @@ def read_records(
         )
     if not rows:
         raise DataFileError(f"{p}: the dataset is empty (no rows)")
-    for role, column in (("prompt", prompt_column), ("answer", answer_column), ("id", id_column)):
+    for role, column in (("prompt", prompt_column), ("answer", answer_column), ("id", id_column), ("image", image_column)):
         if column is not None and column not in columns:
             raise DataFileError(
                 f"{p}: no {role} column {column!r} (columns: {', '.join(map(repr, columns))}); "
@@ -150,10 +166,26 @@ def read_records(
                 raise DataFileError(f"{p}: {where} repeats id {ident!r} of {first_seen[ident]}; ids must be unique")
             first_seen[ident] = where
             key = _safe_key(ident)
-        metadata = {k: _as_text(v) for k, v in row.items() if k not in (prompt_column, answer_column) and v is not None}
+        skip = (prompt_column, answer_column, image_column)
+        metadata = {k: _as_text(v) for k, v in row.items() if k not in skip and v is not None}
         metadata["answer"] = _as_text(answer)
-        records.append(Record(where, key, text, metadata))
+        images = _row_images(row.get(image_column), p, where, image_column) if image_column else ()
+        records.append(Record(where, key, text, metadata, images))
     return records
+
+
+def _row_images(value: Any, path: Path, where: str, column: str) -> tuple[bytes, ...]:
+    """A row's images (one, or a list) as PNG bytes; none, a missing file or bad bytes fail."""
+    from stages.images import ImageError, load_image_value
+
+    values = list(value) if isinstance(value, (list, tuple)) else [] if value is None else [value]
+    if not values:
+        raise DataFileError(f"{path}: {where} has no image (column {column!r}); every prompt needs one or more")
+    try:
+        return tuple(load_image_value(v, path.parent, f"{path}: {where}: column {column!r}" + (f" item {k}" if len(values) > 1 else ""))
+                     for k, v in enumerate(values))
+    except ImageError as exc:
+        raise DataFileError(str(exc)) from None
 
 
 class FilePrompts:
@@ -166,6 +198,7 @@ class FilePrompts:
         prompt_column: str = "prompt",
         answer_column: str = "answer",
         id_column: str | None = None,
+        image_column: str | None = None,
         heldout_fraction: float = 0.0,
         heldout_path: str | os.PathLike[str] | None = None,
         seed: int = 0,
@@ -175,12 +208,13 @@ class FilePrompts:
         if heldout_path is not None and heldout_fraction > 0:
             raise ValueError("data.heldout_fraction: set either heldout_fraction or heldout_path, not both")
         self.path, self.seed = Path(path), seed
-        columns = dict(prompt_column=prompt_column, answer_column=answer_column, id_column=id_column)
+        columns = dict(prompt_column=prompt_column, answer_column=answer_column, id_column=id_column,
+                       image_column=image_column)
         records = read_records(path, **columns)
         if heldout_path is not None:
             heldout = read_records(heldout_path, **columns)
         elif heldout_fraction > 0:
-            texts = list(dict.fromkeys(r.text for r in records))
+            texts = list(dict.fromkeys(r.identity for r in records))
             k = max(1, round(heldout_fraction * len(texts)))
             if k >= len(texts):
                 raise DataFileError(
@@ -192,18 +226,18 @@ class FilePrompts:
             chosen = {texts[i] for i in order[:k]}
             first = {}
             for r in records:
-                if r.text in chosen:
-                    first.setdefault(r.text, r)
+                if r.identity in chosen:
+                    first.setdefault(r.identity, r)
             heldout = [first[t] for t in texts if t in chosen]
         else:
             heldout = []
-        held_texts = {r.text for r in heldout}
-        self._train = [r for r in records if r.text not in held_texts]
+        held_texts = {r.identity for r in heldout}
+        self._train = [r for r in records if r.identity not in held_texts]
         if not self._train:
             raise DataFileError(
                 f"{self.path}: every prompt is also in the held-out split ({heldout_path}); no training prompts left"
             )
-        self._heldout = [Prompt(f"heldout-{i:05d}-{r.key}", r.text, dict(r.metadata)) for i, r in enumerate(heldout)]
+        self._heldout = [Prompt(f"heldout-{i:05d}-{r.key}", r.text, dict(r.metadata), r.images) for i, r in enumerate(heldout)]
         self._perms: dict[int, list[int]] = {}
 
     @property
@@ -220,7 +254,7 @@ class FilePrompts:
         return self._perms[epoch]
 
     def heldout(self) -> list[Prompt]:
-        return [Prompt(p.prompt_id, p.text, dict(p.metadata)) for p in self._heldout]
+        return [Prompt(p.prompt_id, p.text, dict(p.metadata), p.images) for p in self._heldout]
 
     def batch(self, iteration: int, n: int) -> list[Prompt]:
         """The `n` training prompts of `iteration`: stream positions [iteration*n, (iteration+1)*n)."""
@@ -231,7 +265,7 @@ class FilePrompts:
         for j in range(n):
             epoch, index = divmod(iteration * n + j, size)
             r = self._train[self._permutation(epoch)[index]]
-            out.append(Prompt(f"it{iteration:06d}-{j:05d}-{r.key}", r.text, dict(r.metadata)))
+            out.append(Prompt(f"it{iteration:06d}-{j:05d}-{r.key}", r.text, dict(r.metadata), r.images))
         return out
 
 
@@ -253,7 +287,7 @@ def file_prompt_source(config: Any) -> FilePrompts:
     path, size and modification time are unchanged, since every iteration asks for the source."""
     params = dict(
         path=config.path, prompt_column=config.prompt_column, answer_column=config.answer_column,
-        id_column=config.id_column, heldout_fraction=config.heldout_fraction,
+        id_column=config.id_column, image_column=config.image_column, heldout_fraction=config.heldout_fraction,
         heldout_path=config.heldout_path, seed=config.seed,
     )
     key = (_stamp(config.path), _stamp(config.heldout_path), tuple(sorted((k, str(v)) for k, v in params.items())))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from stages.data import build_prompt_source
-from stages.iteration import SCORED_COLUMNS, score_batch
+from stages.iteration import SCORED_COLUMNS, reads_images, request_rows, score_batch
 from stages.recipe import Recipe
 from stages.rewards.base import build_scorer, run_scorer
 from stages.sample import read_rollouts, table_from_rows, write_shard
@@ -20,8 +20,7 @@ def write_eval_requests(storage: RunStorage, recipe: Recipe, version: int, group
     prompts = build_prompt_source(recipe.data).heldout()
     if not prompts:
         raise ValueError("eval: the data source has no held-out prompts (set data.heldout_size > 0)")
-    rows = [{"group_id": f"eval/{p.prompt_id}", "prompt": p.text, "metadata": p.metadata,
-             "group_size": group_size, "iteration": version} for p in prompts]
+    rows = request_rows(recipe, prompts, "eval", group_size, version)
     rel = join(eval_dir(version), f"{name}-requests.arrow")
     write_shard(storage, rel, table_from_rows(rows, "requests"))
     return rel
@@ -31,7 +30,7 @@ def correctness(storage: RunStorage, recipe: Recipe, rollouts: list[str]) -> tup
     """(group ids, 0/1 correctness) of every sample in `rollouts`."""
     table = read_rollouts(storage, rollouts, columns=SCORED_COLUMNS)
     name, params = recipe.eval_scorer()
-    scores = run_scorer(build_scorer(name, **params), score_batch(table)).scores
+    scores = run_scorer(build_scorer(name, **params), score_batch(table, prompt_images=reads_images([name]))).scores
     return table.column("group_id").to_pylist(), (scores >= 1.0).astype(np.float64)
 
 

@@ -46,14 +46,37 @@ def write_requests(storage: RunStorage, recipe: Recipe, iteration: int, round_in
     n = recipe.rollout.prompts_per_iteration
     prompts = source.batch(iteration, n * (round_index + 1))[n * round_index:]
     check_prompts(recipe, prompts)
-    rows = [
-        {"group_id": f"{iter_dir(iteration)}/{p.prompt_id}", "prompt": p.text, "metadata": p.metadata,
-         "group_size": recipe.rollout.group_size, "iteration": iteration}
-        for p in prompts
-    ]
+    rows = request_rows(recipe, prompts, iter_dir(iteration), recipe.rollout.group_size, iteration)
     rel = join(iter_dir(iteration), f"requests{round_suffix(round_index)}.arrow")
     write_shard(storage, rel, table_from_rows(rows, "requests"))
     return {"files": [rel], "rows": len(rows)}
+
+
+def request_rows(recipe: Recipe, prompts: list[Any], prefix: str, group_size: int, iteration: int) -> list[dict[str, Any]]:
+    """One requests row per prompt (group id `prefix/prompt_id`); with the prompt's images and
+    their patch grids when the model family takes images (stages/images.py)."""
+    rows = [{"group_id": f"{prefix}/{p.prompt_id}", "prompt": p.text, "metadata": p.metadata,
+             "group_size": group_size, "iteration": iteration} for p in prompts]
+    return with_image_grids(recipe, rows, [p.images for p in prompts], [f"prompt {p.prompt_id!r}" for p in prompts])
+
+
+def with_image_grids(recipe: Recipe, rows: list[dict[str, Any]], images: list[tuple[bytes, ...]],
+                     names: list[str]) -> list[dict[str, Any]]:
+    """`rows` with `images` (PNG bytes per row) and the patch grid the model family's image
+    processor cuts each into, for a family that takes images; one without any is an error."""
+    from stages.images import image_size
+    from stages.models.family import get_family
+
+    family = get_family(recipe.model.kind)
+    if not family.takes_images:
+        return rows
+    for row, pngs, name in zip(rows, images, names):
+        if not pngs:
+            raise ValueError(f"{name}: model.kind {recipe.model.kind!r} needs one or more images with every prompt; "
+                             "this one has none")
+        grids = family.image_grids(recipe.model, [image_size(png) for png in pngs])
+        row.update(images=list(pngs), image_grids=[list(g) for g in grids])
+    return rows
 
 
 def check_prompts(recipe: Recipe, prompts: list[Any]) -> None:
@@ -68,20 +91,37 @@ def check_prompts(recipe: Recipe, prompts: list[Any]) -> None:
 
 
 # What scoring reads of a rollouts table (not the latents).
-SCORED_COLUMNS = ["sample_id", "group_id", "prompt", "text", "media_png", "metadata", "finish_reason", "response_ids"]
+SCORED_COLUMNS = ["sample_id", "group_id", "prompt", "text", "media_png", "images", "metadata", "finish_reason",
+                  "response_ids"]
 
 
-def score_batch(table: Any) -> ScoreBatch:
-    """What scorers see of a rollouts table: texts (AR) or decoded PNG images (diffusion)."""
+def score_batch(table: Any, prompt_images: bool = True) -> ScoreBatch:
+    """What scorers see of a rollouts table: texts (AR), decoded PNG images (diffusion), or the
+    answer and, with `prompt_images`, the first image its prompt showed (vision-language models)."""
+    from stages.images import decode
+
     names = table.schema.names
+    images = None
+    if "media_png" in names:
+        images = [decode_png(b) for b in table.column("media_png").to_pylist()]
+    elif "images" in names and prompt_images:
+        images = [decode(shown[0], f"sample {sid!r}: image 0") for sid, shown in
+                  zip(table.column("sample_id").to_pylist(), table.column("images").to_pylist())]
     return ScoreBatch(
         sample_ids=table.column("sample_id").to_pylist(),
         prompts=table.column("prompt").to_pylist(),
         texts=table.column("text").to_pylist() if "text" in names else None,
-        images=[decode_png(b) for b in table.column("media_png").to_pylist()] if "media_png" in names else None,
+        images=images,
         metadata=metadata(table),
         finish_reasons=table.column("finish_reason").to_pylist() if "finish_reason" in names else None,
     )
+
+
+def reads_images(scorers: list[str]) -> bool:
+    """Whether one of `scorers` looks at images (a remote scorer may: its server decides)."""
+    from stages.rewards.base import scorer_reads
+
+    return any("image" in (scorer_reads(name) or ("image",)) for name in scorers)
 
 
 def score(
@@ -91,7 +131,7 @@ def score(
     """Score every rollout with the recipe's scorers; write rewards.arrow with components."""
     table = read_rollouts(storage, rollouts, columns=SCORED_COLUMNS)
     names = table.schema.names
-    batch = score_batch(table)
+    batch = score_batch(table, prompt_images=reads_images([s.name for s in recipe.reward.scorers]))
     results, weights = {}, {}
     for spec in recipe.reward.scorers:
         scorer = (scorers or {}).get(spec.component) or build_scorer(spec.name, **spec.params)

@@ -5,6 +5,9 @@ One row per generated sample. Columns every rollout shard has: `sample_id` ("{gr
 ["text"] or ["text", "latent"]) and `metadata` (JSON of the prompt source's fields). Each segment
 kind adds its own columns (`SEGMENT_COLUMNS`). Rewards and advantages are separate files keyed by
 `sample_id`. A shard that does not match its schema fails naming the file and the column.
+
+Prompts conditioned on images (vision-language models) add `IMAGE_COLUMNS` (stages/images.py:
+PNG bytes and patch grids) to requests, rollouts and SFT records.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from stages.images import IMAGE_COLUMNS
 from stages.storage import RunStorage
 
 SCHEMA_VERSION = 1
@@ -88,8 +92,10 @@ def rollout_schema(segments: Iterable[str]) -> pa.Schema:
     return pa.schema(fields, metadata={"unirl.schema_version": str(SCHEMA_VERSION), "unirl.kind": "rollouts"})
 
 
-def table_from_rows(rows: list[dict[str, Any]], kind: str, segments: Iterable[str] = ()) -> pa.Table:
-    """Build a shard table from plain rows (dicts). `metadata` values may be dicts (stored as JSON)."""
+def table_from_rows(rows: list[dict[str, Any]], kind: str, segments: Iterable[str] = (), extra: Iterable[str] = ()) -> pa.Table:
+    """Build a shard table from plain rows (dicts). `metadata` values may be dicts (stored as JSON).
+    `extra`: optional columns the table has even when no row does (one rank's empty shard must
+    have the schema of the others)."""
     if kind == "rollouts":
         schema = rollout_schema(segments)
     else:
@@ -97,9 +103,10 @@ def table_from_rows(rows: list[dict[str, Any]], kind: str, segments: Iterable[st
             [pa.field(n, t) for n, t in KINDS[kind].items()],
             metadata={"unirl.schema_version": str(SCHEMA_VERSION), "unirl.kind": kind},
         )
-    extra = sorted({k for r in rows for k in r} - set(schema.names))
-    for name in extra:  # e.g. reward/<component>; SFT's response / media_png
-        dtype = {"response": pa.string(), "media_png": pa.binary(), "metadata": pa.string()}.get(name, pa.float64())
+    extra = sorted(({k for r in rows for k in r} | set(extra)) - set(schema.names))
+    known = {"response": pa.string(), "media_png": pa.binary(), "metadata": pa.string(), **IMAGE_COLUMNS}
+    for name in extra:  # e.g. reward/<component>; SFT's response / media_png; a prompt's images
+        dtype = known.get(name, pa.float64())
         schema = schema.append(pa.field(name, dtype))
     columns = {}
     for field in schema:
@@ -162,9 +169,27 @@ def validate(table: pa.Table, kind: str, where: str) -> None:
                 raise ShardSchemaError(
                     f"{where}: sample {sid!r}: column 'response_logprobs' has {len(lps)} values for {len(resp)} response tokens"
                 )
+    if any(n in table.schema.names for n in IMAGE_COLUMNS):
+        validate_images(table, where)
     version = (table.schema.metadata or {}).get(b"unirl.schema_version")
     if version is not None and int(version) > SCHEMA_VERSION:
         raise ShardSchemaError(f"{where}: schema version {int(version)} is newer than this unirl ({SCHEMA_VERSION}); upgrade")
+
+
+def validate_images(table: pa.Table, where: str) -> None:
+    """Both image columns, of their types, one (t, h, w) grid per image of every row."""
+    for name, dtype in IMAGE_COLUMNS.items():
+        if name not in table.schema.names:
+            raise ShardSchemaError(f"{where}: column {name!r} is missing (a shard with prompt images needs "
+                                   f"{sorted(IMAGE_COLUMNS)})")
+        if table.schema.field(name).type != dtype:
+            raise ShardSchemaError(f"{where}: column {name!r} has type {table.schema.field(name).type}, expected {dtype}")
+    key = "sample_id" if "sample_id" in table.schema.names else "group_id" if "group_id" in table.schema.names else None
+    ids = table.column(key).to_pylist() if key else [f"record {i + 1}" for i in range(table.num_rows)]
+    for sid, images, grids in zip(ids, table.column("images").to_pylist(), table.column("image_grids").to_pylist()):
+        if not images or grids is None or len(grids) != len(images) or any(g is None or len(g) != 3 for g in grids):
+            raise ShardSchemaError(f"{where}: sample {sid!r}: column 'image_grids' must hold one (t, h, w) grid for "
+                                   f"each of its {len(images or [])} images, got {grids}")
 
 
 def list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:

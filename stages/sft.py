@@ -1,5 +1,6 @@
 """Supervised records for the warm start: synthetic ones from the recipe's data source ((prompt,
-response) with its answers; (prompt, media_png) scenes for toy GenEval) or a JSONL / Arrow file."""
+response) with its answers, and the prompt's images for vision-language models; (prompt,
+media_png) scenes for toy GenEval) or a JSONL / Arrow file."""
 from __future__ import annotations
 
 import json
@@ -44,7 +45,11 @@ def file_records(path: str) -> list[dict[str, Any]]:
 def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
     from stages.sources import sources
 
+    from stages.iteration import with_image_grids
+
     sft = recipe.sft
     records = file_records(sft.path) if sft.source == "file" else sources.get(recipe.data.name).sft_records(recipe)
+    images = [tuple(r.pop("images", ())) for r in records]
+    records = with_image_grids(recipe, records, images, [f"SFT record {i + 1}" for i in range(len(records))])
     write_shard(storage, SFT_DATA, table_from_rows(records, "sft"))
     return {"files": [SFT_DATA], "rows": len(records)}

@@ -7,6 +7,15 @@ TINY = {
               "data": {"name": "arithmetic"}, "reward": {"scorers": [{"name": "integer_format"}]},
               "rollout": {"prompts_per_iteration": 3, "group_size": 4, "max_new_tokens": 3},
               "train": {"micro_batch_size": 4}},
+    # Vision-language: toy VQA questions with their images; the answer's length varies on a random
+    # model, so groups have a signal. Qwen2.5-VL trains its vision tower (FSDP2 units of their own
+    # at world size 2), Qwen3-VL keeps it frozen (the default).
+    **{kind: {"model": {"kind": kind, "train_vision": kind == "qwen2_5_vl",
+                        "tiny": {"text": {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64}}},
+              "data": {"name": "toy_vqa", "heldout_size": 4},
+              "reward": {"scorers": [{"name": "text_length", "params": {"max_length": 3}}]},
+              "rollout": {"prompts_per_iteration": 3, "group_size": 4, "max_new_tokens": 3},
+              "train": {"micro_batch_size": 4}} for kind in ("qwen2_5_vl", "qwen3_vl")},
     "sd3": {"model": {"kind": "sd3", "tiny": {"image_size": 16}}, "data": {"name": "geneval"},
             "reward": {"scorers": [{"name": "brightness"}]},
             "rollout": {"prompts_per_iteration": 2, "group_size": 3, "sampler": {"num_steps": 3, "init_same_noise": False}},

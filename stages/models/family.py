@@ -38,6 +38,9 @@ class Family:
     policy: ClassVar[str]
     produces: ClassVar[tuple[str, ...]]
     lora_targets: ClassVar[tuple[str, ...]] = ()
+    # Whether its prompts carry images (vision-language models): requests and rollouts then hold
+    # each prompt's PNG bytes and patch grids (stages/images.py).
+    takes_images: ClassVar[bool] = False
     # Modules `load` imports (the model classes: seconds each on a small machine); a worker group
     # launched ahead of its spec imports them while it waits (WorkerGroup.prewarm).
     modules: ClassVar[tuple[str, ...]] = ()
@@ -90,3 +93,16 @@ class Family:
         """Write `state` (the full module state, adapters not yet merged) as a folder that is a
         valid `model.path` for this family."""
         raise NotImplementedError
+
+    @classmethod
+    def image_grids(cls, cfg: Any, sizes: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        """A family that `takes_images`: the (t, h, w) patch grid its image processor cuts an image
+        of each (width, height) into (stored with the image in requests; the worker checks it
+        against the images it decodes)."""
+        raise NotImplementedError
+
+    @classmethod
+    def image_prompts(cls, bundle: Any, use_chat: bool, device: Any) -> Any:
+        """A text family that `takes_images`: what turns a prompt's text and images into token ids
+        and the model's extra inputs and positions (stages/models/qwen_vl_prompts.py `ImagePrompts`)."""
+        return None

@@ -69,6 +69,16 @@ class Policy:
         """Cross-section rules of a recipe using this policy; ValueError('field.path: ...')."""
 
     @classmethod
+    def samples(cls, requests: Any, where: str) -> list[tuple[Any, ...]]:
+        """(sample id, group id, prompt, metadata) for each of `group_size` samples of every
+        request in a requests table, sorted by sample id (what `rollout` is given a share of)."""
+        out = []
+        for gid, prompt, meta, size in zip(requests.column("group_id").to_pylist(), requests.column("prompt").to_pylist(),
+                                           requests.column("metadata").to_pylist(), requests.column("group_size").to_pylist()):
+            out += [(f"{gid}/{j}", gid, prompt, meta) for j in range(size)]
+        return sorted(out, key=lambda s: s[0])
+
+    @classmethod
     def default_tolerance(cls, dtype: str) -> float:
         """Largest behaviour-vs-replay log-prob difference of trainside sampling at `dtype`."""
         raise NotImplementedError

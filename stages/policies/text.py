@@ -8,6 +8,12 @@ replay is one full forward over right-padded sequences. In fp32 the two differ b
 measured on the tiny Qwen3 over 2048 responses, at most 3e-6 (`docs/extending.md`); the default
 tolerance is 1e-4 (bf16 parameters: 0.1). A larger difference means sampling and training did not
 see the same weights, tokens or positions, and the first update fails naming the sample.
+
+Prompts with images (a family that `takes_images`: the Qwen-VL families). The family's
+`image_prompts` turns a prompt's text and stored images into token ids (image placeholders
+expanded) and a batch into the model's extra inputs (pixel values, patch grids) and its M-RoPE
+positions (3, B, T); sampling passes them to the prefill, the replay to its full forward, both
+decoded from the shard's PNG bytes (stages/images.py). Text-only families take neither.
 """
 from __future__ import annotations
 
@@ -49,10 +55,15 @@ def token_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_
     return {"ids": ids.to(device), "attn": attn.to(device), "mask": mask.to(device)}
 
 
-def token_logp(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
-    """log softmax(logits / temperature) at the next token, fp32. Returns (B, T-1)."""
-    logits = model(input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False).logits[:, :-1]
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+def token_logp(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float,
+               inputs: dict[str, torch.Tensor] | None = None, banned: torch.Tensor | None = None) -> torch.Tensor:
+    """log softmax(logits / temperature) at the next token, fp32. Returns (B, T-1). `inputs`: the
+    model's other inputs for these rows (a VLM's pixel values, grids and M-RoPE positions);
+    `banned`: token ids the sampler never draws, at probability 0 as there (text_sampling.log_probs)."""
+    from stages.policies.text_sampling import log_probs
+
+    logits = model(input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False, **(inputs or {})).logits[:, :-1]
+    logp = log_probs(logits, temperature, banned)
     return logp.gather(-1, batch["ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
@@ -65,11 +76,15 @@ def pad_like(lists: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def grids_of(stored: list[list[int]]) -> list[tuple[int, int, int]]:
+    return [(int(t), int(h), int(w)) for t, h, w in stored]
+
+
 @dataclass
 class TextBatch:
     """A micro-batch of stored text segments. ids/attn (B, T); mask (B, T-1) over response
     tokens; behaviour (B, T-1): the log-probs recorded at sampling time (0 off the mask);
-    advantage (B,)."""
+    advantage (B,); inputs: the model's other inputs (prompts with images), None for text."""
 
     sample_ids: list[str]
     ids: torch.Tensor
@@ -77,6 +92,7 @@ class TextBatch:
     mask: torch.Tensor
     behaviour: torch.Tensor
     advantage: torch.Tensor
+    inputs: dict[str, torch.Tensor] | None = None
 
     def tokens(self) -> dict[str, torch.Tensor]:
         return {"ids": self.ids, "attn": self.attn, "mask": self.mask}
@@ -134,6 +150,17 @@ class TextPolicy(Policy):
             columns[column] = [by_id.get(ids[i]) for i in pick]
         return tracker.log_table(iteration, columns, "samples")
 
+    @classmethod
+    def samples(cls, requests: pa.Table, where: str) -> list[tuple[Any, ...]]:
+        """As every policy's, plus each sample's images: (PNG bytes, grids, the requests file) or None."""
+        base = super().samples(requests, where)
+        if "images" not in requests.schema.names:
+            return [(*s, None) for s in base]
+        by_group = {g: (pngs, grids_of(grids), where) for g, pngs, grids in zip(
+            requests.column("group_id").to_pylist(), requests.column("images").to_pylist(),
+            requests.column("image_grids").to_pylist())}
+        return [(*s, by_group[s[1]]) for s in base]
+
     def __init__(self, family: Any, bundle: Any, recipe: Any, device: torch.device):
         from stages.models.tokenizer import uses_chat_template
 
@@ -141,6 +168,8 @@ class TextPolicy(Policy):
         self.tokenizer = bundle.tokenizer
         self.use_chat = uses_chat_template(self.tokenizer, recipe.model.chat_template)
         self.cfg: TextRollout = recipe.rollout
+        self.images = family.image_prompts(bundle, self.use_chat, device) if family.takes_images else None
+        self.banned = None if self.images is None else torch.tensor(self.images.banned, dtype=torch.long)
 
     # -- conditions -----------------------------------------------------------------------------
     def encode(self, prompts: list[str]) -> list[list[int]]:
@@ -150,28 +179,54 @@ class TextPolicy(Policy):
         encoded = {p: encode_prompt(self.tokenizer, p, self.use_chat) for p in dict.fromkeys(prompts)}
         return [encoded[p] for p in prompts]
 
+    def _prefill_inputs(self, images: list[list[Any]]) -> Any:
+        """What the sampler's prefill adds for rows showing `images` (None: text-only prompts)."""
+        if self.images is None:
+            return None
+        return lambda ids, attn: self.images.inputs(ids, attn, images)
+
+    def _forward_inputs(self, t: dict[str, torch.Tensor], images: list[list[Any]]) -> dict[str, torch.Tensor] | None:
+        """A full forward's extra inputs for the rows of `t` showing `images`: pixel values, grids
+        and the M-RoPE positions of prompt and response (None: text-only prompts)."""
+        if self.images is None:
+            return None
+        extra, positions = self.images.inputs(t["ids"], t["attn"], images)
+        return {**extra, "position_ids": positions}
+
     # -- sampling -------------------------------------------------------------------------------
-    def rollout(self, module: Any, samples: list[tuple[str, str, str, Any]], *, iteration: int, seed_tag: str,
+    def rollout(self, module: Any, samples: list[tuple[str, str, str, Any, Any]], *, iteration: int, seed_tag: str,
                 greedy: bool, stack: Any, transitions: bool) -> list[dict[str, Any]]:
-        """One response per (sample id, group id, prompt, metadata) of this rank, all in one batch."""
+        """One response per (sample id, group id, prompt, metadata, images) of this rank, all in one
+        batch; a prompt's images (PNG bytes and grids) are copied into its rows."""
         from stages.policies.text_sampling import sample
 
         c = self.cfg
-        prompt_ids = self.encode([p for _, _, p, _ in samples])
-        seeds = [derive_seed(self.recipe.seed, seed_tag, iteration, sid) for sid, _, _, _ in samples]
+        seeds = [derive_seed(self.recipe.seed, seed_tag, iteration, s[0]) for s in samples]
+        shown: list[list[Any]] = []
+        if self.images is None:
+            prompt_ids = self.encode([s[2] for s in samples])
+        else:
+            prompt_ids = [self.images.encode(s[2], s[4][1]) for s in samples]
+            shown = [self.images.decode(s[4][0], s[4][1], f"{s[4][2]}: sample {s[0]!r}") for s in samples]
+            if not samples:  # this rank still runs the vision tower in every forward of the others
+                stand_in, image = self.images.stand_in()
+                prompt_ids, shown, seeds = [stand_in], [image], [0]
         module.eval()
         out = sample(
             module, prompt_ids, seeds, max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p,
             eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id, device=self.device, greedy=greedy,
+            inputs=self._prefill_inputs(shown), banned=self.banned,
         )
         rows = []
-        for (sid, gid, prompt, meta), pids, resp, lps, reason in zip(samples, prompt_ids, out.response_ids, out.logprobs, out.finish_reasons):
+        for (sid, gid, prompt, meta, images), pids, resp, lps, reason in zip(samples, prompt_ids, out.response_ids, out.logprobs, out.finish_reasons):
             body = resp[:-1] if reason == "stop" else resp
             rows.append({
                 "sample_id": sid, "group_id": gid, "metadata": meta, "prompt": prompt, "prompt_ids": pids,
                 "response_ids": resp, "response_logprobs": lps, "finish_reason": reason,
                 "text": self.tokenizer.decode(body, skip_special_tokens=True),
             })
+            if images is not None:
+                rows[-1].update(images=images[0], image_grids=[list(g) for g in images[1]])
         return rows
 
     @staticmethod
@@ -181,29 +236,41 @@ class TextPolicy(Policy):
     # -- replay ---------------------------------------------------------------------------------
     def batches(self, table: pa.Table, chunks: list[list[int]], advantages: Any, where: str) -> list[TextBatch]:
         """Micro-batches of a rollout table (sorted by sample id): one per chunk of row indices."""
-        cols = {n: table.column(n).to_pylist() for n in ("sample_id", "prompt_ids", "response_ids", "response_logprobs")}
+        names = ["sample_id", "prompt_ids", "response_ids", "response_logprobs"]
+        if self.images is not None:
+            names += ["images", "image_grids"]
+            if "images" not in table.schema.names:
+                raise ValueError(f"{where}: the rollouts carry no 'images' column; model.kind {self.recipe.model.kind!r} "
+                                 "replays every sample with the images of its prompt")
+        cols = {n: table.column(n).to_pylist() for n in names}
         out = []
         for rows in chunks:
             take = lambda name: [cols[name][r] for r in rows]  # noqa: E731
             t = token_batch(take("prompt_ids"), take("response_ids"), self.tokenizer.pad_token_id, self.device)
             adv = torch.tensor([float(advantages[r]) for r in rows], dtype=torch.float32, device=self.device)
+            shown = [] if self.images is None else [
+                self.images.decode(pngs, grids_of(grids), f"{where}: sample {sid!r}")
+                for sid, pngs, grids in zip(take("sample_id"), take("images"), take("image_grids"))]
+            inputs = self._forward_inputs(t, shown)
             out.append(TextBatch(take("sample_id"), t["ids"], t["attn"], t["mask"],
-                                 pad_like(take("response_logprobs"), t["mask"]), adv))
+                                 pad_like(take("response_logprobs"), t["mask"]), adv, inputs))
         return out
 
     def stand_in(self, template: Any) -> TextBatch:
         """A one-sample batch (an eos and a token) for ranks short of micro-batches: its weight is 0."""
         eos = self.tokenizer.eos_token_id
-        t = token_batch([[eos]], [[eos]], self.tokenizer.pad_token_id, self.device)
+        # With images, a blank one: every rank runs the vision tower (FSDP2 gathers its blocks collectively).
+        prompt, shown = ([eos], []) if self.images is None else self.images.stand_in()
+        t = token_batch([prompt], [[eos]], self.tokenizer.pad_token_id, self.device)
         return TextBatch(["stand-in"], t["ids"], t["attn"], t["mask"], torch.zeros_like(t["mask"]),
-                         torch.zeros(1, device=self.device))
+                         torch.zeros(1, device=self.device), self._forward_inputs(t, [shown]))
 
     def template(self, batch: TextBatch | None, stack: Any) -> Any:
         return None
 
     def replay(self, module: Any, batch: TextBatch, selection: Any = None) -> torch.Tensor:
         """log pi(response token | prefix) under `module`, fp32: (B, T-1), meaningful on the mask."""
-        return token_logp(module, batch.tokens(), self.cfg.temperature)
+        return token_logp(module, batch.tokens(), self.cfg.temperature, batch.inputs, self.banned)
 
     def decode(self, response_ids: list[int]) -> str:
         return self.tokenizer.decode(response_ids, skip_special_tokens=True)
@@ -224,7 +291,16 @@ class TextPolicy(Policy):
         if "response" not in table.schema.names:
             raise ValueError(f"{where}: SFT records for a language model need a 'response' column")
         eos = self.tokenizer.eos_token_id
-        self._sft_prompts = self.encode(table.column("prompt").to_pylist())
+        self._sft_images: list[list[Any]] = []
+        if self.images is None:
+            self._sft_prompts = self.encode(table.column("prompt").to_pylist())
+        else:
+            if "images" not in table.schema.names:
+                raise ValueError(f"{where}: SFT records for model.kind {self.recipe.model.kind!r} need the prompts' images")
+            grids = [grids_of(g) for g in table.column("image_grids").to_pylist()]
+            self._sft_prompts = [self.images.encode(p, g) for p, g in zip(table.column("prompt").to_pylist(), grids)]
+            self._sft_images = [self.images.decode(pngs, g, f"{where}: record {i + 1}")
+                                for i, (pngs, g) in enumerate(zip(table.column("images").to_pylist(), grids))]
         self._sft_responses = [self.tokenizer(r, add_special_tokens=False).input_ids + [eos] for r in table.column("response").to_pylist()]
         return {}
 
@@ -239,7 +315,8 @@ class TextPolicy(Policy):
         idx = stack.my_share([int(order[(step * batch_size + i) % n]) for i in range(batch_size)])
         batch = token_batch([self._sft_prompts[i] for i in idx], [self._sft_responses[i] for i in idx],
                             self.tokenizer.pad_token_id, self.device)
-        logp = token_logp(module, batch, 1.0)
+        inputs = self._forward_inputs(batch, [self._sft_images[i] for i in idx] if self.images is not None else [])
+        logp = token_logp(module, batch, 1.0, inputs, self.banned)
         tokens = torch.tensor([float(batch["mask"].sum())], dtype=torch.float64, device=self.device)
         stack.all_reduce(tokens)
         loss = -(logp * batch["mask"]).sum() / float(tokens)

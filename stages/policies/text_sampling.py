@@ -8,6 +8,7 @@ parameters collectively), stopping only when all ranks' samples are finished.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,27 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
+def log_probs(logits: torch.Tensor, temperature: float, banned: torch.Tensor | None = None) -> torch.Tensor:
+    """log softmax(logits / temperature) in fp32 over the last dim, with the `banned` token ids
+    (a VLM's image placeholders, which a response must not contain) at probability 0: their
+    logits are -1e9, not -inf, so the log-probs of the prompt's own image tokens stay finite
+    (losses multiply them by a zero mask, and -inf * 0 would be nan)."""
+    scaled = logits.float() / temperature
+    if banned is not None:
+        scaled = scaled.index_fill(-1, banned.to(scaled.device), -1e9)
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def next_positions(positions: torch.Tensor) -> torch.Tensor:
+    """Position of the first generated token after left-padded prompts. 1-D (B, T) -> (B,): the
+    last prompt position + 1. M-RoPE (3, B, T) -> (3, B): one past the largest position of the
+    prompt on any axis, on every axis (text after an image grid continues there, which is what a
+    full forward over prompt + response gives the response tokens)."""
+    if positions.dim() == 2:
+        return positions[:, -1] + 1
+    return (positions.amax(dim=(0, 2)) + 1).unsqueeze(0).expand(positions.shape[0], -1)
+
+
 @torch.no_grad()
 def sample(
     model: torch.nn.Module,
@@ -59,9 +81,14 @@ def sample(
     pad_id: int,
     device: torch.device,
     greedy: bool = False,
+    inputs: Callable[[torch.Tensor, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]] | None = None,
+    banned: torch.Tensor | None = None,
 ) -> SampleOutput:
     """Sample one response per prompt. The recorded log-prob of a token is
-    log softmax(logits / temperature) at that token, in fp32 (the quantity training recomputes)."""
+    log softmax(logits / temperature) at that token, in fp32 (the quantity training recomputes).
+    `inputs(ids, attn)`: the prompts' other model inputs for the prefill (a VLM's pixel values)
+    and their positions, (B, T) or M-RoPE's (3, B, T); default: 1-D positions of the text.
+    `banned`: token ids never sampled (`log_probs`)."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     empty = not prompts
     if empty:  # this rank has nothing to do but must take part in every forward
@@ -77,16 +104,19 @@ def sample(
         attn[i, width - len(p):] = 1
     input_ids, attn = input_ids.to(device), attn.to(device)
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    extra: dict[str, torch.Tensor] = {}
+    if inputs is not None:
+        extra, positions = inputs(input_ids, attn)
     generators = [torch.Generator().manual_seed(s) for s in seeds]
     cache = {cache_kwarg(model): DynamicCache()}
-    out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True, **cache)
+    out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True, **cache, **extra)
     logits = out.logits[:, -1, :]
-    next_pos = positions[:, -1] + 1
+    next_pos = next_positions(positions)
     finished = torch.zeros(batch, dtype=torch.bool)
     responses: list[list[int]] = [[] for _ in range(batch)]
     logprobs: list[list[float]] = [[] for _ in range(batch)]
     for step in range(max_new_tokens):
-        logp = torch.log_softmax(logits.float() / temperature, dim=-1).cpu()
+        logp = log_probs(logits, temperature, banned).cpu()
         if greedy:
             tokens = logp.argmax(-1)
         else:

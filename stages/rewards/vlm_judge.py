@@ -1,6 +1,8 @@
-"""`vlm_judge`: a Qwen2-VL model rates each sample; the score is parsed from its answer.
+"""`vlm_judge`: a Qwen-VL model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: whatever its folder's config
+names) rates each sample; the score is parsed from its answer.
 
-The model sees the sample's image (when the batch has images) and the scoring question, formatted
+The model sees the sample's image (when the batch has images: a generated image, or the image a
+vision-language policy's prompt showed) and the scoring question, formatted
 with {prompt}, {text} (the decoded response, "" when absent), {min_score} and {max_score}, in
 Qwen's ChatML turn format. It answers greedily; the first number in the answer is s, and
 
@@ -39,7 +41,7 @@ def parse_score(answer: str, min_score: float, max_score: float) -> float | None
 
 @register_scorer("vlm_judge", reads=("image",))
 class VlmJudge:
-    """Params: model_path (Qwen2VLForConditionalGeneration + tokenizer + image processor), question,
+    """Params: model_path (a Qwen-VL *ForConditionalGeneration + tokenizer + image processor), question,
     system (optional system turn), min_score, max_score, max_new_tokens, device, dtype, batch_size."""
 
     name = "vlm_judge"
@@ -57,7 +59,7 @@ class VlmJudge:
         dtype: str = "float32",
         batch_size: int = 8,
     ) -> None:
-        from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
+        from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
         if not max_score > min_score:
             raise ValueError(f"scorer 'vlm_judge': max_score ({max_score}) must exceed min_score ({min_score})")
@@ -65,9 +67,7 @@ class VlmJudge:
         self.question, self.system = question, system
         self.min_score, self.max_score = float(min_score), float(max_score)
         self.max_new_tokens, self.batch_size, self.device = max_new_tokens, batch_size, pick_device(device)
-        self.model = Qwen2VLForConditionalGeneration.from_pretrained(
-            path, dtype=pick_dtype(dtype), local_files_only=True
-        )
+        self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=pick_dtype(dtype), local_files_only=True)
         self.model.to(self.device).eval()
         # The processor class is not used because it also needs a video processor (torchvision);
         # the one thing it adds, expanding <|image_pad|> to the image's token count, is done here.
@@ -98,7 +98,10 @@ class VlmJudge:
                 vision["pixel_values"] = vision["pixel_values"].to(self.model.dtype)
             enc = self.tokenizer([self._chat(q, n) for q, n in zip(questions, n_tokens)],
                                  padding=True, return_tensors="pt")
-            inputs = {**enc, **vision}
+            # The image tokens' 3-D (M-RoPE) positions are computed from these; without them a
+            # Qwen-VL model reads the image with 1-D text positions (or refuses it).
+            mm = (enc["input_ids"] == self.model.config.image_token_id).int()
+            inputs = {**enc, **vision, "mm_token_type_ids": mm}
             with torch.inference_mode():
                 ids = self.model.generate(**{k: v.to(self.device) for k, v in inputs.items()},
                                           max_new_tokens=self.max_new_tokens, do_sample=False,

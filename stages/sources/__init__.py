@@ -16,6 +16,8 @@ sources: Registry[type["Source"]] = Registry("prompt source", "stages.sources", 
 class Source:
     name: ClassVar[str]
     config: ClassVar[type[Section]]
+    # The format slip of the imperfect teacher of `sft.noise` (appended to a demonstration).
+    slip: ClassVar[str] = "="
 
     @classmethod
     def build(cls, cfg: Any) -> Any:
@@ -27,16 +29,26 @@ class Source:
         """Cross-section rules of a recipe reading this source; ValueError('field.path: ...')."""
 
     @classmethod
+    def gives_images(cls, cfg: Any) -> bool:
+        """Whether the prompts of this source (with these settings) carry images."""
+        return False
+
+    @classmethod
     def sft_records(cls, recipe: Any) -> list[dict[str, Any]]:
         """`sft.examples` synthetic (prompt, answer) records from the training stream (never the
-        held-out split): the reference answers are the demonstrations; `sft.noise` of them end in
-        a stray '=' (an imperfect teacher's format slip)."""
+        held-out split), with the prompts' images where they have some: the reference answers are
+        the demonstrations; `sft.noise` of them end in the source's `slip` (an imperfect teacher's
+        format slip: a stray '=' by default)."""
         prompts = cls.build(recipe.data).batch(0, recipe.sft.examples)
         missing = [p.prompt_id for p in prompts if "answer" not in p.metadata]
         if missing:
             raise ValueError(f"sft.source: synthetic records need an answer per prompt; {missing[0]!r} has none")
         rng = random.Random(f"sft-noise-{recipe.sft.seed}")
-        return [
-            {"prompt": p.text, "response": str(p.metadata["answer"]) + ("=" if rng.random() < recipe.sft.noise else "")}
+        records = [
+            {"prompt": p.text, "response": str(p.metadata["answer"]) + (cls.slip if rng.random() < recipe.sft.noise else "")}
             for p in prompts
         ]
+        for record, p in zip(records, prompts):
+            if p.images:
+                record["images"] = list(p.images)
+        return records

@@ -1,5 +1,5 @@
-"""`data.name: file`: prompts and reference answers from a local JSONL or Parquet file
-(stages/data_files.py)."""
+"""`data.name: file`: prompts and reference answers from a local JSONL or Parquet file, with the
+prompts' images for vision-language models (stages/data_files.py)."""
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -18,6 +18,9 @@ class FileData(Section):
     prompt_column: str = Field("prompt", min_length=1, description="Column holding the prompt text.")
     answer_column: str = Field("answer", min_length=1, description="Column holding the reference answer (metadata `answer`).")
     id_column: str | None = Field(None, description="Column of unique row ids, used in prompt ids (empty: line/row number).")
+    image_column: str | None = Field(
+        None, description="Column of each prompt's image(s) for vision-language models: a path (relative to the file's "
+        "folder, or absolute) or image bytes, or a list of them (empty: text prompts).")
     heldout_fraction: float = Field(
         0.0, ge=0, lt=1, description="Fraction of the distinct prompts held out, fixed by `seed` (0: none, or heldout_path)."
     )
@@ -41,3 +44,15 @@ class FileSource(Source):
         from stages.data_files import file_prompt_source
 
         return file_prompt_source(cfg)
+
+    @classmethod
+    def gives_images(cls, cfg: FileData) -> bool:
+        return cfg.image_column is not None
+
+    @classmethod
+    def check(cls, recipe: Any) -> None:
+        from stages.models.family import get_family
+
+        if recipe.data.image_column is not None and not get_family(recipe.model.kind).takes_images:
+            raise ValueError(f"data.image_column: model.kind {recipe.model.kind!r} cannot see images; use a "
+                             "vision-language family (qwen2_5_vl, qwen3_vl) or remove image_column")

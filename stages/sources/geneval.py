@@ -81,8 +81,9 @@ class GenEvalSource(Source):
 
         from stages.models.family import get_family
 
-        if "image" not in get_family(recipe.model.kind).produces:
-            return  # a text model reading toy-GenEval prompts: its scorers decide what it is paid for
+        family = get_family(recipe.model.kind)
+        if "image" not in family.produces or family.takes_images:
+            return  # a model that reads toy-GenEval prompts rather than draws them: its scorers decide what it is paid for
         side = cls.image_size(recipe)
         if side is not None and side < MIN_IMAGE_SIZE:
             raise ValueError(f"rollout.sampler.image_size: toy GenEval needs images of at least {MIN_IMAGE_SIZE} px, got {side}")

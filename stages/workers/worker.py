@@ -16,6 +16,7 @@ import torch
 
 from stages.algorithms.base import get_algorithm
 from stages.faults import fault_point
+from stages.images import IMAGE_COLUMNS
 from stages.models.family import get_family
 from stages.policies import policies
 from stages.recipe import Recipe
@@ -93,18 +94,16 @@ class Worker:
         greedy: the policy's deterministic sampler (evaluation). Rows record the policy version."""
         start = time.perf_counter()
         req = read_shard(self.storage, requests, "requests")
-        samples = []
-        for gid, prompt, meta, gsize in zip(req.column("group_id").to_pylist(), req.column("prompt").to_pylist(),
-                                            req.column("metadata").to_pylist(), req.column("group_size").to_pylist()):
-            samples += [(f"{gid}/{j}", gid, prompt, meta) for j in range(gsize)]
-        samples.sort(key=lambda s: s[0])
+        samples = self.policy.samples(req, self.storage.url(requests))
         segment = self.policy.segment
         with self.stack.maybe_ema(self.algorithm.samples_with_ema and not greedy):
             rows = self.policy.rollout(self.stack.module, self.stack.my_share(samples), iteration=iteration, seed_tag=seed_tag,
                                        greedy=greedy, stack=self.stack, transitions=self.algorithm.replays_transitions)
         for row in rows:
             row.update(iteration=iteration, policy_version=self.version, parts=[segment])
-        write_shard(self.storage, join(out_dir, f"part-{self.rank:03d}.arrow"), table_from_rows(rows, "rollouts", [segment]))
+        images = [c for c in IMAGE_COLUMNS if c in req.schema.names]  # copied into every row, on every rank's shard
+        write_shard(self.storage, join(out_dir, f"part-{self.rank:03d}.arrow"),
+                    table_from_rows(rows, "rollouts", [segment], extra=images))
         counters = {"rows": len(rows), **self.policy.counters(rows)}
         totals = torch.tensor(list(counters.values()), dtype=torch.int64, device=self.device)
         self.stack.all_reduce(totals)

@@ -151,7 +151,7 @@ def test_missing_file_suffix_and_fraction_errors(tmp_path):
 def test_built_from_config_and_reread_when_the_file_changes(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", rows(4))
     config = SimpleNamespace(name="file", path=str(path), prompt_column="prompt", answer_column="answer",
-                             id_column=None, heldout_fraction=0.25, heldout_path=None, seed=0)
+                             id_column=None, image_column=None, heldout_fraction=0.25, heldout_path=None, seed=0)
     first = file_prompt_source(config)
     assert file_prompt_source(config) is first  # every iteration builds the source: parse once
     write_jsonl(path, rows(8))

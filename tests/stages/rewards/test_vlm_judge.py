@@ -43,3 +43,53 @@ def test_out_of_range_answer_is_an_error(judge_dir):
     judge = build_scorer("vlm_judge", model_path=str(judge_dir), device="cpu", max_score=5)
     with pytest.raises(ScorerError, match=r"no score in \[0, 5\]"):
         run_scorer(judge, batch(1))
+
+
+def test_a_vision_language_policys_own_tiny_model_judges_its_answers(tiny_weights, tmp_path):
+    """The qwen3_vl family's tiny model, taught by the family's own SFT to answer 7 to the judge's
+    question, published as a plain folder, judges that family's rollouts: it is shown the image
+    each rollout's prompt showed (with its M-RoPE positions: Qwen3-VL refuses an image without
+    them), and every answer parses to 7 / 10."""
+    import torch
+
+    from stages import iteration as it
+    from stages.rewards.vlm_judge import DEFAULT_QUESTION
+    from stages.recipe import build_recipe
+    from stages.sample import read_rollouts, read_shard, table_from_rows, write_shard
+    from stages.storage import RunStorage
+    from stages.toy_vqa import ToyVQA
+    from stages.workers.worker import Worker
+    from tests.tiny import TINY, merged
+
+    family = "qwen3_vl"
+    base = merged(TINY[family], {"storage": {"root": str(tmp_path)}})
+    teach = build_recipe(merged(base, {"sft": {"steps": 30, "batch_size": 8, "lr": 1e-2}}))
+    storage = RunStorage(str(tmp_path), "judge")
+
+    def worker(recipe, weights, mode):
+        spec = {"recipe": recipe.model_dump(mode="json"), "root": str(tmp_path), "run": "judge", "mode": mode,
+                "weights_dir": str(weights), "scratch": str(tmp_path / f"scratch-{mode}")}
+        return Worker(spec, None, torch.device("cpu"))
+
+    prompts = ToyVQA(seed=9, heldout_size=0).batch(0, 24)
+    rows = [{"prompt": DEFAULT_QUESTION.format(prompt=p.text, text="", min_score=0, max_score=10), "response": "7"}
+            for p in prompts]
+    rows = it.with_image_grids(teach, rows, [p.images for p in prompts], [p.prompt_id for p in prompts])
+    write_shard(storage, "sft/judge.arrow", table_from_rows(rows, "sft"))
+    teacher = worker(teach, tiny_weights(family), "sft")
+    teacher.sft(data="sft/judge.arrow", steps=30, batch_size=8, seed=0)
+    teacher.publish()
+    judge = storage.local_path(storage.weights_rel(0))
+
+    recipe = build_recipe(merged(base, {"reward": {"scorers": [{"name": "vlm_judge", "params": {
+        "model_path": str(judge), "device": "cpu", "max_new_tokens": 2}}]}}))
+    policy = worker(recipe, tiny_weights(family), "rl")
+    requests = it.write_requests(storage, recipe, 0)["files"][0]
+    gen = policy.generate(iteration=0, requests=requests, out_dir="iter-000000/rollouts")
+    table = read_rollouts(storage, gen["files"], columns=it.SCORED_COLUMNS)
+    batch = it.score_batch(table)
+    shown = [read_shard(storage, requests, "requests").column("images")[0].as_py()[0]]
+    assert batch.images[0].tobytes() == it.decode_png(shown[0]).tobytes()  # the prompt's image
+    it.score(storage, recipe, 0, gen["files"])
+    rewards = read_shard(storage, "iter-000000/rewards.arrow", "rewards").column("reward").to_pylist()
+    assert rewards == [0.7] * 12

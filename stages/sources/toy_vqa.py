@@ -1,0 +1,57 @@
+"""`data.name: toy_vqa`: one-word questions about rendered toy-GenEval scenes (colour, shape,
+count, left/right; stages/toy_vqa.py), each prompt carrying its image, for vision-language models."""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from stages.config_base import Section
+from stages.sources import Source, sources
+
+
+class ToyVQAData(Section):
+    """Questions about procedurally drawn scenes; the answer is known from the scene."""
+
+    name: Literal["toy_vqa"] = "toy_vqa"
+    kinds: list[Literal["colour", "shape", "count", "position"]] = Field(
+        ["colour", "shape", "count", "position"], min_length=1, description="Question kinds to draw from (uniformly).")
+    image_size: int = Field(32, ge=16, le=512, description="Side of the square scene images in pixels.")
+    heldout_size: int = Field(40, ge=0, description="Size of the fixed held-out split (images never trained on).")
+    seed: int = Field(1234, description="Seed of the question stream and the held-out split.")
+
+
+@sources.register("toy_vqa")
+class ToyVQASource(Source):
+    name = "toy_vqa"
+    config = ToyVQAData
+    slip: ClassVar[str] = "."  # the imperfect teacher ends some answers with a full stop
+
+    @classmethod
+    def build(cls, cfg: ToyVQAData) -> Any:
+        from stages.toy_vqa import ToyVQA
+
+        return _built(tuple(cfg.kinds), cfg.image_size, cfg.heldout_size, cfg.seed, ToyVQA)
+
+    @classmethod
+    def gives_images(cls, cfg: ToyVQAData) -> bool:
+        return True
+
+    @classmethod
+    def check(cls, recipe: Any) -> None:
+        from stages.models.family import get_family
+
+        if not get_family(recipe.model.kind).takes_images:
+            raise ValueError(f"data.name: toy_vqa prompts show an image, which model.kind {recipe.model.kind!r} cannot "
+                             "see; use a vision-language family (qwen2_5_vl, qwen3_vl)")
+
+
+_CACHE: dict[tuple[Any, ...], Any] = {}
+
+
+def _built(kinds: tuple[str, ...], size: int, heldout: int, seed: int, make: Any) -> Any:
+    """The source is asked for every iteration: its held-out images are rendered once per process."""
+    key = (kinds, size, heldout, seed)
+    if key not in _CACHE:
+        _CACHE[key] = make(kinds=kinds, image_size=size, heldout_size=heldout, seed=seed)
+    return _CACHE[key]
