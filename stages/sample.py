@@ -43,7 +43,8 @@ SEGMENT_COLUMNS: dict[str, dict[str, pa.DataType]] = {
     },
     # Diffusion segment: sigmas [T+1], chosen SDE step indices [S], latents at the stored steps
     # (flattened; `latent_shape` gives the per-step shape), per-step log-probs [S], the seed of the
-    # initial noise, and the encoded image for rewards and previews.
+    # initial noise, and the encoded media for rewards and previews: an image's PNG, or a video's
+    # frames, one PNG each (stages/media.py says why), the other column empty.
     "latent": {
         "sigmas": _LIST_F32,
         "sde_indices": _LIST_I32,
@@ -52,6 +53,7 @@ SEGMENT_COLUMNS: dict[str, dict[str, pa.DataType]] = {
         "sde_logprobs": _LIST_F32,
         "noise_seed": pa.int64(),
         "media_png": pa.binary(),
+        "media_frames": pa.list_(pa.binary()),
     },
 }
 
@@ -66,7 +68,8 @@ REQUEST_COLUMNS: dict[str, pa.DataType] = {
 REWARD_COLUMNS: dict[str, pa.DataType] = {"sample_id": pa.string(), "group_id": pa.string(), "reward": pa.float64()}
 ADVANTAGE_COLUMNS: dict[str, pa.DataType] = {"sample_id": pa.string(), "group_id": pa.string(), "advantage": pa.float32()}
 
-# Supervised records: `response` (text) for language models, `media_png` for image models.
+# Supervised records: `response` (text) for language models, `media_png` for image models,
+# `media_frames` (one PNG per frame) for video models.
 SFT_COLUMNS: dict[str, pa.DataType] = {"prompt": pa.string()}
 
 KINDS: dict[str, dict[str, pa.DataType]] = {
@@ -99,7 +102,8 @@ def table_from_rows(rows: list[dict[str, Any]], kind: str, segments: Iterable[st
         )
     extra = sorted({k for r in rows for k in r} - set(schema.names))
     for name in extra:  # e.g. reward/<component>; SFT's response / media_png
-        dtype = {"response": pa.string(), "media_png": pa.binary(), "metadata": pa.string()}.get(name, pa.float64())
+        dtype = {"response": pa.string(), "media_png": pa.binary(), "metadata": pa.string(),
+                 "media_frames": pa.list_(pa.binary())}.get(name, pa.float64())
         schema = schema.append(pa.field(name, dtype))
     columns = {}
     for field in schema:
