@@ -76,10 +76,14 @@ def to_pixels(images: np.ndarray | Tensor) -> Tensor:
     return x / 127.5 - 1
 
 
-def reconstruction_loss(vae: Any, pixels: Tensor, kl_weight: float = 1e-6) -> Tensor:
-    """L1 + L2 of decode(mean of encode(x)) against x, plus a small KL to keep latents bounded."""
-    posterior = vae.encode(pixels).latent_dist
-    rec = vae.decode(posterior.mean).sample
+def reconstruction_loss(vae: Any, pixels: Tensor, kl_weight: float = 1e-6, codec: Any = None) -> Tensor:
+    """L1 + L2 of decode(mean of encode(x)) against x, plus a small KL to keep latents bounded.
+    `codec` (stages.models.flow_vae): how its VAE reconstructs for training (default: decode)."""
+    if codec is not None:
+        rec, posterior = codec.reconstruction(vae, pixels)
+    else:
+        posterior = vae.encode(pixels).latent_dist
+        rec = vae.decode(posterior.mean).sample
     err = rec - pixels
     return err.abs().mean() + err.square().mean() + kl_weight * posterior.kl().mean()
 
@@ -87,11 +91,11 @@ def reconstruction_loss(vae: Any, pixels: Tensor, kl_weight: float = 1e-6) -> Te
 def warm_up_vae(
     vae: Any, images: np.ndarray, *, steps: int, lr: float, batch_size: int, seed: int,
     all_reduce: Callable[[list[Tensor]], None] | None = None, rank: int = 0, world: int = 1,
-    log: Callable[[int, float], None] | None = None, pixels: Callable[[Tensor], Tensor] | None = None,
+    log: Callable[[int, float], None] | None = None, codec: Any = None,
 ) -> dict[str, float]:
     """Train `vae` to reconstruct `images` (uint8 (N, H, W, 3), or clips (N, F, H, W, 3)): Adam with a
-    20-step warm-up and cosine decay. `pixels`: uint8 media -> the VAE's input (default
-    `to_pixels`). With several ranks each takes its share of every batch and `all_reduce`
+    20-step warm-up and cosine decay. `codec` (stages.models.flow_vae): uint8 media -> the VAE's
+    input and its training reconstruction (default: `to_pixels`, decode). With several ranks each takes its share of every batch and `all_reduce`
     averages the gradients (a sum over ranks, divided here). Returns the final loss and time."""
     import time
 
@@ -103,13 +107,13 @@ def warm_up_vae(
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1)))
     )
-    pixels = (pixels or to_pixels)(torch.as_tensor(np.asarray(images)))
+    pixels = (codec.pixels if codec is not None else to_pixels)(torch.as_tensor(np.asarray(images)))
     device = next(vae.parameters()).device
     loss_value = float("nan")
     for step in range(steps):
         idx = batch_indices(step, seed=derive_seed(seed, "vae"), batch_size=batch_size, num_records=len(pixels))
         mine = idx[rank::world]
-        loss = reconstruction_loss(vae, pixels[mine].to(device))
+        loss = reconstruction_loss(vae, pixels[mine].to(device), codec=codec)
         opt.zero_grad(set_to_none=False)
         (loss * len(mine) / len(idx)).backward()
         if all_reduce is not None and world > 1:

@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field
 
-from stages.config_base import Section
+from stages.config_base import LoraConfig, Section
 from stages.models.family import Family
 from stages.models.flow_geometry import FlowGeometry
 
@@ -62,6 +62,43 @@ class FlowMatchingSFT(Section):
     )
     schedule: Literal["constant", "cosine"] = Field("cosine", description="lr over `sft.steps`, after the warm-up.")
     warmup_steps: int = Field(100, ge=0, description="Linear lr warm-up steps.")
+
+
+class TinyFlow(Section):
+    """What every tiny seeded flow model has (used only when `model.path` is empty)."""
+
+    image_size: int = Field(16, ge=8, description="Side of generated images (or video frames) in pixels.")
+    seed: int = Field(0, description="Seed of the random initialisation.")
+    num_layers: int = Field(1, ge=1, description="Transformer blocks.")
+    num_heads: int = Field(2, ge=1, description="Attention heads per block.")
+    head_dim: int = Field(16, ge=4, description="Width of one attention head (a multiple of 4).")
+    patch_size: int = Field(2, ge=1, description="Transformer patch side, in latent pixels.")
+    latent_channels: int = Field(4, ge=1, description="Channels of the VAE latent.")
+    vae_channels: list[int] = Field(
+        [8, 8], min_length=1, description="VAE block widths; the VAE downsamples space by 2**(len-1).")
+    text_hidden: int = Field(16, ge=8, description="Width of the tiny text encoder (a multiple of 8).")
+    text_layers: int = Field(1, ge=1, description="Layers of the tiny text encoder.")
+    text_length: int = Field(16, ge=2, description="Text tokens per prompt (padded).")
+
+    @property
+    def vae_factor(self) -> int:
+        return 2 ** (len(self.vae_channels) - 1)
+
+
+class TinyVideo(TinyFlow):
+    """A tiny seeded video model: a frame count too."""
+
+    num_frames: int = Field(5, ge=1, description="Frames of generated clips.")
+
+
+class FlowModelBase(Section):
+    """The `model:` fields every flow family other than SD3 shares (a family adds `kind` and `tiny`)."""
+
+    path: str | None = Field(None, description="Local diffusers-layout folder; empty: build the tiny seeded model.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of all transformer weights.")
+    vae_warmup: VAEWarmup = Field(default_factory=VAEWarmup, description="VAE reconstruction training at the start of SFT.")
+    flow_matching: FlowMatchingSFT = Field(default_factory=FlowMatchingSFT, description="Transformer training in SFT.")
 
 
 # ---------------------------------------------------------------------------- the bundle
@@ -174,7 +211,20 @@ class FlowFamily(Family):
     @classmethod
     def native_media(cls, cfg: Any) -> tuple[int, int | None]:
         """(image side, frames or None) a model of `cfg` is made for, without loading weights."""
+        if cfg.path:
+            from stages.models.flow_folder import folder_defaults
+
+            found = folder_defaults(Path(cfg.path), cls.pipeline_defaults)
+            return int(found["image_size"]), found.get("num_frames")
         return cfg.tiny.image_size, getattr(cfg.tiny, "num_frames", None)
+
+    # The image side, frames and text tokens of a checkpoint without a defaults file (its pipeline's).
+    pipeline_defaults: ClassVar[dict[str, Any]] = {"image_size": 1024, "num_frames": None, "text_length": 512}
+
+    @classmethod
+    def tiny_defaults(cls, tiny: Any) -> dict[str, Any]:
+        """What a tiny folder records of itself (stages/models/flow_folder.py DEFAULTS_FILE)."""
+        return {"image_size": tiny.image_size, "num_frames": getattr(tiny, "num_frames", None), "text_length": tiny.text_length}
 
     # -- conditioning and the velocity --------------------------------------------------------
     @classmethod
@@ -264,7 +314,7 @@ class FlowFamily(Family):
             return {}
         codec = cls.codec(bundle)
         info = S.warm_up_vae(bundle.vae, media, steps=steps, lr=warm.lr, batch_size=warm.batch_size, seed=seed,
-                             all_reduce=all_reduce, rank=rank, world=world, pixels=codec.pixels)
+                             all_reduce=all_reduce, rank=rank, world=world, codec=codec)
         video = cls.geometry(bundle).video
         with torch.no_grad():
             z = torch.cat([codec.to_policy(codec.raw_latents(bundle.vae, codec.pixels(torch.as_tensor(media[i:i + 256]))), video).cpu()

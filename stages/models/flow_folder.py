@@ -14,6 +14,20 @@ from typing import Any
 import torch
 
 TRANSFORMER_FILE = "diffusion_pytorch_model.safetensors"
+# What a folder built in code is made for: its image side, frame count and text tokens per prompt
+# (diffusers ignores files it does not know; a real checkpoint has none, and its family takes its
+# pipeline's defaults).
+DEFAULTS_FILE = "unirl_defaults.json"
+
+
+def write_defaults(root: Path, **values: Any) -> None:
+    (Path(root) / DEFAULTS_FILE).write_text(json.dumps(values, sort_keys=True) + "\n")
+
+
+def folder_defaults(root: Path, pipeline: dict[str, Any]) -> dict[str, Any]:
+    """The `pipeline` defaults (image_size, num_frames, text_length), overridden by the folder's DEFAULTS_FILE."""
+    path = Path(root) / DEFAULTS_FILE
+    return {**pipeline, **(json.loads(path.read_text()) if path.is_file() else {})}
 
 
 def read_index(root: Path, field: str = "model.path") -> dict[str, Any]:
@@ -92,6 +106,8 @@ def write_folder(local: Path, *, base_dir: Path, vae: Any, parts: dict[str, dict
         if (base_dir / name).is_dir():
             shutil.copytree(base_dir / name, local / name, dirs_exist_ok=True)
     shutil.copy2(base_dir / "model_index.json", local / "model_index.json")
+    if (base_dir / DEFAULTS_FILE).is_file():
+        shutil.copy2(base_dir / DEFAULTS_FILE, local / DEFAULTS_FILE)
     vae.save_pretrained(local / "vae")
     for name, state in parts.items():
         target = local / name

@@ -70,6 +70,11 @@ class LatentCodec:
             return out[:, :, 0].permute(0, 2, 3, 1).cpu()
         return out.permute(0, 2, 3, 4, 1).cpu()
 
+    def reconstruction(self, vae: Any, pixels: Tensor) -> tuple[Tensor, Any]:
+        """(decode of the posterior mean, the posterior) with gradients, for training the VAE."""
+        posterior = vae.encode(pixels).latent_dist
+        return vae.decode(posterior.mean).sample, posterior
+
     # -- the round trip -----------------------------------------------------------------------
     def raw_latents(self, vae: Any, pixels: Tensor, *, sample: bool = False, generator: Any = None) -> Tensor:
         """The posterior mean (or a sample) of `pixels`, float32, before normalization."""
@@ -148,6 +153,24 @@ class ChannelStats(LatentCodec):
     def denormalize(self, vae: Any, x: Tensor) -> Tensor:
         mean, std = self._stats(vae, x)
         return x * std + mean
+
+    def reconstruction(self, vae: Any, pixels: Tensor) -> tuple[Tensor, Any]:
+        """The decoder's own output, before the clamp to [-1, 1] these VAEs end their decode with:
+        trained through the clamp, a decoder that overshoots white (the toy scenes' background)
+        gets no gradient on the pixels it overshoots and settles on a blank frame."""
+        posterior = vae.encode(pixels).latent_dist
+        frames: list[Tensor] = []
+        handle = vae.decoder.register_forward_hook(lambda module, args, out: frames.append(out))
+        try:
+            vae.decode(posterior.mean)
+        finally:
+            handle.remove()
+        out = torch.cat(frames, dim=2)
+        if getattr(vae.config, "patch_size", None):
+            from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+            out = unpatchify(out, patch_size=vae.config.patch_size)
+        return out, posterior
 
     def fit(self, vae: Any, z: Tensor) -> dict[str, float]:
         dims = [d for d in range(z.ndim) if d != 1]
