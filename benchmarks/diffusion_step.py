@@ -1,12 +1,14 @@
-"""One FlowGRPO iteration of the diffusion quickstart through the full flow (Prefect tasks, Arrow
-shards in run storage, the torchrun FSDP2 worker group) and the same math in a minimal in-process
-loop (`stages.loop.InProcessLoop`: the same worker, policy, algorithm and train stack on in-memory
-storage), side by side, at 1x, 2x and 4x the group size. Prints seconds per iteration at steady
-state, the flow/loop ratio (target: at most 1.15) and how cost grows with the batch.
+"""One FlowGRPO iteration of a flow family's recipe (default: the diffusion quickstart, SD3) through
+the full flow (Prefect tasks, Arrow shards in run storage, the torchrun FSDP2 worker group) and the
+same math in a minimal in-process loop (`stages.loop.InProcessLoop`: the same worker, policy,
+algorithm and train stack on in-memory storage), side by side, at 1x, 2x and 4x the group size.
+Prints seconds per iteration at steady state, the flow/loop ratio (target: at most 1.15) and how
+cost grows with the batch.
 
     python benchmarks/diffusion_step.py --iterations 8 --warmup 3 [--repeats 3] [key=value ...]
+    python benchmarks/diffusion_step.py --family wan --scales 1   # a video family (its recipe in RECIPES)
 
-Both sides start from the same tiny random SD3 (no SFT: speed does not depend on the weights) and
+Both sides start from the same tiny random model (no SFT: speed does not depend on the weights) and
 run in their own process with the same number of threads. With `--repeats N` the two sides
 alternate N times per group size (flow, loop, flow, loop, ...) and the ratio is the median of the
 N pairs: on a shared 2-core VM either side alone moves by up to 10% between runs minutes apart.
@@ -26,12 +28,15 @@ from pathlib import Path
 from _runs import iteration_metrics, steady_state
 
 REPO = Path(__file__).resolve().parents[1]
-QUICKSTART = REPO / "recipes" / "diffusion" / "quickstart.yaml"
+# The recipe each family is measured with: its quickstart where it has one.
+RECIPES = {"sd3": "diffusion/quickstart.yaml", "flux2_klein": "diffusion/flux2_klein.yaml",
+           "qwen_image": "diffusion/qwen_image.yaml", "wan": "video/quickstart.yaml",
+           "hunyuan_video": "video/hunyuan_video.yaml"}
 STAGES = ("generate", "score", "advantage", "train", "sync")
 
 
-def flow_run(work: Path, name: str, iterations: int, overrides: list[str], env: dict[str, str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "flows.cli", "run", str(QUICKSTART), f"storage.root={work}", "--run-name", name,
+def flow_run(recipe: Path, work: Path, name: str, iterations: int, overrides: list[str], env: dict[str, str]) -> list[dict]:
+    cmd = [sys.executable, "-m", "flows.cli", "run", str(recipe), f"storage.root={work}", "--run-name", name,
            "sft=null", "eval.enabled=false", "tracking.preview_every=0", f"iterations={iterations}",
            f"checkpoint_every={iterations}", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -40,15 +45,16 @@ def flow_run(work: Path, name: str, iterations: int, overrides: list[str], env: 
     return iteration_metrics(work / name, iterations)
 
 
-def loop_run(weights: Path, iterations: int, overrides: list[str], env: dict[str, str]) -> list[dict]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--loop", str(weights), "--iterations", str(iterations), *overrides]
+def loop_run(recipe: Path, weights: Path, iterations: int, overrides: list[str], env: dict[str, str]) -> list[dict]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--loop", str(weights), "--recipe", str(recipe),
+           "--iterations", str(iterations), *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(proc.stderr[-4000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def in_process(weights: str, iterations: int, overrides: list[str]) -> int:
+def in_process(recipe_path: Path, weights: str, iterations: int, overrides: list[str]) -> int:
     """The loop side, in this process: one JSON line of per-iteration metrics."""
     sys.path.insert(0, str(REPO))
     import torch
@@ -57,7 +63,7 @@ def in_process(weights: str, iterations: int, overrides: list[str]) -> int:
     from stages.recipe import load_recipe
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    recipe = load_recipe(QUICKSTART, ["sft=null", *overrides])
+    recipe = load_recipe(recipe_path, ["sft=null", *overrides])
     loop = InProcessLoop(recipe, weights)
     out = []
     for i in range(iterations):
@@ -75,26 +81,31 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3, help="iterations left out of the medians (start-up, caches)")
     parser.add_argument("--scales", default="1,2,4", help="group-size multiples")
     parser.add_argument("--repeats", type=int, default=1, help="alternating flow/loop pairs per group size")
+    parser.add_argument("--family", default="sd3", choices=sorted(RECIPES), help="model.kind to measure (its recipe: RECIPES)")
+    parser.add_argument("--recipe", default=None, help="a recipe instead of the family's")
     parser.add_argument("--loop", default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="recipe overrides for both sides")
     args = parser.parse_args()
+    recipe = Path(args.recipe) if args.recipe else REPO / "recipes" / RECIPES[args.family]
     if args.loop:
-        return in_process(args.loop, args.iterations, args.overrides)
+        return in_process(recipe, args.loop, args.iterations, args.overrides)
     sys.path.insert(0, str(REPO))
     from stages.recipe import load_recipe
 
     work = Path(tempfile.mkdtemp(prefix="unirl-diffusion-bench-"))
     env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_LOGGING_LEVEL": "WARNING",
            "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}"}
-    base = load_recipe(QUICKSTART, ["sft=null", *args.overrides]).rollout.group_size
+    loaded = load_recipe(recipe, ["sft=null", *args.overrides])
+    print(f"recipe {recipe.relative_to(REPO) if recipe.is_relative_to(REPO) else recipe} (model.kind {loaded.model.kind})", flush=True)
+    base = loaded.rollout.group_size
     rows = []
     for scale in (int(s) for s in args.scales.split(",")):
         over = [*args.overrides, f"rollout.group_size={base * scale}"]
         pairs, flows = [], []
         for r in range(args.repeats):
             name = f"x{scale}" + (f"-{r}" if r else "")
-            flow = steady_state(flow_run(work, name, args.iterations, over, env), args.warmup)
-            loop = steady_state(loop_run(work / name / "weights" / "v000000", args.iterations, over, env), args.warmup)
+            flow = steady_state(flow_run(recipe, work, name, args.iterations, over, env), args.warmup)
+            loop = steady_state(loop_run(recipe, work / name / "weights" / "v000000", args.iterations, over, env), args.warmup)
             pairs.append((statistics.median(m["time/wall_s"] for m in flow), statistics.median(m["time/iteration_s"] for m in loop)))
             flows += flow
             if args.repeats > 1:

@@ -36,6 +36,7 @@ FLOWS: dict[str, tuple[str, str]] = {
     "ar": ("rl-train", "flows/rl.py:rl_train"),
     "vlm": ("rl-train", "flows/rl.py:rl_train"),
     "diffusion": ("rl-train", "flows/rl.py:rl_train"),
+    "video": ("rl-train", "flows/rl.py:rl_train"),
     "pipeline": ("rl-train", "flows/rl.py:rl_train"),
     "sft": ("sft", "flows/sft.py:sft"),
 }

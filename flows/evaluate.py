@@ -21,11 +21,33 @@ from tasks.evaluate import evaluate
 
 
 def eval_artifact(recipe: Recipe, run_name: str, version: int, metrics: dict[str, float]) -> None:
+    """Publish an evaluation: a Prefect table artifact, and the policy's preview of the held-out
+    samples in MLflow (flow models: a grid, an animated one for video)."""
     key = f"{recipe.name}-{run_name}-eval".lower().replace("_", "-").replace("/", "-")
     create_table_artifact(
         key=key, table=[{"version": version, **{k.split("/", 1)[1]: round(v, 4) for k, v in metrics.items()}}],
         description=f"held-out evaluation of {run_name} at policy version {version}",
     )
+    eval_preview(recipe, run_name, version)
+
+
+def eval_preview(recipe: Recipe, run_name: str, version: int) -> None:
+    """The held-out preview of policy `version` in the run's MLflow run (`tracking.preview_every`
+    0: none); never fails the run."""
+    from prefect import get_run_logger
+
+    from stages.policies import policy_for
+    from tasks.common import storage_of
+
+    if not recipe.tracking.preview_every:
+        return
+    try:
+        storage = storage_of(recipe, run_name)
+        run_id = storage.read_json("run.json").get("mlflow_run_id")
+        if run_id is not None:
+            policy_for(recipe).log_eval_preview(recipe, Tracker(recipe, storage, run_name, run_id), storage, version)
+    except Exception as exc:  # noqa: BLE001 - a preview is for people, not for the run
+        get_run_logger().warning("held-out preview of v%06d not logged: %s", version, exc)
 
 
 @flow(name="evaluate", flow_run_name="{recipe.name}/{run_name}/eval")

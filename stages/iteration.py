@@ -13,7 +13,7 @@ import numpy as np
 from stages.advantage import group_advantages, group_stats
 from stages.data import build_prompt_source
 from stages.faults import fault_point
-from stages.media import decode_png
+from stages.media import decode_frames, decode_png
 from stages.recipe import Recipe
 from stages.rewards.base import ScoreBatch, ScoreResult, aggregate, build_scorer, prompt_check, run_scorer
 from stages.rewards.overlong import apply_overlong
@@ -91,19 +91,22 @@ def check_prompts(recipe: Recipe, prompts: list[Any]) -> None:
 
 
 # What scoring reads of a rollouts table (not the latents).
-SCORED_COLUMNS = ["sample_id", "group_id", "prompt", "text", "media_png", "images", "metadata", "finish_reason",
-                  "response_ids"]
+SCORED_COLUMNS = ["sample_id", "group_id", "prompt", "text", "media_png", "media_frames", "images", "metadata",
+                  "finish_reason", "response_ids"]
 
 
 def score_batch(table: Any, prompt_images: bool = True) -> ScoreBatch:
-    """What scorers see of a rollouts table: texts (AR), decoded PNG images (diffusion), or the
-    answer and, with `prompt_images`, the first image its prompt showed (vision-language models)."""
+    """What scorers see of a rollouts table: texts (AR), decoded PNG images (image diffusion),
+    decoded frames (video diffusion: `videos`, one list of frames per sample), or the answer and,
+    with `prompt_images`, the first image its prompt showed (vision-language models)."""
     from stages.images import decode
 
     names = table.schema.names
+    pngs = table.column("media_png").to_pylist() if "media_png" in names else None
+    clips = table.column("media_frames").to_pylist() if "media_frames" in names else None
     images = None
-    if "media_png" in names:
-        images = [decode_png(b) for b in table.column("media_png").to_pylist()]
+    if pngs is not None and all(b is not None for b in pngs):
+        images = [decode_png(b) for b in pngs]
     elif "images" in names and prompt_images:
         images = [decode(shown[0], f"sample {sid!r}: image 0") for sid, shown in
                   zip(table.column("sample_id").to_pylist(), table.column("images").to_pylist())]
@@ -112,6 +115,7 @@ def score_batch(table: Any, prompt_images: bool = True) -> ScoreBatch:
         prompts=table.column("prompt").to_pylist(),
         texts=table.column("text").to_pylist() if "text" in names else None,
         images=images,
+        videos=[decode_frames(c) for c in clips] if clips is not None and all(c for c in clips) else None,
         metadata=metadata(table),
         finish_reasons=table.column("finish_reason").to_pylist() if "finish_reason" in names else None,
     )

@@ -1,4 +1,11 @@
-"""Media in shards: images as PNG bytes (lossless, for rewards and previews) and back."""
+"""Media in shards: images as PNG bytes (lossless, for rewards and previews) and back; a video as
+its frames, one PNG each, in a list column (`media_frames`).
+
+Why frames as PNGs and not one file per clip (`benchmarks/video_media.py` measures it): rewards must
+read the exact pixels the model made, so the stored form is lossless; PNG frames are the same size
+as one animated PNG on generated clips (within 1%), each frame decodes on its own (frame-based
+scorers pick frames), and a lossy GIF or MP4 would change what scorers see (no MP4 encoder is
+installed here either). GIFs are made only for people: the MLflow previews."""
 from __future__ import annotations
 
 import io
@@ -24,8 +31,29 @@ def to_png_bytes(images: Any) -> list[bytes]:
     return out
 
 
+def media_columns(media: Any) -> list[dict[str, Any]]:
+    """The media columns of each decoded sample: images (B, H, W, 3) -> {media_png}; videos
+    (B, F, H, W, 3) -> {media_frames: one PNG per frame} (media_png left empty)."""
+    media = np.asarray(media)
+    if media.ndim == 4:
+        return [{"media_png": png} for png in to_png_bytes(media)]
+    return [{"media_png": None, "media_frames": to_png_bytes(clip)} for clip in media]
+
+
 def decode_png(data: bytes) -> Any:
     """PNG bytes of a shard -> RGB PIL image."""
     from PIL import Image
 
     return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+def decode_frames(frames: list[bytes]) -> list[Any]:
+    """A clip's PNG frames -> list of RGB PIL images."""
+    return [decode_png(b) for b in frames]
+
+
+def to_gif(frames: list[Any], *, duration_ms: int = 250) -> bytes:
+    """PIL frames -> an animated GIF that loops (for people: GIF's palette is lossy)."""
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=list(frames[1:]), duration=duration_ms, loop=0)
+    return buf.getvalue()

@@ -91,8 +91,8 @@ class SFTConfig(Section):
     examples: int = Field(2000, ge=1, description="Synthetic examples to draw.")
     noise: float = Field(
         0.0, ge=0, le=1,
-        description="Fraction of synthetic demonstrations that end in a stray mark, '=' ('.' for toy_vqa): an imperfect "
-        "teacher's format slip.",
+        description="Fraction of synthetic demonstrations carrying an imperfect teacher's slip: arithmetic answers end in "
+        "a stray '=' (toy_vqa answers in '.'), toy video clips move the opposite way.",
     )
     steps: int = Field(200, ge=1, description="Optimizer steps.")
     batch_size: int = Field(32, ge=1, description="Examples per step (all ranks together).")

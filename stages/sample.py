@@ -47,7 +47,8 @@ SEGMENT_COLUMNS: dict[str, dict[str, pa.DataType]] = {
     },
     # Diffusion segment: sigmas [T+1], chosen SDE step indices [S], latents at the stored steps
     # (flattened; `latent_shape` gives the per-step shape), per-step log-probs [S], the seed of the
-    # initial noise, and the encoded image for rewards and previews.
+    # initial noise, and the encoded media for rewards and previews: an image's PNG, or a video's
+    # frames, one PNG each (stages/media.py says why), the other column empty.
     "latent": {
         "sigmas": _LIST_F32,
         "sde_indices": _LIST_I32,
@@ -56,6 +57,7 @@ SEGMENT_COLUMNS: dict[str, dict[str, pa.DataType]] = {
         "sde_logprobs": _LIST_F32,
         "noise_seed": pa.int64(),
         "media_png": pa.binary(),
+        "media_frames": pa.list_(pa.binary()),
     },
 }
 
@@ -70,7 +72,8 @@ REQUEST_COLUMNS: dict[str, pa.DataType] = {
 REWARD_COLUMNS: dict[str, pa.DataType] = {"sample_id": pa.string(), "group_id": pa.string(), "reward": pa.float64()}
 ADVANTAGE_COLUMNS: dict[str, pa.DataType] = {"sample_id": pa.string(), "group_id": pa.string(), "advantage": pa.float32()}
 
-# Supervised records: `response` (text) for language models, `media_png` for image models.
+# Supervised records: `response` (text) for language models, `media_png` for image models,
+# `media_frames` (one PNG per frame) for video models.
 SFT_COLUMNS: dict[str, pa.DataType] = {"prompt": pa.string()}
 
 KINDS: dict[str, dict[str, pa.DataType]] = {
@@ -104,7 +107,8 @@ def table_from_rows(rows: list[dict[str, Any]], kind: str, segments: Iterable[st
             metadata={"unirl.schema_version": str(SCHEMA_VERSION), "unirl.kind": kind},
         )
     extra = sorted(({k for r in rows for k in r} | set(extra)) - set(schema.names))
-    known = {"response": pa.string(), "media_png": pa.binary(), "metadata": pa.string(), **IMAGE_COLUMNS}
+    known = {"response": pa.string(), "media_png": pa.binary(), "metadata": pa.string(),
+             "media_frames": pa.list_(pa.binary()), **IMAGE_COLUMNS}
     for name in extra:  # e.g. reward/<component>; SFT's response / media_png; a prompt's images
         dtype = known.get(name, pa.float64())
         schema = schema.append(pa.field(name, dtype))

@@ -94,6 +94,17 @@ class Tracker:
         self.client.log_image(self.run_id, image, artifact_file=path)
         return path
 
+    def log_bytes(self, step: int, data: bytes, key: str, ext: str) -> str:
+        """Log a file's bytes (an animated GIF preview) as `images/<key>/step-<step>.<ext>`; returns its path."""
+        import tempfile
+        from pathlib import Path
+
+        with tempfile.TemporaryDirectory(prefix="unirl-artifact-") as tmp:
+            local = Path(tmp) / f"step-{step:06d}.{ext}"
+            local.write_bytes(data)
+            self.client.log_artifact(self.run_id, str(local), artifact_path=f"images/{key}")
+        return f"images/{key}/step-{step:06d}.{ext}"
+
     def log_table(self, step: int, columns: dict[str, list[Any]], key: str) -> str:
         """Log a table (column -> values) as `tables/<key>/step-<step>.json` in MLflow's table
         layout ({"columns": [...], "data": [[row], ...]}); returns its path. Written as a plain

@@ -104,17 +104,19 @@ def run_unirl(args: list[str], env: dict[str, str], timeout: float = 600, check:
 
 @pytest.fixture(scope="session")
 def tiny_weights(tmp_path_factory):
-    """`tiny_weights(family)`: the family's tiny model of tests/tiny.py, built once per session and
-    saved in its checkpoint layout, so tests load it by path like real weights."""
+    """`tiny_weights(case)`: the tiny model of a family (or a family's variant, "wan2.2") of
+    tests/tiny.py, built once per session and saved in its checkpoint layout, so tests load it by
+    path like real weights."""
     from stages.models.family import families
-    from tests.tiny import TINY
+    from tests.tiny import CASES
 
     built: dict[str, Path] = {}
 
-    def get(family: str) -> Path:
-        if family not in built:
-            fam = families.get(family)
-            built[family] = fam.materialize(fam.config.model_validate(TINY[family]["model"]), tmp_path_factory.mktemp(family) / "tiny")
-        return built[family]
+    def get(case: str) -> Path:
+        if case not in built:
+            model = CASES[case]["model"]
+            fam = families.get(model["kind"])
+            built[case] = fam.materialize(fam.config.model_validate(model), tmp_path_factory.mktemp(case) / "tiny")
+        return built[case]
 
     return get

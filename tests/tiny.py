@@ -2,6 +2,16 @@
 a second or two on a CPU, with a reward that varies on a random model, so an update has a signal."""
 from __future__ import annotations
 
+
+def merged(*parts: dict) -> dict:
+    """Nested dicts merged left to right (later values win; dicts merge)."""
+    out: dict = {}
+    for part in parts:
+        for key, value in part.items():
+            out[key] = merged(out.get(key, {}), value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 TINY = {
     "qwen3": {"model": {"kind": "qwen3", "tiny": {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64}},
               "data": {"name": "arithmetic"}, "reward": {"scorers": [{"name": "integer_format"}]},
@@ -20,7 +30,29 @@ TINY = {
             "reward": {"scorers": [{"name": "brightness"}]},
             "rollout": {"prompts_per_iteration": 2, "group_size": 3, "sampler": {"num_steps": 3, "init_same_noise": False}},
             "train": {"micro_batch_size": 4}},
+    "flux2_klein": {"model": {"kind": "flux2_klein", "tiny": {"image_size": 16}}, "data": {"name": "geneval"},
+                    "reward": {"scorers": [{"name": "brightness"}]},
+                    "rollout": {"prompts_per_iteration": 2, "group_size": 3, "sampler": {"num_steps": 3, "init_same_noise": False}},
+                    "train": {"micro_batch_size": 4}},
+    "qwen_image": {"model": {"kind": "qwen_image", "tiny": {"image_size": 16}}, "data": {"name": "geneval"},
+                   "reward": {"scorers": [{"name": "colorfulness"}]},
+                   "rollout": {"prompts_per_iteration": 2, "group_size": 3, "sampler": {"num_steps": 3, "init_same_noise": False}},
+                   "train": {"micro_batch_size": 4}},
+    "hunyuan_video": {"model": {"kind": "hunyuan_video", "tiny": {"image_size": 16, "num_frames": 5}}, "data": {"name": "videotoy"},
+                      "reward": {"scorers": [{"name": "video", "params": {"scorer": "colorfulness"}}]},
+                      "rollout": {"prompts_per_iteration": 2, "group_size": 3, "sampler": {"num_steps": 3, "init_same_noise": False}},
+                      "train": {"micro_batch_size": 4}},
+    "wan": {"model": {"kind": "wan", "tiny": {"image_size": 16, "num_frames": 5}}, "data": {"name": "videotoy"},
+            "reward": {"scorers": [{"name": "video", "params": {"scorer": "brightness", "max_frames": 3}}]},
+            "rollout": {"prompts_per_iteration": 2, "group_size": 3, "sampler": {"num_steps": 3, "init_same_noise": False}},
+            "train": {"micro_batch_size": 4}},
 }
+# Variants of a family the matrix runs too (a second architecture behind one `model.kind`).
+VARIANTS = {
+    "wan2.2": {"model": {"kind": "wan", "tiny": {"experts": 2, "boundary_ratio": 0.7}}},
+    "hunyuan_video1.5": {"model": {"kind": "hunyuan_video", "tiny": {"version": "1.5", "vae_channels": [8, 8], "vae_temporal": 2}}},
+}
+CASES = {**TINY, **{name: merged(TINY[over["model"]["kind"]], over) for name, over in VARIANTS.items()}}
 # What an algorithm needs beyond the family's tiny recipe, and options the matrix exercises on the
 # way: KL to the reference (the frozen copy; LoRA's adapter-disabled reference is in the e2e
 # tests), classifier-free guidance with a negative prompt.
@@ -29,12 +61,3 @@ EXTRA = {"nft": {"train": {"ema": {"decay": 0.5}}, "algorithm": {"timesteps": 2}
          "gspo": {"algorithm": {"kl_coef": 0.05, "kl_estimator": "k2"}},
          "drpo": {"algorithm": {"kl_coef": 0.05, "kl_estimator": "k1"}},
          "flow_grpo": {"rollout": {"sampler": {"guidance_scale": 2.0, "negative_prompt": "a black square"}}}}
-
-
-def merged(*parts: dict) -> dict:
-    """Nested dicts merged left to right (later values win; dicts merge)."""
-    out: dict = {}
-    for part in parts:
-        for key, value in part.items():
-            out[key] = merged(out.get(key, {}), value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out

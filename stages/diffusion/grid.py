@@ -1,6 +1,8 @@
-"""Image grids of an iteration's rollouts for people: each image enlarged (nearest neighbour, so
-pixels stay pixels), with its prompt and reward written under it. The flow logs one per
-`tracking.preview_every` iterations to MLflow; the PNG bytes stay in the rollout shards."""
+"""Previews of a flow model's samples for people: each image (or video frame) enlarged (nearest
+neighbour, so pixels stay pixels), with its prompt and reward written under it. Images make one
+grid PNG; videos an animated GIF whose frame k is the grid of every clip's frame k. The flow logs
+one per `tracking.preview_every` iterations to MLflow, and one of the held-out samples at each
+evaluation; the media stay in the shards, where `rollout_grid` draws them again later."""
 from __future__ import annotations
 
 import io
@@ -8,7 +10,7 @@ import textwrap
 from typing import Any
 
 from stages.sample import read_rollouts, read_shard
-from stages.storage import RunStorage
+from stages.storage import RunStorage, join
 
 
 def image_grid(pngs: list[bytes], captions: list[str], *, columns: int = 4, cell: int = 128) -> Any:
@@ -33,33 +35,66 @@ def image_grid(pngs: list[bytes], captions: list[str], *, columns: int = 4, cell
     return grid
 
 
+def clip_grid(clips: list[list[bytes]], captions: list[str], *, columns: int = 4, cell: int = 96) -> list[Any]:
+    """The frames of an animated grid: frame k is `image_grid` of every clip's frame k (a shorter
+    clip holds its last frame)."""
+    length = max(len(c) for c in clips)
+    return [image_grid([c[min(k, len(c) - 1)] for c in clips], captions, columns=columns, cell=cell) for k in range(length)]
+
+
+def _pick(table: Any, max_items: int) -> list[int]:
+    """The first `max_items` rows, one per group first, so prompts vary."""
+    first_of_group, rest, seen = [], [], set()
+    for i, g in enumerate(table.column("group_id").to_pylist()):
+        (rest if g in seen else first_of_group).append(i)
+        seen.add(g)
+    return (first_of_group + rest)[:max_items]
+
+
+def rollout_grid(storage: RunStorage, rollouts: list[str], rewards: str | None = None, *, max_images: int = 16,
+                 columns: int = 4) -> Any:
+    """The grid of the first `max_images` rollouts (one per group first), with their rewards when
+    `rewards` (rewards.arrow) is given: a PIL image, or for videos the list of its frames."""
+    table = read_rollouts(storage, rollouts, columns=["sample_id", "group_id", "prompt", "media_png", "media_frames"])
+    ids = table.column("sample_id").to_pylist()
+    reward = {}
+    if rewards is not None:
+        r = read_shard(storage, rewards, "rewards")
+        reward = dict(zip(r.column("sample_id").to_pylist(), r.column("reward").to_pylist()))
+    pick = _pick(table, max_images)
+    prompts = table.column("prompt").to_pylist()
+    captions = [prompts[i] + (f"  r={reward[ids[i]]:.2f}" if ids[i] in reward else "") for i in pick]
+    clips = table.column("media_frames").to_pylist() if "media_frames" in table.column_names else None
+    if clips is not None and all(clips[i] for i in pick):
+        return clip_grid([clips[i] for i in pick], captions, columns=columns)
+    pngs = table.column("media_png").to_pylist()
+    return image_grid([pngs[i] for i in pick], captions, columns=columns)
+
+
+def log_grid(tracker: Any, step: int, grid: Any, key: str) -> str:
+    """Log a grid (a PIL image, or a list of frames: an animated GIF) to MLflow under `key`."""
+    if isinstance(grid, list):
+        from stages.media import to_gif
+
+        return tracker.log_bytes(step, to_gif(grid), key, "gif")
+    return tracker.log_image(step, grid, key)
+
+
 def log_iteration_grid(tracker: Any, storage: RunStorage, iteration: int) -> str | None:
     """Log iteration `iteration`'s grid to MLflow; returns the artifact path."""
     gen = storage.stage_manifest(iteration, "generate")
     scored = storage.stage_manifest(iteration, "score")
     if gen is None:
         return None
-    grid = rollout_grid(storage, gen["files"], scored["files"][0] if scored else None)
-    return tracker.log_image(iteration, grid, "rollouts")
+    return log_grid(tracker, iteration, rollout_grid(storage, gen["files"], scored["files"][0] if scored else None), "rollouts")
 
 
-def rollout_grid(storage: RunStorage, rollouts: list[str], rewards: str | None = None, *, max_images: int = 16,
-                 columns: int = 4) -> Any:
-    """The grid of the first `max_images` rollouts (one per group first, so prompts vary), with
-    their rewards when `rewards` (rewards.arrow) is given."""
-    table = read_rollouts(storage, rollouts)
-    ids = table.column("sample_id").to_pylist()
-    groups = table.column("group_id").to_pylist()
-    reward = {}
-    if rewards is not None:
-        r = read_shard(storage, rewards, "rewards")
-        reward = dict(zip(r.column("sample_id").to_pylist(), r.column("reward").to_pylist()))
-    first_of_group, rest, seen = [], [], set()
-    for i, g in enumerate(groups):
-        (rest if g in seen else first_of_group).append(i)
-        seen.add(g)
-    pick = (first_of_group + rest)[:max_images]
-    pngs = table.column("media_png").to_pylist()
-    prompts = table.column("prompt").to_pylist()
-    captions = [prompts[i] + (f"  r={reward[ids[i]]:.2f}" if ids[i] in reward else "") for i in pick]
-    return image_grid([pngs[i] for i in pick], captions, columns=columns)
+def log_eval_grid(tracker: Any, storage: RunStorage, version: int) -> str | None:
+    """Log the held-out greedy samples of policy `version` (eval/vNNNNNN/greedy) to MLflow."""
+    from stages.evaluation import eval_dir
+
+    folder = join(eval_dir(version), "greedy")
+    parts = [join(folder, f) for f in storage.files(folder) if f.endswith(".arrow")]
+    if not parts:
+        return None
+    return log_grid(tracker, version, rollout_grid(storage, parts), "heldout")

@@ -40,10 +40,11 @@ class PromptCache:
         return hit
 
     def __call__(self, prompts: list[str], sampler: Any) -> Conditions:
-        """Conditioning of `prompts`; the sampler's negative prompt too when it uses CFG."""
+        """Conditioning of `prompts`; the sampler's negative prompt too when it uses CFG (a
+        guidance-distilled family takes the scale as an input and needs none)."""
         pairs = [self._one(p) for p in prompts]
         out = Conditions(tuple(torch.stack([c[i] for c in pairs]) for i in range(len(pairs[0]))))
-        if sampler.guidance_scale > 1:
+        if sampler.guidance_scale > 1 and self.family.uses_cfg(self.bundle):
             out.neg = tuple(t.expand(len(prompts), *t.shape) for t in self._one(sampler.negative_prompt))
         return out
 

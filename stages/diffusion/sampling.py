@@ -50,13 +50,15 @@ class Plan:
         return self.kind != "ode" and self.eta > 0 and self.sde_indices.numel() > 0
 
 
-def make_plan(sampler: Any, *, seed: int, iteration: int, latent_tokens: int, deterministic: bool = False) -> Plan:
+def make_plan(sampler: Any, *, seed: int, iteration: int, latent_tokens: int, deterministic: bool = False,
+              mu: Callable[[int, int], float] | None = None) -> Plan:
     """The plan of `iteration` from a `DiffusionSampler` section. `latent_tokens` (transformer
-    tokens of one image) sets the shift when `sampler.dynamic_shift`. The `window` draw uses a
-    generator seeded from (seed, iteration). `deterministic`: an ODE plan (evaluation)."""
+    tokens of one image or clip) sets the shift when `sampler.dynamic_shift`, through the family's
+    `mu(tokens, num_steps)` (default `stages.sde.dynamic_shift`). The `window` draw uses a generator
+    seeded from (seed, iteration). `deterministic`: an ODE plan (evaluation)."""
     t = sampler.num_steps
     if sampler.dynamic_shift:
-        sigmas = time_shift_sigmas(t, dynamic_shift(latent_tokens))
+        sigmas = time_shift_sigmas(t, mu(latent_tokens, t) if mu is not None else dynamic_shift(latent_tokens))
     else:
         sigmas = shifted_sigmas(t, sampler.shift)
     if deterministic or sampler.kernel == "ode" or sampler.eta == 0:

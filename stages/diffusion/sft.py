@@ -47,6 +47,17 @@ def decode_images(pngs: list[bytes], where: str = "") -> np.ndarray:
     return np.stack(images)
 
 
+def decode_videos(clips: list[list[bytes]], where: str = "") -> np.ndarray:
+    """Per clip a list of PNG frames -> uint8 (N, F, H, W, 3); every clip must have the same shape."""
+    from PIL import Image
+
+    videos = [np.stack([np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in frames]) for frames in clips]
+    shapes = sorted({v.shape for v in videos})
+    if len(shapes) > 1:
+        raise ValueError(f"{where}: SFT clips must share one shape (frames, height, width), found {[s[:3] for s in shapes]}")
+    return np.stack(videos)
+
+
 def batch_indices(step: int, *, seed: int, batch_size: int, num_records: int) -> list[int]:
     """The records of SFT step `step`: a function of (seed, step) only, so chunks of steps give
     what one long call gives."""
@@ -58,15 +69,21 @@ def batch_indices(step: int, *, seed: int, batch_size: int, num_records: int) ->
 
 
 def to_pixels(images: np.ndarray | Tensor) -> Tensor:
-    """uint8 (B, H, W, 3) -> float32 (B, 3, H, W) in [-1, 1] (the VAE's input range)."""
-    x = torch.as_tensor(np.asarray(images)).permute(0, 3, 1, 2).float()
+    """uint8 (B, H, W, 3) -> float32 (B, 3, H, W) in [-1, 1] (the VAE's input range); videos
+    (B, F, H, W, 3) -> (B, 3, F, H, W)."""
+    x = torch.as_tensor(np.asarray(images))
+    x = (x.permute(0, 3, 1, 2) if x.ndim == 4 else x.permute(0, 4, 1, 2, 3)).float()
     return x / 127.5 - 1
 
 
-def reconstruction_loss(vae: Any, pixels: Tensor, kl_weight: float = 1e-6) -> Tensor:
-    """L1 + L2 of decode(mean of encode(x)) against x, plus a small KL to keep latents bounded."""
-    posterior = vae.encode(pixels).latent_dist
-    rec = vae.decode(posterior.mean).sample
+def reconstruction_loss(vae: Any, pixels: Tensor, kl_weight: float = 1e-6, codec: Any = None) -> Tensor:
+    """L1 + L2 of decode(mean of encode(x)) against x, plus a small KL to keep latents bounded.
+    `codec` (stages.models.flow_vae): how its VAE reconstructs for training (default: decode)."""
+    if codec is not None:
+        rec, posterior = codec.reconstruction(vae, pixels)
+    else:
+        posterior = vae.encode(pixels).latent_dist
+        rec = vae.decode(posterior.mean).sample
     err = rec - pixels
     return err.abs().mean() + err.square().mean() + kl_weight * posterior.kl().mean()
 
@@ -74,10 +91,11 @@ def reconstruction_loss(vae: Any, pixels: Tensor, kl_weight: float = 1e-6) -> Te
 def warm_up_vae(
     vae: Any, images: np.ndarray, *, steps: int, lr: float, batch_size: int, seed: int,
     all_reduce: Callable[[list[Tensor]], None] | None = None, rank: int = 0, world: int = 1,
-    log: Callable[[int, float], None] | None = None,
+    log: Callable[[int, float], None] | None = None, codec: Any = None,
 ) -> dict[str, float]:
-    """Train `vae` to reconstruct `images` (uint8 (N, H, W, 3)): Adam with a 20-step warm-up and
-    cosine decay. With several ranks each takes its share of every batch and `all_reduce`
+    """Train `vae` to reconstruct `images` (uint8 (N, H, W, 3), or clips (N, F, H, W, 3)): Adam with a
+    20-step warm-up and cosine decay. `codec` (stages.models.flow_vae): uint8 media -> the VAE's
+    input and its training reconstruction (default: `to_pixels`, decode). With several ranks each takes its share of every batch and `all_reduce`
     averages the gradients (a sum over ranks, divided here). Returns the final loss and time."""
     import time
 
@@ -89,13 +107,13 @@ def warm_up_vae(
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1)))
     )
-    pixels = to_pixels(images)
+    pixels = (codec.pixels if codec is not None else to_pixels)(torch.as_tensor(np.asarray(images)))
     device = next(vae.parameters()).device
     loss_value = float("nan")
     for step in range(steps):
         idx = batch_indices(step, seed=derive_seed(seed, "vae"), batch_size=batch_size, num_records=len(pixels))
         mine = idx[rank::world]
-        loss = reconstruction_loss(vae, pixels[mine].to(device))
+        loss = reconstruction_loss(vae, pixels[mine].to(device), codec=codec)
         opt.zero_grad(set_to_none=False)
         (loss * len(mine) / len(idx)).backward()
         if all_reduce is not None and world > 1:
@@ -115,12 +133,11 @@ def standardize_latents(vae: Any, images: np.ndarray, batch: int = 256) -> dict[
     (z - shift) * scale of `images` have mean 0 and std 1 (what flow matching from N(0, 1) noise
     assumes; SD3's constants fit only SD3's own VAE)."""
     device = next(vae.parameters()).device
+    from stages.models.flow_vae import ShiftScale
+
     zs = [vae.encode(to_pixels(images[i:i + batch]).to(device)).latent_dist.mean.float().cpu()
           for i in range(0, len(images), batch)]
-    z = torch.cat(zs)
-    shift, scale = float(z.mean()), float(1.0 / z.std().clamp_min(1e-6))
-    vae.register_to_config(shift_factor=shift, scaling_factor=scale)
-    return {"vae_shift_factor": shift, "vae_scaling_factor": scale}
+    return ShiftScale().fit(vae, torch.cat(zs))
 
 
 # ---------------------------------------------------------------- flow matching

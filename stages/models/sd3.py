@@ -11,7 +11,6 @@ Conventions (rectified flow, as SD3 is trained):
 from __future__ import annotations
 
 import json
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +19,10 @@ import torch
 from pydantic import Field, model_validator
 
 from stages.config_base import LoraConfig, Section
-from stages.models.family import Family, families
+from stages.models.family import families
+from stages.models.flow_family import FlowFamily, FlowMatchingSFT, VAEWarmup
+from stages.models.flow_geometry import FlowGeometry, check_image_side
+from stages.models.flow_vae import ShiftScale
 from stages.models.sd3_text import DEFAULT_T5_LENGTH
 
 TIMESTEP_SCALE = 1000.0
@@ -34,18 +36,6 @@ SD3_LORA_TARGETS = (
 
 
 # ---------------------------------------------------------------------------- recipe section
-
-
-def check_image_side(field: str, size: int, vae_factor: int, patch: int) -> None:
-    """ValueError naming `field` unless the VAE (downsampling by `vae_factor`) and the transformer
-    (patch `patch`) can take images of side `size`."""
-    step = vae_factor * patch
-    if size % step:
-        ok = ", ".join(str(step * k) for k in range(max(1, size // step - 1), size // step + 3))
-        raise ValueError(
-            f"{field}: image size {size} cannot be taken by the VAE (downsamples by {vae_factor}) and the "
-            f"transformer (patch {patch}): use a multiple of {step} (e.g. {ok})"
-        )
 
 
 class TinySD3(Section):
@@ -86,30 +76,6 @@ class TinySD3(Section):
             "patch_size": self.patch_size, "vae_channels": tuple(self.vae_channels),
             "latent_channels": self.latent_channels, "vae_mid_attention": self.vae_mid_attention,
         }
-
-
-class VAEWarmup(Section):
-    """Reconstruction training of the VAE before flow-matching SFT (a tiny model's VAE is random)."""
-
-    steps: int | None = Field(
-        None, ge=0, description="Optimizer steps; empty: 400 for the tiny model (no `model.path`), 0 for a checkpoint."
-    )
-    lr: float = Field(2e-3, gt=0, description="Adam learning rate (cosine decay to 0).")
-    batch_size: int = Field(32, ge=1, description="Images per step.")
-
-    def resolved_steps(self, has_path: bool) -> int:
-        return (0 if has_path else 400) if self.steps is None else self.steps
-
-
-class FlowMatchingSFT(Section):
-    """How SFT trains the transformer (the `sft` section sets steps, batch size, lr and seed)."""
-
-    ema: float = Field(
-        0.999, ge=0, lt=1,
-        description="Decay of an EMA of the weights during SFT; the EMA is what SFT publishes (0: the raw weights).",
-    )
-    schedule: Literal["constant", "cosine"] = Field("cosine", description="lr over `sft.steps`, after the warm-up.")
-    warmup_steps: int = Field(100, ge=0, description="Linear lr warm-up steps.")
 
 
 class SD3ModelConfig(Section):
@@ -180,25 +146,17 @@ class SD3Bundle:
 # ---------------------------------------------------------------------------- image sizes
 
 
-def _check_size(what: str, size: int, vae_factor: int, patch: int, max_patches: int | None) -> None:
-    step = vae_factor * patch
-    largest = None if max_patches is None else step * max_patches
-    if size > 0 and size % step == 0 and (largest is None or size <= largest):
-        return
-    upto = f" up to {largest}" if largest is not None else ""
-    raise ValueError(
-        f"image size {size} cannot be taken by {what}: the VAE downsamples by {vae_factor} and the "
-        f"transformer patch is {patch}, so image sides must be multiples of {step}{upto} "
-        f"(e.g. {', '.join(str(step * k) for k in (1, 2, 4, 8) if largest is None or step * k <= largest)})"
-    )
+def geometry(bundle: SD3Bundle) -> FlowGeometry:
+    """Pixels -> latents (the VAE's factor) -> tokens (the patch, up to the position table's side)."""
+    return FlowGeometry(channels=bundle.latent_channels, spatial=bundle.vae_scale_factor, patch=bundle.patch_size,
+                        max_patches=bundle.transformer.config.pos_embed_max_size, what=f"the SD3 model in {bundle.directory}")
 
 
 def check_image_size(bundle: SD3Bundle, height: int, width: int | None = None) -> None:
     """Raise ValueError, saying which sizes work, unless the VAE and transformer take H x W."""
-    cfg = bundle.transformer.config
+    geo = geometry(bundle)
     for side in (height, height if width is None else width):
-        _check_size(f"the SD3 model in {bundle.directory}", int(side), bundle.vae_scale_factor,
-                    bundle.patch_size, cfg.pos_embed_max_size)
+        geo.check_side(int(side))
 
 
 def latent_shape(bundle: SD3Bundle, height: int, width: int | None = None) -> tuple[int, int, int]:
@@ -299,11 +257,11 @@ def native_image_size(cfg: SD3ModelConfig) -> int:
 
 
 @families.register("sd3")
-class SD3(Family):
+class SD3(FlowFamily):
     name = "sd3"
     config = SD3ModelConfig
-    policy = "flow"
     produces = ("image",)
+    pipelines = ("StableDiffusion3Pipeline",)
     lora_targets = SD3_LORA_TARGETS
     modules = ("diffusers.models.transformers.transformer_sd3", "diffusers.models.autoencoders.autoencoder_kl",
                "transformers.models.clip.modeling_clip", "transformers.models.t5.modeling_t5", "peft")
@@ -314,15 +272,11 @@ class SD3(Family):
         if size is not None and not recipe.model.path:
             tiny = recipe.model.tiny
             check_image_side("rollout.sampler.image_size", size, tiny.vae_factor, tiny.patch_size)
+        super().check(recipe)
 
     @classmethod
-    def image_size(cls, cfg: SD3ModelConfig) -> int | None:
-        """Native image side when it is known from the recipe alone (the tiny model's), else None."""
-        return None if cfg.path else cfg.tiny.image_size
-
-    @classmethod
-    def native_image_size(cls, cfg: SD3ModelConfig) -> int:
-        return native_image_size(cfg)
+    def native_media(cls, cfg: SD3ModelConfig) -> tuple[int, int | None]:
+        return native_image_size(cfg), None
 
     @classmethod
     def materialize(cls, cfg: SD3ModelConfig, scratch: Path) -> Path:
@@ -330,7 +284,7 @@ class SD3(Family):
             d = Path(cfg.path)
             if not (d / "model_index.json").is_file():
                 raise FileNotFoundError(f"model.path {d}: no model_index.json (expected a diffusers SD3 folder)")
-            return d
+            return super().materialize(cfg, scratch)
         from stages.models.sd3_tiny import build_tiny_sd3
 
         return build_tiny_sd3(scratch, **cfg.tiny.build_kwargs())
@@ -340,94 +294,35 @@ class SD3(Family):
         return load_sd3(directory, dtype=getattr(torch, cfg.dtype), device=device)
 
     @classmethod
-    def fsdp_units(cls, module: Any) -> list[Any]:
-        return list(module.transformer_blocks)
+    def lora_what(cls, bundle: SD3Bundle) -> str:
+        return f"the SD3 transformer in {bundle.directory}"
+
+    # -- what the flow policy asks of a flow family (stages/models/flow_family.py) -------------
+    @classmethod
+    def geometry(cls, bundle: SD3Bundle) -> FlowGeometry:
+        return geometry(bundle)
 
     @classmethod
-    def add_lora(cls, bundle: SD3Bundle, lora: LoraConfig) -> None:
-        from stages.models.sd3_ops import add_lora
-
-        add_lora(bundle, rank=lora.rank, alpha=lora.alpha, target_modules=lora.target_modules or SD3_LORA_TARGETS)
-
-    @classmethod
-    def reference(cls, bundle: SD3Bundle) -> AbstractContextManager[Any]:
-        from stages.models.sd3_ops import reference_policy
-
-        return reference_policy(bundle)
-
-    @classmethod
-    def export(cls, bundle: SD3Bundle, local: Path, state: dict[str, Any], *, lora: LoraConfig | None) -> None:
-        from stages.models.sd3_ops import merge_lora, write_sd3_folder
-
-        if lora is not None:
-            state = merge_lora(state, rank=lora.rank, alpha=lora.alpha)
-        write_sd3_folder(local, base_dir=bundle.directory, vae=bundle.vae, transformer_state=state)
-
-    # -- what the flow policy asks of a flow family -------------------------------------------
-    @classmethod
-    def latent_shape(cls, bundle: SD3Bundle, image_size: int) -> tuple[int, ...]:
-        return latent_shape(bundle, image_size)
-
-    @classmethod
-    def latent_tokens(cls, bundle: SD3Bundle, shape: tuple[int, ...]) -> int:
-        """Transformer tokens of one latent (what a dynamic shift is computed from)."""
-        p = bundle.patch_size
-        return (shape[-2] // p) * (shape[-1] // p)
+    def codec(cls, bundle: SD3Bundle) -> ShiftScale:
+        return ShiftScale()
 
     @classmethod
     def default_image_size(cls, bundle: SD3Bundle) -> int:
         return bundle.default_image_size
 
     @classmethod
-    def check_image_size(cls, bundle: SD3Bundle, height: int, width: int | None = None) -> None:
-        check_image_size(bundle, height, width)
-
-    @classmethod
     def encode_prompt(cls, bundle: SD3Bundle, text: str) -> tuple[torch.Tensor, ...]:
-        """The conditioning of one prompt, each tensor without its batch dimension."""
+        """(embeds (L, D), pooled (P,)) of one prompt."""
         from stages.models.sd3_text import encode_prompts
 
         e = encode_prompts(bundle, [text])
         return e.embeds[0], e.pooled[0]
 
     @classmethod
-    def velocity(cls, bundle: SD3Bundle, module: Any, x: torch.Tensor, sigma: torch.Tensor, cond: tuple[torch.Tensor, ...],
-                 guidance_scale: float, neg: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
-        """v (B, C, h, w) at latents x and noise level sigma (B,), conditioned on `cond` (batched)."""
-        from stages.models.sd3_ops import predict_velocity
-
-        if module is not bundle.transformer:
-            import dataclasses
-
-            bundle = dataclasses.replace(bundle, transformer=module)
-        n = x.shape[0]
-        return predict_velocity(bundle, x, sigma, cond[0][:n], cond[1][:n], guidance_scale=guidance_scale,
-                                neg_embeds=None if neg is None else neg[0][:n], neg_pooled=None if neg is None else neg[1][:n])
-
-    @classmethod
-    def decode(cls, bundle: SD3Bundle, latents: torch.Tensor) -> torch.Tensor:
-        from stages.models.sd3_ops import decode_latents
-
-        return decode_latents(bundle, latents)
-
-    @classmethod
-    def encode_images(cls, bundle: SD3Bundle, images: Any) -> torch.Tensor:
-        from stages.models.sd3_ops import encode_images
-
-        return encode_images(bundle, images)
-
-    @classmethod
-    def prepare_sft(cls, bundle: SD3Bundle, cfg: SD3ModelConfig, images: Any, *, seed: int, all_reduce: Any,
-                    rank: int, world: int) -> dict[str, float]:
-        """Before flow-matching SFT: warm the VAE up on the SFT images (a tiny model's VAE is
-        random) and standardize its latents; a checkpoint's VAE is kept (`model.vae_warmup`)."""
-        from stages.diffusion import sft as S
-
-        warm = cfg.vae_warmup
-        steps = warm.resolved_steps(bool(cfg.path))
-        if not steps:
-            return {}
-        info = S.warm_up_vae(bundle.vae, images, steps=steps, lr=warm.lr, batch_size=warm.batch_size, seed=seed,
-                             all_reduce=all_reduce, rank=rank, world=world)
-        info.update(S.standardize_latents(bundle.vae, images))
-        return info
+    def forward(cls, bundle: SD3Bundle, module: Any, x: torch.Tensor, sigma: torch.Tensor, cond: tuple[torch.Tensor, ...],
+                guidance: float | None) -> torch.Tensor:
+        """SD3's MMDiT on (B, C, h, w) latents, timestep = sigma * 1000."""
+        embeds, pooled = cond
+        dtype = module.dtype
+        return module(hidden_states=x.to(dtype), timestep=sigma * TIMESTEP_SCALE, encoder_hidden_states=embeds.to(dtype),
+                      pooled_projections=pooled.to(dtype), return_dict=False)[0].float()

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from stages.models.sd3 import _check_size
+from stages.models.flow_geometry import check_size
 from stages.models.sd3_text import build_text_encoder, build_tiny_tokenizer, tiny_clip_config, tiny_t5_config
 
 
@@ -21,7 +21,7 @@ def tiny_sd3_config(*, image_size: int = 32, latent_channels: int = 4, vae_chann
     `vae_mid_attention`: the VAE's mid-block self-attention (SD3 has it; a tiny VAE trains
     faster without it)."""
     vae_factor = 2 ** (len(vae_channels) - 1)
-    _check_size("the tiny SD3 config", image_size, vae_factor, patch_size, None)
+    check_size("the tiny SD3 config", image_size, vae_factor, patch_size, None)
     clip = tiny_clip_config(hidden_size=clip_hidden, projection_dim=clip_hidden)
     t5 = tiny_t5_config(d_model=2 * clip_hidden) if with_t5 else None
     latent = image_size // vae_factor

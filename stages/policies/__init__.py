@@ -88,6 +88,11 @@ class Policy:
         """Log what people should see of an iteration's rollouts (nothing by default)."""
         return None
 
+    @classmethod
+    def log_eval_preview(cls, recipe: Any, tracker: Any, storage: Any, version: int) -> str | None:
+        """Log what people should see of a held-out evaluation's samples (nothing by default)."""
+        return None
+
 
 def policy_for(recipe: Any) -> type[Policy]:
     from stages.models.family import get_family

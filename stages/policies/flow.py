@@ -68,7 +68,9 @@ class FlowSampler(Section):
     sde_kind: Literal["flow", "dance", "cps", "ode"] | None = Field(
         None, description="SDE step kernel; empty: the algorithm's (dance for DanceGRPO, cps for CPS, else flow).")
     init_same_noise: bool = Field(True, description="One initial noise per group (else per sample).")
-    image_size: int | None = Field(None, ge=8, description="Side of sampled images; empty: the model's default.")
+    image_size: int | None = Field(None, ge=8, description="Side of sampled images (or video frames); empty: the model's default.")
+    num_frames: int | None = Field(
+        None, ge=1, description="Frames of sampled videos (video families only); empty: the model's default.")
     sde_steps: SDESteps = Field(default_factory=SDESteps, description="Which steps are SDE steps.")
 
     @property
@@ -152,9 +154,17 @@ class FlowPolicy(Policy):
 
     @classmethod
     def log_preview(cls, recipe: Any, tracker: Any, storage: Any, iteration: int) -> str | None:
+        """An image grid (an animated GIF grid for video) of the iteration's rollouts, with rewards."""
         from stages.diffusion.grid import log_iteration_grid
 
         return log_iteration_grid(tracker, storage, iteration)
+
+    @classmethod
+    def log_eval_preview(cls, recipe: Any, tracker: Any, storage: Any, version: int) -> str | None:
+        """The grid of the held-out samples (greedy, ODE) of policy `version`."""
+        from stages.diffusion.grid import log_eval_grid
+
+        return log_eval_grid(tracker, storage, version)
 
     def __init__(self, family: Any, bundle: Any, recipe: Any, device: torch.device):
         from stages.diffusion.model import PromptCache
@@ -165,8 +175,9 @@ class FlowPolicy(Policy):
         self.family, self.bundle, self.recipe, self.device = family, bundle, recipe, device
         self.sampler: FlowSampler = recipe.rollout.sampler
         self.image_size = self.sampler.image_size or family.default_image_size(bundle)
+        self.num_frames = self.sampler.num_frames or family.default_num_frames(bundle)
         family.check_image_size(bundle, self.image_size)  # before any compute
-        self.shape = tuple(family.latent_shape(bundle, self.image_size))
+        self.shape = tuple(family.latent_shape(bundle, self.image_size, self.num_frames))
         self.prompts = PromptCache(family, bundle)
 
     # -- conditions -----------------------------------------------------------------------------
@@ -183,7 +194,8 @@ class FlowPolicy(Policy):
         from stages.diffusion.sampling import make_plan
 
         return make_plan(self.sampler, seed=self.recipe.seed, iteration=iteration,
-                         latent_tokens=self.family.latent_tokens(self.bundle, self.shape), deterministic=deterministic)
+                         latent_tokens=self.family.latent_tokens(self.bundle, self.shape), deterministic=deterministic,
+                         mu=lambda tokens, steps: self.family.dynamic_mu(self.bundle, tokens, steps))
 
     # -- sampling -------------------------------------------------------------------------------
     def rollout(self, module: Any, samples: list[tuple[str, str, str, Any]], *, iteration: int, seed_tag: str,
@@ -193,7 +205,7 @@ class FlowPolicy(Policy):
         greedy: the deterministic ODE sampler (evaluation)."""
         from stages.diffusion.sampling import sample, stored_steps
         from stages.diffusion.trajectory import latent_rows
-        from stages.media import to_png_bytes
+        from stages.media import media_columns
         from stages.sde import initial_noise
 
         plan = self.plan(iteration, deterministic=greedy)
@@ -215,15 +227,15 @@ class FlowPolicy(Policy):
             sde_seeds = [derive_seed(self.recipe.seed, seed_tag, "sde", iteration, sid) for sid, _, _, _ in chunk]
             traj = sample(self.velocity(module, [p for _, _, p, _ in chunk]), torch.stack(noises).to(self.device), plan,
                           sde_seeds, store=store)
-            pngs = to_png_bytes(self.family.decode(self.bundle, traj.final))
-            for (sid, gid, prompt, meta), seg, seed, png in zip(chunk, latent_rows(traj.latents, traj.logprobs, plan), noise_seeds, pngs):
+            media = media_columns(self.family.decode(self.bundle, traj.final))
+            for (sid, gid, prompt, meta), seg, seed, m in zip(chunk, latent_rows(traj.latents, traj.logprobs, plan), noise_seeds, media):
                 rows.append({"sample_id": sid, "group_id": gid, "metadata": meta, "prompt": prompt, "noise_seed": seed,
-                             "media_png": png, **seg})
+                             **m, **seg})
         return rows
 
     @staticmethod
     def counters(rows: list[dict[str, Any]]) -> dict[str, int]:
-        return {"images": len(rows)}
+        return {"videos" if rows and rows[0].get("media_frames") else "images": len(rows)}
 
     # -- replay ---------------------------------------------------------------------------------
     def batches(self, table: pa.Table, chunks: list[list[int]], advantages: Any, where: str) -> list[Any]:
@@ -300,14 +312,22 @@ class FlowPolicy(Policy):
         return spec, lambda step: min(fm.ema, (1 + step) / (10 + step))
 
     def sft_setup(self, table: pa.Table, where: str, stack: Any, seed: int) -> dict[str, Any]:
-        """Decode the records' images, let the family prepare its VAE for them (a tiny model's is
-        random), and encode every image to latents once."""
+        """Decode the records' images (or clips), let the family prepare its VAE for them (a tiny
+        model's is random), and encode every record to latents once."""
         from stages.diffusion import sft as S
 
-        if "media_png" not in table.schema.names:
+        if self.num_frames is not None:
+            if "media_frames" not in table.schema.names:
+                raise ValueError(f"{where}: SFT records for a video model need a 'media_frames' column (PNG frames per clip)")
+            images = S.decode_videos(table.column("media_frames").to_pylist(), where)
+            if images.shape[1] != self.num_frames:
+                raise ValueError(f"{where}: SFT clips have {images.shape[1]} frames, the sampler makes {self.num_frames}; "
+                                 "set rollout.sampler.num_frames to match the records")
+        elif "media_png" not in table.schema.names:
             raise ValueError(f"{where}: SFT records for an image model need a 'media_png' column")
-        images = S.decode_images(table.column("media_png").to_pylist(), where)
-        self.family.check_image_size(self.bundle, images.shape[1], images.shape[2])
+        else:
+            images = S.decode_images(table.column("media_png").to_pylist(), where)
+        self.family.check_image_size(self.bundle, images.shape[-3], images.shape[-2])
 
         def reduce(grads: list[torch.Tensor]) -> None:
             flat = torch.cat([g.reshape(-1) for g in grads])

@@ -4,7 +4,8 @@ first update's behaviour check against the sampler's record, plus the same updat
 through the real torchrun worker group for one text, one vision-language and one flow pair.
 
 The pairs come from the registries, so a new family or algorithm is in the matrix the moment it
-registers; a family without a tiny recipe in tests/tiny.py fails the completeness test."""
+registers; a family without a tiny recipe in tests/tiny.py fails the completeness test. A family's
+variants (tests/tiny.py VARIANTS: Wan 2.2's two experts, HunyuanVideo 1.5) run every algorithm too."""
 from __future__ import annotations
 
 import math
@@ -18,24 +19,30 @@ from stages.algorithms.base import algorithms
 from stages.models.family import families
 from stages.policies import policies
 from stages.recipe import build_recipe
-from tests.tiny import EXTRA, TINY, merged
+from tests.tiny import CASES, EXTRA, TINY, merged
+
+
+def kind_of(case: str) -> str:
+    return CASES[case]["model"]["kind"]
 
 
 def pairs() -> list[tuple[str, str]]:
     out = []
-    for fam, family in families.items():
-        segment = policies.get(family.policy).segment
-        out += [(fam, algo) for algo, cls in algorithms.items() if cls.segment == segment]
+    for case in sorted(CASES):
+        segment = policies.get(families.get(kind_of(case)).policy).segment
+        out += [(case, algo) for algo, cls in algorithms.items() if cls.segment == segment]
     return out
 
 
-def recipe_of(family: str, algo: str, root: Path, **extra: dict):
-    return build_recipe(merged(TINY[family], {"name": f"{family}-{algo}", "algorithm": {"name": algo}},
+def recipe_of(case: str, algo: str, root: Path, **extra: dict):
+    return build_recipe(merged(CASES[case], {"name": f"{case}-{algo}", "algorithm": {"name": algo}},
                                EXTRA.get(algo, {}), {"storage": {"root": str(root)}}, extra))
 
 
 def test_every_family_has_a_tiny_recipe_and_every_algorithm_a_family():
     assert sorted(TINY) == families.names(), "add a tiny recipe for each registered family to TINY"
+    assert {(families.get(k).policy, families.get(k).produces) for k in TINY} >= {("text", ("text",)), ("flow", ("image",)),
+                                                                                     ("flow", ("video",))}
     trained = {algo for _, algo in pairs()}
     assert trained == set(algorithms.names()), f"algorithms no family can run: {set(algorithms.names()) - trained}"
     assert {"grpo", "gspo", "drpo", "flow_grpo", "flow_dppo", "nft", "dancegrpo", "mixgrpo", "cps"} <= trained
@@ -59,14 +66,15 @@ def test_one_iteration(family, algo, tiny_weights, tmp_path):
 
 
 def one_of_each_kind() -> list[tuple[str, str]]:
-    """One pair per kind of family: its policy and whether its prompts carry images (then the
-    vision tower runs on every rank too)."""
+    """One pair per kind of model: its policy, what it produces (text, image, video) and whether
+    its prompts carry images (then the vision tower runs on every rank too)."""
     seen, out = set(), []
-    for fam, algo in pairs():
-        kind = (families.get(fam).policy, families.get(fam).takes_images)
+    for case, algo in pairs():
+        family = families.get(kind_of(case))
+        kind = (family.policy, family.produces, family.takes_images)
         if kind not in seen:
             seen.add(kind)
-            out.append((fam, algo))
+            out.append((case, algo))
     return out
 
 
@@ -103,7 +111,13 @@ def test_world_size_two_matches_the_update_in_one_process(family, algo, tmp_path
         runs[nproc] = (dict(zip(table.column("sample_id").to_pylist(), table.column(column).to_pylist())), trained["metrics"])
     (samples1, m1), (samples2, m2) = runs[1], runs[2]
     assert samples1 == samples2, "a sample must not depend on the rank that made it"
-    assert m2["behaviour_logp_max_abs_diff"] <= policies.get(families.get(family).policy).default_tolerance("float32")
+    assert m2["behaviour_logp_max_abs_diff"] <= loop_tolerance(family)
     np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(m2["grad_norm"], m1["grad_norm"], rtol=1e-2)
-    assert m1[policies.get(families.get(family).policy).weight_name] == m2[policies.get(families.get(family).policy).weight_name]
+    weight = policies.get(families.get(kind_of(family)).policy).weight_name
+    assert m1[weight] == m2[weight]
+
+
+def loop_tolerance(case: str) -> float:
+    """The policy's trainside tolerance: text 1e-4 (KV cache vs full forward), flow 0 (bit-identical)."""
+    return policies.get(families.get(kind_of(case)).policy).default_tolerance("float32")

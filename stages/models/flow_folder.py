@@ -1,0 +1,128 @@
+"""A flow family's checkpoint is a diffusers folder: `model_index.json` naming the pipeline class
+and, per component, its library and class; one subfolder per component. This module reads one (the
+family a folder belongs to, its components loaded by the classes it names, as diffusers'
+`DiffusionPipeline.from_pretrained` does) and writes a trained one back (the trained transformer(s)
+and VAE, every other component copied), so a published version is a valid `model.path` and loads
+in diffusers' own pipeline."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TRANSFORMER_FILE = "diffusion_pytorch_model.safetensors"
+# What a folder built in code is made for: its image side, frame count and text tokens per prompt
+# (diffusers ignores files it does not know; a real checkpoint has none, and its family takes its
+# pipeline's defaults).
+DEFAULTS_FILE = "unirl_defaults.json"
+
+
+def write_defaults(root: Path, **values: Any) -> None:
+    (Path(root) / DEFAULTS_FILE).write_text(json.dumps(values, sort_keys=True) + "\n")
+
+
+def folder_defaults(root: Path, pipeline: dict[str, Any]) -> dict[str, Any]:
+    """The `pipeline` defaults (image_size, num_frames, text_length), overridden by the folder's DEFAULTS_FILE."""
+    path = Path(root) / DEFAULTS_FILE
+    return {**pipeline, **(json.loads(path.read_text()) if path.is_file() else {})}
+
+
+def read_index(root: Path, field: str = "model.path") -> dict[str, Any]:
+    """The folder's model_index.json; FileNotFoundError naming `field` when it has none."""
+    path = Path(root) / "model_index.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{field}: {root} is not a diffusers folder ({path} is missing)")
+    return json.loads(path.read_text())
+
+
+def listed(index: dict[str, Any], name: str) -> bool:
+    entry = index.get(name)
+    return isinstance(entry, list) and len(entry) == 2 and entry[0] is not None
+
+
+def component_class(index: dict[str, Any], name: str) -> Any:
+    """The class model_index.json names for component `name` (from diffusers or transformers)."""
+    import importlib
+
+    library, cls = index[name]
+    module = importlib.import_module(library)
+    if not hasattr(module, cls):
+        raise ValueError(f"model_index.json names {library}.{cls} for {name!r}, which this {library} does not have")
+    return getattr(module, cls)
+
+
+def load_component(root: Path, index: dict[str, Any], name: str, dtype: torch.dtype | None = None) -> Any:
+    """Component `name` of the folder, loaded with the class its index names; models in `dtype`."""
+    cls = component_class(index, name)
+    kwargs: dict[str, Any] = {}
+    if dtype is not None and hasattr(cls, "dtype"):
+        kwargs["torch_dtype" if index[name][0] == "diffusers" else "dtype"] = dtype
+    if not (root / name).is_dir():
+        raise FileNotFoundError(f"{root}: model_index.json lists {name!r} but the subfolder {root / name} is missing")
+    try:
+        return cls.from_pretrained(root / name, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise OSError(f"could not load {name!r} of {root} from {root / name}: {exc}") from exc
+
+
+def config_of(root: Path, name: str) -> dict[str, Any]:
+    """A component's config.json (no weights loaded: validate-time checks read these)."""
+    path = Path(root) / name / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"model.path: {root} has no {name}/config.json")
+    return json.loads(path.read_text())
+
+
+def check_pipeline(root: Path, kind: str, pipelines: tuple[str, ...]) -> dict[str, Any]:
+    """The folder's index, after checking it is a checkpoint model.kind `kind` loads (its pipeline
+    class is one of `pipelines`); else ValueError naming model.path, what the folder is and which
+    model.kind loads it."""
+    from stages.models.family import families
+
+    index = read_index(root)
+    name = index.get("_class_name", "?")
+    if name in pipelines:
+        return index
+    owner = [k for k, fam in families.items() if name in getattr(fam, "pipelines", ())]
+    hint = f"set model.kind: {owner[0]}" if owner else "no model.kind here loads it"
+    raise ValueError(f"model.path: {root} is a {name} folder, not one model.kind {kind!r} loads "
+                     f"({', '.join(pipelines)}); {hint}, or point model.path at a {kind} checkpoint")
+
+
+def write_folder(local: Path, *, base_dir: Path, vae: Any, parts: dict[str, dict[str, torch.Tensor]]) -> None:
+    """`local` <- a complete diffusers folder: every component of `base_dir` copied, the `vae`
+    saved (SFT trains it) and, per trained subfolder in `parts`, its config copied and its
+    state dict (plain names, adapters merged) written as safetensors."""
+    from safetensors.torch import save_file
+
+    local.mkdir(parents=True, exist_ok=True)
+    index = json.loads((base_dir / "model_index.json").read_text())
+    for name, entry in index.items():
+        if name in parts or name == "vae" or not isinstance(entry, list) or entry[0] is None:
+            continue
+        if (base_dir / name).is_dir():
+            shutil.copytree(base_dir / name, local / name, dirs_exist_ok=True)
+    shutil.copy2(base_dir / "model_index.json", local / "model_index.json")
+    if (base_dir / DEFAULTS_FILE).is_file():
+        shutil.copy2(base_dir / DEFAULTS_FILE, local / DEFAULTS_FILE)
+    vae.save_pretrained(local / "vae")
+    for name, state in parts.items():
+        target = local / name
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(base_dir / name / "config.json", target / "config.json")
+        tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
+        save_file(tensors, str(target / TRANSFORMER_FILE), metadata={"format": "pt"})
+
+
+def write_index(root: Path, pipeline: str, components: dict[str, tuple[str, str] | None], **extra: Any) -> None:
+    """model_index.json of a folder built in code: the pipeline class, each component's (library,
+    class) or None for an absent optional one, and pipeline config values (`extra`)."""
+    import diffusers
+
+    index: dict[str, Any] = {"_class_name": pipeline, "_diffusers_version": diffusers.__version__, **extra}
+    for name, entry in components.items():
+        index[name] = list(entry) if entry is not None else [None, None]
+    (Path(root) / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")

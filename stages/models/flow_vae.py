@@ -1,0 +1,218 @@
+"""A flow family's VAE seen from the flow policy: uint8 media <-> the normalized latents it samples.
+
+    encode: media (B, H, W, 3) or (B, F, H, W, 3) uint8 -> pixels in [-1, 1] -> z (posterior mean or a
+            sample) -> x = normalize(z)   (the latents flow matching starts from N(0, 1) noise towards)
+    decode: x -> z = denormalize(x) -> pixels, clamped to [-1, 1] -> uint8 media
+
+Each VAE family normalizes its latents its own way, kept in its config or buffers so a saved folder
+carries it: SD3 (z - shift_factor) * scaling_factor; HunyuanVideo z * scaling_factor; Wan and
+Qwen-Image (z - latents_mean[c]) / latents_std[c] per channel; FLUX.2 a 2x2 patchify, then the VAE's
+BatchNorm running statistics. `fit` sets those numbers from a set of latents so the normalized
+latents have mean 0 and std 1 (a tiny model's VAE is trained from random in SFT, and the constants a
+real checkpoint ships fit only its own weights).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def as_uint8_media(media: Any, video: bool) -> Tensor:
+    """uint8 (B, H, W, 3) images or (B, F, H, W, 3) videos (array, tensor, or a list of PIL images /
+    of frame lists) as a tensor; ValueError naming the expected layout otherwise."""
+    if isinstance(media, (list, tuple)):
+        def frame(im: Any) -> np.ndarray:
+            return np.asarray(im.convert("RGB") if hasattr(im, "convert") else im)
+
+        media = np.stack([np.stack([frame(f) for f in m]) if video else frame(m) for m in media])
+    media = torch.as_tensor(np.asarray(media))
+    ndim = 5 if video else 4
+    if media.ndim != ndim or media.shape[-1] != 3 or media.dtype != torch.uint8:
+        layout = "videos (B, F, H, W, 3)" if video else "images (B, H, W, 3)"
+        raise ValueError(f"expected uint8 {layout}, got {media.dtype} {tuple(media.shape)}")
+    return media
+
+
+class LatentCodec:
+    """Media <-> normalized latents through one kind of VAE. `video_vae`: the VAE takes
+    (B, 3, F, H, W) (images go through it as one frame); else (B, 3, H, W)."""
+
+    video_vae = False
+
+    def normalize(self, vae: Any, z: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def denormalize(self, vae: Any, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def fit(self, vae: Any, z: Tensor) -> dict[str, float]:
+        """Set the normalization so normalize(z) has mean 0 and std 1; returns what it set."""
+        raise NotImplementedError
+
+    # -- pixels ---------------------------------------------------------------------------------
+    def pixels(self, media: Tensor) -> Tensor:
+        """uint8 (B, H, W, 3) / (B, F, H, W, 3) -> float32 VAE input in [-1, 1]."""
+        x = media.float() / 127.5 - 1
+        if media.ndim == 4:
+            x = x.permute(0, 3, 1, 2)
+            return x.unsqueeze(2) if self.video_vae else x
+        return x.permute(0, 4, 1, 2, 3)
+
+    def media(self, pixels: Tensor, video: bool) -> Tensor:
+        """VAE output in [-1, 1] -> uint8 media on the CPU, images (B, H, W, 3) or videos (B, F, H, W, 3)."""
+        out = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        if out.ndim == 4:
+            return out.permute(0, 2, 3, 1).cpu()
+        if not video:
+            return out[:, :, 0].permute(0, 2, 3, 1).cpu()
+        return out.permute(0, 2, 3, 4, 1).cpu()
+
+    def reconstruction(self, vae: Any, pixels: Tensor) -> tuple[Tensor, Any]:
+        """(decode of the posterior mean, the posterior) with gradients, for training the VAE."""
+        posterior = vae.encode(pixels).latent_dist
+        return vae.decode(posterior.mean).sample, posterior
+
+    # -- the round trip -----------------------------------------------------------------------
+    def raw_latents(self, vae: Any, pixels: Tensor, *, sample: bool = False, generator: Any = None) -> Tensor:
+        """The posterior mean (or a sample) of `pixels`, float32, before normalization."""
+        dist = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist
+        return (dist.sample(generator) if sample else dist.mean).float()
+
+    def to_policy(self, z: Tensor, video: bool) -> Tensor:
+        """The VAE's latents in the layout the policy samples (an image model drops the frame axis)."""
+        return z[:, :, 0] if (self.video_vae and not video) else z
+
+    def from_policy(self, x: Tensor) -> Tensor:
+        return x.unsqueeze(2) if (self.video_vae and x.ndim == 4) else x
+
+    @torch.no_grad()
+    def encode(self, vae: Any, media: Any, *, video: bool, sample: bool = False, generator: Any = None) -> Tensor:
+        z = self.raw_latents(vae, self.pixels(as_uint8_media(media, video)), sample=sample, generator=generator)
+        return self.normalize(vae, self.to_policy(z, video))
+
+    @torch.no_grad()
+    def decode(self, vae: Any, latents: Tensor) -> Tensor:
+        video = latents.ndim == 5
+        z = self.from_policy(self.denormalize(vae, latents.float()))
+        pixels = vae.decode(z.to(device=vae.device, dtype=vae.dtype), return_dict=False)[0]
+        return self.media(pixels, video)
+
+
+class ShiftScale(LatentCodec):
+    """SD3: x = (z - shift_factor) * scaling_factor."""
+
+    def _constants(self, vae: Any) -> tuple[float, float]:
+        return float(vae.config.scaling_factor), float(vae.config.shift_factor or 0.0)
+
+    def normalize(self, vae: Any, z: Tensor) -> Tensor:
+        scale, shift = self._constants(vae)
+        return (z - shift) * scale
+
+    def denormalize(self, vae: Any, x: Tensor) -> Tensor:
+        scale, shift = self._constants(vae)
+        return x / scale + shift
+
+    def fit(self, vae: Any, z: Tensor) -> dict[str, float]:
+        shift, scale = float(z.mean()), float(1.0 / z.std().clamp_min(1e-6))
+        vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+        return {"vae_shift_factor": shift, "vae_scaling_factor": scale}
+
+
+class Scale(ShiftScale):
+    """HunyuanVideo: x = z * scaling_factor (its VAE config has no shift)."""
+
+    video_vae = True
+
+    def _constants(self, vae: Any) -> tuple[float, float]:
+        return float(vae.config.scaling_factor), 0.0
+
+    def fit(self, vae: Any, z: Tensor) -> dict[str, float]:
+        scale = float(1.0 / z.std().clamp_min(1e-6))
+        vae.register_to_config(scaling_factor=scale)
+        return {"vae_scaling_factor": scale}
+
+
+class ChannelStats(LatentCodec):
+    """Wan, Qwen-Image: x[:, c] = (z[:, c] - latents_mean[c]) / latents_std[c] (a video VAE)."""
+
+    video_vae = True
+
+    def _stats(self, vae: Any, like: Tensor) -> tuple[Tensor, Tensor]:
+        shape = (1, -1) + (1,) * (like.ndim - 2)
+        mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32, device=like.device).view(shape)
+        std = torch.tensor(vae.config.latents_std, dtype=torch.float32, device=like.device).view(shape)
+        return mean, std
+
+    def normalize(self, vae: Any, z: Tensor) -> Tensor:
+        mean, std = self._stats(vae, z)
+        return (z - mean) / std
+
+    def denormalize(self, vae: Any, x: Tensor) -> Tensor:
+        mean, std = self._stats(vae, x)
+        return x * std + mean
+
+    def reconstruction(self, vae: Any, pixels: Tensor) -> tuple[Tensor, Any]:
+        """The decoder's own output, before the clamp to [-1, 1] these VAEs end their decode with:
+        trained through the clamp, a decoder that overshoots white (the toy scenes' background)
+        gets no gradient on the pixels it overshoots and settles on a blank frame."""
+        posterior = vae.encode(pixels).latent_dist
+        frames: list[Tensor] = []
+        handle = vae.decoder.register_forward_hook(lambda module, args, out: frames.append(out))
+        try:
+            vae.decode(posterior.mean)
+        finally:
+            handle.remove()
+        out = torch.cat(frames, dim=2)
+        if getattr(vae.config, "patch_size", None):
+            from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+            out = unpatchify(out, patch_size=vae.config.patch_size)
+        return out, posterior
+
+    def fit(self, vae: Any, z: Tensor) -> dict[str, float]:
+        dims = [d for d in range(z.ndim) if d != 1]
+        mean, std = z.mean(dim=dims), z.std(dim=dims).clamp_min(1e-6)
+        vae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
+        return {"vae_latent_mean": float(mean.mean()), "vae_latent_std": float(std.mean())}
+
+
+def patchify(z: Tensor) -> Tensor:
+    """(B, C, H, W) -> (B, 4C, H/2, W/2): each 2x2 block's channels stacked (FLUX.2's layout)."""
+    b, c, h, w = z.shape
+    return z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, c * 4, h // 2, w // 2)
+
+
+def unpatchify(x: Tensor) -> Tensor:
+    """Inverse of `patchify`."""
+    b, c4, h, w = x.shape
+    return x.reshape(b, c4 // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c4 // 4, h * 2, w * 2)
+
+
+class PatchBatchNorm(LatentCodec):
+    """FLUX.2: x = (patchify(z) - bn.running_mean) / sqrt(bn.running_var + eps), per channel."""
+
+    def _stats(self, vae: Any, like: Tensor) -> tuple[Tensor, Tensor]:
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(like.device, torch.float32)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1).to(like.device, torch.float32) + vae.config.batch_norm_eps)
+        return mean, std
+
+    def normalize(self, vae: Any, z: Tensor) -> Tensor:
+        z = patchify(z)
+        mean, std = self._stats(vae, z)
+        return (z - mean) / std
+
+    def denormalize(self, vae: Any, x: Tensor) -> Tensor:
+        mean, std = self._stats(vae, x)
+        return unpatchify(x * std + mean)
+
+    @torch.no_grad()
+    def fit(self, vae: Any, z: Tensor) -> dict[str, float]:
+        p = patchify(z)
+        dims = [0, 2, 3]
+        mean, var = p.mean(dim=dims), p.var(dim=dims)
+        vae.bn.running_mean.copy_(mean.to(vae.bn.running_mean))
+        vae.bn.running_var.copy_((var - vae.config.batch_norm_eps).clamp_min(1e-6).to(vae.bn.running_var))
+        return {"vae_latent_mean": float(mean.mean()), "vae_latent_std": float(var.sqrt().mean())}

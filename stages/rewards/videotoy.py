@@ -1,0 +1,42 @@
+"""`videotoy`: the toy video reward (stages/videotoy/detector.py), a clip against its prompt.
+
+mode "strict": 1 when the clip shows the prompt's number of squares of its colour in every frame,
+moving the stated way at the stated speed, else 0; mode "mean": the mean of colour, count,
+direction and speed (a denser signal). Components are logged either way: strict, object, colour,
+count, direction, speed."""
+from __future__ import annotations
+
+import numpy as np
+
+from stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
+
+VIDEOTOY_MODE_PARTS = {"strict": ("strict",), "mean": ("colour", "count", "direction", "speed")}
+
+
+@register_scorer("videotoy", reads=("video",))
+class VideoToyScorer:
+    """Needs batch.videos (N lists of PIL frames); params: mode (strict | mean)."""
+
+    name = "videotoy"
+
+    @staticmethod
+    def check_prompt(text: str) -> None:
+        from stages.videotoy import parse_prompt
+
+        parse_prompt(text)
+
+    def __init__(self, mode: str = "strict") -> None:
+        if mode not in VIDEOTOY_MODE_PARTS:
+            raise ValueError(f"videotoy mode {mode!r} is not one of {', '.join(VIDEOTOY_MODE_PARTS)}")
+        self.mode = mode
+
+    def __call__(self, batch: ScoreBatch) -> ScoreResult:
+        from stages.videotoy import score
+
+        if batch.videos is None:
+            raise ValueError("scorer 'videotoy' needs videos (ScoreBatch.videos) and the batch has none")
+        results = [score(frames, prompt).as_dict() for frames, prompt in zip(batch.videos, batch.prompts)]
+        if not results:
+            return ScoreResult(np.zeros(0))
+        components = {k: np.array([r[k] for r in results], dtype=np.float64) for k in results[0]}
+        return ScoreResult(np.mean([components[k] for k in VIDEOTOY_MODE_PARTS[self.mode]], axis=0), components)

@@ -1,0 +1,108 @@
+"""`data.name: videotoy`: procedural toy video prompts (count, colour, direction and speed of
+moving squares; stages/videotoy/), for video models; synthetic SFT records are (prompt, rendered
+clip), `sft.noise` of them moving the opposite way (an imperfect teacher's slip RL can correct)."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from stages.config_base import Section
+from stages.data import Prompt
+from stages.seeds import derive_seed
+from stages.sources import Source, sources
+
+
+class VideoToyData(Section):
+    """Procedural toy video prompts: "two blue squares moving up quickly"."""
+
+    name: Literal["videotoy"] = "videotoy"
+    seed: int = Field(1234, description="Seed of the prompt stream.")
+    heldout_size: int = Field(64, ge=0, description="Held-out prompts used for evaluation (drawn from the held-out split).")
+    prompts: list[str] = Field(
+        default_factory=list,
+        description="Train on these prompts (cycled in order) instead of the generated stream; each must parse.",
+    )
+
+    @model_validator(mode="after")
+    def _check_prompts(self) -> "VideoToyData":
+        from stages.videotoy import parse_prompt
+
+        for i, text in enumerate(self.prompts):
+            try:
+                parse_prompt(text)
+            except ValueError as exc:
+                raise ValueError(f"data.prompts.{i}: {exc}") from None
+        return self
+
+
+class VideoToyPrompts:
+    """Training prompts by (seed, iteration) from the train split, or `prompts` cycled; a fixed
+    held-out set from the held-out split."""
+
+    def __init__(self, *, heldout_size: int, seed: int, prompts: list[str]):
+        from stages.videotoy import sample_prompts
+
+        self._sample, self.seed, self.prompts = sample_prompts, seed, list(prompts)
+        texts = sample_prompts(heldout_size, seed, split="heldout") if heldout_size else []
+        self._heldout = [Prompt(f"heldout-{i:05d}", t, {}) for i, t in enumerate(texts)]
+
+    def heldout(self) -> list[Prompt]:
+        return list(self._heldout)
+
+    def batch(self, iteration: int, n: int) -> list[Prompt]:
+        if self.prompts:
+            texts = [self.prompts[(iteration * n + i) % len(self.prompts)] for i in range(n)]
+        else:
+            texts = self._sample(n, derive_seed(self.seed, "train", iteration) & 0xFFFFFFFF, split="train")
+        return [Prompt(f"it{iteration:06d}-{i:05d}", t, {}) for i, t in enumerate(texts)]
+
+
+@sources.register("videotoy")
+class VideoToySource(Source):
+    name = "videotoy"
+    config = VideoToyData
+
+    @classmethod
+    def build(cls, cfg: VideoToyData) -> VideoToyPrompts:
+        return VideoToyPrompts(heldout_size=cfg.heldout_size, seed=cfg.seed, prompts=cfg.prompts)
+
+    @classmethod
+    def media(cls, recipe: Any) -> tuple[int, int | None]:
+        """(frame side, frames) the recipe samples: the sampler's, else the model's own."""
+        from stages.models.family import get_family
+
+        family, sampler = get_family(recipe.model.kind), recipe.rollout.sampler
+        side, frames = family.native_media(recipe.model)
+        return sampler.image_size or side, sampler.num_frames or frames
+
+    @classmethod
+    def check(cls, recipe: Any) -> None:
+        from stages.models.family import get_family
+        from stages.videotoy.dataset import MIN_FRAMES, MIN_SIZE, SPEED_PX, object_side
+
+        if "video" not in get_family(recipe.model.kind).produces:
+            raise ValueError(f"data.name: toy video prompts need a video model; model.kind {recipe.model.kind!r} makes "
+                             f"{', '.join(get_family(recipe.model.kind).produces)}")
+        if recipe.model.path:
+            return
+        side, frames = cls.media(recipe)
+        where = "rollout.sampler" if recipe.rollout.sampler.image_size or recipe.rollout.sampler.num_frames else "model.tiny"
+        if side < MIN_SIZE or (frames or 0) < MIN_FRAMES:
+            raise ValueError(f"{where}: toy video clips need a side >= {MIN_SIZE} and >= {MIN_FRAMES} frames, got {side} x {frames}")
+        travel = SPEED_PX["quickly"] * side / 16 * (frames - 1)
+        if travel > side - object_side(side):
+            raise ValueError(f"{where}: a quick square crosses a {side}-pixel frame in fewer than {frames} frames; "
+                             "use fewer frames or a larger image_size")
+
+    @classmethod
+    def sft_records(cls, recipe: Any) -> list[dict[str, Any]]:
+        """`sft.examples` (prompt, media_frames) records at the recipe's frame side and count;
+        `sft.noise` of them move the opposite way."""
+        from stages.media import to_png_bytes
+        from stages.videotoy import make_clips
+
+        side, frames = cls.media(recipe)
+        clips = make_clips(recipe.sft.examples, recipe.sft.seed, size=int(side), frames=int(frames),
+                           reverse_fraction=recipe.sft.noise)
+        return [{"prompt": p, "media_frames": to_png_bytes(c)} for p, c in clips]
