@@ -14,6 +14,7 @@ from stages.recipe import Recipe
 from stages.run import open_run
 from stages.tracking import Tracker
 from stages.workers.group import close_group
+from tasks.common import close_engine
 from tasks.common import staged
 from tasks.evaluate import evaluate
 
@@ -36,6 +37,7 @@ def evaluate_run(recipe: Recipe, run_name: str = "", version: int | None = None)
     try:
         result = staged(evaluate)(recipe, run_name, version)
     finally:
+        close_engine(storage.url())
         close_group(storage.url())
     tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"))
     tracker.log_metrics(version, result["metrics"], key="eval/accuracy")

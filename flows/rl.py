@@ -25,6 +25,7 @@ from stages.storage import iter_dir, join
 from stages.train.manifests import MANIFEST
 from stages.tracking import Tracker
 from stages.workers.group import close_group
+from tasks.common import close_engine
 from flows.evaluate import eval_artifact
 from flows.sft import run_sft
 from tasks.advantage import advantage
@@ -146,6 +147,7 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
         raise
     finally:
         progress.close()
+        close_engine(storage.url())
         close_group(storage.url())
     tracker.finish()
     artifacts.finish()

@@ -16,6 +16,7 @@ from stages.workers.group import WorkerGroup, get_group
 
 T = TypeVar("T")
 _UNTAGGED: dict[int, Any] = {}
+_ENGINES: dict[str, RolloutEngine] = {}
 
 
 def on_server() -> bool:
@@ -67,5 +68,24 @@ def group_of(recipe: Recipe, storage: RunStorage) -> WorkerGroup:
 
 
 def engine_of(recipe: Recipe, storage: RunStorage) -> RolloutEngine:
-    """The run's rollout engine, from the recipe's `rollout.engine` (the engine registry)."""
-    return engines.get(recipe.rollout.engine.name)(recipe, storage, group_of(recipe, storage))
+    """The run's rollout engine, from the recipe's `rollout.engine` (the engine registry): one per
+    run and process, since a dedicated engine holds a server process and its loaded version."""
+    key = storage.url()
+    engine = _ENGINES.get(key)
+    if engine is None:
+        engine = _ENGINES[key] = engines.get(recipe.rollout.engine.name)(recipe, storage, group_of(recipe, storage))
+    return engine
+
+
+def eval_engine_of(recipe: Recipe, storage: RunStorage) -> RolloutEngine:
+    """Where held-out evaluation samples: the run's engine, except in async RL, where the engine
+    belongs to the producer (which must not be moved to another version): the worker group."""
+    if recipe.rollout.mode == "async":
+        return engines.get("trainside")(recipe, storage, group_of(recipe, storage))
+    return engine_of(recipe, storage)
+
+
+def close_engine(key: str) -> None:
+    engine = _ENGINES.pop(key, None)
+    if engine is not None:
+        engine.close()

@@ -69,7 +69,7 @@ def pad_like(lists: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
 class TextBatch:
     """A micro-batch of stored text segments. ids/attn (B, T); mask (B, T-1) over response
     tokens; behaviour (B, T-1): the log-probs recorded at sampling time (0 off the mask);
-    advantage (B,)."""
+    advantage (B,); versions (B,): the policy version that sampled each row (None: the trained one)."""
 
     sample_ids: list[str]
     ids: torch.Tensor
@@ -77,6 +77,13 @@ class TextBatch:
     mask: torch.Tensor
     behaviour: torch.Tensor
     advantage: torch.Tensor
+    versions: torch.Tensor | None = None
+
+    def fresh(self, version: int) -> torch.Tensor:
+        """(B,) bool: the rows sampled by policy `version` (all of them when versions are not known)."""
+        if self.versions is None:
+            return torch.ones(len(self.sample_ids), dtype=torch.bool, device=self.mask.device)
+        return self.versions == version
 
     def tokens(self) -> dict[str, torch.Tensor]:
         return {"ids": self.ids, "attn": self.attn, "mask": self.mask}
@@ -181,14 +188,16 @@ class TextPolicy(Policy):
     # -- replay ---------------------------------------------------------------------------------
     def batches(self, table: pa.Table, chunks: list[list[int]], advantages: Any, where: str) -> list[TextBatch]:
         """Micro-batches of a rollout table (sorted by sample id): one per chunk of row indices."""
-        cols = {n: table.column(n).to_pylist() for n in ("sample_id", "prompt_ids", "response_ids", "response_logprobs")}
+        cols = {n: table.column(n).to_pylist()
+                for n in ("sample_id", "prompt_ids", "response_ids", "response_logprobs", "policy_version")}
         out = []
         for rows in chunks:
             take = lambda name: [cols[name][r] for r in rows]  # noqa: E731
             t = token_batch(take("prompt_ids"), take("response_ids"), self.tokenizer.pad_token_id, self.device)
             adv = torch.tensor([float(advantages[r]) for r in rows], dtype=torch.float32, device=self.device)
             out.append(TextBatch(take("sample_id"), t["ids"], t["attn"], t["mask"],
-                                 pad_like(take("response_logprobs"), t["mask"]), adv))
+                                 pad_like(take("response_logprobs"), t["mask"]), adv,
+                                 torch.tensor(take("policy_version"), dtype=torch.int64, device=self.device)))
         return out
 
     def stand_in(self, template: Any) -> TextBatch:

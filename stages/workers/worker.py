@@ -25,7 +25,7 @@ from stages.train import checkpoint
 from stages.train.stack import OptimizerSpec, TrainStack, load_bundle, rank_of, world_size
 from stages.train.update import rl_update, sft_steps
 
-COMMANDS = ("ping", "generate", "train", "sft", "save", "publish")
+COMMANDS = ("ping", "generate", "train", "sft", "save", "publish", "publish_adapter")
 
 
 def rl_spec(recipe: Recipe) -> OptimizerSpec:
@@ -66,7 +66,11 @@ class Worker:
             reference_cfg=recipe.model, weights_dir=self.base_dir, sharded_load=sharded,
             mixed_precision=recipe.train.mixed_precision,
         )
+        from stages.engines import engines
+
         tolerance = recipe.rollout.behaviour_tolerance
+        if tolerance is None:
+            tolerance = engines.get(recipe.rollout.engine.name).behaviour_tolerance
         compute = "bfloat16" if recipe.train.mixed_precision == "bf16" else recipe.model.dtype
         self.tolerance = policy_cls.default_tolerance(compute) if tolerance is None else tolerance
         self._sft_info: dict[str, Any] | None = None
@@ -149,7 +153,14 @@ class Worker:
         return checkpoint.save(self.stack, self.storage, self.scratch, self.version)
 
     def publish(self) -> dict[str, Any]:
-        return checkpoint.publish(self.stack, self.storage, self.scratch, self.version, self.export)
+        return checkpoint.publish(self.stack, self.storage, self.scratch, self.version, self.export,
+                                  weight_files=self.family.weight_files)
+
+    def publish_adapter(self) -> dict[str, Any]:
+        """adapters/v{version}: the LoRA adapters alone (PEFT layout), for an engine's LoRA sync."""
+        from stages.train.adapter import publish_adapter
+
+        return publish_adapter(self.stack, self.storage, self.scratch, self.version)
 
     def export(self, local: Path, full: dict[str, torch.Tensor], ema_full: dict[str, torch.Tensor] | None) -> None:
         """The family's plain folder of the policy (adapters merged). SFT publishes its EMA when it
