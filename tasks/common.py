@@ -85,6 +85,37 @@ def eval_engine_of(recipe: Recipe, storage: RunStorage) -> RolloutEngine:
     return engine_of(recipe, storage)
 
 
+_PRODUCERS: dict[str, Any] = {}
+
+
+def start_producer(recipe: Recipe, run_name: str, storage: RunStorage) -> None:
+    """Start the async run's producer process (its own `rl-producer` flow run on this Prefect
+    API); it dies with this process."""
+    from stages.producer_process import ProducerProcess
+
+    url = get_current_settings().api.url
+    if url is None:  # the ephemeral API of `unirl run`: the producer reports to the same server
+        from prefect.server.api.server import SubprocessASGIServer
+
+        url = SubprocessASGIServer().api_url
+    producer = _PRODUCERS[storage.url()] = ProducerProcess(recipe, run_name, api_url=url,
+                                                           log=announce(get_run_logger()))
+    producer.start()
+
+
+def producer_alive(storage: RunStorage) -> Callable[[], None]:
+    """What the trainer calls while it waits for a batch: restarts a dead producer, raises once
+    it may not (no producer started in this process: nothing to check)."""
+    producer = _PRODUCERS.get(storage.url())
+    return producer.alive if producer is not None else (lambda: None)
+
+
+def stop_producer(key: str) -> None:
+    producer = _PRODUCERS.pop(key, None)
+    if producer is not None:
+        producer.stop()
+
+
 def close_engine(key: str) -> None:
     engine = _ENGINES.pop(key, None)
     if engine is not None:

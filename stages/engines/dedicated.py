@@ -82,6 +82,9 @@ class DedicatedEngine(RolloutEngine):
             raise ValueError(f"rollout.engine.sync.every: {e.sync.every} publishes too rarely for max_staleness "
                              f"{r.max_staleness} (iteration k samples with version k - {r.max_staleness}); set sync.every <= "
                              f"{max(1, r.max_staleness)}")
+        if r.mode == "async" and r.dynamic_sampling is not None:
+            raise ValueError("rollout.dynamic_sampling: refill rounds would sample on the producer's engine out of its "
+                             "schedule; remove dynamic_sampling or use rollout.mode sync")
         if e.sync.weights == "lora" and recipe.model.lora is None:
             raise ValueError("rollout.engine.sync.weights: lora sends the LoRA adapters, but model.lora is empty; set "
                              "model.lora or sync.weights: full")
