@@ -5,24 +5,15 @@ bytes followed by the tensor's raw bytes: SGLang diffusion's `compute_weights_ch
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 from typing import Any, Iterable
 
 
 def tensors_checksum(named: Iterable[tuple[str, Any]]) -> str:
+    import torch
+
     h = hashlib.sha256()
     for name, tensor in sorted(named, key=lambda item: item[0]):
         h.update(name.encode())
         t = tensor.detach().cpu().contiguous().reshape(-1)
-        h.update(t.view(__import__("torch").uint8).numpy().tobytes())
+        h.update(t.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def files_checksum(files: Iterable[Path]) -> str:
-    """The checksum of every tensor in these safetensors files."""
-    from safetensors.torch import load_file
-
-    named: dict[str, Any] = {}
-    for path in files:
-        named.update(load_file(str(path)))
-    return tensors_checksum(named.items())

@@ -81,9 +81,10 @@ class EngineClient:
 
             return msgpack.unpackb(reply.content, raw=False)
         try:
-            data = reply.json()
-        except ValueError:
-            data = {"message": reply.text.strip()}
+            data = reply.json() if reply.content.strip() else {}
+        except ValueError:  # SGLang answers /flush_cache in plain text
+            data = {"message": reply.text.strip()} if reply.status_code >= 400 else {}
+        data = {} if data is None else data
         if reply.status_code >= 400:
             detail = data.get("message") or data.get("error_message") or data.get("error") or data.get("detail") or data
             raise EngineError(f"{self.name} at {self.url}: {route} failed ({reply.status_code}): {detail}")
@@ -128,8 +129,12 @@ class EngineClient:
         return out if isinstance(out, list) else [out]
 
     # -- weights ----------------------------------------------------------------------------------
-    def update_weights_from_disk(self, model_path: str, weight_version: str) -> dict[str, Any]:
-        body = {"model_path": model_path, "weight_version": weight_version, "flush_cache": True}
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None) -> dict[str, Any]:
+        """Load a weights folder on the engine's host; `weight_version` (text engines: SGLang's
+        UpdateWeightFromDiskReqInput has it, the diffusion one does not) is what it reports after."""
+        body: dict[str, Any] = {"model_path": model_path, "flush_cache": True}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
         return self._ok("/update_weights_from_disk", self._call("POST", "/update_weights_from_disk", body), self.url)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,

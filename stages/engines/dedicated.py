@@ -37,6 +37,12 @@ class WeightSync(Section):
     weights: Literal["full", "lora"] = Field(
         "full", description="full: the whole model (weights/vN); lora: the LoRA adapters only (adapters/vN, needs "
         "model.lora), hot-loaded under the name vN.")
+    transport: Literal["disk", "distributed"] = Field(
+        "disk", description="disk: the engine loads the published folder; distributed: the trainer's rank 0 broadcasts "
+        "the full tensors to the engine over a weight-update process group (nccl on GPUs, gloo on CPU; text models, "
+        "full weights, rollout.mode sync).")
+    engine_ranks: int = Field(1, ge=1, description="transport distributed: the engine's ranks in the update group "
+                              "(SGLang: tp_size x dp_size).")
 
 
 class DedicatedConfig(Section):
@@ -82,6 +88,9 @@ class DedicatedEngine(RolloutEngine):
             raise ValueError(f"rollout.engine.sync.every: {e.sync.every} publishes too rarely for max_staleness "
                              f"{r.max_staleness} (iteration k samples with version k - {r.max_staleness}); set sync.every <= "
                              f"{max(1, r.max_staleness)}")
+        if e.sync.transport == "distributed" and (e.sync.weights == "lora" or r.mode == "async" or recipe.model.lora is not None):
+            raise ValueError("rollout.engine.sync.transport: distributed broadcasts the full, unmerged weights from the "
+                             "trainer into an engine it talks to (no LoRA, rollout.mode sync); use transport: disk")
         if r.mode == "async" and r.dynamic_sampling is not None:
             raise ValueError("rollout.dynamic_sampling: refill rounds would sample on the producer's engine out of its "
                              "schedule; remove dynamic_sampling or use rollout.mode sync")
@@ -142,11 +151,9 @@ class DedicatedEngine(RolloutEngine):
         transitions = algorithms.get(self.recipe.algorithm.name).replays_transitions
         rows = self.wire.rollout(client, samples, iteration=iteration, seed_tag=seed_tag, greedy=greedy,
                                  lora=self.lora_name, transitions=transitions)
-        served = int(client.weight_version()) if self.segment != "text" else policy_version
         for row in rows:
-            row.setdefault("policy_version", served)
-            if row.get("policy_version") is None:
-                row["policy_version"] = served
+            if "policy_version" not in row:  # flow: SGLang diffusion reports no version; the loaded one, checked at load
+                row["policy_version"] = self._version
             if row["policy_version"] != policy_version:
                 raise EngineVersionError(
                     f"rollout engine at {client.url} sampled {row['sample_id']!r} with weight version "
@@ -163,7 +170,7 @@ class DedicatedEngine(RolloutEngine):
         """The engine's client once it serves policy `version` (published weights loaded if not)."""
         client = self.client(version)
         if self._version != version:
-            served = client.weight_version()
+            served = client.weight_version() if self.wire.reports_version else None
             if served != str(version) or (self.cfg.sync.weights == "lora" and self.lora_name != adapter_name(version)):
                 self._load(client, version)
             self._version = version
@@ -181,8 +188,9 @@ class DedicatedEngine(RolloutEngine):
         client = self.client(version)
         start = time.perf_counter()
         manifest = self.storage.read_json(f"{weights_rel}/{MANIFEST}")
-        client.update_weights_from_disk(str(self.local(weights_rel)), str(version))
-        served = client.weight_version()
+        reports = self.wire.reports_version
+        client.update_weights_from_disk(str(self.local(weights_rel)), str(version) if reports else None)
+        served = client.weight_version() if reports else str(version)
         if served != str(version):
             raise EngineVersionError(f"rollout engine at {client.url} reports weight version {served!r} after loading "
                                      f"{weights_rel} as version {version}")
@@ -241,11 +249,54 @@ class DedicatedEngine(RolloutEngine):
         client = self.client(version)
         if self.cfg.layout == "colocated":  # SGLang's order: weights back, new weights in, then the cache
             client.resume_memory_occupation(["weights"])
-        out.update(self._load(client, version))
+        if self.cfg.sync.transport == "distributed":
+            out.update(self.push(trainer, client, version))
+        else:
+            out.update(self._load(client, version))
         if self.cfg.layout == "colocated":
             client.resume_memory_occupation(["kv_cache"])
         out["sync_s"] = time.perf_counter() - start
         return out
+
+    def push(self, trainer: Any, client: EngineClient, version: int) -> dict[str, Any]:
+        """Broadcast the trainer's full weights into the engine over the update group (joined once
+        per engine): every rank gathers, rank 0 sends while the engine, told the names, dtypes and
+        shapes over HTTP, receives; then the version and checksum are checked as after a load."""
+        from concurrent.futures import ThreadPoolExecutor
+        from urllib.parse import urlparse
+
+        from stages.workers.group import free_port
+
+        start = time.perf_counter()
+        name = f"unirl-{self.storage.run}"
+        with ThreadPoolExecutor(1) as pool:
+            if getattr(self, "_group_client", None) is not client:
+                self._specs = trainer.call("weight_specs")
+                host = urlparse(client.url).hostname or "127.0.0.1"
+                address = "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else __import__("socket").gethostbyname(
+                    __import__("socket").gethostname())
+                port, world = free_port(), 1 + self.cfg.sync.engine_ranks
+                joined = pool.submit(client.init_weights_update_group, address, port, 1, world, name, self._specs["backend"])
+                trainer.call("join_update_group", master_address=address, master_port=port, world_size=world,
+                             group_name=name, backend=self._specs["backend"])
+                joined.result()
+                self._group_client = client
+            s = self._specs
+            received = pool.submit(client.update_weights_from_distributed, s["names"], s["dtypes"], s["shapes"],
+                                   group_name=name, weight_version=str(version))
+            sent = trainer.call("broadcast_weights", group_name=name)
+            received.result()
+        served = client.weight_version()
+        if served != str(version):
+            raise EngineVersionError(f"rollout engine at {client.url} reports weight version {served!r} after the "
+                                     f"broadcast of version {version}")
+        if self.reports_checksum and sent.get("weights_sha256"):
+            got = client.get_weights_checksum(["model"]).get("model")
+            if got != sent["weights_sha256"]:
+                raise EngineVersionError(f"rollout engine at {client.url} holds weights with checksum {got} after the "
+                                         f"broadcast of version {version}, whose tensors' checksum is {sent['weights_sha256']}")
+        self._version = version
+        return {"pushed": len(s["names"]), "push_s": time.perf_counter() - start}
 
     def release(self) -> None:
         if self.cfg.layout == "colocated" and self._client is not None:

@@ -37,6 +37,7 @@ def image_uint8(image: torch.Tensor) -> np.ndarray:
 
 class FlowWire:
     segment = "latent"
+    reports_version = False  # SGLang diffusion has no weight_version: the client's own, checksum-verified
 
     def __init__(self, recipe: Any, *, exact: bool):
         self.recipe = recipe

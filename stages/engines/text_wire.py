@@ -17,6 +17,7 @@ from stages.seeds import derive_seed
 
 class TextWire:
     segment = "text"
+    reports_version = True  # meta_info.weight_version on every response, /model_info weight_version
 
     def __init__(self, recipe: Any, tokenizer_dir: Path):
         from stages.models.tokenizer import load_tokenizer, uses_chat_template
