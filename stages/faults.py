@@ -8,7 +8,8 @@ OOM killer or `kill -9` would — the moment it reaches them:
     UNIRL_FAULTS=train-rank1@1  worker rank 1 alone, as iteration 1's update starts (the rank dies, not unirl)
 
 Points: requests, generate, score, advantage, train, sync (checkpoint + publish), checkpoint,
-evaluate, sft. A point in a worker rank kills the `unirl` process that owns the group
+evaluate, sft; produce (the async producer's batch), engine-generate (inside a rollout engine
+process, as it samples: the engine dies, not unirl). A point in a worker rank kills the `unirl` process that owns the group
 (UNIRL_OWNER_PID) and then the rank. Unset (always, outside these tests), a point costs one dict
 lookup.
 """
@@ -17,7 +18,8 @@ from __future__ import annotations
 import os
 import signal
 
-POINTS = ("requests", "generate", "score", "advantage", "train", "sync", "checkpoint", "evaluate", "sft")
+POINTS = ("requests", "generate", "score", "advantage", "train", "sync", "checkpoint", "evaluate", "sft", "produce",
+          "engine-generate")
 
 
 def fault_point(point: str, iteration: int | None = None, *, owner: bool = True) -> None:

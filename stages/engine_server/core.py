@@ -178,7 +178,10 @@ class EngineCore:
         with self.lock:
             if name not in self.adapters:
                 raise EngineRequestError(f"no adapter named {name!r} is loaded (loaded: {sorted(self.adapters)})")
-            self.module.delete_adapter(name)
+            if len(self.adapters) == 1:  # the last one: back to the plain base model
+                self.bundle.module = self.module.unload()
+            else:
+                self.module.delete_adapter(name)
             del self.adapters[name]
 
     def adapter_scope(self, name: str | None) -> Any:

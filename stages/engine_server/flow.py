@@ -111,8 +111,11 @@ class FlowBackend:
     def _sample(self, batch: list[FlowRequest]) -> None:
         from stages.diffusion.sampling import sample
 
+        from stages.faults import fault_point
+
         core = self.core
         core.wait_running()
+        fault_point("engine-generate", owner=False)  # the engine killed mid-generate (benchmarks/faults.py)
         start = time.perf_counter()
         with core.lock:
             policy = core.policy

@@ -117,8 +117,10 @@ class TextBackend:
                         r.future.set_exception(exc)
 
     def _run(self, batch: list[TextRequest]) -> None:
+        from stages.faults import fault_point
         from stages.policies.text_sampling import sample
 
+        fault_point("engine-generate", owner=False)  # the engine killed mid-generate (benchmarks/faults.py)
         core = self.core
         with core.lock:
             first = batch[0]

@@ -90,6 +90,8 @@ class EngineServer(DedicatedEngine):
         spec_path.write_text(json.dumps(spec))
         env = {**os.environ, "UNIRL_ENGINE_TOKEN": token, "OMP_NUM_THREADS": str(self.cfg.threads),
                "UNIRL_OWNER_PID": str(os.getpid())}
+        if self.starts:  # a fault injected into the engine (UNIRL_FAULTS=engine-generate) hits its first start only
+            env.pop("UNIRL_FAULTS", None)
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen([sys.executable, "-m", "stages.engine_server", "--spec", str(spec_path)], env=env,
                                          stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
