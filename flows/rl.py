@@ -29,7 +29,7 @@ from tasks.common import close_engine
 from flows.evaluate import eval_artifact
 from flows.sft import run_sft
 from tasks.advantage import advantage
-from tasks.common import group_of, run_tags, staged, start_producer, stop_producer, storage_of
+from tasks.common import engine_of, group_of, run_tags, staged, start_producer, stop_producer, storage_of
 from tasks.evaluate import evaluate
 from tasks.generate import generate
 from tasks.score import score
@@ -98,6 +98,8 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
     """The body of `rl_train`, under the run's lease."""
     logger = get_run_logger()
     storage, info = open_run(recipe, run_name)
+    if recipe.rollout.mode == "sync":
+        engine_of(recipe, storage).connect()  # an engine at a URL that does not answer fails here, naming it
     if recipe.sft is None or storage.exists(join(storage.weights_rel(0), MANIFEST)):
         group_of(recipe, storage).prewarm()  # its imports overlap the setup below
     tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"))

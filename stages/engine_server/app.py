@@ -8,6 +8,7 @@ weight sync and async pipeline run against it and against SGLang.
     POST /update_weights_from_disk                   a published weights folder (sha256 manifest checked)
     POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
     POST /load_lora_adapter, /unload_lora_adapter    hot-load PEFT adapters under a versioned name
+    POST /update_weight_version                      the version reported (set after an adapter load)
     POST /pause_generation, /continue_generation
     POST /release_memory_occupation, /resume_memory_occupation, /flush_cache
     POST /get_weights_checksum                       sha256 of the loaded tensors (SGLang diffusion's API)
@@ -121,6 +122,13 @@ def create_app(core: EngineCore, token: str | None, *, max_batch: int = 64, batc
     def destroy_weights_update_group(body: dict[str, Any]) -> JSONResponse:
         groups.destroy(str(body.get("group_name", "weight_update_group")))
         return JSONResponse({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    @app.post("/update_weight_version")
+    def update_weight_version(body: dict[str, Any]) -> JSONResponse:
+        with core.lock:
+            core.version = str(body["new_version"])
+        return JSONResponse({"success": True, "message": f"Weight version updated to {core.version}",
+                             "new_version": core.version})
 
     @app.post("/load_lora_adapter")
     def load_lora_adapter(body: dict[str, Any]) -> JSONResponse:

@@ -61,6 +61,10 @@ class RolloutEngine:
         what it published and loaded (files, seconds)."""
         return {}
 
+    def connect(self) -> None:
+        """Reach the engine now (before anything heavy starts): an engine at a configured URL that
+        does not answer is an error naming the URL."""
+
     def release(self) -> None:
         """Colocated layout: free the engine's memory before the trainer trains."""
 

@@ -24,6 +24,7 @@ RESPONSE_READS: dict[str, tuple[str, ...]] = {
     "/update_weights_from_distributed": ("success", "message"),
     "/init_weights_update_group": ("success", "message"),
     "/destroy_weights_update_group": ("success", "message"),
+    "/update_weight_version": ("success", "message"),
     "/load_lora_adapter": ("success", "error_message"),
     "/unload_lora_adapter": ("success", "error_message"),
     "/pause_generation": ("status",),
@@ -152,6 +153,12 @@ class EngineClient:
 
     def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
         return self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    def update_weight_version(self, new_version: str) -> dict[str, Any]:
+        """Set the version the engine reports (after a LoRA adapter load, which leaves it alone);
+        requests in flight are not aborted."""
+        body = {"new_version": new_version, "abort_all_requests": False}
+        return self._ok("/update_weight_version", self._call("POST", "/update_weight_version", body), self.url)
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
         body = {"lora_name": lora_name, "lora_path": lora_path}

@@ -99,8 +99,6 @@ class DedicatedEngine(RolloutEngine):
                              "model.lora or sync.weights: full")
 
     def __init__(self, recipe: Any, storage: Any, group: Any):
-        from stages.engines.flow_wire import FlowWire
-        from stages.engines.text_wire import TextWire
         from stages.policies import policy_for
 
         self.recipe, self.storage, self.group = recipe, storage, group
@@ -110,8 +108,19 @@ class DedicatedEngine(RolloutEngine):
         self._version: int | None = None
         self.lora_name: str | None = None
         self.scratch = Path(__import__("tempfile").mkdtemp(prefix=f"unirl-engine-{storage.run}-"))
-        self.wire = (TextWire(recipe, self.local(storage.weights_rel(0))) if self.segment == "text"
-                     else FlowWire(recipe, exact=self.exact_replay))
+        self._wire: Any = None
+
+    @property
+    def wire(self) -> Any:
+        """The policy's requests and rows (text: the tokenizer of the run's initial weights, which
+        exist only once the run has set up, so built on first use)."""
+        from stages.engines.flow_wire import FlowWire
+        from stages.engines.text_wire import TextWire
+
+        if self._wire is None:
+            self._wire = (TextWire(self.recipe, self.local(self.storage.weights_rel(0))) if self.segment == "text"
+                          else FlowWire(self.recipe, exact=self.exact_replay))
+        return self._wire
 
     # -- where the engine is ------------------------------------------------------------------------
     def client(self, version: int) -> EngineClient:
@@ -220,6 +229,8 @@ class DedicatedEngine(RolloutEngine):
             if self.lora_name is not None:
                 client.unload_lora_adapter(self.lora_name)
             self.lora_name = name
+        if self.wire.reports_version:
+            client.update_weight_version(str(version))
         self._version = version
         return {"adapter": adapter_rel, "load_s": time.perf_counter() - start}
 
@@ -257,6 +268,10 @@ class DedicatedEngine(RolloutEngine):
             client.resume_memory_occupation(["kv_cache"])
         out["sync_s"] = time.perf_counter() - start
         return out
+
+    def connect(self) -> None:
+        if getattr(self.cfg, "url", None):
+            self.client(self._version or 0)
 
     def push(self, trainer: Any, client: EngineClient, version: int) -> dict[str, Any]:
         """Broadcast the trainer's full weights into the engine over the update group (joined once

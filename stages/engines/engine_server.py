@@ -126,6 +126,11 @@ class EngineServer(DedicatedEngine):
             try:
                 return super().generate(requests, out_dir, iteration, policy_version, greedy=greedy, seed_tag=seed_tag)
             except EngineUnreachable as exc:
+                if self.cfg.url is None and self.proc is not None:
+                    try:
+                        self.proc.wait(timeout=10)  # a dying process closes its sockets before it is reaped
+                    except subprocess.TimeoutExpired:
+                        pass
                 if self.cfg.url is not None or self.alive() or self.starts > self.cfg.restarts:
                     raise EngineUnreachable(f"{exc}; engine pid {self.proc.pid if self.proc else '-'}, log:\n{self.log_tail()}") from None
                 self.log(f"rollout engine died during generate of iteration {iteration} ({exc}); restarting it")

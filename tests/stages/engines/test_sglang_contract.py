@@ -126,6 +126,7 @@ def test_text_requests_and_answers_match_sglang(sglang, tiny_weights, tmp_path):
         assert client.weight_version() == "3"
         client.load_lora_adapter("v000003", str(tmp_path / "adapter"))
         client.generate([[3, 4]], [{"max_new_tokens": 2, "sampling_seed": 1}], lora_path="v000003")
+        client.update_weight_version("3")
         client.unload_lora_adapter("v000003")
         client.pause_generation("in_place")
         client.continue_generation()
