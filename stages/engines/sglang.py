@@ -39,8 +39,12 @@ class SGLang(DedicatedEngine):
 
     @classmethod
     def check(cls, recipe: Any) -> None:
+        from stages.algorithms.base import algorithms
+
         super().check(recipe)
-        if recipe.rollout.correction is None:
+        # Text losses correct with importance weights; flow losses anchor on the recorded
+        # per-step log-probs themselves (their behaviour check is off here too).
+        if recipe.rollout.correction is None and algorithms.get(recipe.algorithm.name).correction_levels:
             raise ValueError("rollout.correction: SGLang's kernels and precision differ from the trainer's, so its "
                              "behaviour log-probs do too; set rollout.correction (e.g. `correction: {}`)")
         sampler = getattr(recipe.rollout, "sampler", None)

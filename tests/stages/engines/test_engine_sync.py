@@ -122,3 +122,54 @@ def test_an_engine_unreachable_at_start_names_its_url(tmp_path):
     recipe, storage, worker, engine = setup(tmp_path, url="http://127.0.0.1:9")
     with pytest.raises(EngineUnreachable, match=r"rollout engine at http://127.0.0.1:9 is unreachable .* rollout.engine.url"):
         engine.connect()
+
+
+def test_sglang_recipes_and_an_unreachable_server(tmp_path):
+    from stages.engines import engines
+    from stages.engines.client import EngineUnreachable
+    from stages.recipe import RecipeError
+
+    sglang = {"name": "sglang", "url": "http://127.0.0.1:9", "token_env": "NO_SUCH_TOKEN_VAR"}
+    with pytest.raises(RecipeError, match="rollout.correction: SGLang's kernels and precision differ"):
+        build_recipe(merged(TINY["qwen3"], {"rollout": {"engine": sglang}}))
+    flow = merged(TINY["sd3"], {"algorithm": {"name": "dancegrpo"}, "rollout": {"engine": sglang}})
+    with pytest.raises(RecipeError, match="rollout.sampler.sde_kind: SGLang's /rollout/generate has no dance kernel"):
+        build_recipe(flow)
+    with pytest.raises(RecipeError, match="rollout.sampler.init_same_noise: SGLang draws a sample's SDE noise from its seed"):
+        build_recipe(merged(flow, {"algorithm": {"name": "flow_grpo"}, "rollout": {"sampler": {"init_same_noise": True}}}))
+    recipe = build_recipe(merged(TINY["qwen3"], {"rollout": {"engine": {**sglang, "request_timeout_s": 5}, "correction": {}},
+                                                 "storage": {"root": str(tmp_path)}}))
+    engine = engines.get("sglang")(recipe, RunStorage(str(tmp_path), "run"), None)
+    engine.release()  # separate layout: nothing to release
+    with pytest.raises(EngineUnreachable, match=r"SGLang server at http://127.0.0.1:9 is unreachable"):
+        engine.connect()
+
+
+def test_flow_rollouts_through_the_engine_replay_bit_for_bit(tmp_path):
+    """sd3 on the engine server: trajectories and per-step log-probs from the engine; the trainer's
+    first update replays them exactly (tolerance 0), and they are trainside's own samples."""
+    from stages.engines import engines
+    from stages.run import initial_weights
+    from stages.workers.worker import Worker
+
+    recipe = build_recipe(merged(TINY["sd3"], {"algorithm": {"name": "flow_grpo"}, "storage": {"root": str(tmp_path)},
+                                               "rollout": {"engine": {"name": "engine_server"}}}))
+    storage = RunStorage(str(tmp_path), "run")
+    initial_weights(storage, recipe)
+    spec = {"recipe": recipe.model_dump(mode="json"), "root": str(tmp_path), "run": "run",
+            "weights_dir": str(storage.local_path(storage.weights_rel(0))), "scratch": str(tmp_path / "scratch")}
+    worker = Worker(spec, None, torch.device("cpu"))
+    engine = engines.get("engine_server")(recipe, storage, None)
+    try:
+        assert worker.tolerance == 0.0
+        req = it.write_requests(storage, recipe, 0)["files"][0]
+        gen = engine.generate(req, "iter-000000/rollouts", 0, 0)
+        mine = worker.generate(iteration=0, requests=req, out_dir="iter-000000/trainside")
+        a, b = read_rollouts(storage, gen["files"]), read_rollouts(storage, mine["files"])
+        for column in ("latents", "sde_logprobs", "sigmas", "sde_indices", "media_png"):
+            assert a.column(column).to_pylist() == b.column(column).to_pylist(), column
+        adv = it.advantages(storage, recipe, 0, it.score(storage, recipe, 0, gen["files"])["files"])["files"][0]
+        trained = worker.train(iteration=0, rollouts=gen["files"], advantages=adv)
+        assert trained["metrics"]["behaviour_logp_max_abs_diff"] == 0.0
+    finally:
+        engine.close()
