@@ -49,7 +49,7 @@ def rl_producer(recipe: Recipe, run_name: str, poll_s: float = 0.05) -> dict[str
             while not published(storage, recipe, version):
                 time.sleep(poll_s)
             waited = time.perf_counter() - start
-            out = staged(produce)(recipe, run_name, j, version)
+            staged(produce)(recipe, run_name, j, version)
             logger.info("iteration %d sampled with policy version %d (waited %.2fs for it)", j, version, waited)
             produced.append(j)
     finally:

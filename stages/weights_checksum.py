@@ -15,5 +15,5 @@ def tensors_checksum(named: Iterable[tuple[str, Any]]) -> str:
     for name, tensor in sorted(named, key=lambda item: item[0]):
         h.update(name.encode())
         t = tensor.detach().cpu().contiguous().reshape(-1)
-        h.update(t.view(torch.uint8).numpy().tobytes())
+        h.update(memoryview(t.view(torch.uint8).numpy()))  # no copy of the bytes
     return h.hexdigest()

@@ -144,6 +144,7 @@ class DedicatedEngine(RolloutEngine):
     # -- sampling -----------------------------------------------------------------------------------
     def generate(self, requests: str, out_dir: str, iteration: int, policy_version: int, *,
                  greedy: bool = False, seed_tag: str = "") -> dict[str, Any]:
+        from stages.algorithms.base import algorithms
         from stages.sample import read_shard, table_from_rows, write_shard
         from stages.storage import join
 
@@ -155,8 +156,6 @@ class DedicatedEngine(RolloutEngine):
                                             req.column("metadata").to_pylist(), req.column("group_size").to_pylist()):
             samples += [(f"{gid}/{j}", gid, prompt, meta) for j in range(gsize)]
         samples.sort(key=lambda s: s[0])
-        from stages.algorithms.base import algorithms
-
         transitions = algorithms.get(self.recipe.algorithm.name).replays_transitions
         rows = self.wire.rollout(client, samples, iteration=iteration, seed_tag=seed_tag, greedy=greedy,
                                  lora=self.lora_name, transitions=transitions)
@@ -277,6 +276,7 @@ class DedicatedEngine(RolloutEngine):
         """Broadcast the trainer's full weights into the engine over the update group (joined once
         per engine): every rank gathers, rank 0 sends while the engine, told the names, dtypes and
         shapes over HTTP, receives; then the version and checksum are checked as after a load."""
+        import socket
         from concurrent.futures import ThreadPoolExecutor
         from urllib.parse import urlparse
 
@@ -288,8 +288,8 @@ class DedicatedEngine(RolloutEngine):
             if getattr(self, "_group_client", None) is not client:
                 self._specs = trainer.call("weight_specs")
                 host = urlparse(client.url).hostname or "127.0.0.1"
-                address = "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else __import__("socket").gethostbyname(
-                    __import__("socket").gethostname())
+                # the engine reaches the trainer's rank 0 where the trainer reaches the engine
+                address = "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else socket.gethostbyname(socket.gethostname())
                 port, world = free_port(), 1 + self.cfg.sync.engine_ranks
                 joined = pool.submit(client.init_weights_update_group, address, port, 1, world, name, self._specs["backend"])
                 trainer.call("join_update_group", master_address=address, master_port=port, world_size=world,
