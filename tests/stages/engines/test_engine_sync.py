@@ -53,8 +53,11 @@ def step(recipe, storage, worker, engine, iteration: int) -> dict:
     req = it.write_requests(storage, recipe, iteration)["files"][0]
     gen = engine.generate(req, f"iter-{iteration:06d}/rollouts", iteration, iteration)
     adv = it.advantages(storage, recipe, iteration, it.score(storage, recipe, iteration, gen["files"])["files"])["files"][0]
+    engine.release()  # as the train task: a colocated engine gives its memory to the trainer
     trained = worker.train(iteration=iteration, rollouts=gen["files"], advantages=adv)
-    return {"gen": gen, "train": trained, "sync": engine.sync(LocalTrainer(worker), iteration + 1)}
+    synced = engine.sync(LocalTrainer(worker), iteration + 1)
+    engine.resume()
+    return {"gen": gen, "train": trained, "sync": synced}
 
 
 def test_full_sync_versions_checksums_and_faults(tmp_path, monkeypatch):
@@ -89,9 +92,9 @@ def test_full_sync_versions_checksums_and_faults(tmp_path, monkeypatch):
         engine.close()
 
 
-def test_lora_adapters_sync_alone(tmp_path):
-    recipe, storage, worker, engine = setup(tmp_path, sync={"weights": "lora"}, recipe={"model": {"lora": {"rank": 4}},
-                                                                                          "train": {"lr": 0.05}})
+def test_lora_adapters_sync_alone_into_a_colocated_engine(tmp_path):
+    recipe, storage, worker, engine = setup(tmp_path, sync={"weights": "lora"}, layout="colocated",
+                                            recipe={"model": {"lora": {"rank": 4}}, "train": {"lr": 0.05}})
     try:
         out = step(recipe, storage, worker, engine, 0)
         folder = tmp_path / "run/adapters/v000001"
