@@ -1,7 +1,7 @@
 """Seconds per iteration of trainside rollout, a dedicated engine in sync RL, and the same engine in
 async RL (max_staleness 1), side by side in one run, with the trainer and the engine each pinned
 to one core: `unirl run` and its worker group under `taskset -c 0`, the engine server launched on
-core 1 (`rollout.engine.cpus=[1]`, one thread). The geometry makes generation and training take
+core 1 (`rollout.engine.cpus=[1]`, one thread; the async producer, the engine's client, runs there too). The geometry makes generation and training take
 similar time, so sync pays gen + train per iteration and async about the larger of the two.
 
     python benchmarks/async_rl.py                     # 10 iterations each, steady-state medians
@@ -26,12 +26,13 @@ from _runs import iteration_metrics, steady_state  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "ar" / "quickstart.yaml"
-# No warm start, no evaluation: only the RL iterations are timed. 64 prompts x 8 samples of up
-# to 8 tokens on the quickstart's tiny Qwen3: sampling (one core) and training (one core) each
-# take roughly half a second to a second.
+# No warm start, no evaluation: only the RL iterations are timed. 128 prompts x 8 samples of up
+# to 12 tokens on the quickstart's tiny Qwen3: sampling (one core) and training (one core) each
+# take about a second and a half, against about a second of fixed cost per iteration (its
+# Prefect flow run, tracking) that no overlap removes.
 GEOMETRY = ["sft=null", "eval.enabled=false", "tracking.preview_every=0", "tracking.registry=false",
-            "rollout.prompts_per_iteration=64", "rollout.group_size=8", "rollout.max_new_tokens=8",
-            "train.micro_batch_size=128", "checkpoint_every=1000"]
+            "rollout.prompts_per_iteration=128", "rollout.group_size=8", "rollout.max_new_tokens=12",
+            "train.micro_batch_size=256", "checkpoint_every=1000"]
 SETUPS = {
     "trainside": [],
     "engine sync": ["rollout.engine.name=engine_server", "rollout.engine.cpus=[1]", "rollout.engine.threads=1"],

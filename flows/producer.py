@@ -65,7 +65,13 @@ def main(argv: list[str] | None = None) -> int:
 
     die_with_parent()
     spec = json.loads(Path(args.spec).read_text())
-    rl_producer(build_recipe(spec["recipe"]), spec["run_name"])
+    recipe = build_recipe(spec["recipe"])
+    cpus = getattr(recipe.rollout.engine, "cpus", None)
+    if cpus:  # the producer is the engine's client: it works where the engine works, not on the trainer's cores
+        import os
+
+        os.sched_setaffinity(0, set(cpus))
+    rl_producer(recipe, spec["run_name"])
     return 0
 
 
