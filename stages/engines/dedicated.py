@@ -72,15 +72,17 @@ class DedicatedEngine(RolloutEngine):
 
         e, r = recipe.rollout.engine, recipe.rollout
         stale = r.mode == "async" or e.sync.every > 1
+        why = (f"rollout.mode async (max_staleness {r.max_staleness})" if r.mode == "async"
+               else f"rollout.engine.sync.every {e.sync.every}")
+        algo = algorithms.get(recipe.algorithm.name)
+        if stale and not algo.correction_levels:
+            raise ValueError(f"rollout.mode: with {why} rows are sampled by older policy versions, but algorithm "
+                             f"{algo.name!r} trains only on rows its weights sampled; use rollout.mode sync with "
+                             "rollout.engine.sync.every 1")
         if stale and r.correction is None:
-            why = "rollout.mode async" if r.mode == "async" else f"rollout.engine.sync.every {e.sync.every}"
             raise ValueError(f"rollout.correction: with {why} rows are sampled by older policy versions, whose behaviour "
                              "log-probs differ from the trainer's; set rollout.correction (e.g. `correction: {}` for "
                              "token-level truncated IS, docs/engines.md)")
-        algo = algorithms.get(recipe.algorithm.name)
-        if stale and not algo.correction_levels:
-            raise ValueError(f"rollout.mode: algorithm {algo.name!r} trains only on rows its weights sampled; use "
-                             "rollout.mode sync with rollout.engine.sync.every 1")
         if r.mode == "async" and e.layout == "colocated":
             raise ValueError("rollout.engine.layout: colocated releases the engine while the trainer trains, which async "
                              "overlaps; use layout: separate")
