@@ -18,6 +18,10 @@ Checks, each independent (one that fails prints its traceback, the others still 
   and deeper transformer than the tiny default on cuda; steady-state seconds per iteration, ratio.
 * speed_qwen3_worker: there is no in-process AR loop, so the AR worker group's generate and train
   step at both dtypes (a larger tiny Qwen3 on cuda); steady-state seconds, ratio.
+* sglang_client: the SGLang client (stages/engines/client.py) against a running SGLang server at
+  $UNIRL_SGLANG_URL (token in $SGLANG_API_KEY; launch: docs/engines.md): /model_info, a batched
+  /generate with return_logprob parsed as the text engine parses it, weight_version, pause and
+  continue, flush_cache. Skipped (ok, with the reason) where no server is given.
 Results print as they come and go to --out as JSON after every check, so a killed run keeps them.
 """
 from __future__ import annotations
@@ -311,6 +315,31 @@ def check_speed_ar(device: str, work: Path, warmup: int, timed: int) -> dict[str
 # ---------------------------------------------------------------------------- driver
 
 
+def check_sglang_client(url: str | None = None, token: str | None = None) -> dict[str, Any]:
+    """The SGLang client against a live SGLang server (see the module docstring)."""
+    from stages.engines.client import EngineClient, finish_reason
+
+    url = url or os.environ.get("UNIRL_SGLANG_URL")
+    if not url:
+        return {"skipped": "no SGLang server: set UNIRL_SGLANG_URL (docs/engines.md has the launch command)"}
+    client = EngineClient(url, token or os.environ.get("SGLANG_API_KEY") or None, name="SGLang server")
+    info = client.model_info()
+    start = time.perf_counter()
+    outs = client.generate([[1, 2, 3], [4, 5]], [{"temperature": 1.0, "max_new_tokens": 8, "sampling_seed": 0}] * 2)
+    seconds = time.perf_counter() - start
+    for out in outs:
+        pairs = out["meta_info"]["output_token_logprobs"]
+        assert len(pairs) == out["meta_info"]["completion_tokens"], "one log-prob per generated token"
+        assert all(p[0] <= 0.0 for p in pairs), "log-probs are <= 0"
+        finish_reason(out["meta_info"], url)
+    assert outs[0]["meta_info"]["weight_version"] == info["weight_version"]
+    client.pause_generation("in_place")
+    client.continue_generation()
+    client.flush_cache()
+    return {"model_path": info.get("model_path"), "weight_version": info.get("weight_version"), "generate_s": seconds,
+            "tokens": [len(o["output_ids"]) for o in outs]}
+
+
 def run_check(name: str, fn: Callable[[], dict[str, Any]], results: dict[str, Any], timeout_s: int) -> None:
     say(f"{name} ...")
 
@@ -367,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         ("worker_qwen3", lambda: check_worker("qwen3", device, work / "worker_qwen3")),
         ("speed_sd3_loop", lambda: check_speed_sd3(device, work / "speed_sd3", warmup, timed)),
         ("speed_qwen3_worker", lambda: check_speed_ar(device, work / "speed_qwen3", warmup, timed)),
+        ("sglang_client", lambda: check_sglang_client()),
     ]
     try:
         for name, fn in checks:

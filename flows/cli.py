@@ -6,6 +6,7 @@
     unirl evaluate RECIPE [key.sub=value ...] [--run-name NAME] [--version N]
     unirl agent RECIPE [key.sub=value ...] [--run-name NAME] [--group ID]   (one node of a multi-node run)
     unirl reward-server --config FILE
+    unirl engine-server RECIPE [key.sub=value ...] [--weights DIR] [--port N]
 """
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     rs = sub.add_parser("reward-server", help="serve scorers over HTTP", add_help=False)
     rs.add_argument("rest", nargs=argparse.REMAINDER)
+    es = sub.add_parser("engine-server", help="serve a recipe's policy as a rollout engine (docs/engines.md)", add_help=False)
+    es.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -53,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         from flows.reward_server import main as serve
 
         return serve(argv[1:])
+    if argv[:1] == ["engine-server"]:
+        from stages.engine_server import main as engine_server
+
+        return engine_server(argv[1:])
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
     # overrides may also follow options (`--run-name x train.lr=0.1`)

@@ -16,6 +16,7 @@ from stages.run import open_run
 from stages.storage import join
 from stages.tracking import Tracker
 from stages.workers.group import close_group
+from tasks.common import close_engine
 from tasks.common import staged
 from tasks.evaluate import evaluate
 
@@ -62,6 +63,7 @@ def evaluate_run(recipe: Recipe, run_name: str = "", version: int | None = None)
     try:
         result = staged(evaluate)(recipe, run_name, version)
     finally:
+        close_engine(storage.url())
         close_group(storage.url())
     tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"))
     tracker.log_metrics(version, result["metrics"], key="eval/accuracy")

@@ -19,6 +19,7 @@ from typing import Any, Callable
 from stages.recipe import Recipe
 from stages.storage import RunStorage
 from stages.workers.group import close_group
+from tasks.common import close_engine, stop_producer
 
 
 def _spec_url(spec: dict[str, Any], cwd: str | None) -> str | None:
@@ -60,6 +61,8 @@ def worker_processes(match: Callable[[str], bool]) -> list[Any]:
 def stop_workers(storage_url: str) -> int:
     """Stop the run's worker group: the in-process one, then any left on this host. Returns
     how many stray processes were killed."""
+    stop_producer(storage_url)
+    close_engine(storage_url)
     close_group(storage_url)
     return stop_matching_workers(lambda url: url == storage_url)
 

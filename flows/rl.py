@@ -31,10 +31,11 @@ from stages.storage import iter_dir, join
 from stages.train.manifests import MANIFEST
 from stages.tracking import Tracker
 from stages.workers.group import close_group
+from tasks.common import close_engine
 from flows.evaluate import eval_artifact
 from flows.sft import run_sft
 from tasks.advantage import advantage
-from tasks.common import group_of, run_tags, staged, storage_of
+from tasks.common import engine_of, group_of, run_tags, staged, start_producer, stop_producer, storage_of
 from tasks.evaluate import evaluate
 from tasks.generate import generate
 from tasks.score import score
@@ -80,7 +81,7 @@ def rl_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any
     adv = advantage_(recipe, run_name, iteration, rewards)
     trained = train_(recipe, run_name, iteration, rollouts, adv["files"][0])
     synced = sync_(recipe, run_name, iteration)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float] = dict(gen.get("metrics", {}))  # async: staleness and what was dropped
     metrics.update(scored["metrics"])
     metrics.update(adv["metrics"])
     metrics.update({f"train/{k}": v for k, v in trained["metrics"].items()})
@@ -121,6 +122,8 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
     """The body of `rl_train`, under the run's lease."""
     logger = get_run_logger()
     storage, info = open_run(recipe, run_name)
+    if recipe.rollout.mode == "sync":
+        engine_of(recipe, storage).connect()  # an engine at a URL that does not answer fails here, naming it
     if recipe.sft is None or storage.exists(join(storage.weights_rel(0), MANIFEST)):
         group_of(recipe, storage).prewarm()  # its imports overlap the setup below
     tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"))
@@ -153,6 +156,8 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
         # would cost up to a second each (Prefect joins a heartbeat thread that sleeps in 1 s
         # steps). Entered once: building the settings costs 30 ms.
         with run_tags(recipe, run_name), temporary_settings(updates={"flows.heartbeat_frequency": None}):
+            if recipe.rollout.mode == "async" and first < recipe.iterations:
+                start_producer(recipe, run_name, storage)  # samples ahead while the trainer trains
             if recipe.eval.enabled:
                 evals[0] = held_out(recipe, run_name, 0, tracker, "before RL", books)
             for i in range(first, recipe.iterations):
@@ -182,6 +187,8 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
         raise
     finally:
         progress.close()
+        stop_producer(storage.url())
+        close_engine(storage.url())
         close_group(storage.url())
     tracker.finish()
     artifacts.finish()

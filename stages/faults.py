@@ -14,7 +14,8 @@ With UNIRL_FAULTS_ONCE=FILE a fault fires only where FILE does not exist yet (it
 fault fires): a retried task or a relaunched group then gets through.
 
 Points: requests, generate, score, advantage, train, sync (checkpoint + publish), checkpoint,
-evaluate, sft, report. A point in a worker rank kills the `unirl` process that owns the group
+evaluate, sft, report; produce (the async producer's batch), engine-generate (inside a rollout engine
+process, as it samples: the engine dies, not unirl). A point in a worker rank kills the `unirl` process that owns the group
 (UNIRL_OWNER_PID) and then the rank. Unset (always, outside these tests), a point costs one dict
 lookup.
 """
@@ -23,7 +24,8 @@ from __future__ import annotations
 import os
 import signal
 
-POINTS = ("requests", "generate", "score", "advantage", "train", "sync", "checkpoint", "evaluate", "sft", "report")
+POINTS = ("requests", "generate", "score", "advantage", "train", "sync", "checkpoint", "evaluate", "sft", "report",
+          "produce", "engine-generate")
 
 
 def fault_point(point: str, iteration: int | None = None, *, owner: bool = True, node: bool = False) -> None:

@@ -250,6 +250,11 @@ class Recipe(Section):
         if self.train.updates_per_batch > 1 and not algo.supports_multi_update:
             errors.append(f"train.updates_per_batch: algorithm {algo.name!r} takes one update per batch, not "
                           f"{self.train.updates_per_batch}; set train.updates_per_batch=1 or choose another algorithm.name")
+        correction = self.rollout.correction
+        if correction is not None and correction.level not in algo.correction_levels:
+            takes = f"takes {', '.join(algo.correction_levels)}-level correction" if algo.correction_levels else "trains on-policy only"
+            errors.append(f"rollout.correction.level: algorithm {algo.name!r} {takes}, not {correction.level!r}"
+                          + ("" if algo.correction_levels else "; remove rollout.correction"))
         errors += credential_errors(self)
         errors += multinode_errors(self)
         if self.sft is not None and self.sft.source == "file" and not self.sft.path:

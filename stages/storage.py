@@ -258,6 +258,10 @@ class RunStorage:
     def weights_rel(self, version: int) -> str:
         return join("weights", f"v{version:06d}")
 
+    def adapters_rel(self, version: int) -> str:
+        """LoRA adapters alone of policy `version` (what a LoRA weight sync sends an engine)."""
+        return join("adapters", f"v{version:06d}")
+
     def weights_versions(self) -> list[int]:
         """Published weight versions (those with a manifest), ascending."""
         return self._committed("weights", WEIGHTS_RE, "manifest.json")

@@ -18,6 +18,7 @@ from stages.workers.rendezvous import GroupPlan, NodeSetupError
 
 T = TypeVar("T")
 _UNTAGGED: dict[int, Any] = {}
+_ENGINES: dict[str, RolloutEngine] = {}
 
 
 def on_server() -> bool:
@@ -70,8 +71,58 @@ def group_of(recipe: Recipe, storage: RunStorage) -> WorkerGroup:
 
 
 def engine_of(recipe: Recipe, storage: RunStorage) -> RolloutEngine:
-    """The run's rollout engine, from the recipe's `rollout.engine` (the engine registry)."""
-    return engines.get(recipe.rollout.engine.name)(recipe, storage, group_of(recipe, storage))
+    """The run's rollout engine, from the recipe's `rollout.engine` (the engine registry): one per
+    run and process, since a dedicated engine holds a server process and its loaded version."""
+    key = storage.url()
+    engine = _ENGINES.get(key)
+    if engine is None:
+        engine = _ENGINES[key] = engines.get(recipe.rollout.engine.name)(recipe, storage, group_of(recipe, storage))
+    return engine
+
+
+def eval_engine_of(recipe: Recipe, storage: RunStorage) -> RolloutEngine:
+    """Where held-out evaluation samples: the run's engine, except in async RL, where the engine
+    belongs to the producer (which must not be moved to another version): the worker group."""
+    if recipe.rollout.mode == "async":
+        return engines.get("trainside")(recipe, storage, group_of(recipe, storage))
+    return engine_of(recipe, storage)
+
+
+_PRODUCERS: dict[str, Any] = {}
+
+
+def start_producer(recipe: Recipe, run_name: str, storage: RunStorage) -> None:
+    """Start the async run's producer process (its own `rl-producer` flow run on this Prefect
+    API); it dies with this process."""
+    from stages.producer_process import ProducerProcess
+
+    url = get_current_settings().api.url
+    if url is None:  # the ephemeral API of `unirl run`: the producer reports to the same server
+        from prefect.server.api.server import SubprocessASGIServer
+
+        url = SubprocessASGIServer().api_url
+    producer = _PRODUCERS[storage.url()] = ProducerProcess(recipe, run_name, api_url=url,
+                                                           log=announce(get_run_logger()))
+    producer.start()
+
+
+def producer_alive(storage: RunStorage) -> Callable[[], None]:
+    """What the trainer calls while it waits for a batch: restarts a dead producer, raises once
+    it may not (no producer started in this process: nothing to check)."""
+    producer = _PRODUCERS.get(storage.url())
+    return producer.alive if producer is not None else (lambda: None)
+
+
+def stop_producer(key: str) -> None:
+    producer = _PRODUCERS.pop(key, None)
+    if producer is not None:
+        producer.stop()
+
+
+def close_engine(key: str) -> None:
+    engine = _ENGINES.pop(key, None)
+    if engine is not None:
+        engine.close()
 
 
 def node_launcher(recipe: Recipe, run_name: str) -> NodeLauncher | None:

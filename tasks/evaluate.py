@@ -10,7 +10,7 @@ from stages.evaluation import eval_dir, eval_metrics, write_eval_requests
 from stages.faults import fault_point
 from stages.recipe import Recipe
 from stages.storage import join
-from tasks.common import engine_of, storage_of
+from tasks.common import eval_engine_of, group_of, storage_of
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1)
@@ -19,7 +19,9 @@ def evaluate(recipe: Recipe, run_name: str, version: int) -> dict[str, Any]:
     rel = join(eval_dir(version), "metrics.json")
     if storage.exists(rel):
         return storage.read_json(rel)
-    engine = engine_of(recipe, storage)
+    engine = eval_engine_of(recipe, storage)
+    if engine.own_weights:
+        engine.publish_for(group_of(recipe, storage), version)  # an engine loads what is published
     outputs = {}
     for name, size, greedy in (("greedy", 1, True), ("sampled", recipe.eval.k, False)):
         requests = write_eval_requests(storage, recipe, version, size, name)

@@ -1,4 +1,5 @@
-"""generate: requests.arrow, then rollouts/part-*.arrow from the recipe's rollout engine."""
+"""generate: requests.arrow, then rollouts/part-*.arrow from the recipe's rollout engine; in async
+RL the producer's committed batch of the iteration, admitted under the staleness bound."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,13 +10,18 @@ from prefect.cache_policies import NO_CACHE
 from stages import iteration as it
 from stages.recipe import Recipe
 from stages.storage import iter_dir, join
-from tasks.common import engine_of, storage_of
+from tasks.common import engine_of, producer_alive, storage_of
 
 
 @task(name="generate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1)
 def generate(recipe: Recipe, run_name: str, iteration: int, round_index: int = 0) -> dict[str, Any]:
     """Round 0, or refill round `round_index` of dynamic sampling (files suffixed -rN)."""
     storage = storage_of(recipe, run_name)
+    if recipe.rollout.mode == "async":
+        from stages.async_rollout import collect
+
+        return it.committed(storage, iteration, "generate",
+                            lambda: collect(storage, recipe, iteration, alive=producer_alive(storage)))
     suffix = it.round_suffix(round_index)
     requests = it.committed(
         storage, iteration, f"requests{suffix}", lambda: it.write_requests(storage, recipe, iteration, round_index)

@@ -1,7 +1,8 @@
 """sync: record the policy version the next iteration samples with; checkpoint and publish
-weights every `checkpoint_every` iterations and at the last one, and every iteration for an
-engine that holds its own weights, which then loads the published version. Trainside rollout
-shares the training weights, so there is nothing to load."""
+weights every `checkpoint_every` iterations and at the last one; an engine that holds its own
+weights gets them every `rollout.engine.sync.every` updates (published full or as LoRA adapters,
+then loaded and checked; in async RL only published: the producer loads them, this is the
+barrier). Trainside rollout shares the training weights, so there is nothing to load."""
 from __future__ import annotations
 
 from typing import Any
@@ -28,10 +29,8 @@ def sync(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any]:
             out["checkpoint"] = group.call("save")["path"]
             out["weights"] = group.call("publish")["path"]
         if engine.own_weights:
-            if "weights" not in out:
-                group.ensure(version)
-                out["weights"] = group.call("publish")["path"]
-            engine.load_weights(out["weights"], version)
+            out["engine_sync"] = engine.sync(group, version)
+            engine.resume()
         return out
 
     return it.committed(storage, iteration, "sync", make)

@@ -13,7 +13,7 @@ from prefect.cache_policies import NO_CACHE
 from stages import iteration as it
 from stages.recipe import Recipe
 from stages.storage import iter_dir, join
-from tasks.common import group_of, storage_of
+from tasks.common import engine_of, group_of, storage_of
 
 
 @task(name="train", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1)
@@ -22,6 +22,7 @@ def train(recipe: Recipe, run_name: str, iteration: int, rollouts: list[str], ad
 
     def make() -> dict[str, Any]:
         group = group_of(recipe, storage)
+        engine_of(recipe, storage).release()  # colocated layout: the engine's memory is the trainer's now
         group.ensure(iteration)
         result = group.call("train", iteration=iteration, rollouts=rollouts, advantages=advantages)
         rel = join(iter_dir(iteration), "train.json")

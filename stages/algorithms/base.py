@@ -57,6 +57,13 @@ class TrainContext:
         return self.stack.reference()
 
 
+def behaviour_mismatch(replayed: torch.Tensor, recorded: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """(max, mean) |replayed - recorded| over the mask: the behaviour-vs-trainer mismatch, measured
+    without judging it (rows of older policy versions are expected to differ)."""
+    diff = torch.where(mask > 0, (replayed.detach().float() - recorded.float()).abs(), torch.zeros_like(mask))
+    return float(diff.max()) if diff.numel() else 0.0, float(diff.sum()) / max(float(mask.sum()), 1.0)
+
+
 def check_behaviour(replayed: torch.Tensor, recorded: torch.Tensor, mask: torch.Tensor | None, *, ctx: TrainContext,
                     sample_ids: list[str], what: str) -> tuple[float, float]:
     """Compare the trainer's replay with the sampler's record; (max, mean) |difference| over the
@@ -88,6 +95,9 @@ class Algorithm:
     anchors: ClassVar[tuple[str, ...]] = ()
     # Whether rollouts must keep every SDE transition (x_i, x_{i+1}) for the loss to replay.
     replays_transitions: ClassVar[bool] = False
+    # The off-policy correction levels the loss takes (rollout.correction.level; empty: it trains
+    # only on rows the trained weights sampled, so no async RL and no stale engine weights).
+    correction_levels: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: Any, recipe: Any):
         self.cfg, self.recipe = cfg, recipe

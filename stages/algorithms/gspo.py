@@ -62,6 +62,7 @@ class GSPOConfig(Section):
 class GSPO(TokenPolicyGradient):
     name = "gspo"
     config = GSPOConfig
+    correction_levels = ("sequence",)  # one ratio per sequence: a token-level weight has nowhere to go
 
     @property
     def sequence_level(self) -> bool:

@@ -9,13 +9,15 @@ from typing import Any, ClassVar
 import torch
 
 from stages.algorithms.aggregate import LossOutput
-from stages.algorithms.base import Algorithm, TrainContext, check_behaviour
+from stages.algorithms.base import Algorithm, TrainContext, behaviour_mismatch, check_behaviour
+from stages.algorithms.correction import importance_weights, weighted_advantage
 from stages.algorithms.kl import kl
 
 
 class TokenPolicyGradient(Algorithm):
     segment: ClassVar[str] = "text"
     anchors: ClassVar[tuple[str, ...]] = ("response_logprobs",)
+    correction_levels: ClassVar[tuple[str, ...]] = ("token", "sequence")
 
     def loss(self, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, horizon: int) -> LossOutput:
         raise NotImplementedError
@@ -38,10 +40,26 @@ class TokenPolicyGradient(Algorithm):
         return ctx.policy.replay(ctx.module, batch) if update > 0 else None
 
     def loss_backward(self, ctx: TrainContext, batch: Any, frozen: Any, *, share: float, update: int, real: bool) -> dict[str, float]:
+        """The loss against the proximal old log-probs o (the live replay, detached, on the first
+        mini-batch; frozen before any step on the later ones). With `rollout.correction` the
+        behaviour log-probs b recorded at sampling time enter too (stages/algorithms/correction.py):
+        importance weights o/b on the advantage, or b as the PPO anchor itself."""
         logp = ctx.policy.replay(ctx.module, batch)
-        old_logp = logp.detach() if frozen is None else frozen
-        out = self.loss(logp, old_logp, batch.advantage, batch.mask, self.recipe.rollout.max_new_tokens)
-        loss, metrics = out.loss, dict(out.metrics)
+        proximal = logp.detach() if frozen is None else frozen
+        old_logp, adv = proximal, batch.advantage
+        correction = self.recipe.rollout.correction
+        metrics: dict[str, float] = {}
+        if correction is not None:
+            c = correction
+            w, stats = importance_weights(proximal, batch.behaviour, batch.mask, level=c.level, mode=c.mode, cap=c.cap,
+                                          band=c.limits)
+            if c.objective == "behaviour":
+                old_logp, w = batch.behaviour, (w > 0).float()  # the anchor is b; masking drops, nothing reweights
+            adv = weighted_advantage(adv, w)
+            if real:
+                metrics.update(stats)
+        out = self.loss(logp, old_logp, adv, batch.mask, self.recipe.rollout.max_new_tokens)
+        loss, metrics = out.loss, {**metrics, **out.metrics}
         cfg = self.cfg
         if cfg.kl_coef > 0:
             with torch.no_grad(), ctx.reference() as ref:
@@ -51,9 +69,15 @@ class TokenPolicyGradient(Algorithm):
             metrics["kl"] = float(kl_mean.detach())
         (loss * share * ctx.world).backward()
         if real:
-            largest, mean = check_behaviour(old_logp, batch.behaviour, batch.mask, ctx=ctx, sample_ids=batch.sample_ids,
-                                            what="the response tokens")
+            # Rows sampled by the weights being trained must replay to their record (the
+            # on-policy check); rows of older versions are expected to differ and are only measured.
+            fresh = batch.fresh(ctx.iteration)
+            if bool(fresh.any()):
+                check_behaviour(proximal, batch.behaviour, batch.mask * fresh[:, None], ctx=ctx,
+                                sample_ids=batch.sample_ids, what="the response tokens")
+            largest, mean = behaviour_mismatch(proximal, batch.behaviour, batch.mask)
             metrics["behaviour_logp_abs_diff"] = mean
             metrics["behaviour_logp_max_abs_diff"] = largest
+            metrics["stale_frac"] = float(1.0 - fresh.float().mean())
         metrics["loss"] = float(loss.detach())
         return metrics

@@ -3,11 +3,16 @@ registers a `RolloutEngine` subclass with its recipe section (`rollout.engine: {
 
     generate(requests, out_dir, iteration, policy_version) -> manifest of committed rollout shards
     load_weights(weights_rel, version)                    after an update, for engines with their own weights
+    sync(trainer, version)                                publish `version` through the trainer and load it
+    release() / resume()                                  colocated layout: free the engine's memory around train
     version                                               the policy version the engine samples with
 
 Tasks and flows talk to an engine only through this protocol, so dedicated servers and
 asynchronous producers plug in without touching them. Every row an engine writes records the
-weights version that produced it (`policy_version`) and its behaviour log-probs.
+weights version that produced it (`policy_version`, as the engine reports it) and its behaviour
+log-probs. Engines: `trainside` (the worker group itself), `engine_server` (unirl's own engine
+process, stages/engine_server/) and `sglang` (a running SGLang server), the last two clients of
+one HTTP API (stages/engines/client.py, docs/engines.md).
 """
 from __future__ import annotations
 
@@ -32,6 +37,9 @@ class RolloutEngine:
     config: ClassVar[type[Section]]
     # True when the engine holds its own copy of the weights, which the sync task must update.
     own_weights: ClassVar[bool] = False
+    # The behaviour tolerance of rows it samples with the trained weights (None: the policy's
+    # measured default; an engine with other kernels or precision declares its own).
+    behaviour_tolerance: ClassVar[float | None] = None
 
     @classmethod
     def check(cls, recipe: Any) -> None:
@@ -47,3 +55,21 @@ class RolloutEngine:
 
     def load_weights(self, weights_rel: str, version: int) -> None:
         raise NotImplementedError
+
+    def sync(self, trainer: Any, version: int) -> dict[str, Any]:
+        """Make the engine sample with policy `version`, which `trainer` (the worker group) holds:
+        what it published and loaded (files, seconds)."""
+        return {}
+
+    def connect(self) -> None:
+        """Reach the engine now (before anything heavy starts): an engine at a configured URL that
+        does not answer is an error naming the URL."""
+
+    def release(self) -> None:
+        """Colocated layout: free the engine's memory before the trainer trains."""
+
+    def resume(self) -> None:
+        """Colocated layout: take the memory back after the sync."""
+
+    def close(self) -> None:
+        """Stop what the engine started (its server process)."""

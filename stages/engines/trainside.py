@@ -23,6 +23,12 @@ class Trainside(RolloutEngine):
     config = TrainsideConfig
     own_weights = False
 
+    @classmethod
+    def check(cls, recipe: Any) -> None:
+        if recipe.rollout.mode == "async":
+            raise ValueError("rollout.mode: async samples on a dedicated engine while the worker group trains; set "
+                             "rollout.engine.name to engine_server or sglang (docs/engines.md), or rollout.mode: sync")
+
     def __init__(self, recipe: Any, storage: Any, group: Any):
         self.group = group
 

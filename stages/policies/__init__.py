@@ -18,10 +18,11 @@ objective for SFT.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
+from stages.algorithms.correction import CorrectionConfig
 from stages.config_base import Section
 from stages.engines import engine_config
 from stages.registry import Registry
@@ -46,8 +47,18 @@ class RolloutBase(Section):
     behaviour_tolerance: float | None = Field(
         None, ge=0,
         description="Largest |replayed - recorded| behaviour log-prob the first update accepts before failing "
-        "(empty: the policy's measured default, see docs/extending.md).",
+        "(empty: the engine's or the policy's measured default, see docs/extending.md). Only rows sampled by the "
+        "weights being trained are held to it; rows of older versions are measured (train/behaviour_logp_*).",
     )
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: each iteration samples, then trains; async: a producer flow keeps sampling later "
+        "iterations on a dedicated engine while the trainer trains (docs/engines.md). async needs rollout.correction.")
+    max_staleness: int = Field(
+        1, ge=0, description="async: iteration k trains on rollouts of policy version >= k - max_staleness; the producer "
+        "samples iteration k with version max(0, k - max_staleness), and older rows are dropped and counted.")
+    correction: CorrectionConfig | None = Field(
+        None, description="Off-policy correction of rows whose behaviour log-probs differ from the trainer's "
+        "(stages/algorithms/correction.py); empty: every row must be on-policy.")
 
 
 def engine_config_default() -> Section:

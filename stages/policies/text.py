@@ -84,7 +84,8 @@ def grids_of(stored: list[list[int]]) -> list[tuple[int, int, int]]:
 class TextBatch:
     """A micro-batch of stored text segments. ids/attn (B, T); mask (B, T-1) over response
     tokens; behaviour (B, T-1): the log-probs recorded at sampling time (0 off the mask);
-    advantage (B,); inputs: the model's other inputs (prompts with images), None for text."""
+    advantage (B,); inputs: the model's other inputs (prompts with images), None for text; versions (B,): the
+    policy version that sampled each row (None: the trained one)."""
 
     sample_ids: list[str]
     ids: torch.Tensor
@@ -93,6 +94,13 @@ class TextBatch:
     behaviour: torch.Tensor
     advantage: torch.Tensor
     inputs: dict[str, torch.Tensor] | None = None
+    versions: torch.Tensor | None = None
+
+    def fresh(self, version: int) -> torch.Tensor:
+        """(B,) bool: the rows sampled by policy `version` (all of them when versions are not known)."""
+        if self.versions is None:
+            return torch.ones(len(self.sample_ids), dtype=torch.bool, device=self.mask.device)
+        return self.versions == version
 
     def tokens(self) -> dict[str, torch.Tensor]:
         return {"ids": self.ids, "attn": self.attn, "mask": self.mask}
@@ -236,7 +244,7 @@ class TextPolicy(Policy):
     # -- replay ---------------------------------------------------------------------------------
     def batches(self, table: pa.Table, chunks: list[list[int]], advantages: Any, where: str) -> list[TextBatch]:
         """Micro-batches of a rollout table (sorted by sample id): one per chunk of row indices."""
-        names = ["sample_id", "prompt_ids", "response_ids", "response_logprobs"]
+        names = ["sample_id", "prompt_ids", "response_ids", "response_logprobs", "policy_version"]
         if self.images is not None:
             names += ["images", "image_grids"]
             if "images" not in table.schema.names:
@@ -253,7 +261,8 @@ class TextPolicy(Policy):
                 for sid, pngs, grids in zip(take("sample_id"), take("images"), take("image_grids"))]
             inputs = self._forward_inputs(t, shown)
             out.append(TextBatch(take("sample_id"), t["ids"], t["attn"], t["mask"],
-                                 pad_like(take("response_logprobs"), t["mask"]), adv, inputs))
+                                 pad_like(take("response_logprobs"), t["mask"]), adv, inputs,
+                                 torch.tensor(take("policy_version"), dtype=torch.int64, device=self.device)))
         return out
 
     def stand_in(self, template: Any) -> TextBatch:

@@ -130,9 +130,11 @@ def _ema_tensors(stack: "TrainStack") -> dict[str, torch.Tensor]:
 def publish(stack: "TrainStack", storage: "RunStorage", scratch: Path, version: int,
             export: Callable[[Path, dict[str, torch.Tensor], dict[str, torch.Tensor] | None], None]) -> dict[str, Any]:
     """Write `weights/v{version:06d}/`: `export(folder, full state, full EMA state or None)` on
-    rank 0, then manifest.json with the sha256 of every file (written last: a version without
-    it is incomplete). Every rank takes part in gathering the full states (a rank-0-only gather
-    deadlocks under FSDP2)."""
+    rank 0, then manifest.json with the sha256 of every file and, without LoRA (whose export
+    merges the adapters into other names), `weights_sha256`: the checksum of the module's tensors,
+    which an engine that loaded the folder reports back (stages/weights_checksum.py). The manifest
+    is written last: a version without it is incomplete. Every rank takes part in gathering the
+    full states (a rank-0-only gather deadlocks under FSDP2)."""
     start = time.perf_counter()
     rel = storage.weights_rel(version)
     full = get_model_state_dict(stack.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -143,6 +145,11 @@ def publish(stack: "TrainStack", storage: "RunStorage", scratch: Path, version: 
         local = scratch / f"publish-{version:06d}"
         local.mkdir(parents=True, exist_ok=True)
         export(local, full, ema_full)
-        write_weights_dir(storage, local, rel, {"version": version})
+        info: dict[str, Any] = {"version": version}
+        if stack.lora is None:
+            from stages.weights_checksum import tensors_checksum
+
+            info["weights_sha256"] = tensors_checksum(full.items())
+        write_weights_dir(storage, local, rel, info)
     stack.barrier()
     return {"version": version, "path": rel, "seconds": time.perf_counter() - start}

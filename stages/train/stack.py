@@ -105,6 +105,16 @@ def load_bundle(family: Any, directory: Any, cfg: Any, device: Any, *, sharded: 
     return bundle if bundle is not None else family.load(directory, cfg, device)
 
 
+def micro_batches(items: Sequence[Any], size: int, updates: int = 1) -> list[list[list[Any]]]:
+    """`items` split into `updates` balanced mini-batches, each cut into micro-batches of at most
+    `size`: the cut sampling and training share (TrainStack.cut), which an engine batching for an
+    exact replay also follows."""
+    n = len(items)
+    bounds = [round(k * n / updates) for k in range(updates + 1)]
+    return [[list(items[i:min(i + size, bounds[k + 1])]) for i in range(bounds[k], bounds[k + 1], size)]
+            for k in range(updates)]
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -186,10 +196,7 @@ class TrainStack:
         micro-batches of at most `size`; and per mini-batch the most micro-batches any rank has:
         every rank runs that many, ranks short of it with stand-ins of weight 0. Sampling and
         training cut the same way, so the first update replays exactly the sampled micro-batches."""
-        n = len(items)
-        bounds = [round(k * n / updates) for k in range(updates + 1)]
-        groups = [[list(items[i:min(i + size, bounds[k + 1])]) for i in range(bounds[k], bounds[k + 1], size)]
-                  for k in range(updates)]
+        groups = micro_batches(items, size, updates)
         counts = torch.tensor([len(g) for g in groups], dtype=torch.int64, device=self.device)
         self.all_reduce(counts, "max")
         return groups, [int(c) for c in counts]

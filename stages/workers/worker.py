@@ -26,7 +26,8 @@ from stages.train import checkpoint
 from stages.train.stack import OptimizerSpec, TrainStack, load_bundle, rank_of, world_size
 from stages.train.update import rl_update, sft_steps
 
-COMMANDS = ("ping", "generate", "train", "sft", "save", "publish")
+COMMANDS = ("ping", "generate", "train", "sft", "save", "publish", "publish_adapter", "weight_specs",
+            "join_update_group", "broadcast_weights")
 
 
 def rl_spec(recipe: Recipe) -> OptimizerSpec:
@@ -67,7 +68,11 @@ class Worker:
             reference_cfg=recipe.model, weights_dir=self.base_dir, sharded_load=sharded,
             mixed_precision=recipe.train.mixed_precision,
         )
+        from stages.engines import engines
+
         tolerance = recipe.rollout.behaviour_tolerance
+        if tolerance is None:
+            tolerance = engines.get(recipe.rollout.engine.name).behaviour_tolerance
         compute = "bfloat16" if recipe.train.mixed_precision == "bf16" else recipe.model.dtype
         self.tolerance = policy_cls.default_tolerance(compute) if tolerance is None else tolerance
         self._sft_info: dict[str, Any] | None = None
@@ -150,6 +155,56 @@ class Worker:
 
     def publish(self) -> dict[str, Any]:
         return checkpoint.publish(self.stack, self.storage, self.scratch, self.version, self.export)
+
+    def publish_adapter(self) -> dict[str, Any]:
+        """adapters/v{version}: the LoRA adapters alone (PEFT layout), for an engine's LoRA sync."""
+        from stages.train.adapter import publish_adapter
+
+        return publish_adapter(self.stack, self.storage, self.scratch, self.version)
+
+    # -- weights into an engine over a weight-update group (stages/engines/update_group.py) ---------
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        """The module's full tensors, gathered on every rank (a rank-0-only gather deadlocks)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.stack.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def weight_specs(self) -> dict[str, Any]:
+        """Names, dtypes and shapes of what `broadcast_weights` sends, in its order, and the backend."""
+        from stages.engines.update_group import dtype_name
+
+        full = self._full_state()
+        names = sorted(full)
+        return {"names": names, "dtypes": [dtype_name(full[n].dtype) for n in names],
+                "shapes": [list(full[n].shape) for n in names], "backend": "nccl" if self.device.type == "cuda" else "gloo"}
+
+    def join_update_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          backend: str) -> dict[str, Any]:
+        """Rank 0 joins the engine's update group as its rank 0 (blocks until the engine has)."""
+        from stages.engines.update_group import init_group
+
+        if self.rank == 0:
+            self._update_groups = getattr(self, "_update_groups", {})
+            self._update_groups[group_name] = init_group(backend=backend, master_address=master_address,
+                                                         master_port=master_port, world_size=world_size, rank=0,
+                                                         group_name=group_name)
+        return {"group": group_name}
+
+    def broadcast_weights(self, group_name: str) -> dict[str, Any]:
+        """Every rank gathers the full weights; rank 0 broadcasts them (sorted by name) to the
+        engine, and returns their checksum."""
+        from stages.engines.update_group import broadcast
+        from stages.weights_checksum import tensors_checksum
+
+        start = time.perf_counter()
+        full = self._full_state()
+        out: dict[str, Any] = {"version": self.version}
+        if self.rank == 0:
+            tensors = [full[n].to(self.device).contiguous() for n in sorted(full)]
+            broadcast(tensors, self._update_groups[group_name])
+            out["weights_sha256"] = tensors_checksum(full.items())
+        out["seconds"] = time.perf_counter() - start
+        return out
 
     def export(self, local: Path, full: dict[str, torch.Tensor], ema_full: dict[str, torch.Tensor] | None) -> None:
         """The family's plain folder of the policy (adapters merged). SFT publishes its EMA when it

@@ -1,0 +1,78 @@
+"""Async RL with a staleness bound: which policy version samples which iteration, and what the
+trainer admits.
+
+The producer (flows/producer.py) samples iteration j with policy version
+`behaviour_version(j)` = the newest sync version <= j - max_staleness (0 at the start), as soon as
+the trainer has published it, so it samples up to max_staleness iterations ahead while the trainer
+trains; each batch is one committed shard `iter-j/rollouts/part-000.arrow` (stage `produce`),
+its rows stamped with the version the engine reports. The schedule is a function of j alone, so
+an async run is as deterministic as a sync one and a resumed run repeats what a killed one
+would have done.
+
+The trainer's iteration k admits a batch's groups whose rows all have version >= k -
+max_staleness; groups with an older row (an engine whose weights changed under the run) are
+dropped and counted (`rollout/stale_groups_dropped`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from stages.sample import read_rollouts, write_shard
+from stages.storage import RunStorage, iter_dir, join
+
+
+class ProducerError(RuntimeError):
+    """The producer of an async run stopped, or its batch holds nothing the trainer may train on."""
+
+
+def behaviour_version(iteration: int, max_staleness: int, every: int = 1) -> int:
+    """The policy version the producer samples `iteration` with: the newest version published
+    for the engine (a multiple of `every`) that is at most iteration - max_staleness."""
+    target = max(0, iteration - max_staleness)
+    return target - target % every
+
+
+def admit(table: pa.Table, iteration: int, max_staleness: int) -> tuple[pa.Table, dict[str, float]]:
+    """The rows of whole groups whose every row has policy_version >= iteration - max_staleness,
+    and what was dropped. table: a rollouts table (sample_id, group_id, policy_version)."""
+    floor = iteration - max_staleness
+    versions = table.column("policy_version").to_pylist()
+    groups = table.column("group_id").to_pylist()
+    stale = {g for g, v in zip(groups, versions) if v < floor}
+    kept = table.filter(pc.invert(pc.is_in(table.column("group_id"), value_set=pa.array(sorted(stale), pa.string()))))
+    lag = [iteration - v for v in versions]
+    return kept, {
+        "rollout/stale_groups_dropped": float(len(stale)),
+        "rollout/stale_samples_dropped": float(table.num_rows - kept.num_rows),
+        "rollout/policy_lag_mean": float(sum(lag) / max(len(lag), 1)),
+        "rollout/policy_lag_max": float(max(lag, default=0)),
+    }
+
+
+def collect(storage: RunStorage, recipe: Any, iteration: int, *, alive: Callable[[], None], poll_s: float = 0.05) -> dict[str, Any]:
+    """Wait for the producer's committed batch of `iteration` (calling `alive()`, which raises
+    when the producer is gone for good, while waiting), admit it, and return the generate
+    manifest the rest of the iteration reads (its rollout files, the versions, what was dropped)."""
+    start = time.perf_counter()
+    while (produced := storage.stage_manifest(iteration, "produce")) is None:
+        alive()
+        time.sleep(poll_s)
+    waited = time.perf_counter() - start
+    table = read_rollouts(storage, produced["files"])
+    kept, metrics = admit(table, iteration, recipe.rollout.max_staleness)
+    files = produced["files"]
+    if kept.num_rows == 0:
+        raise ProducerError(f"{storage.url(iter_dir(iteration))}: every group of the producer's batch was sampled by a "
+                            f"policy older than version {iteration - recipe.rollout.max_staleness} "
+                            f"(max_staleness {recipe.rollout.max_staleness}); nothing to train on")
+    if kept.num_rows < table.num_rows:
+        rel = join(iter_dir(iteration), "rollouts", "admitted.arrow")
+        write_shard(storage, rel, kept.sort_by("sample_id"))
+        files = [rel]
+    metrics["time/wait_producer_s"] = waited
+    return {"files": files, "rows": kept.num_rows, "policy_version": produced.get("policy_version"),
+            "produced_s": produced.get("seconds", 0.0), "metrics": metrics, "seconds": waited}

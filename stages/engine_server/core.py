@@ -1,0 +1,230 @@
+"""What the engine server holds: its own copy of the policy's weights (loaded from a published
+weights folder, never shared with the trainer), the version it samples with, LoRA adapters hot
+loaded under their names, and the switches SGLang's API has: pause / continue and release /
+resume of memory.
+
+One lock orders sampling and weight changes: a weight update waits for the batch that is being
+sampled and the next batch sees only the new weights, so every sample is stamped with exactly
+the version that produced it.
+"""
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stages.weights_checksum import tensors_checksum
+
+
+class EngineRequestError(ValueError):
+    """A request the engine cannot serve (HTTP 400 with the message)."""
+
+
+def verify_folder(path: Path) -> str | None:
+    """Check the folder against its sha256 manifest (published weights have one); the manifest's
+    own sha256, None without one. A file that does not match is an error naming it."""
+    import hashlib
+
+    from stages.train.manifests import MANIFEST, verify_weights_dir
+
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        verify_weights_dir(path)
+    except (ValueError, FileNotFoundError) as exc:
+        raise EngineRequestError(f"refusing {path}: {exc}") from None
+    return hashlib.sha256(manifest.read_bytes()).hexdigest()
+
+
+class EngineCore:
+    """The model of one recipe (`recipe.model`, `recipe.rollout`) loaded from `weights_dir`,
+    serving policy version `version`."""
+
+    def __init__(self, recipe: Any, weights_dir: str | Path, version: str, device: str = "cpu"):
+        from stages.models.family import get_family
+        from stages.policies import policies
+
+        self.recipe = recipe
+        self.family = get_family(recipe.model.kind)
+        self.policy_cls = policies.get(self.family.policy)
+        self.device = torch.device(device)
+        self.lock = threading.RLock()
+        self.running = threading.Event()
+        self.running.set()
+        self.model_path, self.version = str(weights_dir), str(version)
+        self.adapters: dict[str, str] = {}  # name -> folder
+        self.policy: Any = None
+        self.released = False
+        self._pending: tuple[str, str] | None = None
+        self.loads: list[float] = []  # seconds of each weight load
+        verify_folder(Path(weights_dir))
+        self._build(Path(weights_dir))
+
+    # -- the model --------------------------------------------------------------------------------
+    def _build(self, path: Path) -> None:
+        bundle = self.family.load(path, self.recipe.model, self.device)
+        bundle.module.eval().requires_grad_(False)
+        self.policy = self.policy_cls(self.family, bundle, self.recipe, self.device)
+
+    @property
+    def bundle(self) -> Any:
+        return self.policy.bundle
+
+    @property
+    def module(self) -> Any:
+        return self.policy.bundle.module
+
+    def base_module(self) -> Any:
+        module = self.module
+        return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+    def wait_running(self) -> None:
+        """Block while generation is paused or the memory released."""
+        self.running.wait()
+
+    # -- weights ----------------------------------------------------------------------------------
+    def update_from_disk(self, model_path: str, version: str | None) -> dict[str, Any]:
+        """Load the published folder `model_path` (checked against its manifest first) in place of
+        the current weights, between batches; while released, on resume."""
+        path = Path(model_path)
+        if not path.is_dir():
+            raise EngineRequestError(f"model_path {model_path}: no such folder on the engine's host")
+        digest = verify_folder(path)
+        version = str(version) if version is not None else self.version
+        with self.lock:
+            if self.released:
+                self._pending = (model_path, version)
+                return {"manifest_sha256": digest, "seconds": 0.0}
+            start = time.perf_counter()
+            self._load_into(path)
+            self.model_path, self.version = model_path, version
+            seconds = time.perf_counter() - start
+            self.loads.append(seconds)
+        return {"manifest_sha256": digest, "seconds": seconds}
+
+    def _load_into(self, path: Path) -> None:
+        """The family's weight files copied into the live module (the base model under any
+        adapters); a family without separate weight files is loaded whole again."""
+        from safetensors.torch import load_file
+
+        try:
+            files = self.family.weight_files(path)
+        except NotImplementedError:
+            files = []
+        if not files:
+            adapters = dict(self.adapters)
+            self._build(path)
+            self.adapters = {}
+            for name, folder in adapters.items():
+                self.load_adapter(name, folder)
+            return
+        target = self.base_module()
+        state = target.state_dict()
+        for file in files:
+            tensors = load_file(str(file))
+            unknown = sorted(set(tensors) - set(state))
+            if unknown:
+                raise EngineRequestError(f"{file}: tensors the served model does not have: {unknown[:3]}")
+            with torch.no_grad():
+                for name, value in tensors.items():
+                    if state[name].shape != value.shape:
+                        raise EngineRequestError(f"{file}: {name} has shape {tuple(value.shape)}, the served model "
+                                                 f"{tuple(state[name].shape)}")
+                    state[name].copy_(value)
+        if hasattr(self.policy, "prompts"):
+            self.policy.prompts._cache.clear()  # conditioning of the old weights' text encoders
+
+    def checksum(self, module_names: list[str] | None) -> dict[str, str]:
+        """sha256 of what is loaded (stages/weights_checksum.py): "model" (the served module's
+        weights, under the names of the published files) or a LoRA adapter's name."""
+        out = {}
+        with self.lock:
+            for name in module_names or ["model"]:
+                if name == "model":
+                    out[name] = tensors_checksum(self.base_module().state_dict().items())
+                elif name in self.adapters:
+                    from peft import get_peft_model_state_dict
+
+                    out[name] = tensors_checksum(get_peft_model_state_dict(self.module, adapter_name=name).items())
+                else:
+                    raise EngineRequestError(f"no module or adapter named {name!r} (adapters: {sorted(self.adapters)})")
+        return out
+
+    # -- LoRA -------------------------------------------------------------------------------------
+    def load_adapter(self, name: str, folder: str) -> None:
+        """Hot-load the PEFT adapter in `folder` under `name` (a request with lora_path=name uses it)."""
+        path = Path(folder)
+        if not (path / "adapter_config.json").is_file():
+            raise EngineRequestError(f"lora_path {folder}: no adapter_config.json (a PEFT adapter folder)")
+        verify_folder(path)
+        from peft import PeftModel
+
+        with self.lock:
+            if name in self.adapters:
+                raise EngineRequestError(f"an adapter named {name!r} is loaded already; unload it first")
+            if isinstance(self.module, PeftModel):
+                self.module.load_adapter(str(path), adapter_name=name)
+            else:
+                self.bundle.module = PeftModel.from_pretrained(self.module, str(path), adapter_name=name)
+            self.module.eval().requires_grad_(False)
+            self.adapters[name] = folder
+
+    def unload_adapter(self, name: str) -> None:
+        with self.lock:
+            if name not in self.adapters:
+                raise EngineRequestError(f"no adapter named {name!r} is loaded (loaded: {sorted(self.adapters)})")
+            if len(self.adapters) == 1:  # the last one: back to the plain base model
+                self.bundle.module = self.module.unload()
+            else:
+                self.module.delete_adapter(name)
+            del self.adapters[name]
+
+    def adapter_scope(self, name: str | None) -> Any:
+        """Context in which the module samples with adapter `name` (None: the base weights)."""
+        from contextlib import nullcontext
+
+        module = self.module
+        if name is None:
+            return module.disable_adapter() if self.adapters else nullcontext()
+        if name not in self.adapters:
+            raise EngineRequestError(f"lora_path {name!r} is not a loaded adapter (loaded: {sorted(self.adapters)})")
+        module.set_adapter(name)
+        return nullcontext()
+
+    # -- scheduling and memory ----------------------------------------------------------------------
+    def pause(self) -> None:
+        self.running.clear()
+
+    def resume_generation(self) -> None:
+        if not self.released:
+            self.running.set()
+
+    def release_memory(self) -> None:
+        """Drop the weights (the engine keeps only where they are): the trainer gets the memory."""
+        with self.lock:
+            if self.released:
+                return
+            self.running.clear()
+            self.released = True
+            self.policy = None
+            gc.collect()
+
+    def resume_memory(self) -> None:
+        """Load the weights again: the version loaded while released, else the last one."""
+        with self.lock:
+            if not self.released:
+                return
+            path, version = self._pending or (self.model_path, self.version)
+            adapters = dict(self.adapters)
+            self.adapters = {}
+            self._build(Path(path))
+            for name, folder in adapters.items():
+                self.load_adapter(name, folder)
+            self.model_path, self.version, self._pending = path, version, None
+            self.released = False
+            self.running.set()

@@ -1,0 +1,334 @@
+"""What the dedicated engines (`engine_server`, `sglang`) share: their recipe fields, and the
+client side of an engine that holds its own copy of the weights.
+
+* generate: the requests of an iteration sampled through the engine's HTTP API (text: /generate,
+  flow models: /rollout/generate, stages/engines/text_wire.py / flow_wire.py), one committed
+  shard whose rows record the version the engine reports and its behaviour log-probs. A row of
+  another version than the one asked for is a loud error.
+* sync: full weights (the trainer publishes weights/vN with its sha256 manifest and the checksum
+  of its tensors; the engine loads the folder, reports its weight version and the checksum of what
+  it holds; any difference is a loud error) or LoRA adapters only (adapters/vN, hot-loaded under
+  the name vN, the previous one unloaded), every `sync.every` updates.
+* layout colocated: the engine releases its memory while the trainer trains, and takes it back
+  after the sync.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from stages.config_base import Section
+from stages.engines import RolloutEngine
+from stages.engines.client import EngineClient, EngineError
+
+
+class EngineVersionError(EngineError):
+    """The engine serves another policy version (or other weights) than the one unirl loaded."""
+
+
+class WeightSync(Section):
+    """How a dedicated engine's weights follow the trainer's."""
+
+    every: int = Field(1, ge=1, description="Publish and load the weights every N policy updates (between them the "
+                       "engine samples with older weights: needs rollout.correction).")
+    weights: Literal["full", "lora"] = Field(
+        "full", description="full: the whole model (weights/vN); lora: the LoRA adapters only (adapters/vN, needs "
+        "model.lora), hot-loaded under the name vN.")
+    transport: Literal["disk", "distributed"] = Field(
+        "disk", description="disk: the engine loads the published folder; distributed: the trainer's rank 0 broadcasts "
+        "the full tensors to the engine over a weight-update process group (nccl on GPUs, gloo on CPU; text models, "
+        "full weights, rollout.mode sync).")
+    engine_ranks: int = Field(1, ge=1, description="transport distributed: the engine's ranks in the update group "
+                              "(SGLang: tp_size x dp_size).")
+
+
+class DedicatedConfig(Section):
+    """Fields every dedicated engine has."""
+
+    token_env: str = Field("UNIRL_ENGINE_TOKEN", description="Variable holding the engine's bearer token (SGLang: its "
+                           "--api-key); never written into the recipe.")
+    layout: Literal["separate", "colocated"] = Field(
+        "separate", description="separate: the engine on its own devices/cores; colocated: it shares the trainer's and "
+        "releases its memory while the trainer trains (not with rollout.mode async).")
+    sync: WeightSync = Field(default_factory=WeightSync, description="Weight sync.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one engine request.")
+
+
+class DedicatedEngine(RolloutEngine):
+    """Client side of an engine with its own weights, over stages/engines/client.py."""
+
+    own_weights = True
+    # Whether the engine batches a trainer micro-batch together (flow rows replay bit for bit) and
+    # reports the checksum of the tensors it loaded.
+    exact_replay = False
+    reports_checksum = False
+
+    @classmethod
+    def check(cls, recipe: Any) -> None:
+        from stages.algorithms.base import algorithms
+
+        e, r = recipe.rollout.engine, recipe.rollout
+        stale = r.mode == "async" or e.sync.every > 1
+        why = (f"rollout.mode async (max_staleness {r.max_staleness})" if r.mode == "async"
+               else f"rollout.engine.sync.every {e.sync.every}")
+        algo = algorithms.get(recipe.algorithm.name)
+        if stale and not algo.correction_levels:
+            raise ValueError(f"rollout.mode: with {why} rows are sampled by older policy versions, but algorithm "
+                             f"{algo.name!r} trains only on rows its weights sampled; use rollout.mode sync with "
+                             "rollout.engine.sync.every 1")
+        if stale and r.correction is None:
+            raise ValueError(f"rollout.correction: with {why} rows are sampled by older policy versions, whose behaviour "
+                             "log-probs differ from the trainer's; set rollout.correction (e.g. `correction: {}` for "
+                             "token-level truncated IS, docs/engines.md)")
+        if r.mode == "async" and e.layout == "colocated":
+            raise ValueError("rollout.engine.layout: colocated releases the engine while the trainer trains, which async "
+                             "overlaps; use layout: separate")
+        if r.mode == "async" and e.sync.every > max(1, r.max_staleness):
+            raise ValueError(f"rollout.engine.sync.every: {e.sync.every} publishes too rarely for max_staleness "
+                             f"{r.max_staleness} (iteration k samples with version k - {r.max_staleness}); set sync.every <= "
+                             f"{max(1, r.max_staleness)}")
+        if e.sync.transport == "distributed" and (e.sync.weights == "lora" or r.mode == "async" or recipe.model.lora is not None):
+            raise ValueError("rollout.engine.sync.transport: distributed broadcasts the full, unmerged weights from the "
+                             "trainer into an engine it talks to (no LoRA, rollout.mode sync); use transport: disk")
+        if r.mode == "async" and r.dynamic_sampling is not None:
+            raise ValueError("rollout.dynamic_sampling: refill rounds would sample on the producer's engine out of its "
+                             "schedule; remove dynamic_sampling or use rollout.mode sync")
+        if e.sync.weights == "lora" and recipe.model.lora is None:
+            raise ValueError("rollout.engine.sync.weights: lora sends the LoRA adapters, but model.lora is empty; set "
+                             "model.lora or sync.weights: full")
+
+    def __init__(self, recipe: Any, storage: Any, group: Any):
+        from stages.policies import policy_for
+
+        self.recipe, self.storage, self.group = recipe, storage, group
+        self.cfg = recipe.rollout.engine
+        self.segment = policy_for(recipe).segment
+        self._client: EngineClient | None = None
+        self._version: int | None = None
+        self.lora_name: str | None = None
+        self.scratch = Path(__import__("tempfile").mkdtemp(prefix=f"unirl-engine-{storage.run}-"))
+        self._wire: Any = None
+
+    @property
+    def wire(self) -> Any:
+        """The policy's requests and rows (text: the tokenizer of the run's initial weights, which
+        exist only once the run has set up, so built on first use)."""
+        from stages.engines.flow_wire import FlowWire
+        from stages.engines.text_wire import TextWire
+
+        if self._wire is None:
+            self._wire = (TextWire(self.recipe, self.local(self.storage.weights_rel(0))) if self.segment == "text"
+                          else FlowWire(self.recipe, exact=self.exact_replay))
+        return self._wire
+
+    # -- where the engine is ------------------------------------------------------------------------
+    def client(self, version: int) -> EngineClient:
+        """The client of a reachable engine (an engine that is ours and not running is started with
+        the weights of `version`)."""
+        raise NotImplementedError
+
+    def local(self, rel: str) -> Path:
+        """A run folder as a path on this host (an object store's copy in the scratch folder)."""
+        if self.storage.local:
+            return self.storage.local_path(rel)
+        target = self.scratch / rel
+        if not (target / "manifest.json").exists():
+            self.storage.get_dir(rel, target)
+        return target
+
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    # -- sampling -----------------------------------------------------------------------------------
+    def generate(self, requests: str, out_dir: str, iteration: int, policy_version: int, *,
+                 greedy: bool = False, seed_tag: str = "") -> dict[str, Any]:
+        from stages.algorithms.base import algorithms
+        from stages.sample import read_shard, table_from_rows, write_shard
+        from stages.storage import join
+
+        start = time.perf_counter()
+        client = self.ensure(policy_version)
+        req = read_shard(self.storage, requests, "requests")
+        samples = []
+        for gid, prompt, meta, gsize in zip(req.column("group_id").to_pylist(), req.column("prompt").to_pylist(),
+                                            req.column("metadata").to_pylist(), req.column("group_size").to_pylist()):
+            samples += [(f"{gid}/{j}", gid, prompt, meta) for j in range(gsize)]
+        samples.sort(key=lambda s: s[0])
+        transitions = algorithms.get(self.recipe.algorithm.name).replays_transitions
+        rows = self.wire.rollout(client, samples, iteration=iteration, seed_tag=seed_tag, greedy=greedy,
+                                 lora=self.lora_name, transitions=transitions)
+        for row in rows:
+            if "policy_version" not in row:  # flow: SGLang diffusion reports no version; the loaded one, checked at load
+                row["policy_version"] = self._version
+            if row["policy_version"] != policy_version:
+                raise EngineVersionError(
+                    f"rollout engine at {client.url} sampled {row['sample_id']!r} with weight version "
+                    f"{row['policy_version']}, not {policy_version} as loaded: its weights changed under the run "
+                    "(another client, or a restart); rerun to resume")
+            row.update(iteration=iteration, parts=[self.segment])
+        rel = join(out_dir, "part-000.arrow")
+        write_shard(self.storage, rel, table_from_rows(rows, "rollouts", [self.segment]))
+        return {"files": [rel], "rows": len(rows), **self.wire.counters(rows), "policy_version": policy_version,
+                "engine": self.cfg.name, "seconds": time.perf_counter() - start}
+
+    # -- weights ------------------------------------------------------------------------------------
+    def ensure(self, version: int) -> EngineClient:
+        """The engine's client once it serves policy `version` (published weights loaded if not)."""
+        client = self.client(version)
+        if self._version != version:
+            served = client.weight_version() if self.wire.reports_version else None
+            if served != str(version) or (self.cfg.sync.weights == "lora" and self.lora_name != adapter_name(version)):
+                self._load(client, version)
+            self._version = version
+        return client
+
+    def _load(self, client: EngineClient, version: int) -> dict[str, Any]:
+        if self.cfg.sync.weights == "lora" and version > 0:
+            return self.load_adapter(self.storage.adapters_rel(version), version)
+        return self.load_weights(self.storage.weights_rel(version), version)
+
+    def load_weights(self, weights_rel: str, version: int) -> dict[str, Any]:
+        """Load published full weights and check what the engine reports back."""
+        from stages.train.manifests import MANIFEST
+
+        client = self.client(version)
+        start = time.perf_counter()
+        manifest = self.storage.read_json(f"{weights_rel}/{MANIFEST}")
+        reports = self.wire.reports_version
+        client.update_weights_from_disk(str(self.local(weights_rel)), str(version) if reports else None)
+        served = client.weight_version() if reports else str(version)
+        if served != str(version):
+            raise EngineVersionError(f"rollout engine at {client.url} reports weight version {served!r} after loading "
+                                     f"{weights_rel} as version {version}")
+        if self.reports_checksum and manifest.get("weights_sha256"):
+            got = client.get_weights_checksum(["model"]).get("model")
+            if got != manifest["weights_sha256"]:
+                raise EngineVersionError(f"rollout engine at {client.url} holds weights with checksum {got} after loading "
+                                         f"{weights_rel}, whose tensors' checksum is {manifest['weights_sha256']}")
+        self._version = version
+        return {"weights": weights_rel, "load_s": time.perf_counter() - start}
+
+    def load_adapter(self, adapter_rel: str, version: int) -> dict[str, Any]:
+        """Hot-load published LoRA adapters under the name vNNNNNN and unload the previous ones."""
+        from stages.train.manifests import MANIFEST
+
+        client = self.client(version)
+        start = time.perf_counter()
+        name = adapter_name(version)
+        manifest = self.storage.read_json(f"{adapter_rel}/{MANIFEST}")
+        if self.lora_name != name:
+            client.load_lora_adapter(name, str(self.local(adapter_rel)))
+            if self.reports_checksum and manifest.get("weights_sha256"):
+                got = client.get_weights_checksum([name]).get(name)
+                if got != manifest["weights_sha256"]:
+                    raise EngineVersionError(f"rollout engine at {client.url}: adapter {name} has checksum {got}, the "
+                                             f"published {adapter_rel} {manifest['weights_sha256']}")
+            if self.lora_name is not None:
+                client.unload_lora_adapter(self.lora_name)
+            self.lora_name = name
+        if self.wire.reports_version:
+            client.update_weight_version(str(version))
+        self._version = version
+        return {"adapter": adapter_rel, "load_s": time.perf_counter() - start}
+
+    def publish_for(self, trainer: Any, version: int) -> str:
+        """What the engine loads for `version` (weights/vN, or adapters/vN with LoRA sync),
+        published through the trainer unless it is already: every rank gathers, rank 0 writes."""
+        from stages.storage import join
+        from stages.train.manifests import MANIFEST
+
+        lora = self.cfg.sync.weights == "lora" and version > 0
+        rel = self.storage.adapters_rel(version) if lora else self.storage.weights_rel(version)
+        if not self.storage.exists(join(rel, MANIFEST)):
+            trainer.ensure(version)
+            trainer.call("publish_adapter" if lora else "publish")
+        return rel
+
+    def sync(self, trainer: Any, version: int) -> dict[str, Any]:
+        """At a sync version (every `sync.every` updates, and the last): publish it and load it
+        into the engine. In async RL only publish: that is the barrier the producer waits at."""
+        if version % self.cfg.sync.every and version != self.recipe.iterations:
+            return {}
+        start = time.perf_counter()
+        rel = self.publish_for(trainer, version)
+        out: dict[str, Any] = {"published": rel, "publish_s": time.perf_counter() - start}
+        if self.recipe.rollout.mode == "async":
+            return out
+        client = self.client(version)
+        if self.cfg.layout == "colocated":  # SGLang's order: weights back, new weights in, then the cache
+            client.resume_memory_occupation(["weights"])
+        if self.cfg.sync.transport == "distributed":
+            out.update(self.push(trainer, client, version))
+        else:
+            out.update(self._load(client, version))
+        if self.cfg.layout == "colocated":
+            client.resume_memory_occupation(["kv_cache"])
+        out["sync_s"] = time.perf_counter() - start
+        return out
+
+    def connect(self) -> None:
+        if getattr(self.cfg, "url", None):
+            self.client(self._version or 0)
+
+    def push(self, trainer: Any, client: EngineClient, version: int) -> dict[str, Any]:
+        """Broadcast the trainer's full weights into the engine over the update group (joined once
+        per engine): every rank gathers, rank 0 sends while the engine, told the names, dtypes and
+        shapes over HTTP, receives; then the version and checksum are checked as after a load."""
+        import socket
+        from concurrent.futures import ThreadPoolExecutor
+        from urllib.parse import urlparse
+
+        from stages.workers.group import free_port
+
+        start = time.perf_counter()
+        name = f"unirl-{self.storage.run}"
+        with ThreadPoolExecutor(1) as pool:
+            if getattr(self, "_group_client", None) is not client:
+                self._specs = trainer.call("weight_specs")
+                host = urlparse(client.url).hostname or "127.0.0.1"
+                # the engine reaches the trainer's rank 0 where the trainer reaches the engine
+                address = "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else socket.gethostbyname(socket.gethostname())
+                port, world = free_port(), 1 + self.cfg.sync.engine_ranks
+                joined = pool.submit(client.init_weights_update_group, address, port, 1, world, name, self._specs["backend"])
+                trainer.call("join_update_group", master_address=address, master_port=port, world_size=world,
+                             group_name=name, backend=self._specs["backend"])
+                joined.result()
+                self._group_client = client
+            s = self._specs
+            received = pool.submit(client.update_weights_from_distributed, s["names"], s["dtypes"], s["shapes"],
+                                   group_name=name, weight_version=str(version))
+            sent = trainer.call("broadcast_weights", group_name=name)
+            received.result()
+        served = client.weight_version()
+        if served != str(version):
+            raise EngineVersionError(f"rollout engine at {client.url} reports weight version {served!r} after the "
+                                     f"broadcast of version {version}")
+        if self.reports_checksum and sent.get("weights_sha256"):
+            got = client.get_weights_checksum(["model"]).get("model")
+            if got != sent["weights_sha256"]:
+                raise EngineVersionError(f"rollout engine at {client.url} holds weights with checksum {got} after the "
+                                         f"broadcast of version {version}, whose tensors' checksum is {sent['weights_sha256']}")
+        self._version = version
+        return {"pushed": len(s["names"]), "push_s": time.perf_counter() - start}
+
+    def release(self) -> None:
+        if self.cfg.layout == "colocated" and self._client is not None:
+            self._client.release_memory_occupation()
+
+    def resume(self) -> None:
+        """After a sync, or an update without one: the engine takes its memory back."""
+        if self.cfg.layout == "colocated" and self._client is not None:
+            self._client.resume_memory_occupation(None)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def adapter_name(version: int) -> str:
+    return f"v{version:06d}"

@@ -1,0 +1,81 @@
+"""Text rollouts through an engine's /generate: the text policy's prompt encoding (chat template
+and all) on the client, one batched request with a `sampling_seed` per sample derived exactly as
+trainside sampling derives it, and SGLang's answer mapped onto the text segment of a rollout row.
+
+The recorded behaviour log-prob of a token is the engine's `output_token_logprobs` entry: SGLang
+returns log softmax(logits / temperature) there by default (unless SGLANG_RETURN_ORIGINAL_LOGPROB
+is set, docs/engines.md), the quantity the trainer replays.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from stages.engines.client import EngineClient, EngineError, finish_reason
+from stages.seeds import derive_seed
+
+
+class TextWire:
+    segment = "text"
+    reports_version = True  # meta_info.weight_version on every response, /model_info weight_version
+
+    def __init__(self, recipe: Any, tokenizer_dir: Path):
+        from stages.models.tokenizer import load_tokenizer, uses_chat_template
+
+        self.recipe = recipe
+        self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.use_chat = uses_chat_template(self.tokenizer, recipe.model.chat_template)
+
+    def encode(self, prompts: list[str]) -> list[list[int]]:
+        from stages.models.tokenizer import encode_prompt
+
+        encoded = {p: encode_prompt(self.tokenizer, p, self.use_chat) for p in dict.fromkeys(prompts)}
+        return [encoded[p] for p in prompts]
+
+    def rollout(self, client: EngineClient, samples: list[tuple[str, str, str, Any]], *, iteration: int, seed_tag: str,
+                greedy: bool, lora: str | None, transitions: bool) -> list[dict[str, Any]]:
+        """One row per (sample id, group id, prompt, metadata); `policy_version` is the version the
+        engine reports for each response."""
+        c = self.recipe.rollout
+        eos = self.tokenizer.eos_token_id
+        prompt_ids = self.encode([p for _, _, p, _ in samples])
+        params = [{"temperature": 0.0 if greedy else c.temperature, "top_p": c.top_p, "max_new_tokens": c.max_new_tokens,
+                   "stop_token_ids": [eos], "sampling_seed": derive_seed(self.recipe.seed, seed_tag, iteration, sid)}
+                  for sid, _, _, _ in samples]
+        outs = client.generate(prompt_ids, params, lora_path=lora, rid=f"it{iteration:06d}-{seed_tag or 'rollout'}")
+        if len(outs) != len(samples):
+            raise EngineError(f"rollout engine at {client.url}: {len(outs)} responses for {len(samples)} prompts")
+        rows = []
+        for (sid, gid, prompt, meta), pids, out in zip(samples, prompt_ids, outs):
+            info = out["meta_info"]
+            where = f"rollout engine at {client.url}, sample {sid!r}"
+            pairs = info.get("output_token_logprobs")
+            if pairs is None:
+                raise EngineError(f"{where}: no output_token_logprobs in the answer (return_logprob was sent)")
+            resp = [int(p[1]) for p in pairs]
+            lps = [float(p[0]) for p in pairs]
+            ids = out.get("output_ids")
+            if ids is not None and list(ids)[:len(resp)] != resp:
+                raise EngineError(f"{where}: output_ids {list(ids)[:8]} disagree with output_token_logprobs' tokens {resp[:8]}")
+            reason = finish_reason(info, where)
+            body = resp[:-1] if reason == "stop" and resp and resp[-1] == eos else resp
+            rows.append({
+                "sample_id": sid, "group_id": gid, "metadata": meta, "prompt": prompt, "prompt_ids": pids,
+                "response_ids": resp, "response_logprobs": lps, "finish_reason": reason,
+                "text": self.tokenizer.decode(body, skip_special_tokens=True),
+                "policy_version": reported_version(info.get("weight_version"), where),
+            })
+        return rows
+
+    @staticmethod
+    def counters(rows: list[dict[str, Any]]) -> dict[str, int]:
+        return {"response_tokens": sum(len(r["response_ids"]) for r in rows)}
+
+
+def reported_version(value: Any, where: str) -> int:
+    """The unirl policy version an engine reports (`weight_version`, a string)."""
+    try:
+        return int(str(value))
+    except ValueError:
+        raise EngineError(f"{where}: the engine serves weight_version {value!r}, not a unirl policy version; load "
+                          "published weights into it first (the sync task does, with weight_version set)") from None

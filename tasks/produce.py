@@ -1,0 +1,28 @@
+"""produce: the async producer's batch of one iteration: its requests, sampled on the dedicated
+engine with the policy version the staleness bound schedules (stages/async_rollout.py), committed
+as stage `produce` (the trainer's generate stage waits for it)."""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from stages import iteration as it
+from stages.recipe import Recipe
+from stages.storage import iter_dir, join
+from tasks.common import engine_of, storage_of
+
+
+# Tagged `engine`, not `gpu`: it runs on the engine's devices, and the trainer's generate task,
+# which holds a `gpu` slot while it waits for this batch, must not stand between it and a slot.
+@task(name="produce", cache_policy=NO_CACHE, tags=["engine"], retries=1, retry_delay_seconds=1)
+def produce(recipe: Recipe, run_name: str, iteration: int, version: int) -> dict[str, Any]:
+    storage = storage_of(recipe, run_name)
+    requests = it.committed(storage, iteration, "requests", lambda: it.write_requests(storage, recipe, iteration))
+
+    def make() -> dict[str, Any]:
+        out_dir = join(iter_dir(iteration), "rollouts")
+        return engine_of(recipe, storage).generate(requests["files"][0], out_dir, iteration, policy_version=version)
+
+    return it.committed(storage, iteration, "produce", make)

@@ -1,0 +1,182 @@
+"""The `engine_server` rollout engine as a run uses it: its own process (launched, pinned,
+tokened), weight sync from a trainer (full weights with their checksum, LoRA adapters, a
+broadcast over an update group), the faults (a version mismatch, a checksum mismatch, the engine
+killed mid-generate, an engine unreachable at start). The trainer is the worker itself in this
+process (stages/workers/worker.py), so no torchrun starts."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from stages import iteration as it
+from stages.engines.dedicated import EngineVersionError
+from stages.recipe import build_recipe
+from stages.sample import read_rollouts
+from stages.storage import RunStorage
+from tests.tiny import TINY, merged
+
+
+class LocalTrainer:
+    """What the sync task asks of a worker group, served by one in-process worker."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def ensure(self, version: int) -> None:
+        assert self.worker.version == version
+
+    def call(self, cmd: str, **args):
+        return self.worker.execute(cmd, args)
+
+
+def setup(tmp_path, **engine):
+    from stages.run import initial_weights
+    from stages.workers.worker import Worker
+
+    extra = engine.pop("recipe", {})
+    recipe = build_recipe(merged(TINY["qwen3"], {"storage": {"root": str(tmp_path)}, "reward": {"scorers": [{"name": "integer_format"}]},
+                                                 "rollout": {"engine": {"name": "engine_server", **engine}}}, extra))
+    storage = RunStorage(str(tmp_path), "run")
+    initial_weights(storage, recipe)
+    spec = {"recipe": recipe.model_dump(mode="json"), "root": str(tmp_path), "run": "run",
+            "weights_dir": str(storage.local_path(storage.weights_rel(0))), "scratch": str(tmp_path / "scratch")}
+    from stages.engines import engines
+
+    return recipe, storage, Worker(spec, None, torch.device("cpu")), engines.get("engine_server")(recipe, storage, None)
+
+
+def step(recipe, storage, worker, engine, iteration: int) -> dict:
+    """Sample iteration `iteration` on the engine, train on it (the on-policy check included), sync."""
+    req = it.write_requests(storage, recipe, iteration)["files"][0]
+    gen = engine.generate(req, f"iter-{iteration:06d}/rollouts", iteration, iteration)
+    adv = it.advantages(storage, recipe, iteration, it.score(storage, recipe, iteration, gen["files"])["files"])["files"][0]
+    engine.release()  # as the train task: a colocated engine gives its memory to the trainer
+    trained = worker.train(iteration=iteration, rollouts=gen["files"], advantages=adv)
+    synced = engine.sync(LocalTrainer(worker), iteration + 1)
+    engine.resume()
+    return {"gen": gen, "train": trained, "sync": synced}
+
+
+def test_full_sync_versions_checksums_and_faults(tmp_path, monkeypatch):
+    monkeypatch.setenv("UNIRL_FAULTS", "engine-generate")  # the first engine dies in its first generate
+    recipe, storage, worker, engine = setup(tmp_path, cpus=[0], threads=1)
+    try:
+        first = step(recipe, storage, worker, engine, 0)
+        assert engine.starts == 2  # killed mid-generate, started again, asked again: nothing was committed
+        assert os.sched_getaffinity(engine.proc.pid) == {0}
+        assert first["train"]["metrics"]["behaviour_logp_max_abs_diff"] <= worker.tolerance  # the on-policy check held
+        manifest = json.loads((tmp_path / "run/weights/v000001/manifest.json").read_text())
+        assert first["sync"]["published"] == "weights/v000001" and len(manifest["weights_sha256"]) == 64
+        assert engine.client(1).get_weights_checksum(["model"])["model"] == manifest["weights_sha256"]
+        # the engine's rows of version 1 are the trainer's own sampling of version 1
+        req = it.write_requests(storage, recipe, 1)["files"][0]
+        gen = engine.generate(req, "iter-000001/rollouts", 1, 1)
+        mine = worker.generate(iteration=1, requests=req, out_dir="iter-000001/trainside")
+        a, b = read_rollouts(storage, gen["files"]), read_rollouts(storage, mine["files"])
+        assert a.column("response_ids").to_pylist() == b.column("response_ids").to_pylist()
+        assert set(a.column("policy_version").to_pylist()) == {1}
+        # the engine's weights changed under the run: its next rows are a loud error
+        engine.client(1).update_weights_from_disk(str(tmp_path / "run/weights/v000000"), "7")
+        with pytest.raises(EngineVersionError, match=r"sampled 'iter-000001/.*' with weight version 7, not 1 as loaded"):
+            engine.generate(req, "iter-000001/again", 1, 1)
+        # a load whose tensors are not the published ones is a loud error too
+        bad = json.loads((tmp_path / "run/weights/v000001/manifest.json").read_text())
+        bad["weights_sha256"] = "0" * 64
+        (tmp_path / "run/weights/v000001/manifest.json").write_text(json.dumps(bad))
+        with pytest.raises(EngineVersionError, match=r"holds weights with checksum [0-9a-f]{64} after loading weights/v000001"):
+            engine.load_weights("weights/v000001", 1)
+    finally:
+        engine.close()
+
+
+def test_lora_adapters_sync_alone_into_a_colocated_engine(tmp_path):
+    recipe, storage, worker, engine = setup(tmp_path, sync={"weights": "lora"}, layout="colocated",
+                                            recipe={"model": {"lora": {"rank": 4}}, "train": {"lr": 0.05}})
+    try:
+        out = step(recipe, storage, worker, engine, 0)
+        folder = tmp_path / "run/adapters/v000001"
+        assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "manifest.json"]
+        assert engine.lora_name == "v000001" and out["sync"]["adapter"] == "adapters/v000001"
+        second = step(recipe, storage, worker, engine, 1)  # rows of version 1 through the adapter pass the on-policy check
+        assert second["train"]["metrics"]["behaviour_logp_max_abs_diff"] <= worker.tolerance
+        assert engine.lora_name == "v000002" and not (tmp_path / "run/weights/v000002").exists()
+    finally:
+        engine.close()
+
+
+def test_weights_broadcast_over_an_update_group(tmp_path):
+    recipe, storage, worker, engine = setup(tmp_path, sync={"transport": "distributed"})
+    try:
+        out = step(recipe, storage, worker, engine, 0)
+        assert out["sync"]["pushed"] == len(worker.stack.module.state_dict())
+        assert engine.version == 1 and engine.client(1).weight_version() == "1"  # push checked the checksum too
+        second = step(recipe, storage, worker, engine, 1)
+        assert second["train"]["metrics"]["behaviour_logp_max_abs_diff"] <= worker.tolerance
+    finally:
+        engine.close()
+
+
+def test_an_engine_unreachable_at_start_names_its_url(tmp_path):
+    from stages.engines.client import EngineUnreachable
+
+    recipe, storage, worker, engine = setup(tmp_path, url="http://127.0.0.1:9")
+    with pytest.raises(EngineUnreachable, match=r"rollout engine at http://127.0.0.1:9 is unreachable .* rollout.engine.url"):
+        engine.connect()
+
+
+def test_sglang_recipes_and_an_unreachable_server(tmp_path):
+    from stages.engines import engines
+    from stages.engines.client import EngineUnreachable
+    from stages.recipe import RecipeError
+
+    sglang = {"name": "sglang", "url": "http://127.0.0.1:9", "token_env": "NO_SUCH_TOKEN_VAR"}
+    with pytest.raises(RecipeError, match="rollout.correction: SGLang's kernels and precision differ"):
+        build_recipe(merged(TINY["qwen3"], {"rollout": {"engine": sglang}}))
+    flow = merged(TINY["sd3"], {"algorithm": {"name": "dancegrpo"}, "rollout": {"engine": sglang}})
+    with pytest.raises(RecipeError, match="rollout.sampler.sde_kind: SGLang's /rollout/generate has no dance kernel"):
+        build_recipe(flow)
+    with pytest.raises(RecipeError, match="rollout.sampler.init_same_noise: SGLang draws a sample's SDE noise from its seed"):
+        build_recipe(merged(flow, {"algorithm": {"name": "flow_grpo"}, "rollout": {"sampler": {"init_same_noise": True}}}))
+    with pytest.raises(RecipeError, match=r"rollout.mode: with rollout.mode async \(max_staleness 2\) rows are sampled by "
+                                          r"older policy versions, but algorithm 'flow_grpo' trains only on rows its weights"):
+        build_recipe(merged(flow, {"algorithm": {"name": "flow_grpo"}, "rollout": {"mode": "async", "max_staleness": 2,
+                                                                                  "sampler": {"init_same_noise": False}}}))
+    recipe = build_recipe(merged(TINY["qwen3"], {"rollout": {"engine": {**sglang, "request_timeout_s": 5}, "correction": {}},
+                                                 "storage": {"root": str(tmp_path)}}))
+    engine = engines.get("sglang")(recipe, RunStorage(str(tmp_path), "run"), None)
+    engine.release()  # separate layout: nothing to release
+    with pytest.raises(EngineUnreachable, match=r"SGLang server at http://127.0.0.1:9 is unreachable"):
+        engine.connect()
+
+
+def test_flow_rollouts_through_the_engine_replay_bit_for_bit(tmp_path):
+    """sd3 on the engine server: trajectories and per-step log-probs from the engine; the trainer's
+    first update replays them exactly (tolerance 0), and they are trainside's own samples."""
+    from stages.engines import engines
+    from stages.run import initial_weights
+    from stages.workers.worker import Worker
+
+    recipe = build_recipe(merged(TINY["sd3"], {"algorithm": {"name": "flow_grpo"}, "storage": {"root": str(tmp_path)},
+                                               "rollout": {"engine": {"name": "engine_server"}}}))
+    storage = RunStorage(str(tmp_path), "run")
+    initial_weights(storage, recipe)
+    spec = {"recipe": recipe.model_dump(mode="json"), "root": str(tmp_path), "run": "run",
+            "weights_dir": str(storage.local_path(storage.weights_rel(0))), "scratch": str(tmp_path / "scratch")}
+    worker = Worker(spec, None, torch.device("cpu"))
+    engine = engines.get("engine_server")(recipe, storage, None)
+    try:
+        assert worker.tolerance == 0.0
+        req = it.write_requests(storage, recipe, 0)["files"][0]
+        gen = engine.generate(req, "iter-000000/rollouts", 0, 0)
+        mine = worker.generate(iteration=0, requests=req, out_dir="iter-000000/trainside")
+        a, b = read_rollouts(storage, gen["files"]), read_rollouts(storage, mine["files"])
+        for column in ("latents", "sde_logprobs", "sigmas", "sde_indices", "media_png"):
+            assert a.column(column).to_pylist() == b.column(column).to_pylist(), column
+        adv = it.advantages(storage, recipe, 0, it.score(storage, recipe, 0, gen["files"])["files"])["files"][0]
+        trained = worker.train(iteration=0, rollouts=gen["files"], advantages=adv)
+        assert trained["metrics"]["behaviour_logp_max_abs_diff"] == 0.0
+    finally:
+        engine.close()
