@@ -79,8 +79,8 @@ class FlowWire:
             requests.append(body)
         if self.exact:  # the trainer's micro-batches, rank by rank: one engine batch each
             index = {sid: i for i, (sid, _, _, _) in enumerate(samples)}
-            for rank in range(t.nproc):
-                share = [s[0] for s in samples][rank::t.nproc]
+            for rank in range(t.world_size):
+                share = [s[0] for s in samples][rank::t.world_size]
                 for group in micro_batches(share, t.micro_batch_size, t.updates_per_batch):
                     for chunk in group:
                         key = uuid.uuid4().hex

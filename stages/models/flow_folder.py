@@ -109,6 +109,11 @@ def write_folder(local: Path, *, base_dir: Path, vae: Any, parts: dict[str, dict
     if (base_dir / DEFAULTS_FILE).is_file():
         shutil.copy2(base_dir / DEFAULTS_FILE, local / DEFAULTS_FILE)
     vae.save_pretrained(local / "vae")
+    # diffusers records where the VAE was loaded from (a run's own weights folder): an exported
+    # folder must not depend on the path its run had, or a resumed run's weights would differ.
+    config = json.loads((local / "vae" / "config.json").read_text())
+    if config.pop("_name_or_path", None) is not None:
+        (local / "vae" / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for name, state in parts.items():
         target = local / name
         target.mkdir(parents=True, exist_ok=True)
