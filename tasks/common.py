@@ -61,6 +61,17 @@ def announce(logger: Any) -> Callable[[str], None]:
     return log
 
 
+def say_retry(task: Any, task_run: Any, state: Any) -> bool:
+    """A task's `retry_condition_fn`: Prefect logs a retried failure at INFO, which `unirl` keeps
+    off the console, so each retry gets one line there (the error's first line; the whole of it is
+    in the run's log). Every failure retries: which tasks retry, and how often, is their `retries`."""
+    data = getattr(state, "data", None)
+    text = f"{type(data).__name__}: {data}" if isinstance(data, BaseException) else str(getattr(state, "message", "") or "")
+    first = next((line for line in text.splitlines() if line.strip()), "(no message)")
+    say(f"[unirl] {task.name} failed, retrying (attempt {int(task_run.run_count) + 1} of {int(task.retries) + 1}): {first[:500]}")
+    return True
+
+
 def group_of(recipe: Recipe, storage: RunStorage) -> WorkerGroup:
     """The run's trainer: the process-wide worker group (tasks of one flow run share it)."""
     def make() -> WorkerGroup:

@@ -10,10 +10,11 @@ from stages.evaluation import eval_dir, eval_metrics, write_eval_requests
 from stages.faults import fault_point
 from stages.recipe import Recipe
 from stages.storage import join
-from tasks.common import eval_engine_of, group_of, storage_of
+from tasks.common import eval_engine_of, group_of, say_retry, storage_of
 
 
-@task(name="evaluate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1)
+@task(name="evaluate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1,
+      retry_condition_fn=say_retry)
 def evaluate(recipe: Recipe, run_name: str, version: int) -> dict[str, Any]:
     storage = storage_of(recipe, run_name)
     rel = join(eval_dir(version), "metrics.json")

@@ -10,10 +10,11 @@ from prefect.cache_policies import NO_CACHE
 from stages import iteration as it
 from stages.recipe import Recipe
 from stages.storage import iter_dir, join
-from tasks.common import engine_of, producer_alive, storage_of
+from tasks.common import engine_of, producer_alive, say_retry, storage_of
 
 
-@task(name="generate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1)
+@task(name="generate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1,
+      retry_condition_fn=say_retry)
 def generate(recipe: Recipe, run_name: str, iteration: int, round_index: int = 0) -> dict[str, Any]:
     """Round 0, or refill round `round_index` of dynamic sampling (files suffixed -rN)."""
     storage = storage_of(recipe, run_name)

@@ -11,12 +11,13 @@ from prefect.cache_policies import NO_CACHE
 from stages import iteration as it
 from stages.recipe import Recipe
 from stages.storage import iter_dir, join
-from tasks.common import engine_of, storage_of
+from tasks.common import engine_of, say_retry, storage_of
 
 
 # Tagged `engine`, not `gpu`: it runs on the engine's devices, and the trainer's generate task,
 # which holds a `gpu` slot while it waits for this batch, must not stand between it and a slot.
-@task(name="produce", cache_policy=NO_CACHE, tags=["engine"], retries=1, retry_delay_seconds=1)
+@task(name="produce", cache_policy=NO_CACHE, tags=["engine"], retries=1, retry_delay_seconds=1,
+      retry_condition_fn=say_retry)
 def produce(recipe: Recipe, run_name: str, iteration: int, version: int) -> dict[str, Any]:
     storage = storage_of(recipe, run_name)
     requests = it.committed(storage, iteration, "requests", lambda: it.write_requests(storage, recipe, iteration))

@@ -8,10 +8,11 @@ from prefect.cache_policies import NO_CACHE
 
 from stages import iteration as it
 from stages.recipe import Recipe
-from tasks.common import storage_of
+from tasks.common import say_retry, storage_of
 
 
-@task(name="score", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+@task(name="score", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,
+      retry_condition_fn=say_retry)
 def score(recipe: Recipe, run_name: str, iteration: int, rollouts: list[str], round_index: int = 0) -> dict[str, Any]:
     storage = storage_of(recipe, run_name)
     return it.committed(

@@ -13,10 +13,11 @@ from prefect.cache_policies import NO_CACHE
 from stages import iteration as it
 from stages.recipe import Recipe
 from stages.storage import iter_dir, join
-from tasks.common import engine_of, group_of, storage_of
+from tasks.common import engine_of, group_of, say_retry, storage_of
 
 
-@task(name="train", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1)
+@task(name="train", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1,
+      retry_condition_fn=say_retry)
 def train(recipe: Recipe, run_name: str, iteration: int, rollouts: list[str], advantages: str) -> dict[str, Any]:
     storage = storage_of(recipe, run_name)
 
