@@ -9,7 +9,7 @@ Faults are real: SIGKILL of `unirl run` at a point named in UNIRL_FAULTS (stages
 stage's work done, its output not committed), a worker rank killed, moto's S3 server stopped
 and started again, a full tmpfs, a checkpoint file corrupted or its commit marker removed, a
 reward server that comes up late, the same run started twice, a node of a two-node group lost
-(its `unirl agent`, torchrun agent and rank SIGKILLed mid-train). tests/e2e/test_faults.py runs the
+(its `unirl agent`, torchrun agent and rank SIGKILLed mid-train). tests/e2e/test_faults_*.py run the
 same rows at tiny size (the SIGKILL rows chained in one run folder).
 """
 from __future__ import annotations

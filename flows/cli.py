@@ -85,6 +85,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.command == "agent":  # no Prefect here: the flow runs elsewhere
         return node_agent(recipe, args.run_name or recipe.name, args.group)
+    if args.command in ("run", "sft"):
+        from stages.run import check_inputs
+
+        try:
+            check_inputs(recipe)  # a bad model folder or data file, before Prefect, MLflow or a model start
+        except (OSError, ValueError) as exc:
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
     from flows.console import error_text, failures_once, quiet_prefect
 
     quiet_prefect(args.verbose)  # before Prefect configures its logging

@@ -1,6 +1,10 @@
 """Creating and reopening a run folder: recipe.yaml, run.json and the initial weights v000000."""
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
 import subprocess
 import tempfile
 import uuid
@@ -67,11 +71,53 @@ def update_run_info(storage: RunStorage, **fields: Any) -> dict[str, Any]:
     return info
 
 
-def materialize_model(recipe: Recipe, scratch: Path) -> Path:
-    """The folder the run starts from: `model.path` (checked), or the tiny seeded model saved to `scratch`."""
+def check_inputs(recipe: Recipe) -> None:
+    """The checks of a run's own files that need no model, Prefect or MLflow: `model.path` holds a
+    checkpoint of its family, and the prompt source reads (a missing, empty or malformed data file);
+    each error names its file. `unirl run` calls this before starting anything."""
+    from stages.data import build_prompt_source
     from stages.models.family import get_family
 
-    return get_family(recipe.model.kind).materialize(recipe.model, scratch)
+    if recipe.model.path:
+        with tempfile.TemporaryDirectory() as unused:  # with a path, materialize checks and writes nothing
+            get_family(recipe.model.kind).materialize(recipe.model, Path(unused))
+    build_prompt_source(recipe.data)
+
+
+TINY_CACHE_ENV = "UNIRL_TINY_CACHE"
+
+
+def materialize_model(recipe: Recipe, scratch: Path) -> Path:
+    """The folder the run starts from: `model.path` (checked), or the tiny seeded model saved to
+    `scratch`. With UNIRL_TINY_CACHE set (the test suite sets it), tiny models are built once per
+    `model:` section into that folder and reused: a tiny build is a function of the section alone
+    (seeded init), and building one costs a run seconds of imports and init."""
+    from stages.models.family import get_family
+
+    family = get_family(recipe.model.kind)
+    cache = os.environ.get(TINY_CACHE_ENV)
+    if recipe.model.path or not cache:
+        return family.materialize(recipe.model, scratch)
+    return cached_tiny(Path(cache), recipe.model, lambda into: family.materialize(recipe.model, into))
+
+
+def cached_tiny(cache: Path, cfg: Any, build: Any) -> Path:
+    """The cached build of the tiny model of `cfg` (a `model:` section) under `cache`, built by
+    `build(folder) -> path` on a miss into a private folder that is then renamed into place (two
+    processes racing both build; one rename wins, and both use the winner's folder)."""
+    key = hashlib.sha256(json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:20]
+    final = cache / key
+    done = final / "built.json"
+    if not done.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        private = cache / f".{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        built = Path(build(private / "model"))
+        (private / "built.json").write_text(json.dumps({"path": str(built.relative_to(private))}))
+        try:
+            private.rename(final)
+        except OSError:  # another process's build is in place
+            shutil.rmtree(private, ignore_errors=True)
+    return final / json.loads(done.read_text())["path"]
 
 
 def initial_weights(storage: RunStorage, recipe: Recipe) -> str:

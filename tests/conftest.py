@@ -14,6 +14,9 @@ REPO = Path(__file__).resolve().parents[1]
 # Every process the suite starts records the recipe fields it reads (stages/config_base.py);
 # `pytest_sessionfinish` below fails the whole suite on a field nothing read (tests/recipe_fields.py).
 os.environ.setdefault("UNIRL_FIELD_TRACE", tempfile.mkdtemp(prefix="unirl-field-trace-"))
+# Tiny models are built once per `model:` section for the whole session, in every process the
+# suite starts (stages/run.py `materialize_model`); a run's weights v000000 are copied from there.
+os.environ.setdefault("UNIRL_TINY_CACHE", tempfile.mkdtemp(prefix="unirl-tiny-cache-"))
 TINY = REPO / "recipes" / "ar" / "tiny.yaml"
 
 

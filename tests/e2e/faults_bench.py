@@ -1,0 +1,30 @@
+"""What the fault-table test files share (tests/e2e/test_faults_*.py): benchmarks/faults.py
+imported as `faults`, the `bench` fixture (a work folder and the uninterrupted reference runs its
+rows compare with: one per file, and the files are split by reference so none runs twice), and
+`check`, which judges rows."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import faults  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory, prefect_server, mlflow_uri):
+    from tests.conftest import isolated_env
+
+    work = tmp_path_factory.mktemp("faults")
+    env = {**isolated_env(work), "PREFECT_API_URL": prefect_server.url, "MLFLOW_TRACKING_URI": mlflow_uri}
+    return faults.Bench(work, env)
+
+
+def check(rows: list[faults.Row]) -> None:
+    for row in rows:
+        if row.equal is None:
+            pytest.skip(row.seen)
+        assert row.equal, row.line()
