@@ -71,7 +71,8 @@ def server(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPathFacto
         srv.cli("--no-prompt", "deploy", "--all", timeout=300)
         # ... then the ones this test runs are redeployed with the run folders in the temp dir.
         params = json.dumps({"recipe": tiny_recipe(**{"storage.root": str(srv.runs), "eval.enabled": False})})
-        srv.cli("--no-prompt", "deploy", "--name", "tiny", "--name", "tiny-on-prompts", "--params", params, timeout=300)
+        for name in ("tiny", "tiny-on-prompts"):
+            srv.cli("--no-prompt", "deploy", "--name", name, "--params", params, timeout=300)
         srv.worker = prefect_server.start("worker", "worker", "start", "--pool", "cpu", "--type", "process", env=srv.env)
         yield srv
     finally:

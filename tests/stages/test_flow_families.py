@@ -13,7 +13,8 @@ import torch
 from stages.models.family import families
 from tests.tiny import CASES
 
-FLOW_CASES = sorted(c for c in CASES if CASES[c]["model"]["kind"] not in ("qwen3", "sd3"))
+FLOW_CASES = sorted(c for c in CASES if families.get(CASES[c]["model"]["kind"]).policy == "flow"
+                    and CASES[c]["model"]["kind"] != "sd3")
 PROMPT = "two blue squares moving up quickly"
 
 
