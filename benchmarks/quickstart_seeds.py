@@ -46,7 +46,7 @@ def components(recipe_path: str, overrides: list[str], work: Path, name: str, ve
         files = sorted(p.relative_to(work / name).as_posix() for p in (work / name / "eval" / version / kind).rglob("*.arrow"))
         table = read_rollouts(storage, files, columns=SCORED_COLUMNS)
         result = run_scorer(build_scorer(scorer_name, **params), score_batch(table, prompt_images=reads_images([scorer_name])))
-        out.update({f"{kind}/{k}": float(np.mean(v)) for k, v in sorted(result.components.items())})
+        out.update({f"{kind}/{k}": float(np.mean(v)) for k, v in sorted((result.components or {}).items())})
     return out
 
 
