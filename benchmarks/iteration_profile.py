@@ -5,8 +5,8 @@ state (after `--warmup` iterations, without the last, which also checkpoints and
     python benchmarks/iteration_profile.py recipes/ar/quickstart.yaml --iterations 12 sft=null eval.enabled=false
 
 Each iteration's window runs from its turn (its body may start) to the next iteration's turn.
-With iteration flow runs started ahead (flows/ahead.py; `--ahead on`, while `auto` does so only
-with a GPU worker group and `off` never) the next one's start overlaps this one's work. Rows:
+With iteration flow runs started ahead (flows/ahead.py; `--ahead on`, the default as in `unirl run`;
+`off` never) the next one's start overlaps this one's work. Rows:
   prefect: task runs        in the body, everything outside the task functions (task-run creation
                             and states)
   prefect: subflow end      body returns -> the call returns (Completed state); started ahead, 0:
@@ -198,9 +198,9 @@ def main() -> int:
     parser.add_argument("recipe")
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--ahead", choices=("auto", "on", "off"), default="auto",
-                        help="start each iteration's flow run while the previous one works (flows/ahead.py): auto "
-                        "(on with a GPU worker group), on, off; the A/B of starting them ahead")
+    parser.add_argument("--ahead", choices=("on", "off"), default="on",
+                        help="start each iteration's flow run while the previous one works (flows/ahead.py; the "
+                        "default, as in unirl run) or not: the A/B of starting them ahead")
     parser.add_argument("--pin-worker", type=int, default=None, metavar="CPU",
                         help="the worker group on core CPU (one thread per rank), the flow and Prefect on the others")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. sft=null eval.enabled=false")

@@ -47,18 +47,13 @@ STAGES = ("generate", "score", "advantage", "train", "sync")
 
 def starts_ahead(recipe: Recipe) -> bool:
     """Whether each iteration's flow run starts while the previous one works (flows/ahead.py), by
-    UNIRL_OVERLAP_ITERATIONS: "auto" (the default) when the model works on a GPU, where Prefect's
-    bookkeeping has the host's cores to itself; a CPU worker group takes every core (train.nproc
-    ranks x cores/nproc threads), and measured on 2 cores the overlap only moved the
-    bookkeeping's CPU into the model's (benchmarks/README.md). "on" / "off" force it."""
-    mode = os.environ.get("UNIRL_OVERLAP_ITERATIONS", "auto")
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"UNIRL_OVERLAP_ITERATIONS={mode!r}: use auto, on or off")
-    if mode != "auto":
-        return mode == "on"
-    import torch
-
-    return recipe.train.backend != "gloo" and torch.cuda.is_available()
+    UNIRL_OVERLAP_ITERATIONS: "on" (the default) or "off". Measured on 2 CPU cores, where the
+    start's API work shares the cores with the model, it still pays: 215-255 against 277-308 ms
+    per quickstart iteration (benchmarks/README.md); on a GPU host it is hidden entirely."""
+    mode = os.environ.get("UNIRL_OVERLAP_ITERATIONS", "on")
+    if mode not in ("on", "off"):
+        raise ValueError(f"UNIRL_OVERLAP_ITERATIONS={mode!r}: use on or off")
+    return mode == "on"
 
 
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
