@@ -41,9 +41,8 @@ def main() -> int:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="unirl-seeds-"))
     env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_LOGGING_LEVEL": "WARNING"}
-    rows = []
     print(f"runs and their console logs: {work}", flush=True)
-    for seed in args.seeds:
+    for n, seed in enumerate(args.seeds):
         name = f"seed{seed}"
         cmd = [sys.executable, "-m", "flows.cli", "run", args.recipe, f"storage.root={work}", "--run-name", name,
                f"seed={seed}", f"model.tiny.seed={seed}", f"sft.seed={seed}", *args.overrides]
@@ -57,13 +56,14 @@ def main() -> int:
         versions = sorted(p.name for p in (work / name / "eval").iterdir())
         before = json.loads((work / name / "eval" / versions[0] / "metrics.json").read_text())["metrics"]
         after = json.loads((work / name / "eval" / versions[-1] / "metrics.json").read_text())["metrics"]
-        rows.append((seed, wall, cpu, before, after))
-    k = next(key for key in rows[0][3] if key.startswith("eval/avg_at_")).rsplit("_", 1)[1]
-    print(f"{'seed':>4s} {'wall s':>7s} {'CPU s':>6s} {'acc SFT':>8s} {'acc RL':>7s} {'gain':>6s} {f'avg@{k} SFT':>10s} {f'avg@{k} RL':>9s}")
-    for seed, wall, cpu, before, after in rows:
+        k = next(key for key in before if key.startswith("eval/avg_at_")).rsplit("_", 1)[1]
+        if n == 0:
+            print(f"{'seed':>4s} {'wall s':>7s} {'CPU s':>6s} {'acc SFT':>8s} {'acc RL':>7s} {'gain':>6s} "
+                  f"{f'avg@{k} SFT':>10s} {f'avg@{k} RL':>9s}")
         gain = after["eval/accuracy"] - before["eval/accuracy"]
+        # one row as soon as its run is done: a long sweep shows its results as it goes
         print(f"{seed:>4d} {wall:7.0f} {cpu:6.0f} {before['eval/accuracy']:8.3f} {after['eval/accuracy']:7.3f} {gain:+6.3f} "
-              f"{before[f'eval/avg_at_{k}']:10.3f} {after[f'eval/avg_at_{k}']:9.3f}")
+              f"{before[f'eval/avg_at_{k}']:10.3f} {after[f'eval/avg_at_{k}']:9.3f}", flush=True)
     return 0
 
 
