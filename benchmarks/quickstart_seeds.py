@@ -7,16 +7,17 @@ stay fixed.
     python benchmarks/quickstart_seeds.py --recipe recipes/diffusion/quickstart.yaml   # toy-GenEval strict
     python benchmarks/quickstart_seeds.py --recipe recipes/video/quickstart.yaml --components  # + per-component means
 
-Each seed's console (per-iteration times) is kept in the work folder as `seed<N>.log`.
-
 `acc` is the greedy score (AR: greedy decoding; diffusion: the deterministic ODE sampler),
-`avg@k` the mean over k sampled answers or images per prompt.
+`avg@k` the mean over k sampled answers or images per prompt; `CPU s` the user + system seconds
+of the run and everything it started (on a shared machine the wall time is inflated by the
+others' load, the CPU time much less). Each run's console goes to `<work>/seed<N>.log` as it runs.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,13 @@ def components(recipe_path: str, overrides: list[str], work: Path, name: str, ve
     return out
 
 
+def _children_cpu() -> float:
+    """User + system CPU seconds of every finished child process (the run, its Prefect server and
+    worker ranks): on a shared machine wall time grows with the others' load, CPU time does not."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -60,33 +68,34 @@ def main() -> int:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="unirl-seeds-"))
     env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_LOGGING_LEVEL": "WARNING"}
-    rows = []
-    for seed in args.seeds:
+    print(f"runs and their console logs: {work}", flush=True)
+    for n, seed in enumerate(args.seeds):
         name = f"seed{seed}"
         cmd = [sys.executable, "-m", "flows.cli", "run", args.recipe, f"storage.root={work}", "--run-name", name,
                f"seed={seed}", f"model.tiny.seed={seed}", f"sft.seed={seed}", *args.overrides]
-        start = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-        wall = time.perf_counter() - start
-        (work / f"{name}.log").write_text(proc.stdout + proc.stderr)  # the run's console: per-iteration times
+        start, cpu_start = time.perf_counter(), _children_cpu()
+        log = work / f"{name}.log"
+        with log.open("w") as console:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=console, stderr=subprocess.STDOUT)
+        wall, cpu = time.perf_counter() - start, _children_cpu() - cpu_start
         if proc.returncode != 0:
-            sys.exit(proc.stderr[-4000:])
+            sys.exit(log.read_text()[-4000:])
         versions = sorted(p.name for p in (work / name / "eval").iterdir())
         before = json.loads((work / name / "eval" / versions[0] / "metrics.json").read_text())["metrics"]
         after = json.loads((work / name / "eval" / versions[-1] / "metrics.json").read_text())["metrics"]
-        rows.append((seed, wall, before, after))
+        k = next(key for key in before if key.startswith("eval/avg_at_")).rsplit("_", 1)[1]
+        if n == 0:
+            print(f"{'seed':>4s} {'wall s':>7s} {'CPU s':>6s} {'acc SFT':>8s} {'acc RL':>7s} {'gain':>6s} "
+                  f"{f'avg@{k} SFT':>10s} {f'avg@{k} RL':>9s}")
+        gain = after["eval/accuracy"] - before["eval/accuracy"]
+        # one row as soon as its run is done: a long sweep shows its results as it goes
+        print(f"{seed:>4d} {wall:7.0f} {cpu:6.0f} {before['eval/accuracy']:8.3f} {after['eval/accuracy']:7.3f} {gain:+6.3f} "
+              f"{before[f'eval/avg_at_{k}']:10.3f} {after[f'eval/avg_at_{k}']:9.3f}", flush=True)
         if args.components:
             common = [f"seed={seed}", *args.overrides]
             for label, version in (("SFT", versions[0]), ("RL", versions[-1])):
                 parts = components(args.recipe, common, work, name, version)
                 print(f"seed {seed} {label} components: " + "  ".join(f"{k} {v:.3f}" for k, v in parts.items()), flush=True)
-    print(f"consoles: {work}/seed<N>.log")
-    k = next(key for key in rows[0][2] if key.startswith("eval/avg_at_")).rsplit("_", 1)[1]
-    print(f"{'seed':>4s} {'wall s':>7s} {'acc SFT':>8s} {'acc RL':>7s} {'gain':>6s} {f'avg@{k} SFT':>10s} {f'avg@{k} RL':>9s}")
-    for seed, wall, before, after in rows:
-        gain = after["eval/accuracy"] - before["eval/accuracy"]
-        print(f"{seed:>4d} {wall:7.0f} {before['eval/accuracy']:8.3f} {after['eval/accuracy']:7.3f} {gain:+6.3f} "
-              f"{before[f'eval/avg_at_{k}']:10.3f} {after[f'eval/avg_at_{k}']:9.3f}")
     return 0
 
 
