@@ -26,6 +26,14 @@ class EMAConfig(Section):
 FIELDS_READ: set[str] = set()  # "Section.field" read in this process (when traced)
 
 
+def field_key(section: type, name: str) -> str:
+    """"Owner.field" for a field of `section`: the owner is the class that declares it, so a field a
+    base declares once (a flow family's `vae_warmup`) is one field, read by the code all its
+    families share."""
+    owner = next((c for c in section.__mro__ if name in c.__dict__.get("__annotations__", {})), section)
+    return f"{owner.__name__}.{name}"
+
+
 def _trace_field_reads(directory: str) -> None:
     """Record every recipe field any code reads (attribute access on a section) and write the set
     to `directory` when the process exits: the test suite sets UNIRL_FIELD_TRACE to find fields
@@ -42,7 +50,7 @@ def _trace_field_reads(directory: str) -> None:
         if not name.startswith("_"):
             fields = type(self).__pydantic_fields__ if hasattr(type(self), "__pydantic_fields__") else {}
             if name in fields:
-                read.add(f"{type(self).__name__}.{name}")
+                read.add(field_key(type(self), name))
         return plain(self, name)
 
     Section.__getattribute__ = traced  # type: ignore[method-assign]

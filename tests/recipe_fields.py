@@ -20,6 +20,7 @@ TAGS = {"kind", "name"}
 
 def section_fields() -> set[str]:
     """"Section.field" of every recipe section reachable from Recipe."""
+    from stages.config_base import field_key
     from stages.recipe import Recipe, _union_members
 
     seen, out, todo = set(), set(), [Recipe]
@@ -29,7 +30,7 @@ def section_fields() -> set[str]:
             continue
         seen.add(model)
         for name, field in model.model_fields.items():
-            out.add(f"{model.__name__}.{name}")
+            out.add(field_key(model, name))
             for member in _union_members(field.annotation) + [field.annotation]:
                 if isinstance(member, type) and issubclass(member, BaseModel):
                     todo.append(member)

@@ -92,7 +92,7 @@ class TinyVideo(TinyFlow):
 
 
 class FlowModelBase(Section):
-    """The `model:` fields every flow family other than SD3 shares (a family adds `kind` and `tiny`)."""
+    """The `model:` fields every flow family shares (a family adds `kind` and `tiny`)."""
 
     path: str | None = Field(None, description="Local diffusers-layout folder; empty: build the tiny seeded model.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")

@@ -92,7 +92,7 @@ class Flux2Klein(FlowFamily):
                 return None
             return geometry_of(config_of(Path(cfg.path), "vae"), config_of(Path(cfg.path), "transformer"), cfg.path)
         t = cfg.tiny
-        return geometry_of({"block_out_channels": t.vae_channels}, {"in_channels": 4 * t.latent_channels, "patch_size": 1},
+        return geometry_of({"block_out_channels": t.vae_channels}, {"in_channels": 4 * t.latent_channels, "patch_size": t.patch_size},
                            "model.tiny")
 
     # -- the folder -----------------------------------------------------------------------------
@@ -115,7 +115,7 @@ class Flux2Klein(FlowFamily):
                "sample_size": tiny.image_size}
         T.seeded(tiny.seed * 100 + 1, lambda: AutoencoderKLFlux2(**vae)).save_pretrained(root / "vae")
         axes = tiny.head_dim // 4
-        spec = {"patch_size": 1, "in_channels": 4 * tiny.latent_channels, "num_layers": tiny.num_layers,
+        spec = {"patch_size": tiny.patch_size, "in_channels": 4 * tiny.latent_channels, "num_layers": tiny.num_layers,
                 "num_single_layers": tiny.num_single_layers, "attention_head_dim": tiny.head_dim,
                 "num_attention_heads": tiny.num_heads, "joint_attention_dim": 3 * tiny.text_hidden,
                 "timestep_guidance_channels": 32, "axes_dims_rope": (axes,) * 4, "guidance_embeds": tiny.guidance_embeds}

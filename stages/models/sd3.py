@@ -18,9 +18,9 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from stages.config_base import LoraConfig, Section
+from stages.config_base import Section
 from stages.models.family import families
-from stages.models.flow_family import FlowFamily, FlowMatchingSFT, VAEWarmup
+from stages.models.flow_family import FlowFamily, FlowModelBase
 from stages.models.flow_geometry import FlowGeometry, check_image_side
 from stages.models.flow_vae import ShiftScale
 from stages.models.sd3_text import DEFAULT_T5_LENGTH
@@ -78,16 +78,11 @@ class TinySD3(Section):
         }
 
 
-class SD3ModelConfig(Section):
+class SD3ModelConfig(FlowModelBase):
     """Stable Diffusion 3 architecture (diffusers SD3Transformer2DModel + AutoencoderKL + text encoders)."""
 
     kind: Literal["sd3"] = "sd3"
-    path: str | None = Field(None, description="Local diffusers-layout folder; empty: build the tiny seeded model.")
     tiny: TinySD3 = Field(default_factory=TinySD3, description="Tiny architecture, used only without `path`.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
-    lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of all transformer weights.")
-    vae_warmup: VAEWarmup = Field(default_factory=VAEWarmup, description="VAE reconstruction training at the start of SFT.")
-    flow_matching: FlowMatchingSFT = Field(default_factory=FlowMatchingSFT, description="Transformer training in SFT.")
 
 
 # ---------------------------------------------------------------------------- bundle
