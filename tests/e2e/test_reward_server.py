@@ -11,6 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import numpy as np
@@ -80,6 +81,7 @@ class Server:
     config: Path
     log: Path
     proc: subprocess.Popen
+    relaunch: Callable[[], "Server"]  # the same server on a new port
 
 
 def free_port() -> int:
@@ -98,13 +100,18 @@ def launch(name: str, config: dict, root: Path, env: dict[str, str], via_cli: bo
     with log.open("w") as out:  # the child keeps its own copy of the file descriptor
         proc = subprocess.Popen([sys.executable, "-m", *command, "--config", str(path)],
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    return Server(f"http://127.0.0.1:{port}", path, log, proc)
+    return Server(f"http://127.0.0.1:{port}", path, log, proc, lambda: launch(name, config, root, env, via_cli))
 
 
 def wait_ready(server: Server, timeout_s: float = 90.0) -> None:
+    """Wait for /healthz; a server that lost its free port to another process of the suite before
+    it bound it is started again on a new one (`server` takes the new process and url)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
+            if "address already in use" in server.log.read_text():
+                server.__dict__.update(server.relaunch().__dict__)
+                continue
             pytest.fail(f"server {server.config.name} exited: {server.log.read_text()}")
         try:
             if httpx.get(f"{server.url}/healthz", timeout=1.0).status_code == 200:
