@@ -13,7 +13,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from stages.recipe import RecipeError, load_recipe
+from stages import startup
+
+startup.importing()  # until the command's imports are done (stages/startup.py)
+
+from stages.recipe import RecipeError, load_recipe  # noqa: E402
+
+
+# What every run, SFT and evaluation imports once it has started (stages/tracking.py), imported
+# with the collector still off.
+RUN_IMPORTS = ("mlflow.tracking",)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,10 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["reward-server"]:
         from flows.reward_server import main as serve
 
+        startup.imports_done()
         return serve(argv[1:])
     if argv[:1] == ["engine-server"]:
         from stages.engine_server import main as engine_server
 
+        startup.imports_done()
         return engine_server(argv[1:])
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
@@ -84,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     if args.command == "agent":  # no Prefect here: the flow runs elsewhere
+        startup.imports_done()
         return node_agent(recipe, args.run_name or recipe.name, args.group)
     if args.command in ("run", "sft"):
         from stages.run import check_inputs
@@ -106,15 +118,18 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "sft":
                 from flows.sft import sft
 
+                startup.imports_done(*RUN_IMPORTS)
                 sft(recipe, args.run_name or recipe.name)
                 return 0
             if args.command == "evaluate":
                 from flows.evaluate import evaluate_run
 
+                startup.imports_done(*RUN_IMPORTS)
                 evaluate_run(recipe, args.run_name or recipe.name, args.version)
                 return 0
             from flows.rl import rl_train
 
+            startup.imports_done(*RUN_IMPORTS)
             result = rl_train(recipe, args.run_name or recipe.name)
     except KeyboardInterrupt:
         print("interrupted; run the same command again to resume", file=sys.stderr)

@@ -26,6 +26,9 @@ from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
+    from stages import startup
+
+    startup.importing()  # until the preloads are in (stages/startup.py)
     from stages.workers.group import die_with_parent
 
     die_with_parent()  # the torchrun agent's death takes every rank with it
@@ -43,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for module in filter(None, args.preload.split(",")):
         importlib.import_module(module)
+    startup.imports_done()
     spec = wait_for_spec(Path(args.spec))
     group = spec.get("group")  # several nodes: the group's records live in run storage
 
