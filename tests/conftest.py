@@ -20,6 +20,29 @@ os.environ.setdefault("UNIRL_TINY_CACHE", tempfile.mkdtemp(prefix="unirl-tiny-ca
 TINY = REPO / "recipes" / "ar" / "tiny.yaml"
 
 
+# The files that take longest (seconds on 2 cores, `pytest --durations`), longest first: the two
+# pytest workers take a file at a time (`--dist loadfile`), so these start first and the short
+# files fill in around them instead of one long file running alone at the end.
+LONGEST_FIRST = [
+    "e2e/test_rl_flow.py", "e2e/test_flow_family_runs.py", "e2e/test_multinode.py", "e2e/test_faults_kills.py",
+    "e2e/test_faults_outages.py", "stages/test_matrix.py", "e2e/test_faults_ranks.py", "e2e/test_ar_algorithms.py",
+    "e2e/test_deployment.py", "e2e/test_diffusion_flow.py", "e2e/test_vlm_flow.py", "e2e/test_async_rl.py",
+    "e2e/test_reward_server.py", "stages/engines/test_engine_sync.py", "e2e/test_rl_s3.py",
+    "stages/test_sharded_load.py",
+]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def weight(item: pytest.Item) -> int:
+        path = Path(str(item.path)).resolve()
+        relative = path.relative_to(REPO / "tests").as_posix() if path.is_relative_to(REPO / "tests") else ""
+        return rank.get(relative, len(rank))
+
+    items.sort(key=weight)  # stable: a file's tests keep their order
+
+
 def whole_suite(config: pytest.Config) -> bool:
     return (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
             and not config.option.markexpr and not config.option.deselect)
