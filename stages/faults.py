@@ -9,6 +9,9 @@ OOM killer or `kill -9` would — the moment it reaches them:
     UNIRL_FAULTS=train-rank1@1  worker rank 1 alone, as iteration 1's update starts (the rank dies, not unirl)
     UNIRL_FAULTS=train-node@1   every rank of a node, its torchrun agent and the `unirl agent` around it, as
                                 iteration 1's update starts: the node is lost (set it on that node only)
+    UNIRL_FAULTS=sync@1:stop    the process that reaches the point stops itself (SIGSTOP), as a hung process
+                                would, and waits there for whoever kills it: a test's own SIGKILL then lands
+                                at that point for certain, not wherever a poll happened to see a file
 
 With UNIRL_FAULTS_ONCE=FILE a fault fires only where FILE does not exist yet (it is created as the
 fault fires): a retried task or a relaunched group then gets through.
@@ -36,9 +39,13 @@ def fault_point(point: str, iteration: int | None = None, *, owner: bool = True,
     if not spec:
         return
     for item in spec.split(","):
-        name, _, at = item.strip().partition("@")
+        item, _, mode = item.strip().partition(":")
+        name, _, at = item.partition("@")
         if name == point and (not at or iteration is None or int(at) == iteration):
             if not _first_time():
+                return
+            if mode == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
                 return
             pid = int(os.environ.get("UNIRL_OWNER_PID", "0") or 0) if owner else 0
             if pid and pid != os.getpid():

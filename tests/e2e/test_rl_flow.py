@@ -154,8 +154,11 @@ def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, eph
     second_env, unirl_env = unirl_env, ephemeral_env
     root = tmp_path / "runs"
     args = [*REFERENCE, f"storage.root={root}"]
+    # The run stops itself (SIGSTOP) once iteration 1 trained and synced, before it commits: the
+    # group holds a version that no checkpoint has, so the resumed run must restore and replay,
+    # not retrain. The kill below is ours, from outside, as a user's would be.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", *args], env=unirl_env, cwd=REPO,
+        [sys.executable, "-m", "flows.cli", *args], env={**unirl_env, "UNIRL_FAULTS": "sync@1:stop"}, cwd=REPO,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     run = root / "tiny"
@@ -163,9 +166,11 @@ def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, eph
     twice = run_unirl(args, second_env, check=False)
     assert twice.returncode == 1
     assert f"run 'tiny' at {run} is being run by host " in twice.stderr and f"pid {proc.pid}, started " in twice.stderr
-    # Kill after iteration 1 trained but before it finished: the group holds a version that
-    # no checkpoint has, so the resumed run must restore and replay, not retrain.
     wait_for(run / "iter-000001" / "manifests" / "train.json", proc)
+    deadline = time.monotonic() + 120
+    while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run never reached iteration 1's sync"
+        time.sleep(0.05)
     children = [
         c for c in psutil.Process(proc.pid).children(recursive=True)
         if "stages.workers" in " ".join(c.cmdline()) or "torch.distributed.run" in " ".join(c.cmdline())
