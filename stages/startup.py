@@ -2,7 +2,7 @@
 garbage collector.
 
 Importing torch, transformers, prefect and mlflow allocates a few million objects and frees
-almost none, so the collector's passes over them are wasted: about 15% of a process's start-up
+almost none, so the collector's passes over them are wasted: about a fifth of a process's start-up
 CPU (benchmarks/README.md, "Start-up"). `imports_done()` then moves everything allocated so far
 to the collector's permanent generation (`gc.freeze`: later full collections skip it) and turns
 the collector back on for the run itself.
