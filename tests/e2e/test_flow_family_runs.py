@@ -99,12 +99,13 @@ def test_wan_through_unirl_run_and_resumed_after_sigkill_identically(wan_referen
     check_run(reference, "wan", "flow_grpo", env, 3)
     root = tmp_path / "runs"
     args = ["run", str(recipe), f"storage.root={root}"]
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], env=unirl_env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    run = root / "e2e-wan"
-    from tests.e2e.test_rl_flow import wait_for
+    from tests.e2e.test_rl_flow import STOP_AT_SYNC, wait_stopped
 
-    wait_for(run / "iter-000001" / "manifests" / "train.json", proc)  # trained, not yet finished
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], env={**unirl_env, "UNIRL_FAULTS": STOP_AT_SYNC},
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = root / "e2e-wan"
+    wait_stopped(proc)  # iteration 1 trained, not yet committed
+    assert (run / "iter-000001" / "manifests" / "train.json").exists()
     workers = [c for c in psutil.Process(proc.pid).children(recursive=True) if "stages.workers" in " ".join(c.cmdline())]
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)

@@ -148,17 +148,30 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
         time.sleep(0.05)
 
 
+# A run started with UNIRL_FAULTS=STOP_AT_SYNC stops itself (SIGSTOP) once iteration 1 trained and
+# synced, before it commits (stages/faults.py): a test's SIGKILL then lands there for certain.
+STOP_AT_SYNC = "sync@1:stop"
+
+
+def wait_stopped(proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else "exited"
+        assert time.monotonic() < deadline, "the run never reached the point where it stops"
+        time.sleep(0.05)
+
+
 def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, ephemeral_env, unirl_env, reference):
     """As a user first runs it: Prefect's ephemeral API server (which must die with the run) and
     MLflow in the run folder. While it runs, the same run started again is refused."""
     second_env, unirl_env = unirl_env, ephemeral_env
     root = tmp_path / "runs"
     args = [*REFERENCE, f"storage.root={root}"]
-    # The run stops itself (SIGSTOP) once iteration 1 trained and synced, before it commits: the
-    # group holds a version that no checkpoint has, so the resumed run must restore and replay,
-    # not retrain. The kill below is ours, from outside, as a user's would be.
+    # The run stops itself once iteration 1 trained and synced, before it commits: the group
+    # holds a version that no checkpoint has, so the resumed run must restore and replay, not
+    # retrain. The kill below is ours, from outside, as a user's would be.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", *args], env={**unirl_env, "UNIRL_FAULTS": "sync@1:stop"}, cwd=REPO,
+        [sys.executable, "-m", "flows.cli", *args], env={**unirl_env, "UNIRL_FAULTS": STOP_AT_SYNC}, cwd=REPO,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     run = root / "tiny"
@@ -166,11 +179,8 @@ def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, eph
     twice = run_unirl(args, second_env, check=False)
     assert twice.returncode == 1
     assert f"run 'tiny' at {run} is being run by host " in twice.stderr and f"pid {proc.pid}, started " in twice.stderr
-    wait_for(run / "iter-000001" / "manifests" / "train.json", proc)
-    deadline = time.monotonic() + 120
-    while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
-        assert proc.poll() is None and time.monotonic() < deadline, "the run never reached iteration 1's sync"
-        time.sleep(0.05)
+    wait_stopped(proc)
+    assert (run / "iter-000001" / "manifests" / "train.json").exists()
     children = [
         c for c in psutil.Process(proc.pid).children(recursive=True)
         if "stages.workers" in " ".join(c.cmdline()) or "torch.distributed.run" in " ".join(c.cmdline())

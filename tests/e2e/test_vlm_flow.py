@@ -15,7 +15,7 @@ import pyarrow.ipc as ipc
 import pytest
 
 from tests.conftest import REPO, run_unirl
-from tests.e2e.test_rl_flow import assert_no_pickles, wait_for
+from tests.e2e.test_rl_flow import STOP_AT_SYNC, assert_no_pickles, wait_stopped
 
 pytestmark = pytest.mark.slow
 
@@ -62,10 +62,11 @@ def test_sigkill_mid_run_resumes_to_the_uninterrupted_metrics(reference, tmp_pat
     ref_root, env, _ = reference
     root = tmp_path / "runs"
     args = ["run", RECIPE, *SMALL, "eval.enabled=false", f"storage.root={root}", "--run-name", "ref"]
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], env=env, cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], env={**env, "UNIRL_FAULTS": STOP_AT_SYNC}, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run = root / "ref"
-    wait_for(run / "iter-000001" / "manifests" / "train.json", proc)
+    wait_stopped(proc)  # iteration 1 trained, not committed
+    assert (run / "iter-000001" / "manifests" / "train.json").exists()
     children = psutil.Process(proc.pid).children(recursive=True)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
