@@ -87,17 +87,20 @@ def main() -> int:
     print(f"{'iter':>5} {'flow MiB':>9} {'workers MiB':>12} {'prefect MiB':>12} {'s/iter':>7} {'prefect db MiB':>15} "
           f"{'run folder MiB':>15}", flush=True)
     rows, mark, last = [], args.every, None
+    latest = {"flow": 0.0, "workers": 0.0, "prefect": 0.0}  # each kind's RSS at the last tick it was alive
     while proc.poll() is None:
         time.sleep(0.5)
+        procs = family(root)
+        for kind, members in procs.items():
+            latest[kind] = rss_mib(members) or latest[kind]  # the last iteration's row: the ranks may have exited
         n = done(run)
         if last is None and n >= 1:  # windows start at the first commit: start-up is not an iteration
             last = 1
         if n < mark or last is None:
             continue
-        procs = family(root)
         per_iter = iteration_seconds(run, last, n)
         db = sum(folder_bytes(p) if p.is_dir() else p.stat().st_size for p in (work / "prefect").glob("*.db*"))
-        row = {"iter": n, "flow": rss_mib(procs["flow"]), "workers": rss_mib(procs["workers"]), "prefect": rss_mib(procs["prefect"]),
+        row = {"iter": n, "flow": latest["flow"], "workers": latest["workers"], "prefect": latest["prefect"],
                "s_iter": per_iter, "db": db / 2**20, "run": folder_bytes(run) / 2**20}
         rows.append(row)
         print(f"{n:5d} {row['flow']:9.0f} {row['workers']:12.0f} {row['prefect']:12.0f} {per_iter:7.2f} {row['db']:15.1f} "
