@@ -142,6 +142,18 @@ def freeze(*models: Any, device: Any) -> None:
             model.requires_grad_(False).eval().to(device)
 
 
+@dataclass
+class FlowParts:
+    """What every diffusers folder gives a family's `load` (`FlowFamily.load_parts`): the checked
+    index, the VAE and text parts frozen on the device, the transformers (experts) in eval mode."""
+
+    root: Path
+    index: dict[str, Any]
+    vae: Any
+    text: dict[str, Any]
+    transformers: list[Any]
+
+
 # ---------------------------------------------------------------------------- the base class
 
 
@@ -154,6 +166,27 @@ class FlowFamily(Family):
     timestep_scale: ClassVar[float] = 1000.0
     # Attributes of a transformer holding the blocks FSDP2 shards one by one.
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
+
+    # -- loading --------------------------------------------------------------------------------
+    @classmethod
+    def load_parts(cls, directory: Path, cfg: Any, device: Any, *, text: tuple[str, ...] = ("text_encoder", "tokenizer"),
+                   experts: tuple[str, ...] = ("transformer",)) -> FlowParts:
+        """The folder's parts, loaded as its model_index.json names them, models in `cfg.dtype`:
+        the VAE, the `text` parts (encoders and tokenizers) and the transformers `experts` names
+        (the first always, the others where the index lists them). The folder must be one this
+        family loads (check_pipeline)."""
+        from stages.models.flow_folder import check_pipeline, listed, load_component
+
+        root = Path(directory)
+        index = check_pipeline(root, cls.name, cls.pipelines)
+        dtype = getattr(torch, cfg.dtype)
+        vae = load_component(root, index, "vae", dtype)
+        parts = {name: load_component(root, index, name, None if name.startswith("tokenizer") else dtype) for name in text}
+        transformers = [load_component(root, index, name, dtype) for k, name in enumerate(experts) if k == 0 or listed(index, name)]
+        freeze(vae, *(parts[name] for name in text if not name.startswith("tokenizer")), device=device)
+        for transformer in transformers:
+            transformer.eval().to(device)
+        return FlowParts(root, index, vae, parts, transformers)
 
     # -- geometry -------------------------------------------------------------------------------
     @classmethod

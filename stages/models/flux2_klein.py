@@ -23,7 +23,7 @@ import torch
 from pydantic import Field
 
 from stages.models.family import families
-from stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyFlow, freeze
+from stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyFlow
 from stages.models.flow_geometry import FlowGeometry
 from stages.models.flow_vae import PatchBatchNorm
 
@@ -131,21 +131,14 @@ class Flux2Klein(FlowFamily):
 
     @classmethod
     def load(cls, directory: Path, cfg: Flux2KleinModelConfig, device: Any) -> FlowBundle:
-        from stages.models.flow_folder import check_pipeline, folder_defaults, load_component
+        from stages.models.flow_folder import folder_defaults
 
-        root = Path(directory)
-        index = check_pipeline(root, cls.name, cls.pipelines)
-        dtype = getattr(torch, cfg.dtype)
-        vae = load_component(root, index, "vae", dtype)
-        encoder = load_component(root, index, "text_encoder", dtype)
-        tokenizer = load_component(root, index, "tokenizer")
-        transformer = load_component(root, index, "transformer", dtype)
-        freeze(vae, encoder, device=device)
-        transformer.eval().to(device)
-        geo = geometry_of(dict(vae.config), dict(transformer.config), str(root))
-        settings = {**folder_defaults(root, cls.pipeline_defaults),
-                    "layers": text_layers(encoder.config.num_hidden_layers)}
-        return FlowBundle(transformer, vae, {"text_encoder": encoder, "tokenizer": tokenizer}, root, index, geo, settings)
+        parts = cls.load_parts(directory, cfg, device)
+        (transformer,) = parts.transformers
+        geo = geometry_of(dict(parts.vae.config), dict(transformer.config), str(parts.root))
+        settings = {**folder_defaults(parts.root, cls.pipeline_defaults),
+                    "layers": text_layers(parts.text["text_encoder"].config.num_hidden_layers)}
+        return FlowBundle(transformer, parts.vae, parts.text, parts.root, parts.index, geo, settings)
 
     # -- what the flow policy asks --------------------------------------------------------------
     @classmethod

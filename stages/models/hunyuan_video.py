@@ -25,7 +25,7 @@ import torch
 from pydantic import Field
 
 from stages.models.family import families
-from stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyVideo, freeze
+from stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyVideo
 from stages.models.flow_geometry import FlowGeometry
 from stages.models.flow_vae import Scale
 
@@ -187,20 +187,13 @@ class HunyuanVideo(FlowFamily):
 
     @classmethod
     def load(cls, directory: Path, cfg: HunyuanVideoModelConfig, device: Any) -> FlowBundle:
-        from stages.models.flow_folder import check_pipeline, folder_defaults, load_component
+        from stages.models.flow_folder import folder_defaults
 
-        root = Path(directory)
-        index = check_pipeline(root, cls.name, cls.pipelines)
+        parts = cls.load_parts(directory, cfg, device, text=("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"))
+        root, index, vae, text, (transformer,) = parts.root, parts.index, parts.vae, parts.text, parts.transformers
         version = version_of(index)
-        dtype = getattr(torch, cfg.dtype)
-        vae = load_component(root, index, "vae", dtype)
         if version == "1.5":
             vae.enable_slicing()  # diffusers 0.42's 1.5 VAE mid-block attention mask broadcasts wrongly past batch 1
-        text = {name: load_component(root, index, name, dtype if name.startswith("text") else None)
-                for name in ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")}
-        transformer = load_component(root, index, "transformer", dtype)
-        freeze(vae, text["text_encoder"], text["text_encoder_2"], device=device)
-        transformer.eval().to(device)
         settings = {**folder_defaults(root, cls.version_defaults[version]), "version": version}
         if version == "1.5":
             chat = text["tokenizer"].apply_chat_template([{"role": "system", "content": SYSTEM_15}, {"role": "user", "content": "{}"}],

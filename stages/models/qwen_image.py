@@ -20,7 +20,7 @@ import torch
 from pydantic import Field
 
 from stages.models.family import families
-from stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyFlow, freeze
+from stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyFlow
 from stages.models.flow_geometry import FlowGeometry
 from stages.models.flow_vae import ChannelStats
 
@@ -118,22 +118,16 @@ class QwenImage(FlowFamily):
 
     @classmethod
     def load(cls, directory: Path, cfg: QwenImageModelConfig, device: Any) -> FlowBundle:
-        from stages.models.flow_folder import check_pipeline, folder_defaults, load_component
+        from stages.models.flow_folder import folder_defaults
 
-        root = Path(directory)
-        index = check_pipeline(root, cls.name, cls.pipelines)
-        dtype = getattr(torch, cfg.dtype)
-        vae = load_component(root, index, "vae", dtype)
-        encoder = load_component(root, index, "text_encoder", dtype)
-        tokenizer = load_component(root, index, "tokenizer")
-        transformer = load_component(root, index, "transformer", dtype)
-        freeze(vae, encoder, device=device)
-        transformer.eval().to(device)
+        parts = cls.load_parts(directory, cfg, device)
+        root, (transformer,) = parts.root, parts.transformers
         scheduler = json.loads((root / "scheduler" / "scheduler_config.json").read_text()) \
             if (root / "scheduler" / "scheduler_config.json").is_file() else {}
-        settings = {**folder_defaults(root, cls.pipeline_defaults), "prefix": len(tokenizer(TEMPLATE.split("{}")[0]).input_ids), "scheduler": scheduler}
-        geo = geometry_of(dict(vae.config), dict(transformer.config), str(root))
-        return FlowBundle(transformer, vae, {"text_encoder": encoder, "tokenizer": tokenizer}, root, index, geo, settings)
+        prefix = len(parts.text["tokenizer"](TEMPLATE.split("{}")[0]).input_ids)
+        settings = {**folder_defaults(root, cls.pipeline_defaults), "prefix": prefix, "scheduler": scheduler}
+        geo = geometry_of(dict(parts.vae.config), dict(transformer.config), str(root))
+        return FlowBundle(transformer, parts.vae, parts.text, root, parts.index, geo, settings)
 
     # -- what the flow policy asks --------------------------------------------------------------
     @classmethod

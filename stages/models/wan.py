@@ -22,7 +22,7 @@ import torch
 from pydantic import Field
 
 from stages.models.family import families
-from stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyVideo, freeze
+from stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyVideo
 from stages.models.flow_geometry import FlowGeometry
 from stages.models.flow_vae import ChannelStats
 
@@ -160,26 +160,18 @@ class Wan(FlowFamily):
 
     @classmethod
     def load(cls, directory: Path, cfg: WanModelConfig, device: Any) -> FlowBundle:
-        from stages.models.flow_folder import check_pipeline, folder_defaults, listed, load_component
+        from stages.models.flow_folder import folder_defaults
 
-        root = Path(directory)
-        index = check_pipeline(root, cls.name, cls.pipelines)
-        dtype = getattr(torch, cfg.dtype)
-        vae = load_component(root, index, "vae", dtype)
-        encoder = load_component(root, index, "text_encoder", dtype)
-        tokenizer = load_component(root, index, "tokenizer")
-        experts = [load_component(root, index, name, dtype) for name in ("transformer", "transformer_2") if listed(index, name)]
+        parts = cls.load_parts(directory, cfg, device, experts=("transformer", "transformer_2"))
+        experts, index = parts.transformers, parts.index
         if len(experts) == 2:
-            module: Any = WanExperts(*experts, boundary=float(index["boundary_ratio"]) * 1000)
+            module: Any = WanExperts(*experts, boundary=float(index["boundary_ratio"]) * 1000).eval()
         else:
             module = experts[0]
-        freeze(vae, encoder, device=device)
-        module.eval().to(device)
-        first = experts[0].config
-        geo = geometry_of(dict(vae.config), dict(first), str(root))
-        settings = {**folder_defaults(root, cls.pipeline_defaults),
+        geo = geometry_of(dict(parts.vae.config), dict(experts[0].config), str(parts.root))
+        settings = {**folder_defaults(parts.root, cls.pipeline_defaults),
                     "expand_timesteps": bool(index.get("expand_timesteps") or False)}
-        return FlowBundle(module, vae, {"text_encoder": encoder, "tokenizer": tokenizer}, root, index, geo, settings)
+        return FlowBundle(module, parts.vae, parts.text, parts.root, index, geo, settings)
 
     @classmethod
     def transformers(cls, module: Any) -> list[Any]:

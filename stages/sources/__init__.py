@@ -5,10 +5,12 @@ split, and the synthetic demonstrations of a warm start (`sft.source: synthetic`
 from __future__ import annotations
 
 import random
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from stages.config_base import Section
+from stages.data import Prompt
 from stages.registry import Registry
+from stages.seeds import derive_seed
 
 sources: Registry[type["Source"]] = Registry("prompt source", "stages.sources", "data.name")
 
@@ -52,3 +54,35 @@ class Source:
             if p.images:
                 record["images"] = list(p.images)
         return records
+
+
+def check_listed_prompts(prompts: list[str], parse: Callable[[str], Any]) -> None:
+    """`data.prompts` of a procedural source: each must parse, else ValueError naming the entry."""
+    for i, text in enumerate(prompts):
+        try:
+            parse(text)
+        except ValueError as exc:
+            raise ValueError(f"data.prompts.{i}: {exc}") from None
+
+
+class ProceduralPrompts:
+    """Prompts of a generator (`sample(n, seed, split=)` -> texts): training prompts by (seed,
+    iteration) from its train split, or `prompts` cycled in order; a fixed held-out set from its
+    held-out split. `meta(text)`: each prompt's metadata (what its scorer reads)."""
+
+    def __init__(self, sample: Callable[..., list[str]], *, heldout_size: int, seed: int, prompts: list[str],
+                 meta: Callable[[str], dict[str, Any]] = lambda text: {}):
+        self._sample, self._meta = sample, meta
+        self.seed, self.prompts = seed, list(prompts)
+        texts = sample(heldout_size, seed, split="heldout") if heldout_size else []
+        self._heldout = [Prompt(f"heldout-{i:05d}", t, meta(t)) for i, t in enumerate(texts)]
+
+    def heldout(self) -> list[Prompt]:
+        return list(self._heldout)
+
+    def batch(self, iteration: int, n: int) -> list[Prompt]:
+        if self.prompts:
+            texts = [self.prompts[(iteration * n + i) % len(self.prompts)] for i in range(n)]
+        else:
+            texts = self._sample(n, derive_seed(self.seed, "train", iteration) & 0xFFFFFFFF, split="train")
+        return [Prompt(f"it{iteration:06d}-{i:05d}", t, self._meta(t)) for i, t in enumerate(texts)]

@@ -7,9 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from stages.config_base import Section
-from stages.data import Prompt
-from stages.seeds import derive_seed
-from stages.sources import Source, sources
+from stages.sources import ProceduralPrompts, Source, check_listed_prompts, sources
 
 
 class GenEvalData(Section):
@@ -28,36 +26,19 @@ class GenEvalData(Section):
     def _check_prompts(self) -> "GenEvalData":
         from stages.geneval.dataset import parse_prompt  # numpy + PIL only
 
-        for i, text in enumerate(self.prompts):
-            try:
-                parse_prompt(text)
-            except ValueError as exc:
-                raise ValueError(f"data.prompts.{i}: {exc}") from None
+        check_listed_prompts(self.prompts, parse_prompt)
         return self
 
 
-class GenEvalPrompts:
-    """Training prompts by (seed, iteration) from the train split, or `prompts` cycled; a fixed
-    held-out set from the held-out split. Metadata carries the prompt for the detector."""
+class GenEvalPrompts(ProceduralPrompts):
+    """Toy-GenEval prompts (stages.sources.ProceduralPrompts); metadata carries the prompt for the
+    detector."""
 
     def __init__(self, *, heldout_size: int = 32, seed: int = 0, prompts: list[str] | None = None):
         from stages.geneval.dataset import sample_prompts
 
-        self._sample = sample_prompts
-        self.seed = seed
-        self.prompts = list(prompts or [])
-        texts = sample_prompts(heldout_size, seed, split="heldout") if heldout_size else []
-        self._heldout = [Prompt(f"heldout-{i:05d}", t, {"geneval_prompt": t}) for i, t in enumerate(texts)]
-
-    def heldout(self) -> list[Prompt]:
-        return list(self._heldout)
-
-    def batch(self, iteration: int, n: int) -> list[Prompt]:
-        if self.prompts:
-            texts = [self.prompts[(iteration * n + i) % len(self.prompts)] for i in range(n)]
-        else:
-            texts = self._sample(n, derive_seed(self.seed, "train", iteration) & 0xFFFFFFFF, split="train")
-        return [Prompt(f"it{iteration:06d}-{i:05d}", t, {"geneval_prompt": t}) for i, t in enumerate(texts)]
+        super().__init__(sample_prompts, heldout_size=heldout_size, seed=seed, prompts=list(prompts or []),
+                         meta=lambda text: {"geneval_prompt": text})
 
 
 @sources.register("geneval")

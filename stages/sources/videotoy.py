@@ -8,9 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from stages.config_base import Section
-from stages.data import Prompt
-from stages.seeds import derive_seed
-from stages.sources import Source, sources
+from stages.sources import ProceduralPrompts, Source, check_listed_prompts, sources
 
 
 class VideoToyData(Section):
@@ -28,34 +26,17 @@ class VideoToyData(Section):
     def _check_prompts(self) -> "VideoToyData":
         from stages.videotoy import parse_prompt
 
-        for i, text in enumerate(self.prompts):
-            try:
-                parse_prompt(text)
-            except ValueError as exc:
-                raise ValueError(f"data.prompts.{i}: {exc}") from None
+        check_listed_prompts(self.prompts, parse_prompt)
         return self
 
 
-class VideoToyPrompts:
-    """Training prompts by (seed, iteration) from the train split, or `prompts` cycled; a fixed
-    held-out set from the held-out split."""
+class VideoToyPrompts(ProceduralPrompts):
+    """Toy video prompts (stages.sources.ProceduralPrompts); the scorer parses the prompt itself."""
 
     def __init__(self, *, heldout_size: int, seed: int, prompts: list[str]):
         from stages.videotoy import sample_prompts
 
-        self._sample, self.seed, self.prompts = sample_prompts, seed, list(prompts)
-        texts = sample_prompts(heldout_size, seed, split="heldout") if heldout_size else []
-        self._heldout = [Prompt(f"heldout-{i:05d}", t, {}) for i, t in enumerate(texts)]
-
-    def heldout(self) -> list[Prompt]:
-        return list(self._heldout)
-
-    def batch(self, iteration: int, n: int) -> list[Prompt]:
-        if self.prompts:
-            texts = [self.prompts[(iteration * n + i) % len(self.prompts)] for i in range(n)]
-        else:
-            texts = self._sample(n, derive_seed(self.seed, "train", iteration) & 0xFFFFFFFF, split="train")
-        return [Prompt(f"it{iteration:06d}-{i:05d}", t, {}) for i, t in enumerate(texts)]
+        super().__init__(sample_prompts, heldout_size=heldout_size, seed=seed, prompts=prompts)
 
 
 @sources.register("videotoy")
