@@ -200,17 +200,23 @@ class DedicatedEngine(RolloutEngine):
         manifest = self.storage.read_json(f"{weights_rel}/{MANIFEST}")
         reports = self.wire.reports_version
         client.update_weights_from_disk(str(self.local(weights_rel)), str(version) if reports else None)
-        served = client.weight_version() if reports else str(version)
-        if served != str(version):
-            raise EngineVersionError(f"rollout engine at {client.url} reports weight version {served!r} after loading "
-                                     f"{weights_rel} as version {version}")
-        if self.reports_checksum and manifest.get("weights_sha256"):
-            got = client.get_weights_checksum(["model"]).get("model")
-            if got != manifest["weights_sha256"]:
-                raise EngineVersionError(f"rollout engine at {client.url} holds weights with checksum {got} after loading "
-                                         f"{weights_rel}, whose tensors' checksum is {manifest['weights_sha256']}")
-        self._version = version
+        self._check_loaded(client, version, f"loading {weights_rel} as version {version}", manifest.get("weights_sha256"),
+                           reports_version=reports)
         return {"weights": weights_rel, "load_s": time.perf_counter() - start}
+
+    def _check_loaded(self, client: Any, version: int, what: str, sha256: str | None, *, reports_version: bool = True) -> None:
+        """After `what` (a load, a broadcast): the engine serves `version` (where its wire reports
+        versions) and, where it reports checksums, tensors whose checksum is `sha256`; else
+        EngineVersionError naming the engine and what it holds. Then `version` is the engine's."""
+        served = client.weight_version() if reports_version else str(version)
+        if served != str(version):
+            raise EngineVersionError(f"rollout engine at {client.url} reports weight version {served!r} after {what}")
+        if self.reports_checksum and sha256:
+            got = client.get_weights_checksum(["model"]).get("model")
+            if got != sha256:
+                raise EngineVersionError(f"rollout engine at {client.url} holds weights with checksum {got} after {what}, "
+                                         f"whose tensors' checksum is {sha256}")
+        self._version = version
 
     def load_adapter(self, adapter_rel: str, version: int) -> dict[str, Any]:
         """Hot-load published LoRA adapters under the name vNNNNNN and unload the previous ones."""
@@ -303,16 +309,7 @@ class DedicatedEngine(RolloutEngine):
                                    group_name=name, weight_version=str(version))
             sent = trainer.call("broadcast_weights", group_name=name)
             received.result()
-        served = client.weight_version()
-        if served != str(version):
-            raise EngineVersionError(f"rollout engine at {client.url} reports weight version {served!r} after the "
-                                     f"broadcast of version {version}")
-        if self.reports_checksum and sent.get("weights_sha256"):
-            got = client.get_weights_checksum(["model"]).get("model")
-            if got != sent["weights_sha256"]:
-                raise EngineVersionError(f"rollout engine at {client.url} holds weights with checksum {got} after the "
-                                         f"broadcast of version {version}, whose tensors' checksum is {sent['weights_sha256']}")
-        self._version = version
+        self._check_loaded(client, version, f"the broadcast of version {version}", sent.get("weights_sha256"))
         return {"pushed": len(s["names"]), "push_s": time.perf_counter() - start}
 
     def release(self) -> None:
