@@ -28,7 +28,7 @@ class ProducerProcess:
         self.starts = 0
 
     def start(self) -> None:
-        from stages.workers.group import die_with_parent
+        from stages.workers.group import spawn
 
         spec = self.scratch / "spec.json"
         spec.write_text(json.dumps({"recipe": self.recipe.model_dump(mode="json"), "run_name": self.run_name}))
@@ -37,9 +37,8 @@ class ProducerProcess:
         if self.api_url:
             env["PREFECT_API_URL"] = self.api_url
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen([sys.executable, "-m", "flows.producer", "--spec", str(spec)], env=env,
-                                         stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         preexec_fn=die_with_parent, start_new_session=True)
+            self.proc = spawn([sys.executable, "-m", "flows.producer", "--spec", str(spec)], env=env,
+                              stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.starts += 1
 
     def alive(self) -> None:

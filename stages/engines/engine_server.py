@@ -70,7 +70,7 @@ class EngineServer(DedicatedEngine):
     def _launch(self, version: int) -> None:
         """Start `python -m stages.engine_server` serving weights/v{version} (or the initial weights
         and then the adapters of `version`)."""
-        from stages.workers.group import die_with_parent, kill_tree
+        from stages.workers.group import kill_tree, spawn
 
         if self.proc is not None:
             if self.starts > self.cfg.restarts:
@@ -93,9 +93,8 @@ class EngineServer(DedicatedEngine):
         if self.starts:  # a fault injected into the engine (UNIRL_FAULTS=engine-generate) hits its first start only
             env.pop("UNIRL_FAULTS", None)
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen([sys.executable, "-m", "stages.engine_server", "--spec", str(spec_path)], env=env,
-                                         stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         preexec_fn=die_with_parent, start_new_session=True)
+            self.proc = spawn([sys.executable, "-m", "stages.engine_server", "--spec", str(spec_path)], env=env,
+                              stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.starts += 1
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while not ready.exists():

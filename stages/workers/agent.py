@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from stages.storage import RunStorage
 from stages.workers import rendezvous as rdzv
-from stages.workers.group import die_with_parent, first_failure, kill_tree, threads_per_rank
+from stages.workers.group import first_failure, kill_tree, spawn, threads_per_rank
 
 
 def open_group(storage: RunStorage, timeout_s: float) -> str:
@@ -70,8 +70,8 @@ def serve_node(storage: RunStorage, recipe: Any, *, group: str = "", log: Callab
     env = {**os.environ, "UNIRL_CONTROL_TOKEN": token, "OMP_NUM_THREADS": str(threads), "UNIRL_NODE_WRAPPER_PID": str(os.getpid())}
     log(f"[unirl] node agent for run {storage.run}, group {group}: {plan.nproc_per_node} rank(s), rendezvous "
         f"{plan.endpoint} (id {plan.rdzv_id})")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            preexec_fn=die_with_parent, start_new_session=True, text=True, errors="replace")
+    proc = spawn(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                 text=True, errors="replace")
     rdzv.write_agent(storage, group, proc.pid, state="joining")
     tail: collections.deque[str] = collections.deque(maxlen=200)
     reader = threading.Thread(target=_stream, args=(proc, tail, log), daemon=True)

@@ -32,7 +32,7 @@ from stages.recipe import Recipe
 from stages.storage import RunStorage, iter_dir, join
 from stages.workers import rendezvous as rdzv
 from stages.workers.control import recv_json, send_json
-from stages.workers.processes import die_with_parent, first_failure, free_port, kill_tree, threads_per_rank  # noqa: F401 (re-exported)
+from stages.workers.processes import die_with_parent, first_failure, free_port, kill_tree, spawn, threads_per_rank  # noqa: F401 (re-exported)
 
 
 class WorkerError(RuntimeError):
@@ -127,10 +127,7 @@ class WorkerGroup:
 
     def _launch(self, cmd: list[str], env: dict[str, str]) -> None:
         logf = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=die_with_parent, start_new_session=True,
-        )
+        self.proc = spawn(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         logf.close()
         _LIVE.add(self)
 

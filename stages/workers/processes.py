@@ -1,5 +1,5 @@
 """Local processes of a worker group: how many threads each rank takes, launching so that a
-child dies with its parent, ending a whole torchrun tree, and reading torchrun's failure report."""
+child dies with its parent (`spawn`), ending a whole torchrun tree, and reading torchrun's failure report."""
 from __future__ import annotations
 
 import os
@@ -7,6 +7,9 @@ import re
 import signal
 import socket
 import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 
 def threads_per_rank(nproc: int) -> int:
@@ -39,13 +42,31 @@ def free_port() -> int:
 
 
 def die_with_parent() -> None:
-    """Linux: get SIGKILL when the parent process dies (PR_SET_PDEATHSIG), so no child is orphaned."""
+    """Linux: get SIGKILL when the parent dies (PR_SET_PDEATHSIG), so no child is orphaned. The
+    parent is the *thread* that forked this process: start children with `spawn`."""
     import ctypes
 
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
     except OSError:
         pass
+
+
+_spawner: ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
+def spawn(cmd: list[str], **kwargs: Any) -> subprocess.Popen:
+    """`subprocess.Popen(cmd, **kwargs)` in a new session, dying with this process (`die_with_parent`),
+    forked from one thread that lives as long as this process. Linux sends PR_SET_PDEATHSIG's
+    signal when the thread that forked a child ends, not its process: a worker group, rollout
+    engine or producer forked from a short-lived thread (an iteration's flow run started ahead, a
+    Prefect task's thread) would be SIGKILLed the moment that thread finished."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unirl-spawner")
+    return _spawner.submit(subprocess.Popen, cmd, preexec_fn=die_with_parent, start_new_session=True, **kwargs).result()
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

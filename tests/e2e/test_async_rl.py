@@ -1,5 +1,6 @@
-"""Async RL through the real CLI: the rl-producer flow in its own process samples ahead on the
-engine server while the trainer trains, under max_staleness 1. The producer is SIGKILLed as it
+"""The engine server through the real CLI. Sync: one engine process serves every iteration.
+Async: the rl-producer flow in its own process samples ahead on the engine server while the
+trainer trains, under max_staleness 1. The producer is SIGKILLed as it
 commits iteration 1's batch: the trainer starts it again, it resumes at its first uncommitted
 batch, and that batch is exactly what the killed producer would have committed (the schedule and
 the seeds depend on the iteration alone): nothing lost, nothing sampled or trained twice."""
@@ -51,3 +52,20 @@ def test_a_killed_producer_is_restarted_and_loses_nothing(tmp_path, unirl_env):
     committed = read_rollouts(storage, ["iter-000001/rollouts/part-000.arrow"])
     for column in ("sample_id", "response_ids", "response_logprobs"):
         assert again.column(column).to_pylist() == committed.column(column).to_pylist(), column
+
+
+def test_a_sync_engine_serves_every_iteration_without_a_restart(tmp_path, unirl_env):
+    """The engine starts inside iteration 0's flow run (each iteration's run has a thread of its
+    own: they are started ahead) and must outlive that thread: iteration 1 samples on the same
+    engine, synced to version 1. (It used to be SIGKILLed as iteration 0's thread ended, and every
+    later iteration paid a restart, until the restarts ran out.)"""
+    root = tmp_path / "runs"
+    out = run_unirl(["run", str(TINY), "iterations=2", "reward.scorers=[{name: integer_format}]",
+                     "rollout.engine.name=engine_server", "eval.enabled=false", f"storage.root={root}"], unirl_env)
+    said = out.stdout + out.stderr
+    assert "rollout engine died" not in said and "starting it again" not in said, said[-3000:]
+    for i in range(2):
+        rows = ipc.open_file(str(root / "tiny" / f"iter-{i:06d}/rollouts/part-000.arrow")).read_all()
+        assert set(rows.column("policy_version").to_pylist()) == {i}
+        train = json.loads((root / "tiny" / f"iter-{i:06d}/train.json").read_text())["metrics"]
+        assert train["behaviour_logp_max_abs_diff"] <= 1e-4  # the engine's record, replayed by the trainer

@@ -63,3 +63,52 @@ Root Cause (first observed failure):
 def test_the_rank_named_is_torchruns_root_cause_not_the_ranks_it_stopped_after() -> None:
     assert first_failure(REPORT) == "rank 1 (local rank 1, pid 17221) exited with signal SIGKILL"
     assert first_failure("no report here") == ""
+
+
+def test_a_child_spawned_from_a_thread_that_ends_lives_on_and_dies_with_the_process() -> None:
+    """Groups, engines and producers are started from whatever thread needs them first (an
+    iteration's flow run started ahead has its own): PR_SET_PDEATHSIG fires when the forking
+    *thread* ends, so `spawn` forks from one thread that lives as long as the process. A rollout
+    engine started in iteration 0 used to be SIGKILLed as iteration 0's thread finished."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import psutil
+
+    from stages.workers.processes import spawn
+    from tests.conftest import REPO
+
+    code = ("import subprocess, sys, threading, time\n"
+            "from stages.workers.processes import spawn\n"
+            "box = []\n"
+            "t = threading.Thread(target=lambda: box.append(spawn([sys.executable, '-c', 'import time; time.sleep(60)'])))\n"
+            "t.start(); t.join(); time.sleep(1.0)\n"
+            "print(box[0].pid, box[0].poll(), flush=True)\n"
+            "time.sleep(60)\n")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        pid, status = owner.stdout.readline().split()
+        assert status == "None", "the child died with the thread that started it"
+        child = psutil.Process(int(pid))
+        assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+        owner.kill()
+        owner.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while child.is_running() and child.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not (child.is_running() and child.status() != psutil.STATUS_ZOMBIE), "the child outlived its process"
+    finally:
+        owner.kill()
+    # In this process too: a thread's spawn returns a running child.
+    box: list[subprocess.Popen] = []
+    t = threading.Thread(target=lambda: box.append(spawn([sys.executable, "-c", "import time; time.sleep(60)"])))
+    t.start()
+    t.join()
+    time.sleep(0.5)
+    try:
+        assert box[0].poll() is None
+    finally:
+        box[0].kill()
+        box[0].wait(timeout=10)
