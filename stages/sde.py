@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from stages.seeds import derive_seed
 
-SDE_KINDS = ("flow", "dance", "cps", "ode")
-SELECTION_MODES = ("all", "window", "mixgrpo")
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
@@ -160,48 +158,86 @@ def sde_step(
     batch, ndim = x.shape[0], x.ndim
     sig = _per_sample(sigma, batch, x.device, "sigma")
     sig_next = _per_sample(sigma_next, batch, x.device, "sigma_next")
-    s = _bcast(sig, ndim)
-    s_next = _bcast(sig_next, ndim)
-    dt = s_next - s
-
-    if kind == "ode" or eta == 0:
-        mean = x + v * dt
+    step = _Step(x, v, sig, _bcast(sig, ndim), _bcast(sig_next, ndim), float(eta), sigma_max)
+    mean, scale, log_prob_of = (_ode if eta == 0 else _STEP_KINDS[kind])(step)
+    if log_prob_of is None:  # a deterministic step
         out = mean if prev_sample is None else prev_sample.float()
         return SDEStepOutput(out, None, mean, torch.zeros_like(sig))
-
-    if kind == "cps":
-        std = s_next * math.sin(eta * math.pi / 2)
-        x0 = x - s * v
-        x1 = x + (1 - s) * v
-        mean = x0 * (1 - s_next) + x1 * torch.sqrt((s_next**2 - std**2).clamp_min(0))
-        scale = std
-    else:
-        if kind == "flow":
-            if bool((sig == 1).any()) and not 0 < sigma_max < 1:
-                raise ValueError(
-                    f"sigma_max must be in (0, 1) for kind 'flow' at sigma == 1, got {sigma_max}; "
-                    "pass the schedule's sigmas[1]"
-                )
-            s_max = torch.tensor(sigma_max, dtype=torch.float32, device=x.device)
-            s_eff = torch.where(s == 1, s_max, s)
-            std = eta * torch.sqrt(s / (1 - s_eff))
-        else:
-            std = torch.full_like(s, float(eta))
-        mean = x * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
-        scale = std * torch.sqrt(-dt)
 
     if prev_sample is None:
         noise = torch.randn(x.shape, generator=generator, dtype=torch.float32, device=x.device)
         prev_sample = mean + scale * noise
     else:
         prev_sample = prev_sample.float()
+    return SDEStepOutput(prev_sample, log_prob_of(prev_sample, mean, scale), mean, scale.reshape(batch))
 
-    if kind == "cps":
-        log_prob = -_mean_over_sample((prev_sample - mean) ** 2)
-    else:
-        log_density = -((prev_sample - mean) ** 2) / (2 * scale**2) - torch.log(scale) - _LOG_SQRT_2PI
-        log_prob = _mean_over_sample(log_density)
-    return SDEStepOutput(prev_sample, log_prob, mean, scale.reshape(batch))
+
+@dataclass
+class _Step:
+    """One step's float32 inputs: `sig` the (B,) sigmas, `s` and `s_next` broadcast to x's dims."""
+
+    x: Tensor
+    v: Tensor
+    sig: Tensor
+    s: Tensor
+    s_next: Tensor
+    eta: float
+    sigma_max: float
+
+    @property
+    def dt(self) -> Tensor:
+        return self.s_next - self.s
+
+
+# A kind: step -> (mean, scale, log_prob(x', mean, scale)); log_prob None for a deterministic step.
+Moments = tuple[Tensor, Any, Any]
+
+
+def _gaussian_log_prob(prev: Tensor, mean: Tensor, scale: Tensor) -> Tensor:
+    return _mean_over_sample(-((prev - mean) ** 2) / (2 * scale**2) - torch.log(scale) - _LOG_SQRT_2PI)
+
+
+def _cps_log_prob(prev: Tensor, mean: Tensor, scale: Tensor) -> Tensor:
+    return -_mean_over_sample((prev - mean) ** 2)
+
+
+def _ode(st: _Step) -> Moments:
+    return st.x + st.v * st.dt, None, None
+
+
+def _reverse_sde(st: _Step, std: Tensor) -> Moments:
+    """The SDE with the flow ODE's marginals, at noise std `std` (flow, dance)."""
+    s, dt = st.s, st.dt
+    mean = st.x * (1 + std**2 / (2 * s) * dt) + st.v * (1 + std**2 * (1 - s) / (2 * s)) * dt
+    return mean, std * torch.sqrt(-dt), _gaussian_log_prob
+
+
+def _flow(st: _Step) -> Moments:
+    if bool((st.sig == 1).any()) and not 0 < st.sigma_max < 1:
+        raise ValueError(
+            f"sigma_max must be in (0, 1) for kind 'flow' at sigma == 1, got {st.sigma_max}; "
+            "pass the schedule's sigmas[1]"
+        )
+    s_max = torch.tensor(st.sigma_max, dtype=torch.float32, device=st.x.device)
+    s_eff = torch.where(st.s == 1, s_max, st.s)
+    return _reverse_sde(st, st.eta * torch.sqrt(st.s / (1 - s_eff)))
+
+
+def _dance(st: _Step) -> Moments:
+    return _reverse_sde(st, torch.full_like(st.s, st.eta))
+
+
+def _cps(st: _Step) -> Moments:
+    s, s_next = st.s, st.s_next
+    std = s_next * math.sin(st.eta * math.pi / 2)
+    x0 = st.x - s * st.v
+    x1 = st.x + (1 - s) * st.v
+    mean = x0 * (1 - s_next) + x1 * torch.sqrt((s_next**2 - std**2).clamp_min(0))
+    return mean, std, _cps_log_prob
+
+
+_STEP_KINDS: dict[str, Callable[[_Step], Moments]] = {"flow": _flow, "dance": _dance, "cps": _cps, "ode": _ode}
+SDE_KINDS = tuple(_STEP_KINDS)
 
 
 # ---------------------------------------------------------------- which steps are SDE steps
@@ -247,9 +283,12 @@ def select_sde_steps(
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     if mode not in SELECTION_MODES:
         raise ValueError(f"unknown SDE step selection mode {mode!r}; allowed: {', '.join(SELECTION_MODES)}")
-    if mode == "all":
-        return torch.arange(num_steps, dtype=torch.long)
+    return _SELECTIONS[mode](num_steps, window, window_size, num_sde_steps=num_sde_steps, generator=generator,
+                             iteration=iteration, stride=stride, shift_every=shift_every, wrap=wrap)
 
+
+def _block(num_steps: int, window: Sequence[float] | None, window_size: int | None) -> tuple[int, int, int]:
+    """(first step, number of steps) of the window's range and the block's size."""
     first, end = _fraction_range(num_steps, window)
     span = end - first
     size = span if window_size is None else int(window_size)
@@ -261,21 +300,16 @@ def select_sde_steps(
             f"num_steps={num_steps}, window={list(window) if window is not None else [0, 1]}); "
             "lower window_size, widen window, or raise num_steps"
         )
+    return first, span, size
 
-    if mode == "mixgrpo":
-        if stride < 1 or shift_every < 1:
-            raise ValueError(f"stride and shift_every must be >= 1, got {stride} and {shift_every}")
-        if iteration < 0:
-            raise ValueError(f"iteration must be >= 0, got {iteration}")
-        moves = iteration // shift_every
-        if wrap:
-            positions = (span - size) // stride + 1
-            offset = (moves % positions) * stride
-        else:
-            offset = min(moves * stride, span - size)
-        start = first + offset
-        return torch.arange(start, start + size, dtype=torch.long)
 
+def _select_all(num_steps: int, window: Sequence[float] | None, window_size: int | None, **_: Any) -> Tensor:
+    return torch.arange(num_steps, dtype=torch.long)
+
+
+def _select_window(num_steps: int, window: Sequence[float] | None, window_size: int | None, *,
+                   num_sde_steps: int | None, generator: torch.Generator | None, **_: Any) -> Tensor:
+    first, span, size = _block(num_steps, window, window_size)
     count = size if num_sde_steps is None else int(num_sde_steps)
     if not 1 <= count <= size:
         raise ValueError(f"num_sde_steps must be in [1, window_size={size}], got {count}")
@@ -290,6 +324,27 @@ def select_sde_steps(
     if count < size:
         picked = torch.randperm(size, generator=generator)[:count]
     return torch.sort(start + picked).values
+
+
+def _select_sliding(num_steps: int, window: Sequence[float] | None, window_size: int | None, *,
+                    iteration: int, stride: int, shift_every: int, wrap: bool, **_: Any) -> Tensor:
+    first, span, size = _block(num_steps, window, window_size)
+    if stride < 1 or shift_every < 1:
+        raise ValueError(f"stride and shift_every must be >= 1, got {stride} and {shift_every}")
+    if iteration < 0:
+        raise ValueError(f"iteration must be >= 0, got {iteration}")
+    moves = iteration // shift_every
+    if wrap:
+        positions = (span - size) // stride + 1
+        offset = (moves % positions) * stride
+    else:
+        offset = min(moves * stride, span - size)
+    start = first + offset
+    return torch.arange(start, start + size, dtype=torch.long)
+
+
+_SELECTIONS: dict[str, Callable[..., Tensor]] = {"all": _select_all, "window": _select_window, "mixgrpo": _select_sliding}
+SELECTION_MODES = tuple(_SELECTIONS)
 
 
 # ---------------------------------------------------------------- initial noise
