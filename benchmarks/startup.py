@@ -5,8 +5,9 @@
 Each round starts a fresh interpreter per case and mode and measures the CPU seconds
 (`time.process_time`) to import what that process imports before it works: the flow process
 (`flows.rl`, `mlflow.tracking`) and a worker rank of the qwen3 and of the sd3 family (the worker
-and the modules the family has the rank preload: transformers, diffusers, peft). "on" is Python's default, "off" is what stages/startup.py does (the collector off
-until the imports are done). Medians over the rounds; the modes alternate within a round, so a
+and the modules the family has the rank preload: transformers, diffusers, peft). "on" is
+Python's default, "off" is what stages/startup.py does (the collector off until the imports are
+done). Medians over the rounds; the modes alternate within a round, so a
 busy machine slows both alike.
 """
 from __future__ import annotations
@@ -28,6 +29,8 @@ def cases() -> dict[str, str]:
     for kind in ("qwen3", "sd3"):
         out[f"{kind} worker rank"] = ",".join(("stages.workers.worker", *get_family(kind).modules))
     return out
+
+
 PROBE = """
 import gc, importlib, sys, time
 start = time.process_time()

@@ -30,25 +30,18 @@ class GenEvalData(Section):
         return self
 
 
-class GenEvalPrompts(ProceduralPrompts):
-    """Toy-GenEval prompts (stages.sources.ProceduralPrompts); metadata carries the prompt for the
-    detector."""
-
-    def __init__(self, *, heldout_size: int = 32, seed: int = 0, prompts: list[str] | None = None):
-        from stages.geneval.dataset import sample_prompts
-
-        super().__init__(sample_prompts, heldout_size=heldout_size, seed=seed, prompts=list(prompts or []),
-                         meta=lambda text: {"geneval_prompt": text})
-
-
 @sources.register("geneval")
 class GenEvalSource(Source):
     name = "geneval"
     config = GenEvalData
 
     @classmethod
-    def build(cls, cfg: GenEvalData) -> GenEvalPrompts:
-        return GenEvalPrompts(heldout_size=cfg.heldout_size, seed=cfg.seed, prompts=cfg.prompts)
+    def build(cls, cfg: GenEvalData) -> ProceduralPrompts:
+        """Prompts whose metadata carries the prompt for the detector."""
+        from stages.geneval.dataset import sample_prompts
+
+        return ProceduralPrompts(sample_prompts, heldout_size=cfg.heldout_size, seed=cfg.seed, prompts=cfg.prompts,
+                                 meta=lambda text: {"geneval_prompt": text})
 
     @classmethod
     def image_size(cls, recipe: Any) -> int | None:

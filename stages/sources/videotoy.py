@@ -30,23 +30,17 @@ class VideoToyData(Section):
         return self
 
 
-class VideoToyPrompts(ProceduralPrompts):
-    """Toy video prompts (stages.sources.ProceduralPrompts); the scorer parses the prompt itself."""
-
-    def __init__(self, *, heldout_size: int, seed: int, prompts: list[str]):
-        from stages.videotoy import sample_prompts
-
-        super().__init__(sample_prompts, heldout_size=heldout_size, seed=seed, prompts=prompts)
-
-
 @sources.register("videotoy")
 class VideoToySource(Source):
     name = "videotoy"
     config = VideoToyData
 
     @classmethod
-    def build(cls, cfg: VideoToyData) -> VideoToyPrompts:
-        return VideoToyPrompts(heldout_size=cfg.heldout_size, seed=cfg.seed, prompts=cfg.prompts)
+    def build(cls, cfg: VideoToyData) -> ProceduralPrompts:
+        """Prompts without metadata: the scorer parses the prompt itself."""
+        from stages.videotoy import sample_prompts
+
+        return ProceduralPrompts(sample_prompts, heldout_size=cfg.heldout_size, seed=cfg.seed, prompts=cfg.prompts)
 
     @classmethod
     def media(cls, recipe: Any) -> tuple[int, int | None]:
