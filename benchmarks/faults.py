@@ -34,7 +34,10 @@ RECIPE = REPO / "recipes" / "ar" / "quickstart.yaml"
 TINY = ["sft.steps=4", "sft.examples=64", "sft.batch_size=16", "rollout.prompts_per_iteration=4", "rollout.group_size=4",
         "iterations=3", "checkpoint_every=2", "data.heldout_size=4", "eval.k=2"]
 ITERATIONS = 3
-NO_SFT = ["sft=null"]  # rows that need no warm start skip it (one worker group start less per run)
+NO_SFT = ["sft=null"]
+# How `unirl` commands start: as fresh interpreters; the test suite forks them from a warm one
+# instead (tests/zygote.py, set in tests/e2e/faults_bench.py).
+popen, run_command = subprocess.Popen, subprocess.run  # rows that need no warm start skip it (one worker group start less per run)
 # (row, UNIRL_FAULTS): the SIGKILL rows, in the order a run reaches them.
 KILLS = [
     ("SIGKILL in SFT", "sft"),
@@ -61,8 +64,8 @@ class Row:
 
 
 def unirl(args: list[str], env: dict[str, str], check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = run_command([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=timeout)
     if check and proc.returncode != 0:
         raise RuntimeError(f"unirl {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return proc
@@ -238,7 +241,7 @@ def node_row(bench: Bench) -> Row:
             if group and group not in seen:
                 seen.add(group)
                 agent_env = {**env, "UNIRL_FAULTS": "train-node@1"} if faulty else env
-                subprocess.Popen([sys.executable, "-m", "flows.cli", "agent", str(RECIPE), *args[2:], "--group", group],
+                popen([sys.executable, "-m", "flows.cli", "agent", str(RECIPE), *args[2:], "--group", group],
                                  cwd=REPO, env=agent_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(0.5)
 
@@ -282,7 +285,7 @@ def s3_row(bench: Bench) -> Row:
     fs.mkdir(bucket)
     root = f"s3://{bucket}/runs"
     args = run_args(root, "r", NO_SFT)  # type: ignore[arg-type]
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+    proc = popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 600
@@ -351,7 +354,7 @@ def reward_server_row(bench: Bench) -> Row:
     root = bench.work / "reward"
     remote = f"reward.scorers=[{{name: remote, params: {{url: 'http://127.0.0.1:{port}', attempts: 8}}}}]"
     env = {**bench.env, "UNIRL_REWARD_TOKEN": token}
-    run = subprocess.Popen([sys.executable, "-m", "flows.cli", *run_args(root, "r", [*NO_SFT, remote, "eval.scorer=exact_match"])],
+    run = popen([sys.executable, "-m", "flows.cli", *run_args(root, "r", [*NO_SFT, remote, "eval.scorer=exact_match"])],
                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     server = None
     try:

@@ -120,7 +120,9 @@ def ephemeral_env(tmp_path: Path) -> dict[str, str]:
 
 
 def run_unirl(args: list[str], env: dict[str, str], timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
+    from tests import zygote
+
+    proc = zygote.run(
         [sys.executable, "-m", "flows.cli", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout,
     )
     if check and proc.returncode != 0:

@@ -13,6 +13,10 @@ from tests.conftest import REPO
 sys.path.insert(0, str(REPO / "benchmarks"))
 import faults  # noqa: E402
 
+from tests import zygote  # noqa: E402
+
+faults.popen, faults.run_command = zygote.popen, zygote.run  # `unirl` commands forked warm (tests/zygote.py)
+
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory, prefect_server, mlflow_uri):

@@ -4,6 +4,8 @@ files; each ends in a clear error or is passed over, and the rerun ends where an
 does."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.e2e.faults_bench import bench, check, faults  # noqa: F401 - bench is a fixture
@@ -13,7 +15,10 @@ pytestmark = pytest.mark.slow
 
 def test_a_killed_rank_is_named_and_the_rerun_resumes(bench):
     row = faults.rank_row(bench)
-    assert "rank 1 (local rank 1, pid " in row.seen and "exited with signal SIGKILL during 'train'" in row.seen
+    # How the flow notices (rank 0's connection closes, or its poll finds the group gone) is a race;
+    # either way the error names the rank, the signal and the command.
+    assert re.search(r"rank 1 \(local rank 1, pid \d+\) exited with signal SIGKILL (\(it closed the connection\) )?during 'train'",
+                     row.seen), row.seen
     check([row])
 
 

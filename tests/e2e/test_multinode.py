@@ -27,6 +27,7 @@ import pytest
 import s3fs
 from moto.server import ThreadedMotoServer
 
+from tests import zygote
 from tests.conftest import REPO, TINY, run_unirl
 from tests.e2e.test_rl_flow import SIGNAL
 
@@ -203,7 +204,7 @@ def test_sd3_on_two_nodes_started_by_hand_equals_one_node_and_resumes_on_fewer_n
     path = tmp_path / "sd3-nodes.yaml"
     path.write_text(two.to_yaml())
     group.prewarm()
-    agent = subprocess.Popen([sys.executable, "-m", "flows.cli", "agent", str(path), "--run-name", "mn"], cwd=REPO,
+    agent = zygote.popen([sys.executable, "-m", "flows.cli", "agent", str(path), "--run-name", "mn"], cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         group.start(None)

@@ -18,6 +18,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from stages.advantage import group_advantages
+from tests import zygote
 from tests.conftest import REPO, TINY, run_unirl
 
 pytestmark = pytest.mark.slow
@@ -170,7 +171,7 @@ def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, eph
     # The run stops itself once iteration 1 trained and synced, before it commits: the group
     # holds a version that no checkpoint has, so the resumed run must restore and replay, not
     # retrain. The kill below is ours, from outside, as a user's would be.
-    proc = subprocess.Popen(
+    proc = zygote.popen(
         [sys.executable, "-m", "flows.cli", *args], env={**unirl_env, "UNIRL_FAULTS": STOP_AT_SYNC}, cwd=REPO,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )

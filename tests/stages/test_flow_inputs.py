@@ -5,7 +5,6 @@ preview is an animated grid."""
 from __future__ import annotations
 
 import io
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from PIL import Image
 
 from stages.recipe import RecipeError, build_recipe
+from tests import zygote
 from tests.conftest import REPO
 from tests.tiny import CASES, merged
 
@@ -59,7 +59,7 @@ def test_an_image_side_the_vae_and_patch_cannot_take_names_the_field(tiny_weight
 
 
 def test_unirl_validate_reports_it_before_anything_loads(tmp_path, tiny_weights):
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "validate", str(REPO / "recipes/video/wan.yaml"),
+    out = zygote.run([sys.executable, "-m", "flows.cli", "validate", str(REPO / "recipes/video/wan.yaml"),
                           "rollout.sampler.num_frames=4", f"model.path={tiny_weights('hunyuan_video')}"],
                          cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 2

@@ -2,12 +2,12 @@
 exits non-zero before any model is loaded."""
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
 from stages.recipe import Recipe, RecipeError, load_recipe
+from tests import zygote
 from tests.conftest import REPO, TINY
 
 
@@ -82,10 +82,10 @@ def test_recipe_schema_carries_descriptions():
 
 def test_cli_validate_exit_codes():
     cmd = [sys.executable, "-m", "flows.cli", "validate", str(TINY)]
-    ok = subprocess.run(cmd + ["iterations=2"], cwd=REPO, capture_output=True, text=True)
+    ok = zygote.run(cmd + ["iterations=2"], cwd=REPO, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "iterations: 2" in ok.stdout
-    bad = subprocess.run(cmd + ["train.lr=-0.1", "model.bogus=1"], cwd=REPO, capture_output=True, text=True)
+    bad = zygote.run(cmd + ["train.lr=-0.1", "model.bogus=1"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2
     assert "train.lr: Input should be greater than 0; got -0.1" in bad.stderr
     assert "model.bogus: unknown field (allowed: chat_template, dtype, kind, lora, path, tiny)" in bad.stderr

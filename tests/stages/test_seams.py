@@ -4,7 +4,6 @@ recipe field is read by something is checked at the end of the suite: tests/reci
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from stages.algorithms import BehaviourMismatchError
 from stages.algorithms.base import algorithms
 from stages.models.family import families
 from stages.recipe import RecipeError, build_recipe
+from tests import zygote
 from tests.conftest import REPO
 from tests.tiny import TINY, merged
 
@@ -66,7 +66,7 @@ def test_several_updates_for_an_algorithm_that_cannot_are_refused(monkeypatch):
 
 
 def test_nft_without_ema_fails_validate_in_the_cli(tmp_path):
-    bad = subprocess.run([sys.executable, "-m", "flows.cli", "validate", str(REPO / "recipes/diffusion/nft.yaml"), "train.ema=null"],
+    bad = zygote.run([sys.executable, "-m", "flows.cli", "validate", str(REPO / "recipes/diffusion/nft.yaml"), "train.ema=null"],
                          cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2
     assert "train.ema: algorithm `nft` samples with and regresses against an EMA old policy" in bad.stderr

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from stages.engines.client import EngineClient, EngineError
+from tests import zygote
 from tests.engine_helpers import TOKEN, engine_server
 from tests.tiny import TINY
 
@@ -128,15 +129,14 @@ def test_pause_holds_requests_and_release_frees_the_weights(served):
 
 
 def test_the_cli_refuses_to_serve_without_a_token(tmp_path):
-    import subprocess
     import sys
 
     from tests.conftest import REPO
 
     env = {k: v for k, v in __import__("os").environ.items() if k != "UNIRL_ENGINE_TOKEN"}
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "engine-server", str(REPO / "recipes/ar/tiny.yaml")],
+    out = zygote.run([sys.executable, "-m", "flows.cli", "engine-server", str(REPO / "recipes/ar/tiny.yaml")],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "$UNIRL_ENGINE_TOKEN is empty" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "engine-server", str(REPO / "recipes/ar/tiny.yaml"), "--no-auth",
+    out = zygote.run([sys.executable, "-m", "flows.cli", "engine-server", str(REPO / "recipes/ar/tiny.yaml"), "--no-auth",
                           "--host", "0.0.0.0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "serve loopback only without a token" in out.stderr
