@@ -44,7 +44,8 @@ def import_env() -> dict[str, str]:
 PRELOAD = (
     "torch", "numpy", "pyarrow", "pyarrow.compute", "pyarrow.ipc", "safetensors.torch", "PIL.Image", "yaml", "pydantic",
     "httpx", "anyio", "rich.console", "sqlalchemy", "fastapi", "uvicorn", "mlflow", "mlflow.tracking",
-    "mlflow.store.tracking.sqlalchemy_store",
+    "mlflow.store.tracking.sqlalchemy_store", "aiohttp", "botocore.session", "cryptography.fernet", "griffe", "websockets",
+    "jsonschema", "coolname",
 )
 
 
