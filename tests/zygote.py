@@ -212,8 +212,11 @@ class Zygote:
             raise RuntimeError(f"the zygote server did not start (exit {self.proc.wait()})")
 
     def stop(self) -> None:
+        import shutil
+
         self.proc.stdin.close()
         self.proc.wait(timeout=30)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def popen(self, cmd: list[str], *, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None,
               stdin: Any = None, stdout: Any = None, stderr: Any = None, text: bool = False) -> Forked:
