@@ -34,10 +34,10 @@ RECIPE = REPO / "recipes" / "ar" / "quickstart.yaml"
 TINY = ["sft.steps=4", "sft.examples=64", "sft.batch_size=16", "rollout.prompts_per_iteration=4", "rollout.group_size=4",
         "iterations=3", "checkpoint_every=2", "data.heldout_size=4", "eval.k=2"]
 ITERATIONS = 3
-NO_SFT = ["sft=null"]
+NO_SFT = ["sft=null"]  # rows that need no warm start skip it (one worker group start less per run)
 # How `unirl` commands start: as fresh interpreters; the test suite forks them from a warm one
 # instead (tests/zygote.py, set in tests/e2e/faults_bench.py).
-popen, run_command = subprocess.Popen, subprocess.run  # rows that need no warm start skip it (one worker group start less per run)
+popen, run_command = subprocess.Popen, subprocess.run
 # (row, UNIRL_FAULTS): the SIGKILL rows, in the order a run reaches them.
 KILLS = [
     ("SIGKILL in SFT", "sft"),
@@ -242,7 +242,7 @@ def node_row(bench: Bench) -> Row:
                 seen.add(group)
                 agent_env = {**env, "UNIRL_FAULTS": "train-node@1"} if faulty else env
                 popen([sys.executable, "-m", "flows.cli", "agent", str(RECIPE), *args[2:], "--group", group],
-                                 cwd=REPO, env=agent_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                      cwd=REPO, env=agent_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(0.5)
 
     said, resumed = "", None
@@ -286,7 +286,7 @@ def s3_row(bench: Bench) -> Row:
     root = f"s3://{bucket}/runs"
     args = run_args(root, "r", NO_SFT)  # type: ignore[arg-type]
     proc = popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                 stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 600
         while not fs.exists(f"{bucket}/runs/r/lease.json"):
@@ -355,7 +355,7 @@ def reward_server_row(bench: Bench) -> Row:
     remote = f"reward.scorers=[{{name: remote, params: {{url: 'http://127.0.0.1:{port}', attempts: 8}}}}]"
     env = {**bench.env, "UNIRL_REWARD_TOKEN": token}
     run = popen([sys.executable, "-m", "flows.cli", *run_args(root, "r", [*NO_SFT, remote, "eval.scorer=exact_match"])],
-                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     server = None
     try:
         deadline = time.monotonic() + 600

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +42,8 @@ def import_env() -> dict[str, str]:
     from flows.console import QUIET_ENV
 
     return {"MLFLOW_LOGGING_LEVEL": QUIET_ENV["MLFLOW_LOGGING_LEVEL"], "MLFLOW_CONFIGURE_LOGGING": "true"}
+
+
 PRELOAD = (
     "torch", "numpy", "pyarrow", "pyarrow.compute", "pyarrow.ipc", "safetensors.torch", "PIL.Image", "yaml", "pydantic",
     "httpx", "anyio", "rich.console", "sqlalchemy", "fastapi", "uvicorn", "mlflow", "mlflow.tracking",
@@ -112,7 +115,6 @@ def run_child(command: dict[str, Any]) -> int:
     """In the forked child: become `python -m MODULE ARGS...` in the command's folder and
     environment."""
     import gc
-    import random
     import runpy
     import traceback
 
@@ -123,8 +125,7 @@ def run_child(command: dict[str, Any]) -> int:
     os.environ.update(command["env"])
     sys.path[0] = command["cwd"]  # `python -m` puts the working directory first
     sys.argv = [command["module"], *command["args"]]
-    random.seed()
-    np.random.seed()  # a fresh interpreter's global generators differ from process to process
+    np.random.seed()  # a fresh interpreter's generator differs from process to process (`random` reseeds itself on fork)
     gc.enable()
     try:
         runpy.run_module(command["module"], run_name="__main__", alter_sys=True)
@@ -186,10 +187,10 @@ class Forked:
             os.kill(self.pid, sig)
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
     def terminate(self) -> None:
-        self.send_signal(15)
+        self.send_signal(signal.SIGTERM)
 
     def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
         out = self.stdout.read() if self.stdout is not None else None
@@ -202,11 +203,10 @@ class Zygote:
     def __init__(self) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="unirl-zygote-"))
         self.path = str(self.folder / "socket")
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-        env.pop("OMP_NUM_THREADS", None)
-        env.update({"PYTHONUNBUFFERED": "1", **import_env()})
+        from tests.conftest import isolated_env
+
         self.proc = subprocess.Popen([sys.executable, __file__, self.path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env, cwd=str(self.folder))
+                                     env={**isolated_env(self.folder), **import_env()}, cwd=str(self.folder))
         line = self.proc.stdout.readline()
         if line.strip() != b"ready":
             raise RuntimeError(f"the zygote server did not start (exit {self.proc.wait()})")
@@ -233,7 +233,7 @@ class Zygote:
                 read, write = os.pipe()
                 opened.append(write if mode == "r" else read)
                 mine = read if mode == "r" else write
-                return opened[-1], open(mine, mode, encoding="utf-8" if text else None) if text else open(mine, mode + "b")
+                return opened[-1], open(mine, mode if text else mode + "b", encoding="utf-8" if text else None)
             if isinstance(spec, int):
                 return spec, None
             return spec.fileno(), None

@@ -103,7 +103,7 @@ def test_wan_through_unirl_run_and_resumed_after_sigkill_identically(wan_referen
     from tests.e2e.test_rl_flow import STOP_AT_SYNC, wait_stopped
 
     proc = zygote.popen([sys.executable, "-m", "flows.cli", *args], env={**unirl_env, "UNIRL_FAULTS": STOP_AT_SYNC},
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run = root / "e2e-wan"
     wait_stopped(proc)  # iteration 1 trained, not yet committed
     assert (run / "iter-000001" / "manifests" / "train.json").exists()

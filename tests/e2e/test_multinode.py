@@ -205,7 +205,7 @@ def test_sd3_on_two_nodes_started_by_hand_equals_one_node_and_resumes_on_fewer_n
     path.write_text(two.to_yaml())
     group.prewarm()
     agent = zygote.popen([sys.executable, "-m", "flows.cli", "agent", str(path), "--run-name", "mn"], cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         group.start(None)
         assert group.ready["world_size"] == 2 and len({r["node"] for r in group.ready["ranks"]}) == 2

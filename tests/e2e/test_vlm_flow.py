@@ -64,7 +64,7 @@ def test_sigkill_mid_run_resumes_to_the_uninterrupted_metrics(reference, tmp_pat
     root = tmp_path / "runs"
     args = ["run", RECIPE, *SMALL, "eval.enabled=false", f"storage.root={root}", "--run-name", "ref"]
     proc = zygote.popen([sys.executable, "-m", "flows.cli", *args], env={**env, "UNIRL_FAULTS": STOP_AT_SYNC}, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run = root / "ref"
     wait_stopped(proc)  # iteration 1 trained, not committed
     assert (run / "iter-000001" / "manifests" / "train.json").exists()

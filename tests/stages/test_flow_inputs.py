@@ -60,8 +60,8 @@ def test_an_image_side_the_vae_and_patch_cannot_take_names_the_field(tiny_weight
 
 def test_unirl_validate_reports_it_before_anything_loads(tmp_path, tiny_weights):
     out = zygote.run([sys.executable, "-m", "flows.cli", "validate", str(REPO / "recipes/video/wan.yaml"),
-                          "rollout.sampler.num_frames=4", f"model.path={tiny_weights('hunyuan_video')}"],
-                         cwd=REPO, capture_output=True, text=True)
+                      "rollout.sampler.num_frames=4", f"model.path={tiny_weights('hunyuan_video')}"],
+                     cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 2
     assert "model.path: " in out.stderr and "is a HunyuanVideoPipeline folder, not one model.kind 'wan' loads" in out.stderr
 

@@ -27,7 +27,7 @@ def test_run_names_that_would_leave_the_root_are_refused(name, tmp_path):
 
 def test_the_cli_refuses_a_run_name_before_anything_starts(tmp_path):
     out = zygote.run([sys.executable, "-m", "flows.cli", "run", str(TINY), f"storage.root={tmp_path}", "--run-name", "../../etc"],
-                         cwd=REPO, capture_output=True, text=True)
+                     cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 2 and "--run-name: '../../etc' is not a plain run name" in out.stderr
     assert not any(tmp_path.iterdir())
 

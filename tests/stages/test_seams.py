@@ -67,7 +67,7 @@ def test_several_updates_for_an_algorithm_that_cannot_are_refused(monkeypatch):
 
 def test_nft_without_ema_fails_validate_in_the_cli(tmp_path):
     bad = zygote.run([sys.executable, "-m", "flows.cli", "validate", str(REPO / "recipes/diffusion/nft.yaml"), "train.ema=null"],
-                         cwd=REPO, capture_output=True, text=True)
+                     cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2
     assert "train.ema: algorithm `nft` samples with and regresses against an EMA old policy" in bad.stderr
 

@@ -135,8 +135,8 @@ def test_the_cli_refuses_to_serve_without_a_token(tmp_path):
 
     env = {k: v for k, v in __import__("os").environ.items() if k != "UNIRL_ENGINE_TOKEN"}
     out = zygote.run([sys.executable, "-m", "flows.cli", "engine-server", str(REPO / "recipes/ar/tiny.yaml")],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+                     cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "$UNIRL_ENGINE_TOKEN is empty" in out.stderr
     out = zygote.run([sys.executable, "-m", "flows.cli", "engine-server", str(REPO / "recipes/ar/tiny.yaml"), "--no-auth",
-                          "--host", "0.0.0.0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+                      "--host", "0.0.0.0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "serve loopback only without a token" in out.stderr
