@@ -51,7 +51,9 @@ def fault_point(point: str, iteration: int | None = None, *, owner: bool = True,
             if pid and pid != os.getpid():
                 os.kill(pid, signal.SIGKILL)
             if node:
-                for holder in (int(os.environ.get("UNIRL_NODE_WRAPPER_PID", "0") or 0), os.getppid()):
+                from stages.workers.forkserver import parent_pid  # torchrun's agent, also for a forked rank
+
+                for holder in (int(os.environ.get("UNIRL_NODE_WRAPPER_PID", "0") or 0), parent_pid()):
                     if holder > 1:
                         os.kill(holder, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -11,6 +11,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# The suite starts a few hundred interpreters; each writes the bytecode of what it imports the first
+# time (nothing is compiled at install, README "Set up"), so none compiles torch or transformers again.
+# An environment with PYTHONDONTWRITEBYTECODE would have every process compile every module anew.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 # Every process the suite starts records the recipe fields it reads (stages/config_base.py);
 # `pytest_sessionfinish` below fails the whole suite on a field nothing read (tests/recipe_fields.py).
 os.environ.setdefault("UNIRL_FIELD_TRACE", tempfile.mkdtemp(prefix="unirl-field-trace-"))
@@ -24,10 +29,10 @@ TINY = REPO / "recipes" / "ar" / "tiny.yaml"
 # pytest workers take a file at a time (`--dist loadfile`), so these start first and the short
 # files fill in around them instead of one long file running alone at the end.
 LONGEST_FIRST = [
-    "e2e/test_deployment.py", "e2e/test_multinode.py", "e2e/test_rl_flow.py", "e2e/test_flow_family_runs.py",
-    "e2e/test_faults_kills.py", "stages/test_matrix.py", "e2e/test_faults_outages.py", "e2e/test_faults_ranks.py",
-    "e2e/test_ar_algorithms.py", "e2e/test_diffusion_flow.py", "e2e/test_vlm_flow.py", "e2e/test_async_rl.py",
-    "stages/engines/test_engine_sync.py", "e2e/test_reward_server.py", "e2e/test_rl_s3.py", "stages/test_sharded_load.py",
+    "e2e/test_deployment.py", "e2e/test_multinode.py", "e2e/test_faults_ranks.py", "e2e/test_rl_flow.py", "stages/test_matrix.py",
+    "e2e/test_flow_family_runs.py", "e2e/test_faults_outages.py", "e2e/test_faults_kills.py", "e2e/test_ar_algorithms.py",
+    "stages/engines/test_engine_sync.py", "e2e/test_diffusion_flow.py", "e2e/test_vlm_flow.py", "e2e/test_reward_server.py",
+    "e2e/test_async_rl.py", "e2e/test_rl_s3.py", "stages/test_sharded_load.py", "stages/test_sd3_bundle.py", "test_zygote.py",
 ]
 
 
@@ -68,8 +73,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def isolated_env(tmp: Path) -> dict[str, str]:
-    """Each test gets its own Prefect home (SQLite), no MLflow URI from outside, no telemetry."""
+def isolated_env(tmp: Path, forked: bool = True) -> dict[str, str]:
+    """Each test gets its own Prefect home (SQLite), no MLflow URI from outside, no telemetry;
+    `forked`: the worker ranks, engines and producers of its `unirl` commands are forked from this
+    pytest worker's fork server (tests/zygote.py) instead of started cold."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     env.update({
         "PREFECT_HOME": str(tmp / "prefect-home"),
@@ -79,6 +86,11 @@ def isolated_env(tmp: Path) -> dict[str, str]:
     # Worker ranks take cores / ranks threads, capped by OMP_NUM_THREADS when it is set: the
     # tests leave it unset, as a user on one machine would.
     env.pop("OMP_NUM_THREADS", None)
+    env.pop("UNIRL_FORKSERVER", None)
+    if forked:
+        from tests import zygote
+
+        env["UNIRL_FORKSERVER"] = zygote.server().path
     return env
 
 
@@ -88,7 +100,7 @@ def prefect_server(tmp_path_factory):
     from tests.prefect_server import PrefectServer
 
     tmp = tmp_path_factory.mktemp("prefect-server")
-    server = PrefectServer(tmp, isolated_env(tmp), REPO).serve()
+    server = PrefectServer(tmp, isolated_env(tmp, forked=False), REPO).serve()  # its workers' runs start cold
     try:
         yield server
     finally:
@@ -110,6 +122,17 @@ def mlflow_uri(tmp_path_factory) -> str:
 def unirl_env(tmp_path: Path, prefect_server, mlflow_uri: str) -> dict[str, str]:
     """For `unirl` subprocesses: their own Prefect home, the session's Prefect server and MLflow."""
     return {**isolated_env(tmp_path), "PREFECT_API_URL": prefect_server.url, "MLFLOW_TRACKING_URI": mlflow_uri}
+
+
+@pytest.fixture
+def forked_children(monkeypatch) -> None:
+    """For a test that starts worker groups or engines in its own process: they are forked from
+    this pytest worker's fork server, as the ones `unirl` commands start in the e2e tests are."""
+    from tests import zygote
+
+    monkeypatch.setenv("UNIRL_FORKSERVER", zygote.server().path)
+    for key, value in zygote.import_env().items():  # what `unirl` sets before its children start
+        monkeypatch.setenv(key, value)
 
 
 @pytest.fixture

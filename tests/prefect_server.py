@@ -95,11 +95,13 @@ class PrefectServer:
         return SyncPrefectClient(self.url)
 
     def stop(self, proc: subprocess.Popen) -> None:
-        """SIGINT, then SIGKILL to its whole process group (a worker takes its flow runs along)."""
+        """SIGINT, then SIGKILL to its whole process group (a worker takes its flow runs along).
+        A process worker takes about 10 s to leave its polling loop after SIGINT; nothing the tests
+        read depends on a graceful exit, so it gets 2 s."""
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 pass
         try:

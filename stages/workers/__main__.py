@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
     from stages.workers.control import broadcast_json
+    from stages.workers.forkserver import parent_pid
     from stages.workers.worker import Worker
 
     for module in filter(None, args.preload.split(",")):
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         worker = Worker(spec, mesh, device)
         me = {"rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "node": int(os.environ.get("GROUP_RANK", "0")),
-              "host": socket.gethostname(), "pid": os.getpid(), "agent_pid": os.getppid()}
+              "host": socket.gethostname(), "pid": os.getpid(), "agent_pid": parent_pid()}
         ranks = worker.stack.all_gather_json(me) if group else [me]
         if rank == 0:
             server = announce_ready(spec, records, worker, ranks, world)

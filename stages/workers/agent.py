@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from stages.storage import RunStorage
 from stages.workers import rendezvous as rdzv
+from stages.workers.forkserver import torchrun_entry
 from stages.workers.group import first_failure, kill_tree, spawn, threads_per_rank
 
 
@@ -65,8 +66,8 @@ def serve_node(storage: RunStorage, recipe: Any, *, group: str = "", log: Callab
     pointer.write_text(json.dumps(rdzv.node_pointer(storage, plan, scratch, threads)))
     from stages.models.family import get_family
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args(), "-m", "stages.workers", "--spec",
-           str(pointer), "--preload", ",".join(get_family(recipe.model.kind).modules)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args(),
+           *torchrun_entry(["--spec", str(pointer), "--preload", ",".join(get_family(recipe.model.kind).modules)])]
     env = {**os.environ, "UNIRL_CONTROL_TOKEN": token, "OMP_NUM_THREADS": str(threads), "UNIRL_NODE_WRAPPER_PID": str(os.getpid())}
     log(f"[unirl] node agent for run {storage.run}, group {group}: {plan.nproc_per_node} rank(s), rendezvous "
         f"{plan.endpoint} (id {plan.rdzv_id})")

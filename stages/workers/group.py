@@ -32,6 +32,7 @@ from stages.recipe import Recipe
 from stages.storage import RunStorage, iter_dir, join
 from stages.workers import rendezvous as rdzv
 from stages.workers.control import recv_json, send_json
+from stages.workers.forkserver import torchrun_entry
 from stages.workers.processes import die_with_parent, first_failure, free_port, kill_tree, spawn, threads_per_rank  # noqa: F401 (re-exported)
 
 
@@ -121,7 +122,7 @@ class WorkerGroup:
             cmd = [
                 sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(t.nproc_per_node),
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
-                "-m", "stages.workers", "--spec", str(spec_path), *preload,
+                *torchrun_entry(["--spec", str(spec_path), *preload]),
             ]
         self._launch(cmd, env)
 
@@ -147,8 +148,8 @@ class WorkerGroup:
             first = 1
             pointer = self.scratch / "node.json"
             pointer.write_text(json.dumps(rdzv.node_pointer(self.storage, plan, self.scratch, self._threads)))
-            cmd = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args(), "-m", "stages.workers",
-                   "--spec", str(pointer), *preload]
+            cmd = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args(),
+                   *torchrun_entry(["--spec", str(pointer), *preload])]
             self._launch(cmd, {**env, "UNIRL_CONTROL_TOKEN": self.token})
             rdzv.write_agent(self.storage, plan.group, self.proc.pid, state="joining")
         others = list(range(first, t.nnodes))

@@ -61,7 +61,15 @@ def spawn(cmd: list[str], **kwargs: Any) -> subprocess.Popen:
     forked from one thread that lives as long as this process. Linux sends PR_SET_PDEATHSIG's
     signal when the thread that forked a child ends, not its process: a worker group, rollout
     engine or producer forked from a short-lived thread (an iteration's flow run started ahead, a
-    Prefect task's thread) would be SIGKILLed the moment that thread finished."""
+    Prefect task's thread) would be SIGKILLed the moment that thread finished. With a fork server
+    in UNIRL_FORKSERVER, the command is forked from it where it can be (stages/workers/forkserver.py)."""
+    server = os.environ.get("UNIRL_FORKSERVER")
+    if server:  # a warm interpreter forks it (stages/workers/forkserver.py); it dies with this process
+        from stages.workers import forkserver
+
+        proc = forkserver.popen(server, cmd, start_new_session=True, watch=True, **kwargs)
+        if proc is not None:
+            return proc
     global _spawner
     with _spawner_lock:
         if _spawner is None:

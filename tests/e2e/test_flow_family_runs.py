@@ -19,6 +19,7 @@ import pytest
 import yaml
 from PIL import Image
 
+from flows.hooks import worker_processes
 from stages.models.family import families
 from tests import zygote
 from tests.conftest import REPO, run_unirl
@@ -107,10 +108,12 @@ def test_wan_through_unirl_run_and_resumed_after_sigkill_identically(wan_referen
     run = root / "e2e-wan"
     wait_stopped(proc)  # iteration 1 trained, not yet committed
     assert (run / "iter-000001" / "manifests" / "train.json").exists()
-    workers = [c for c in psutil.Process(proc.pid).children(recursive=True) if "stages.workers" in " ".join(c.cmdline())]
+    workers = worker_processes(lambda url: url.rstrip("/").endswith(str(run)))  # forked, or the flow's children
+    assert workers, "no worker group was running"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    psutil.wait_procs(workers, timeout=30)
+    gone, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, "worker processes outlived the run"
     assert not (run / "iter-000001" / "_SUCCESS").exists()
     out = run_unirl(args, unirl_env)
     assert "iter-000000 (" not in out.stdout and "iter-000002 (3/3)" in out.stdout

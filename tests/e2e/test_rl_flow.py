@@ -17,6 +17,7 @@ import pyarrow.ipc as ipc
 import pytest
 from mlflow.tracking import MlflowClient
 
+from flows.hooks import worker_processes
 from stages.advantage import group_advantages
 from tests import zygote
 from tests.conftest import REPO, TINY, run_unirl
@@ -182,10 +183,7 @@ def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, eph
     assert f"run 'tiny' at {run} is being run by host " in twice.stderr and f"pid {proc.pid}, started " in twice.stderr
     wait_stopped(proc)
     assert (run / "iter-000001" / "manifests" / "train.json").exists()
-    children = [
-        c for c in psutil.Process(proc.pid).children(recursive=True)
-        if "stages.workers" in " ".join(c.cmdline()) or "torch.distributed.run" in " ".join(c.cmdline())
-    ]
+    children = worker_processes(lambda url: url.rstrip("/").endswith(str(run)))  # forked, or the flow's children
     assert children, "no worker group was running"
     api = [c for c in psutil.Process(proc.pid).children() if "prefect.server.api.server" in " ".join(c.cmdline())]
     assert len(api) == 1, "no ephemeral Prefect API server was running"

@@ -14,6 +14,7 @@ import psutil
 import pyarrow.ipc as ipc
 import pytest
 
+from flows.hooks import worker_processes
 from tests import zygote
 from tests.conftest import REPO, run_unirl
 from tests.e2e.test_rl_flow import STOP_AT_SYNC, assert_no_pickles, wait_stopped
@@ -68,10 +69,12 @@ def test_sigkill_mid_run_resumes_to_the_uninterrupted_metrics(reference, tmp_pat
     run = root / "ref"
     wait_stopped(proc)  # iteration 1 trained, not committed
     assert (run / "iter-000001" / "manifests" / "train.json").exists()
-    children = psutil.Process(proc.pid).children(recursive=True)
+    children = worker_processes(lambda url: url.rstrip("/").endswith(str(run)))  # forked, or the flow's children
+    assert children, "no worker group was running"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    psutil.wait_procs(children, timeout=30)
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, "worker processes outlived the run"
     assert not (run / "iter-000001" / "_SUCCESS").exists()
     out = run_unirl(args, env)
     assert "[unirl] iter-000000 (" not in out.stdout and "[unirl] iter-000001 (2/3)" in out.stdout

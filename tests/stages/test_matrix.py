@@ -80,7 +80,7 @@ def one_of_each_kind() -> list[tuple[str, str]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family,algo", one_of_each_kind(), ids=lambda x: x)
-def test_world_size_two_matches_the_update_in_one_process(family, algo, tmp_path):
+def test_world_size_two_matches_the_update_in_one_process(family, algo, tmp_path, forked_children):
     """The torchrun worker group at world size 2 (gloo, FSDP2) samples what one process samples
     and takes the same step. Each rank cuts its own micro-batches, so kernels see other batch
     shapes and round differently; flow log-probs divide by the small late-step std, which turns

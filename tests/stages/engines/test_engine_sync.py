@@ -18,6 +18,8 @@ from stages.sample import read_rollouts
 from stages.storage import RunStorage
 from tests.tiny import TINY, merged
 
+pytestmark = pytest.mark.usefixtures("forked_children")  # engine servers forked warm (tests/zygote.py)
+
 
 class LocalTrainer:
     """What the sync task asks of a worker group, served by one in-process worker."""
