@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flows.ephemeral import LEAN_SERVER_ENV
+from flows.ephemeral import LEAN_SERVER_ENV, loopback_ca_file
 
 PREFECT = [sys.executable, "-m", "prefect"]
 
@@ -42,6 +42,9 @@ class PrefectServer:
             **{k: v for k, v in LEAN_SERVER_ENV.items() if "TASK_RUN_RECORDER" in k or "ANALYTICS" in k},
             "PREFECT_WORKER_QUERY_SECONDS": "1",
             "PREFECT_CLIENT_CSRF_SUPPORT_ENABLED": "false",  # our own loopback server has CSRF protection off
+            # plain http on loopback: a client need not load certifi's whole bundle (as unirl's own
+            # ephemeral API, flows/ephemeral.py)
+            "PREFECT_API_SSL_CERT_FILE": str(loopback_ca_file()),
             "PREFECT_CLI_COLORS": "false",
             "COLUMNS": "200",
             "DO_NOT_TRACK": "1",

@@ -102,6 +102,9 @@ def node_pool(prefect_server, s3):
     _, s3_env = s3
     env = {**prefect_server.env, **s3_env, **SECRET}
     prefect_server.cli("work-pool", "create", "mn-nodes", "--type", "process", env=env)
+    # The node's flow run starts fresh under the worker; its torchrun agent and ranks are forked
+    # warm (tests/zygote.py), as the flow host's are.
+    env = {**env, **zygote.import_env(), "UNIRL_FORKSERVER": zygote.server().path}
     prefect_server.cli("--no-prompt", "deploy", "--name", "node-agent/tiny-2node", "--pool", "mn-nodes", env=env, timeout=300)
     workers: list[subprocess.Popen] = []
 
@@ -163,7 +166,7 @@ def group_iterations(group, storage, recipe, iterations: range, train: bool = Tr
     group.call("publish")
 
 
-def test_sd3_on_two_nodes_started_by_hand_equals_one_node_and_resumes_on_fewer_nodes(s3, tmp_path, monkeypatch):
+def test_sd3_on_two_nodes_started_by_hand_equals_one_node_and_resumes_on_fewer_nodes(s3, tmp_path, monkeypatch, forked_children):
     """The second agent is `unirl agent` (plain hosts, started by hand); the SD3 latents of both
     iterations and the final weights equal one node's with two ranks. Then an elastic group
     (train.min_nnodes=1) whose second node never comes starts on one node from the 2-node
