@@ -21,15 +21,26 @@ def threads_per_rank(nproc: int) -> int:
     return min(share, int(cap)) if cap.isdigit() and int(cap) > 0 else share
 
 
+FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
+
+
 def first_failure(log: str) -> str:
-    """`rank R (local rank L, pid P) exited with <signal or code>` from torchrun's report of the
-    first failure in `log` ('' when it has none)."""
+    """`rank R (local rank L, pid P) exited with <signal or code>` for the first failure of torchrun's
+    last report in `log` ('' when it has none): its root cause, unless another rank of the same
+    report was SIGKILLed. torchrun stamps failures to the second and breaks ties by rank, so a
+    rank the OOM killer or `kill -9` ended and a lower rank that then raised on the broken
+    collective, noticed in one pass, would name the lower rank; SIGKILL is never torchrun's own
+    way of stopping a rank (it sends SIGTERM), so that rank is the cause."""
     root = log.rfind("Root Cause")  # the report lists the other ranks' failures first
-    m = re.search(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)",
-                  log[root:] if root >= 0 else log)
-    if m is None:
+    if root < 0:
         return ""
-    rank, local, code, pid = m.groups()
+    report = log[log.rfind("FAILED", 0, root) + 1:]
+    failures = [m.groups() for m in FAILURE.finditer(report)]
+    cause = FAILURE.search(log, root)
+    if cause is None:
+        return ""
+    killed = [f for f in failures if int(f[2]) == -signal.SIGKILL]
+    rank, local, code, pid = killed[0] if killed and int(cause.group(3)) != -signal.SIGKILL else cause.groups()
     code_i = int(code)
     how = f"signal {signal.Signals(-code_i).name}" if code_i < 0 and -code_i in signal.valid_signals() else f"exit code {code_i}"
     return f"rank {rank} (local rank {local}, pid {pid}) exited with {how}"

@@ -65,6 +65,21 @@ def test_the_rank_named_is_torchruns_root_cause_not_the_ranks_it_stopped_after()
     assert first_failure("no report here") == ""
 
 
+def test_a_sigkilled_rank_is_named_before_a_peer_that_raised_in_the_same_second() -> None:
+    """Rank 1 SIGKILLed, rank 0 raising on the broken collective, both seen in one pass: torchrun
+    stamps them to the second, ties go to the lower rank, and its root cause is rank 0's exit 1.
+    An earlier report in the same log (a group before) does not count."""
+    earlier = REPORT.replace("17221", "100").replace("rank      : 1 (local_rank: 1)", "rank      : 3 (local_rank: 1)")
+    tie = REPORT.replace("  exitcode  : -15 (pid: 17220)  (SIGTERM)", "  exitcode  : -9 (pid: 17222)  (SIGKILL)") \
+        .replace("rank      : 0 (local_rank: 0)", "rank      : 1 (local_rank: 1)") \
+        .replace("  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 17221)  (SIGKILL)",
+                 "  rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 17221)")
+    assert "Root Cause (first observed failure):\n[0]:\n  time      : 2026-12-01_07:53:44\n  host      : localhost\n  rank      : 0" in tie
+    assert first_failure(earlier + tie) == "rank 1 (local rank 1, pid 17222) exited with signal SIGKILL"
+    assert first_failure(earlier + REPORT.replace("-9 (pid: 17221)  (SIGKILL)", "1 (pid: 17221)")) == \
+        "rank 1 (local rank 1, pid 17221) exited with exit code 1"  # no SIGKILL: the root cause, whoever it is
+
+
 def test_a_child_spawned_from_a_thread_that_ends_lives_on_and_dies_with_the_process() -> None:
     """Groups, engines and producers are started from whatever thread needs them first (an
     iteration's flow run started ahead has its own): PR_SET_PDEATHSIG fires when the forking
