@@ -98,8 +98,15 @@ def serve(path: str, preload: list[str]) -> dict[str, Any] | None:
                 conn.close()
                 continue
             conn, _ = listener.accept()
-            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-            command = json.loads(message)
+            fds: list[int] = []
+            try:
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                command = json.loads(message)
+            except (OSError, ValueError):  # a caller that went away mid-request: the server stays
+                for fd in fds:
+                    os.close(fd)
+                conn.close()
+                continue
             differs = [k for k, v in import_env.items() if command["env"].get(k) != v] if command["strict"] else []
             if differs:
                 conn.sendall(f"refused {','.join(differs)}\n".encode())

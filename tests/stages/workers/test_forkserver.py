@@ -61,6 +61,19 @@ def test_a_watched_child_dies_with_the_process_that_asked_for_it(server):
     child.wait(timeout=30)  # raises TimeoutExpired if it outlived its caller
 
 
+def test_a_caller_that_goes_away_mid_request_leaves_the_server_serving(server):
+    import socket
+
+    path, env = server
+    dropped = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dropped.connect(path)
+    dropped.close()
+    proc = forkserver.popen(path, probe("parent"), env=env, modules=None, stdout=subprocess.DEVNULL)
+    assert proc is not None
+    proc.kill()
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+
+
 def test_a_setting_read_at_import_that_differs_is_refused(server):
     path, env = server
     assert forkserver.popen(path, probe("parent"), env={**env, "TRANSFORMERS_VERBOSITY": "info"}, modules=None) is None
