@@ -121,7 +121,7 @@ def mlflow_uri(tmp_path_factory) -> str:
 @pytest.fixture
 def unirl_env(tmp_path: Path, prefect_server, mlflow_uri: str) -> dict[str, str]:
     """For `unirl` subprocesses: their own Prefect home, the session's Prefect server and MLflow."""
-    return {**isolated_env(tmp_path), "PREFECT_API_URL": prefect_server.url, "MLFLOW_TRACKING_URI": mlflow_uri}
+    return {**isolated_env(tmp_path), **prefect_server.client_env, "MLFLOW_TRACKING_URI": mlflow_uri}
 
 
 @pytest.fixture

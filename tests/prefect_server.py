@@ -51,6 +51,9 @@ class PrefectServer:
             "MLFLOW_DISABLE_TELEMETRY": "true",
         }}
         self.procs: list[subprocess.Popen] = []
+        # What a `unirl` process needs to report here: the URL, and the one-certificate CA file (a
+        # client of plain http on loopback need not load certifi's whole bundle: ~0.2 s a process)
+        self.client_env = {k: self.env[k] for k in ("PREFECT_API_URL", "PREFECT_API_SSL_CERT_FILE")}
 
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         """`prefect <args>` in the background, its output in `<tmp>/<name>.log`."""

@@ -23,7 +23,7 @@ def bench(tmp_path_factory, prefect_server, mlflow_uri):
     from tests.conftest import isolated_env
 
     work = tmp_path_factory.mktemp("faults")
-    env = {**isolated_env(work), "PREFECT_API_URL": prefect_server.url, "MLFLOW_TRACKING_URI": mlflow_uri}
+    env = {**isolated_env(work), **prefect_server.client_env, "MLFLOW_TRACKING_URI": mlflow_uri}
     return faults.Bench(work, env)
 
 

@@ -88,7 +88,7 @@ def wan_reference(tmp_path_factory, prefect_server, mlflow_uri, tiny_weights):
     from tests.conftest import isolated_env
 
     tmp = tmp_path_factory.mktemp("wan-reference")
-    env = {**isolated_env(tmp), "PREFECT_API_URL": prefect_server.url, "MLFLOW_TRACKING_URI": mlflow_uri}
+    env = {**isolated_env(tmp), **prefect_server.client_env, "MLFLOW_TRACKING_URI": mlflow_uri}
     recipe = write_recipe(tmp, "wan", "flow_grpo", tiny_weights("wan"), iterations=3, storage={"root": str(tmp / "runs")})
     run_unirl(["run", str(recipe)], env)
     return tmp / "runs" / "e2e-wan", recipe, env

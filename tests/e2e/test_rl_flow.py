@@ -60,7 +60,7 @@ def reference(tmp_path_factory, prefect_server):
     root = tmp_path_factory.mktemp("reference") / "runs"
     # Its iteration flow runs start ahead (flows/ahead.py; off by default on a CPU): the SIGKILL
     # test's run, one after the other, must end the same.
-    env = {**isolated_env(root.parent), "PREFECT_API_URL": prefect_server.url, "UNIRL_OVERLAP_ITERATIONS": "on"}
+    env = {**isolated_env(root.parent), **prefect_server.client_env, "UNIRL_OVERLAP_ITERATIONS": "on"}
     out = run_unirl([*REFERENCE, f"storage.root={root}"], env)
     return root / "tiny", out
 

@@ -34,7 +34,7 @@ def reference(tmp_path_factory, prefect_server, mlflow_uri):
     from tests.conftest import isolated_env
 
     root = tmp_path_factory.mktemp("vlm") / "runs"
-    env = {**isolated_env(root.parent), "PREFECT_API_URL": prefect_server.url, "MLFLOW_TRACKING_URI": mlflow_uri}
+    env = {**isolated_env(root.parent), **prefect_server.client_env, "MLFLOW_TRACKING_URI": mlflow_uri}
     out = run_unirl(["run", RECIPE, *SMALL, f"storage.root={root}", "--run-name", "ref"], env)
     return root, env, out
 
