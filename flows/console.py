@@ -102,6 +102,11 @@ def iteration_line(i: int, total: int, m: dict[str, float]) -> str:
     """One line per iteration; kl and clip only for losses that have them (not NFT's)."""
     kl = f"  kl {m['train/approx_kl']:.2e}" if "train/approx_kl" in m else ""
     clip = f"  clip {m['train/clip_frac']:.3f}" if "train/clip_frac" in m else ""
+    if "train/loss" not in m:  # a pipeline: each trained part's loss and gradient norm
+        sides = sorted({k.split("/")[1] for k in m if k.startswith("train/") and k.endswith("/loss")})
+        losses = "".join(f"  {s} loss {m[f'train/{s}/loss']:+.4f} grad {m[f'train/{s}/grad_norm']:.3f}" for s in sides)
+        return (f"[unirl] iter-{i:06d} ({i + 1}/{total})  reward {m['rollout/reward_mean']:.3f}±{m['rollout/reward_std']:.3f}"
+                f"{losses}  {m['time/iteration_s']:.1f}s")
     return (
         f"[unirl] iter-{i:06d} ({i + 1}/{total})  reward {m['rollout/reward_mean']:.3f}±{m['rollout/reward_std']:.3f}"
         f"  loss {m['train/loss']:+.4f}{kl}{clip}  grad {m['train/grad_norm']:.3f}  {m['time/iteration_s']:.1f}s"
@@ -128,7 +133,8 @@ class Progress:
         width = max(10, min(30, shutil.get_terminal_size((100, 20)).columns - 90))
         filled = int(width * (i + 1) / self.total)
         bar = "█" * filled + "░" * (width - filled)
-        line = (f"[unirl] {bar} {i + 1}/{self.total}  reward {m['rollout/reward_mean']:.3f}  loss {m['train/loss']:+.4f}"
+        loss = m.get("train/loss", next((v for k, v in sorted(m.items()) if k.startswith("train/") and k.endswith("/loss")), 0.0))
+        line = (f"[unirl] {bar} {i + 1}/{self.total}  reward {m['rollout/reward_mean']:.3f}  loss {loss:+.4f}"
                 f"  {per:.1f} s/it  ETA {_clock(left)}")
         self.stream.write("\r\x1b[2K" + line)
         self.stream.flush()

@@ -38,6 +38,7 @@ FLOWS: dict[str, tuple[str, str]] = {
     "diffusion": ("rl-train", "flows/rl.py:rl_train"),
     "video": ("rl-train", "flows/rl.py:rl_train"),
     "pipeline": ("rl-train", "flows/rl.py:rl_train"),
+    "pe": ("rl-train", "flows/rl.py:rl_train"),
     "sft": ("sft", "flows/sft.py:sft"),
 }
 

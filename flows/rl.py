@@ -108,6 +108,10 @@ def rl_train(
     build_prompt_source(recipe.data)  # a bad data file fails here, before any model loads
     lease = RunLease(storage_of(recipe, run_name), log=lambda m: say(f"[unirl] {m}")).acquire()  # one owner per run
     try:
+        if recipe.pe is not None:
+            from flows.pe import pe_run
+
+            return pe_run(recipe, run_name)
         return train_run(recipe, run_name)
     finally:
         lease.release()

@@ -8,7 +8,7 @@ from stages.data import build_prompt_source
 from stages.iteration import SCORED_COLUMNS, reads_images, request_rows, score_batch
 from stages.recipe import Recipe
 from stages.rewards.base import build_scorer, run_scorer
-from stages.sample import read_rollouts, table_from_rows, write_shard
+from stages.sample import read_rollouts, scoring_view, table_from_rows, write_shard
 from stages.storage import RunStorage, join
 
 
@@ -28,7 +28,7 @@ def write_eval_requests(storage: RunStorage, recipe: Recipe, version: int, group
 
 def correctness(storage: RunStorage, recipe: Recipe, rollouts: list[str]) -> tuple[list[str], np.ndarray]:
     """(group ids, 0/1 correctness) of every sample in `rollouts`."""
-    table = read_rollouts(storage, rollouts, columns=SCORED_COLUMNS)
+    table = scoring_view(read_rollouts(storage, rollouts, columns=SCORED_COLUMNS))
     name, params = recipe.eval_scorer()
     scores = run_scorer(build_scorer(name, **params), score_batch(table, prompt_images=reads_images([name]))).scores
     return table.column("group_id").to_pylist(), (scores >= 1.0).astype(np.float64)

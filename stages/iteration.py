@@ -17,7 +17,7 @@ from stages.media import decode_frames, decode_png
 from stages.recipe import Recipe
 from stages.rewards.base import ScoreBatch, ScoreResult, aggregate, build_scorer, prompt_check, run_scorer
 from stages.rewards.overlong import apply_overlong
-from stages.sample import metadata, read_rollouts, read_shard, table_from_rows, write_shard
+from stages.sample import metadata, read_rollouts, read_shard, scoring_view, table_from_rows, write_shard
 from stages.storage import RunStorage, iter_dir, join
 
 
@@ -133,7 +133,7 @@ def score(
     scorers: dict[str, Any] | None = None, round_index: int = 0,
 ) -> dict[str, Any]:
     """Score every rollout with the recipe's scorers; write rewards.arrow with components."""
-    table = read_rollouts(storage, rollouts, columns=SCORED_COLUMNS)
+    table = scoring_view(read_rollouts(storage, rollouts, columns=SCORED_COLUMNS))
     names = table.schema.names
     batch = score_batch(table, prompt_images=reads_images([s.name for s in recipe.reward.scorers]))
     results, weights = {}, {}

@@ -189,6 +189,56 @@ class TrackingConfig(Section):
         True, description="Register every published weights version in the MLflow Model Registry under the recipe's name.")
 
 
+def _fill_rollout_kind(data: Any) -> Any:
+    """`rollout.kind` is the model family's policy: the rollout section's fields are that
+    policy's (an image model's recipe cannot carry text-sampling fields, nor the reverse)."""
+    if not isinstance(data, dict):
+        return data
+    model = data.get("model") or {}
+    kind = model.get("kind", "qwen3") if isinstance(model, dict) else getattr(model, "kind", None)
+    if kind not in families:
+        return data  # the model union reports the unknown kind
+    rollout = data.get("rollout")
+    if rollout is None:
+        rollout = {}
+    if isinstance(rollout, dict) and "kind" not in rollout:
+        data = {**data, "rollout": {**rollout, "kind": families.get(kind).policy}}
+    return data
+
+
+class PipelinePart(Section):
+    """One part of a prompt-enhancer pipeline: its own model family, sampling, algorithm,
+    optimizer and warm start, trained by its own worker group (stages/pipeline.py)."""
+
+    model: ModelConfig = Field(description="The part's model (its family decides its policy: text or flow).")
+    rollout: RolloutConfig | None = Field(
+        None, description="Its sampling (fields of the family's policy). ar: group_size is the rewrites per prompt; "
+        "diffusion: group_size is the images per rewrite, one group per rewrite (prompts_per_iteration follows "
+        "from the ar side).")
+    algorithm: AlgorithmConfig = Field(description="Its policy loss (one that trains the family's segment kind).")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Its optimizer and worker group.")
+    sft: SFTConfig | None = Field(None, description="Its supervised warm start (empty: none).")
+    data: DataConfig | None = Field(
+        None, description="The prompt source of its warm start's synthetic records (empty: the recipe's `data`); the "
+        "diffusion side's drawer learns canonical prompts here (data.name: geneval).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rollout_kind(cls, data: Any) -> Any:
+        return _fill_rollout_kind(data)
+
+
+class PipelineConfig(Section):
+    """A prompt-enhancer pipeline: a language model rewrites each prompt (the `ar` part), a
+    flow-matching model draws each rewrite (the `diffusion` part); the reward on the image trains
+    the rewriter, and the drawer too unless frozen (docs/pipelines.md)."""
+
+    ar: PipelinePart = Field(description="The rewriter (a text family).")
+    diffusion: PipelinePart = Field(description="The drawer (a flow family).")
+    freeze_llm: bool = Field(False, description="Do not train the rewriter (its weights stay v000000).")
+    freeze_diffusion: bool = Field(True, description="Do not train the drawer (its weights stay v000000).")
+
+
 class Recipe(Section):
     """A whole RL post-training run."""
 
@@ -205,6 +255,10 @@ class Recipe(Section):
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Run storage.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Experiment tracking.")
     sft: SFTConfig | None = Field(None, description="Supervised warm start before RL (empty: none).")
+    pe: PipelineConfig | None = Field(
+        None, description="A prompt-enhancer pipeline (rewriter, then drawer) instead of one model: its parts "
+        "give the models, sampling, algorithms, optimizers and warm starts, so the recipe's own model, rollout, "
+        "algorithm, train and sft stay unset.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     iterations: int = Field(3, ge=1, description="RL iterations in the run.")
     checkpoint_every: int = Field(1, ge=1, description="Save a checkpoint (and publish weights) every N iterations.")
@@ -217,27 +271,23 @@ class Recipe(Section):
     @model_validator(mode="before")
     @classmethod
     def _rollout_kind(cls, data: Any) -> Any:
-        """`rollout.kind` is the model family's policy: the rollout section's fields are that
-        policy's (an image model's recipe cannot carry text-sampling fields, nor the reverse)."""
-        if not isinstance(data, dict):
-            return data
-        model = data.get("model") or {}
-        kind = model.get("kind", "qwen3") if isinstance(model, dict) else getattr(model, "kind", None)
-        if kind not in families:
-            return data  # the model union reports the unknown kind
-        rollout = data.get("rollout")
-        if rollout is None:
-            rollout = {}
-        if isinstance(rollout, dict) and "kind" not in rollout:
-            data = {**data, "rollout": {**rollout, "kind": families.get(kind).policy}}
-        return data
+        if isinstance(data, dict) and data.get("pe") is not None:
+            return data  # the parts carry the models and their rollout sections
+        return _fill_rollout_kind(data)
 
     @model_validator(mode="after")
     def _check_combination(self) -> "Recipe":
         """Every rule that needs two sections at once, so `unirl validate` finds what the run would
         otherwise meet inside the worker group; all problems are reported together."""
-        errors = self._scorer_errors()
+        if self.pe is not None:
+            from stages.pipeline import pipeline_errors
+
+            errors = pipeline_errors(self)
+            if errors:
+                raise ValueError("\n".join(errors))
+            return self
         family = families.get(self.model.kind)
+        errors = self.scorer_errors(family.produces, f"model.kind {self.model.kind!r}")
         policy = policies.get(family.policy)
         algo = algorithms.get(self.algorithm.name)
         if self.rollout.kind != family.policy:
@@ -273,11 +323,12 @@ class Recipe(Section):
             raise ValueError("\n".join(errors))
         return self
 
-    def _scorer_errors(self) -> list[str]:
+    def scorer_errors(self, produces: tuple[str, ...], producer: str) -> list[str]:
+        """Unknown scorers, bad params, and scorers reading media that `producer` (the model that
+        makes the scored samples) does not produce."""
         from stages.rewards.base import check_scorer_params, scorer_names, scorer_reads
 
         known = scorer_names()
-        produces = families.get(self.model.kind).produces
         errors: list[str] = []
 
         def check(where: str, name: str) -> bool:
@@ -287,7 +338,7 @@ class Recipe(Section):
             reads = scorer_reads(name)
             missing = [m for m in reads or () if m not in produces]
             if missing:
-                errors.append(f"{where}: scorer {name!r} reads {', '.join(missing)}, but model.kind {self.model.kind!r} "
+                errors.append(f"{where}: scorer {name!r} reads {', '.join(missing)}, but {producer} "
                               f"produces {', '.join(produces)}; choose a scorer that reads {', '.join(produces)}")
                 return False
             return True
@@ -315,13 +366,19 @@ class Recipe(Section):
         """sha256 of the resolved recipe, without where it is stored and tracked, how long it runs,
         and where and how it loads (nodes, ranks, how the agents start, backend, sharded loading: a
         run checkpointed at one world size resumes at another, DCP resharding it)."""
-        data = self.model_dump(mode="json", exclude={"storage": {"root", "options", "shared"}, "tracking": True, "iterations": True,
-                                                     "train": {"nnodes", "nproc_per_node", "min_nnodes", "rendezvous",
-                                                               "agents", "backend", "startup_timeout_s", "sharded_load"}})
+        placement = {"nnodes", "nproc_per_node", "min_nnodes", "rendezvous", "agents", "backend", "startup_timeout_s",
+                     "sharded_load"}
+        exclude: dict[str, Any] = {"storage": {"root", "options", "shared"}, "tracking": True, "iterations": True,
+                                   "train": placement}
+        if self.pe is not None:
+            exclude["pe"] = {"ar": {"train": placement}, "diffusion": {"train": placement}}
+        data = self.model_dump(mode="json", exclude=exclude)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        """The resolved recipe; a pipeline's without the one-model sections its parts replace."""
+        unset = {"model", "rollout", "algorithm", "train", "sft"} if self.pe is not None else None
+        return yaml.safe_dump(self.model_dump(mode="json", exclude=unset), sort_keys=False)
 
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

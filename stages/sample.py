@@ -175,9 +175,102 @@ def validate(table: pa.Table, kind: str, where: str) -> None:
                 )
     if any(n in table.schema.names for n in IMAGE_COLUMNS):
         validate_images(table, where)
+    if kind == "rollouts":
+        validate_namespaced(table, where)
     version = (table.schema.metadata or {}).get(b"unirl.schema_version")
     if version is not None and int(version) > SCHEMA_VERSION:
         raise ShardSchemaError(f"{where}: schema version {int(version)} is newer than this unirl ({SCHEMA_VERSION}); upgrade")
+
+
+# A composed row (a pipeline's rewrite, then its image) carries one segment per part, each under
+# its kind's namespace: `text/response_ids`, `latent/sigmas`, ..., with the part's own identity
+# (`text/sample_id`, `text/group_id`, `text/policy_version`, `text/prompt`). Its base columns
+# describe the row as a whole: `sample_id` and `group_id` are the last part's sample and the
+# user's prompt group, `prompt` the user's prompt, `parts` the kinds in order.
+NS = "/"
+PART_COLUMNS: dict[str, pa.DataType] = {"sample_id": pa.string(), "group_id": pa.string(),
+                                         "policy_version": pa.int32(), "prompt": pa.string()}
+
+
+def namespaced(kind: str, column: str) -> str:
+    return f"{kind}{NS}{column}"
+
+
+def composed_kinds(table: pa.Table) -> list[str]:
+    """The segment kinds a composed shard namespaces (empty for a one-part shard)."""
+    names = set(table.schema.names)
+    return [k for k in SEGMENT_COLUMNS if namespaced(k, "sample_id") in names]
+
+
+def validate_namespaced(table: pa.Table, where: str) -> None:
+    """Every namespaced segment of a composed shard complete and of its types, and each row's
+    `parts` naming exactly the kinds it carries, in order."""
+    kinds = composed_kinds(table)
+    if not kinds:
+        return
+    for kind in kinds:
+        for name, dtype in {**PART_COLUMNS, **SEGMENT_COLUMNS[kind]}.items():
+            col = namespaced(kind, name)
+            if col not in table.schema.names:
+                raise ShardSchemaError(f"{where}: column {col!r} is missing (a composed shard's {kind} part needs "
+                                       f"{sorted(namespaced(kind, n) for n in {**PART_COLUMNS, **SEGMENT_COLUMNS[kind]})})")
+            if table.schema.field(col).type != dtype:
+                raise ShardSchemaError(f"{where}: column {col!r} has type {table.schema.field(col).type}, expected {dtype}")
+    for sid, parts in zip(table.column("sample_id").to_pylist(), table.column("parts").to_pylist()):
+        if sorted(parts or []) != sorted(kinds):
+            raise ShardSchemaError(f"{where}: sample {sid!r}: column 'parts' is {parts}, but the shard carries the "
+                                   f"segments {kinds}")
+
+
+def composed_table(rows: list[dict[str, Any]], kinds: list[str]) -> pa.Table:
+    """A composed rollouts shard from rows holding the base columns and, per kind, the part's
+    identity and segment columns under its namespace."""
+    fields = [pa.field(n, t) for n, t in BASE_COLUMNS.items()]
+    for kind in kinds:
+        fields += [pa.field(namespaced(kind, n), t) for n, t in {**PART_COLUMNS, **SEGMENT_COLUMNS[kind]}.items()]
+    schema = pa.schema(fields, metadata={"unirl.schema_version": str(SCHEMA_VERSION), "unirl.kind": "rollouts"})
+    columns = {}
+    for field in schema:
+        values = [r.get(field.name) for r in rows]
+        if field.name == "metadata":
+            values = [v if isinstance(v, str) else json.dumps(v or {}, sort_keys=True) for v in values]
+        columns[field.name] = pa.array(values, type=field.type)
+    return pa.Table.from_pydict(columns, schema=schema)
+
+
+def part_view(table: pa.Table, kind: str) -> pa.Table:
+    """One part of a composed shard as a one-part rollouts table (its own sample and group ids,
+    segment columns without the namespace), one row per distinct part sample, in first-seen
+    order; `metadata` comes along. A one-part shard of that kind is returned as it is."""
+    kinds = composed_kinds(table)
+    if not kinds:
+        return table
+    if kind not in kinds:
+        raise ShardSchemaError(f"a composed shard of parts {kinds} has no {kind} part")
+    ids = table.column(namespaced(kind, "sample_id")).to_pylist()
+    first = list({sid: i for i, sid in reversed(list(enumerate(ids)))}.values())
+    first.sort()
+    taken = table.take(pa.array(first, type=pa.int64()))
+    columns = {n: taken.column(namespaced(kind, n)) for n in {**PART_COLUMNS, **SEGMENT_COLUMNS[kind]}}
+    columns.update(iteration=taken.column("iteration"), metadata=taken.column("metadata"),
+                   parts=pa.array([[kind]] * taken.num_rows, type=pa.list_(pa.string())))
+    return pa.table(columns)
+
+
+def scoring_view(table: pa.Table) -> pa.Table:
+    """What scorers and evaluation read of a composed shard: the row as a whole (its sample id,
+    the user's prompt and metadata) with the un-namespaced columns of every part, later parts
+    winning (the image of the last part is what is scored; the rewrite is `text`). A one-part
+    shard is returned as it is."""
+    kinds = composed_kinds(table)
+    if not kinds:
+        return table
+    columns = {n: table.column(n) for n in BASE_COLUMNS if n in table.schema.names}
+    for kind in kinds:
+        for n in SEGMENT_COLUMNS[kind]:
+            if namespaced(kind, n) in table.schema.names:
+                columns[n] = table.column(namespaced(kind, n))
+    return pa.table(columns)
 
 
 def validate_images(table: pa.Table, where: str) -> None:
@@ -218,8 +311,9 @@ def read_rollouts(storage: RunStorage, paths: list[str], columns: list[str] | No
     if not tables:
         raise ShardSchemaError(f"{storage.url()}: no rollout shards given")
     table = pa.concat_tables(tables, promote_options="none")
-    if columns is not None:
-        table = table.select([c for c in table.schema.names if c in columns or c == "sample_id"])
+    if columns is not None:  # a composed shard's namespaced columns go along with the ones asked for
+        table = table.select([c for c in table.schema.names
+                              if c in columns or c == "sample_id" or (NS in c and c.split(NS)[-1] in columns)])
     return table.sort_by("sample_id")
 
 

@@ -9,7 +9,7 @@ import io
 import textwrap
 from typing import Any
 
-from stages.sample import read_rollouts, read_shard
+from stages.sample import read_rollouts, read_shard, scoring_view
 from stages.storage import RunStorage, join
 
 
@@ -55,7 +55,8 @@ def rollout_grid(storage: RunStorage, rollouts: list[str], rewards: str | None =
                  columns: int = 4) -> Any:
     """The grid of the first `max_images` rollouts (one per group first), with their rewards when
     `rewards` (rewards.arrow) is given: a PIL image, or for videos the list of its frames."""
-    table = read_rollouts(storage, rollouts, columns=["sample_id", "group_id", "prompt", "media_png", "media_frames"])
+    table = scoring_view(read_rollouts(storage, rollouts, columns=["sample_id", "group_id", "prompt", "text", "media_png",
+                                                                   "media_frames"]))
     ids = table.column("sample_id").to_pylist()
     reward = {}
     if rewards is not None:
@@ -63,7 +64,9 @@ def rollout_grid(storage: RunStorage, rollouts: list[str], rewards: str | None =
         reward = dict(zip(r.column("sample_id").to_pylist(), r.column("reward").to_pylist()))
     pick = _pick(table, max_images)
     prompts = table.column("prompt").to_pylist()
-    captions = [prompts[i] + (f"  r={reward[ids[i]]:.2f}" if ids[i] in reward else "") for i in pick]
+    rewrites = table.column("text").to_pylist() if "text" in table.column_names else None  # a pipeline's rewrite
+    captions = [prompts[i] + (f" -> {rewrites[i]}" if rewrites else "") + (f"  r={reward[ids[i]]:.2f}" if ids[i] in reward else "")
+                for i in pick]
     clips = table.column("media_frames").to_pylist() if "media_frames" in table.column_names else None
     if clips is not None and all(clips[i] for i in pick):
         return clip_grid([clips[i] for i in pick], captions, columns=columns)

@@ -1,0 +1,149 @@
+"""A prompt-enhancer run (a recipe with `pe:`) as Prefect flows: `rl-train` runs it (flows/rl.py
+hands over here), one `pe-iteration` flow run per iteration whose task runs are each part's:
+
+    generate-ar -> generate-diffusion -> compose -> score -> advantage
+        -> train-ar, train-diffusion (the parts that train) -> sync-ar, sync-diffusion
+
+Each part is a one-model run of its own under `{run}/parts/<side>` (stages/pipeline.py): its warm
+start, worker group, checkpoints and weights versions. The pipeline run's folder holds the composed
+rollouts, the rewards, the held-out results and `_SUCCESS` per iteration; a run resumes after
+its last finished iteration, and every task returns its committed output instead of redoing it.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.settings import temporary_settings
+
+from flows.console import Progress, log_to_run_folder, say
+from flows.sft import run_sft
+from stages import pipeline
+from stages.recipe import Recipe
+from stages.run import initial_weights, open_run, update_run_info
+from stages.storage import iter_dir, join
+from stages.tracking import Tracker
+from stages.workers.group import close_group
+from tasks.common import close_engine, run_tags, staged, storage_of
+from tasks.pe import compose, evaluate_pipeline, generate_part, part_advantages
+from tasks.score import score
+from tasks.sync import sync
+from tasks.train import train
+
+
+def named(task: Any, name: str) -> Any:
+    return staged(task.with_options(name=name))
+
+
+@flow(name="pe-iteration", flow_run_name="iter-{iteration:06d}")
+def pe_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any]:
+    start = time.perf_counter()
+    rewrites = named(generate_part, "generate-ar")(recipe, run_name, iteration, "ar")
+    images = named(generate_part, "generate-diffusion")(recipe, run_name, iteration, "diffusion", rewrites["files"])
+    composed = staged(compose)(recipe, run_name, iteration, rewrites["files"], images["files"])
+    scored = staged(score)(recipe, run_name, iteration, composed["files"])
+    adv = staged(part_advantages)(recipe, run_name, iteration, composed["files"], scored["files"])
+    metrics: dict[str, float] = {**scored["metrics"], **adv["metrics"]}
+    gens = {"ar": rewrites, "diffusion": images}
+    for side in pipeline.SIDES:
+        metrics[f"time/generate_{side}_s"] = float(rewrites.get("seconds", 0.0) if side == "ar" else images.get("seconds", 0.0))
+    for side, rel in adv["parts"].items():
+        part = pipeline.part_recipe(recipe, side, run_name)
+        trained = named(train, f"train-{side}")(part, side, iteration, gens[side]["files"], rel)
+        synced = named(sync, f"sync-{side}")(part, side, iteration)
+        metrics.update({f"train/{side}/{k}": float(v) for k, v in trained["metrics"].items()})
+        metrics[f"time/train_{side}_s"] = float(trained.get("seconds", 0.0))
+        metrics[f"time/sync_{side}_s"] = float(synced.get("seconds", 0.0))
+    metrics["time/iteration_s"] = time.perf_counter() - start
+    return {"iteration": iteration, "metrics": metrics}
+
+
+def pe_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
+    """The body of `rl_train` for a pipeline recipe, under the run's lease."""
+    logger = get_run_logger()
+    storage, info = open_run(recipe, run_name)
+    tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"))
+    if info.get("mlflow_run_id") != tracker.run_id:
+        update_run_info(storage, mlflow_run_id=tracker.run_id)
+    parts = {side: pipeline.part_recipe(recipe, side, run_name) for side in pipeline.SIDES}
+    stores = {}
+    try:
+        for side, part in parts.items():
+            stores[side], _ = open_run(part, side)
+            if part.sft is not None:
+                say(f"[unirl] {side}: warm start ({part.model.kind}, {part.sft.steps} steps)")
+                run_sft(part, stores[side])
+            else:
+                initial_weights(stores[side], part)
+        first = storage.last_success() + 1
+        if first > 0:
+            logger.info("resuming %s at %s", storage.url(), iter_dir(first))
+        for i in range(first):  # committed by a killed run before it reported them
+            if not tracker.has_step(i):
+                tracker.log_metrics(i, storage.read_json(join(iter_dir(i), "_SUCCESS"))["metrics"])
+        log_file = log_to_run_folder(storage.local_path())
+        say(f"[unirl] run {run_name} at {storage.url()}  (MLflow {tracker.link()})"
+            + (f"\n[unirl] log: {log_file}" if log_file else ""))
+        progress = Progress(recipe.iterations, first)
+        evals: dict[int, dict[str, float]] = {}
+        with run_tags(recipe, run_name), temporary_settings(updates={"flows.heartbeat_frequency": None}):
+            if recipe.eval.enabled:
+                evals[0] = held_out(recipe, run_name, 0, tracker, "before RL")
+            for i in range(first, recipe.iterations):
+                summary = pe_iteration(recipe, run_name, i)
+                version = i + 1
+                if (recipe.eval.every and version % recipe.eval.every == 0) or (
+                    recipe.eval.enabled and version == recipe.iterations
+                ):
+                    evals[version] = held_out(recipe, run_name, version, tracker,
+                                              "after RL" if version == recipe.iterations else "")
+                storage.mark_success(i, summary)
+                tracker.log_metrics(i, summary["metrics"])
+                preview(recipe, tracker, storage, i)
+                progress.iteration(i, summary["metrics"])
+        progress.close()
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    finally:
+        for store in stores.values():
+            close_engine(store.url())
+            close_group(store.url())
+    tracker.finish()
+    return {"run": run_name, "storage": storage.url(), "iterations": recipe.iterations,
+            "mlflow_run_id": tracker.run_id, "eval": {str(k): v for k, v in evals.items()}}
+
+
+def held_out(recipe: Recipe, run_name: str, version: int, tracker: Tracker, label: str) -> dict[str, float]:
+    """The pipeline on the held-out prompts at `version` (a frozen part at v000000): greedy rewrite
+    then ODE image, and `eval.k` sampled rewrites with one sampled image each."""
+    m = staged(evaluate_pipeline)(recipe, run_name, version)["metrics"]
+    k = recipe.eval.k
+    say(f"[unirl] held-out v{version:06d}{' (' + label + ')' if label else ''}: accuracy {m['eval/accuracy']:.3f}"
+        f"  avg@{k} {m[f'eval/avg_at_{k}']:.3f}  pass@{k} {m[f'eval/pass_at_{k}']:.3f}  ({int(m['eval/prompts'])} prompts)")
+    tracker.log_metrics(version, m, key="eval/accuracy")
+    try:
+        from stages.diffusion.grid import log_eval_grid
+
+        log_eval_grid(tracker, storage_of(recipe, run_name), version)
+    except Exception as exc:  # noqa: BLE001 - a preview is for people, not for the run
+        get_run_logger().warning("held-out preview of v%06d not logged: %s", version, exc)
+    return m
+
+
+def preview(recipe: Recipe, tracker: Tracker, storage: Any, iteration: int) -> None:
+    """Every `tracking.preview_every` iterations: the grid of composed rollouts, each image captioned
+    with the user's prompt, the rewrite and the reward."""
+    every = recipe.tracking.preview_every
+    if not every or iteration % every:
+        return
+    try:
+        from stages.diffusion.grid import log_grid, rollout_grid
+
+        composed = storage.stage_manifest(iteration, "compose")["files"]
+        rewards = storage.stage_manifest(iteration, "score")["files"][0]
+        log_grid(tracker, iteration, rollout_grid(storage, composed, rewards), "rollouts")
+    except Exception as exc:  # noqa: BLE001 - a preview is for people, not for the run
+        get_run_logger().warning("rollout preview of %s not logged: %s", iter_dir(iteration), exc)
+

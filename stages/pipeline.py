@@ -1,0 +1,190 @@
+"""Prompt-enhancer pipelines: a language model rewrites each prompt (the `ar` part), a flow-matching
+model draws each rewrite (the `diffusion` part), and the reward on the image trains the parts.
+
+Each part is a whole one-model run of its own under the pipeline run's folder
+(`{run}/parts/ar`, `{run}/parts/diffusion`): its recipe (`part_recipe`: the pipeline's shared
+sections with the part's model, sampling, algorithm, optimizer and warm start), worker group,
+requests, rollouts, advantages, checkpoints and published weights versions, so either side
+resumes, replays and publishes as any run does. The pipeline's own iteration folder holds what
+joins them:
+
+    iter-N/requests.arrow           the user's prompts, N rewrites each (the ar group)
+    parts/ar/iter-N/rollouts/...    the rewrites (text segments, behaviour log-probs)
+    parts/diffusion/iter-N/requests.arrow   one group per rewrite: M images of it (the flow group)
+    parts/diffusion/iter-N/rollouts/...     the images (latent segments)
+    iter-N/rollouts/composed.arrow  one row per image: its rewrite and its image, each part under its
+                                    kind's namespace (stages/sample.py), `parts` = [text, latent]
+    iter-N/rewards.arrow            the image's reward against the user's intent, per composed row
+    parts/<side>/iter-N/advantages.arrow   per part, within its own groups (`part_advantages`)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from stages.advantage import group_advantages
+from stages.recipe import Recipe, format_errors
+from stages.sample import (composed_table, namespaced, read_rollouts, read_shard, table_from_rows,
+                           write_shard)
+from stages.storage import RunStorage, iter_dir, join
+
+SIDES = ("ar", "diffusion")
+KIND_OF = {"ar": "text", "diffusion": "latent"}  # the segment each side produces
+POLICY_OF = {"ar": "text", "diffusion": "flow"}
+UNSET = ("model", "rollout", "algorithm", "train", "sft")  # a pipeline's parts carry these
+
+
+def parts_root(recipe: Recipe, run_name: str) -> str:
+    """Where the parts' runs live: `{storage.root}/{run}/parts`."""
+    return join(recipe.storage.root.rstrip("/"), run_name, "parts")
+
+
+def part_recipe(recipe: Recipe, side: str, run_name: str) -> Recipe:
+    """The one-model recipe of a pipeline part: the pipeline's seed, data (or the part's own),
+    advantages, storage options and iteration counts, with the part's model, sampling,
+    algorithm, optimizer and warm start. Its storage root is the pipeline run's `parts` folder
+    and its run name the side, so `RunStorage(root, side)` is the part's run. The ar part scores
+    nothing itself (`constant`): its reward is its images' (`part_advantages`)."""
+    pe = recipe.pe
+    assert pe is not None
+    part = getattr(pe, side)
+    rollout = part.rollout.model_dump(mode="json")
+    if side == "diffusion":
+        ar = pe.ar.rollout
+        rollout["prompts_per_iteration"] = ar.prompts_per_iteration * ar.group_size
+    data: dict[str, Any] = {
+        "name": f"{recipe.name}-{side}", "seed": recipe.seed,
+        "model": part.model.model_dump(mode="json"), "rollout": rollout,
+        "algorithm": part.algorithm.model_dump(mode="json"), "train": part.train.model_dump(mode="json"),
+        "sft": part.sft.model_dump(mode="json") if part.sft is not None else None,
+        "data": (part.data or recipe.data).model_dump(mode="json"),
+        "reward": recipe.reward.model_dump(mode="json") if side == "diffusion" else {"scorers": [{"name": "constant"}]},
+        "advantage": recipe.advantage.model_dump(mode="json"),
+        "storage": {**recipe.storage.model_dump(mode="json"), "root": parts_root(recipe, run_name)},
+        "tracking": {**recipe.tracking.model_dump(mode="json"), "preview_every": 0, "registry": False},
+        "eval": {"enabled": False}, "iterations": recipe.iterations, "checkpoint_every": recipe.checkpoint_every,
+    }
+    return Recipe.model_validate(data)
+
+
+def part_storage(recipe: Recipe, run_name: str, side: str) -> RunStorage:
+    return RunStorage(parts_root(recipe, run_name), side, recipe.storage.options)
+
+
+def trains(recipe: Recipe, side: str) -> bool:
+    pe = recipe.pe
+    assert pe is not None
+    return not (pe.freeze_llm if side == "ar" else pe.freeze_diffusion)
+
+
+def pipeline_errors(recipe: Recipe) -> list[str]:
+    """What `unirl validate` reports of a pipeline recipe, one `field.path: ...` line each."""
+    from pydantic import ValidationError
+
+    from stages.models.family import families
+
+    pe = recipe.pe
+    assert pe is not None
+    errors: list[str] = []
+    defaults = Recipe()
+    for name in UNSET:
+        if getattr(recipe, name) != getattr(defaults, name):
+            errors.append(f"{name}: a prompt-enhancer recipe gives it per part (pe.ar.{name}, pe.diffusion.{name}); "
+                          "remove the top-level one")
+    for side in SIDES:
+        family = families.get(getattr(pe, side).model.kind)
+        if family.policy != POLICY_OF[side]:
+            fits = [n for n, f in families.items() if f.policy == POLICY_OF[side]]
+            role = "rewriter" if side == "ar" else "drawer"
+            errors.append(f"pe.{side}.model.kind: {family.name!r} is a {family.policy} family; the {role} must be a "
+                          f"{POLICY_OF[side]} family (allowed: {', '.join(fits)})")
+    if pe.freeze_llm and pe.freeze_diffusion:
+        errors.append("pe.freeze_llm: both sides are frozen (pe.freeze_diffusion is true too), so nothing trains; "
+                      "unfreeze one of them")
+    if errors:
+        return errors
+    errors += recipe.scorer_errors(families.get(pe.diffusion.model.kind).produces, f"pe.diffusion.model.kind "
+                                   f"{pe.diffusion.model.kind!r}")
+    for side in SIDES:
+        try:
+            part_recipe(recipe, side, recipe.name)
+        except ValidationError as exc:
+            errors += [f"pe.{side}.{line}" for line in format_errors(exc)]
+    return errors
+
+
+def flow_requests(ar: RunStorage, ar_files: list[str], flow: RunStorage, iteration: int, group_size: int,
+                  rel: str) -> dict[str, Any]:
+    """The drawer's requests: one group per rewrite (its group id is the rewrite's sample id, so a
+    composed sample's lineage is in its id), `group_size` images each, the rewrite as the prompt and
+    the user's prompt's metadata (what the image is scored against) carried along."""
+    table = read_rollouts(ar, ar_files, columns=["sample_id", "text", "metadata"])
+    rows = [{"group_id": sid, "prompt": text.strip(), "metadata": meta, "group_size": group_size, "iteration": iteration}
+            for sid, text, meta in zip(table.column("sample_id").to_pylist(), table.column("text").to_pylist(),
+                                       table.column("metadata").to_pylist())]
+    write_shard(flow, rel, table_from_rows(rows, "requests"))
+    return {"files": [rel], "rows": len(rows)}
+
+
+def compose(storage: RunStorage, rel: str, ar: RunStorage, ar_files: list[str], flow: RunStorage,
+            flow_files: list[str]) -> dict[str, Any]:
+    """One composed row per image: the rewrite that caused it and the image, namespaced by kind."""
+    from stages.sample import PART_COLUMNS, SEGMENT_COLUMNS
+
+    texts = read_rollouts(ar, ar_files).to_pylist()
+    by_id = {r["sample_id"]: r for r in texts}
+    rows = []
+    for image in read_rollouts(flow, flow_files).to_pylist():
+        rewrite = by_id.get(image["group_id"])
+        if rewrite is None:
+            raise ValueError(f"{flow.url()}: image {image['sample_id']!r} names rewrite {image['group_id']!r}, which "
+                             f"{ar.url()} does not hold; rerun the iteration's generate tasks")
+        row = {"sample_id": image["sample_id"], "group_id": rewrite["group_id"], "iteration": image["iteration"],
+               "policy_version": rewrite["policy_version"], "parts": ["text", "latent"],
+               "metadata": rewrite["metadata"], "prompt": rewrite["prompt"]}
+        for kind, part in (("text", rewrite), ("latent", image)):
+            for name in (*PART_COLUMNS, *SEGMENT_COLUMNS[kind]):
+                row[namespaced(kind, name)] = part[name]
+        rows.append(row)
+    return {**write_shard(storage, rel, composed_table(rows, ["text", "latent"])), "files": [rel]}
+
+
+def part_advantages(recipe: Recipe, storage: RunStorage, iteration: int, composed: list[str], rewards: list[str],
+                    parts: dict[str, RunStorage]) -> dict[str, Any]:
+    """Advantages of each trained part within its own groups (DESIGN.md section 5): an image's
+    among the images of its rewrite; a rewrite's, whose reward is the mean of its images',
+    among the rewrites of its prompt. Each written to the part's run (`advantages.arrow`)."""
+    table = read_rollouts(storage, composed, columns=["sample_id", "group_id", "text/sample_id", "latent/sample_id"])
+    reward_of = {}
+    for rel in rewards:
+        shard = read_shard(storage, rel, "rewards")
+        reward_of.update(zip(shard.column("sample_id").to_pylist(), shard.column("reward").to_pylist()))
+    image_ids = table.column("sample_id").to_pylist()
+    missing = [s for s in image_ids if s not in reward_of]
+    if missing:
+        raise ValueError(f"{storage.url(rewards[0])}: no reward for sample {missing[0]!r}; rerun the score task")
+    rewrite_of = dict(zip(image_ids, table.column("text/sample_id").to_pylist()))
+    prompt_of = dict(zip(table.column("text/sample_id").to_pylist(), table.column("group_id").to_pylist()))
+    a = recipe.advantage
+    knobs = dict(scope=a.scope, normalize=a.normalize, use_global_std=a.use_global_std, eps=a.eps)
+    per_rewrite: dict[str, list[float]] = {}
+    for sid in image_ids:
+        per_rewrite.setdefault(rewrite_of[sid], []).append(reward_of[sid])
+    groups = {
+        "diffusion": (image_ids, [reward_of[s] for s in image_ids], [rewrite_of[s] for s in image_ids]),
+        "ar": (list(per_rewrite), [float(np.mean(v)) for v in per_rewrite.values()], [prompt_of[s] for s in per_rewrite]),
+    }
+    out: dict[str, Any] = {"files": [], "parts": {}, "metrics": {}}  # files of the parts' runs, by side
+    for side, part in parts.items():
+        ids, values, group_ids = groups[side]
+        adv = group_advantages(values, group_ids, **knobs).numpy()
+        rows = [{"sample_id": s, "group_id": g, "advantage": float(x)} for s, g, x in zip(ids, group_ids, adv)]
+        rel = join(iter_dir(iteration), "advantages.arrow")
+        write_shard(part, rel, table_from_rows(rows, "advantages"))
+        part.commit_stage(iteration, "advantage", {"files": [rel], "rows": len(rows)})
+        out["parts"][side] = rel
+        out["metrics"].update({f"advantage/{side}/abs_mean": float(np.abs(adv).mean()),
+                               f"advantage/{side}/std": float(adv.std())})
+    return out
+

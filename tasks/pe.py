@@ -1,0 +1,93 @@
+"""The prompt-enhancer pipeline's own tasks (stages/pipeline.py): each part's generate (the ar part
+from the user's prompts, the diffusion part from the rewrites), compose, and the per-part
+advantages. Score, train and sync are the one-model tasks, run on the pipeline (score) or a
+part's recipe and run (train, sync), each under its part's name in the flow run."""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from stages import iteration as it
+from stages import pipeline
+from stages.recipe import Recipe
+from stages.storage import iter_dir, join
+from tasks.common import engine_of, say_retry, storage_of
+
+
+def part_version(recipe: Recipe, side: str, iteration: int) -> int:
+    """The weights version a part samples iteration `iteration` with: the iteration's (its train
+    steps so far), or 0 for a frozen part."""
+    return iteration if pipeline.trains(recipe, side) else 0
+
+
+@task(name="generate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1,
+      retry_condition_fn=say_retry)
+def generate_part(recipe: Recipe, run_name: str, iteration: int, side: str, upstream: list[str] | None = None
+                  ) -> dict[str, Any]:
+    """The part's requests and rollouts, committed in the part's run: the ar part's requests are
+    the user's prompts; the diffusion part's, one group per rewrite in `upstream` (the ar part's
+    rollout files)."""
+    part = pipeline.part_recipe(recipe, side, run_name)
+    storage = storage_of(part, side)
+    rel = join(iter_dir(iteration), "requests.arrow")
+    if side == "ar":
+        requests = it.committed(storage, iteration, "requests", lambda: it.write_requests(storage, part, iteration))
+    else:
+        ar = pipeline.part_storage(recipe, run_name, "ar")
+        requests = it.committed(storage, iteration, "requests", lambda: pipeline.flow_requests(
+            ar, list(upstream or []), storage, iteration, part.rollout.group_size, rel))
+    version = part_version(recipe, side, iteration)
+    return it.committed(storage, iteration, "generate", lambda: engine_of(part, storage).generate(
+        requests["files"][0], join(iter_dir(iteration), "rollouts"), iteration, policy_version=version))
+
+
+@task(name="compose", cache_policy=NO_CACHE)
+def compose(recipe: Recipe, run_name: str, iteration: int, rewrites: list[str], images: list[str]) -> dict[str, Any]:
+    """iter-N/rollouts/composed.arrow: one row per image with the rewrite that caused it."""
+    storage = storage_of(recipe, run_name)
+    ar, flow = (pipeline.part_storage(recipe, run_name, side) for side in pipeline.SIDES)
+    rel = join(iter_dir(iteration), "rollouts", "composed.arrow")
+    return it.committed(storage, iteration, "compose", lambda: pipeline.compose(storage, rel, ar, rewrites, flow, images))
+
+
+@task(name="advantage", cache_policy=NO_CACHE)
+def part_advantages(recipe: Recipe, run_name: str, iteration: int, composed: list[str], rewards: list[str]
+                    ) -> dict[str, Any]:
+    """Advantages of each trained part within its own groups, in the part's run."""
+    storage = storage_of(recipe, run_name)
+    parts = {side: pipeline.part_storage(recipe, run_name, side) for side in pipeline.SIDES if pipeline.trains(recipe, side)}
+    return it.committed(storage, iteration, "advantage",
+                        lambda: pipeline.part_advantages(recipe, storage, iteration, composed, rewards, parts))
+
+
+@task(name="evaluate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1,
+      retry_condition_fn=say_retry)
+def evaluate_pipeline(recipe: Recipe, run_name: str, version: int) -> dict[str, Any]:
+    """Held-out results of the pipeline at `version` (each part at its own version: a frozen
+    part's is 0): `greedy` is the greedy rewrite drawn by the ODE sampler, `sampled` is `eval.k`
+    sampled rewrites per prompt, one sampled image each; both scored on the composed rows
+    (eval/vNNNNNN/<name>/composed.arrow) by the eval scorer, against the user's intent."""
+    from stages.evaluation import eval_dir, eval_metrics, write_eval_requests
+
+    storage = storage_of(recipe, run_name)
+    rel = join(eval_dir(version), "metrics.json")
+    if storage.exists(rel):
+        return storage.read_json(rel)
+    ar, flow = (pipeline.part_recipe(recipe, side, run_name) for side in pipeline.SIDES)
+    ar_store, flow_store = (storage_of(part, side) for part, side in ((ar, "ar"), (flow, "diffusion")))
+    ar_version, flow_version = (part_version(recipe, side, version) for side in pipeline.SIDES)
+    outputs = {}
+    for name, size, greedy in (("greedy", 1, True), ("sampled", recipe.eval.k, False)):
+        folder = join(eval_dir(version), name)
+        requests = write_eval_requests(ar_store, ar, version, size, name)
+        rewrites = engine_of(ar, ar_store).generate(requests, folder, version, policy_version=ar_version, greedy=greedy,
+                                                   seed_tag="eval")["files"]
+        drawn = pipeline.flow_requests(ar_store, rewrites, flow_store, version, 1, join(eval_dir(version), f"{name}-requests.arrow"))
+        images = engine_of(flow, flow_store).generate(drawn["files"][0], folder, version, policy_version=flow_version,
+                                                     greedy=greedy, seed_tag="eval")["files"]
+        outputs[name] = pipeline.compose(storage, join(folder, "composed.arrow"), ar_store, rewrites, flow_store, images)["files"]
+    result = {"version": version, "metrics": eval_metrics(storage, recipe, outputs["greedy"], outputs["sampled"])}
+    storage.write_json(rel, result)
+    return result
