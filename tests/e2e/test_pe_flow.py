@@ -1,0 +1,114 @@
+"""A prompt-enhancer pipeline through the real `unirl run`: a tiny Qwen3 rewrites toy-GenEval prompts,
+a tiny SD3 draws each rewrite, both sides train (the rewriter on two ranks), each publishes its own
+weights versions; the iteration's flow run shows each part's generate, train and sync as task
+runs of their own; the composed shards open with plain pyarrow; a run killed with SIGKILL mid-iteration
+resumes to the uninterrupted run's metrics and both sides' weights."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.ipc as ipc
+import pytest
+import yaml
+
+from tests import zygote
+from tests.conftest import REPO, run_unirl
+
+pytestmark = pytest.mark.slow
+
+RECIPE = {
+    "name": "pe-e2e", "data": {"name": "geneval", "heldout_size": 2},
+    "reward": {"scorers": [{"name": "brightness"}]},  # varies on random models: both sides get a signal
+    "pe": {
+        "ar": {"model": {"kind": "qwen3", "tiny": {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64,
+                                                   "charset": "abcdefghijklmnopqrstuvwxyz "}},
+               "rollout": {"prompts_per_iteration": 2, "group_size": 2, "max_new_tokens": 4},
+               "algorithm": {"name": "grpo"}, "train": {"micro_batch_size": 4, "nproc_per_node": 2}},
+        "diffusion": {"model": {"kind": "sd3", "tiny": {"image_size": 16}},
+                      "rollout": {"group_size": 2, "sampler": {"num_steps": 3, "init_same_noise": False}},
+                      "algorithm": {"name": "flow_grpo"}, "train": {"micro_batch_size": 4}},
+        "freeze_diffusion": False,
+    },
+    "eval": {"k": 2}, "iterations": 3, "checkpoint_every": 1,
+}
+
+
+def weights_files(run: Path, side: str, version: int) -> dict:
+    return json.loads((run / "parts" / side / "weights" / f"v{version:06d}" / "manifest.json").read_text())["files"]
+
+
+@pytest.fixture(scope="module")
+def pe_reference(tmp_path_factory, prefect_server, mlflow_uri):
+    """One uninterrupted pipeline run of three iterations."""
+    from tests.conftest import isolated_env
+
+    tmp = tmp_path_factory.mktemp("pe-reference")
+    env = {**isolated_env(tmp), **prefect_server.client_env, "MLFLOW_TRACKING_URI": mlflow_uri}
+    recipe = tmp / "pe.yaml"
+    recipe.write_text(yaml.safe_dump({**RECIPE, "storage": {"root": str(tmp / "runs")}}))
+    out = run_unirl(["run", str(recipe), "--run-name", "pe-reference"], env)
+    return tmp / "runs" / "pe-reference", recipe, out
+
+
+def test_a_pipeline_run_trains_both_sides_and_shows_each_part(pe_reference, prefect_server):
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId, FlowRunFilterTags
+
+    run, _, out = pe_reference
+    assert "iter-000002 (3/3)" in out.stdout and "held-out v000003 (after RL)" in out.stdout
+    composed = ipc.open_file(str(run / "iter-000002" / "rollouts" / "composed.arrow")).read_all()
+    assert composed.num_rows == 2 * 2 * 2  # prompts x rewrites x images
+    row = composed.slice(0, 1).to_pylist()[0]
+    assert row["parts"] == ["text", "latent"] and row["latent/prompt"] == row["text/text"].strip()
+    assert row["latent/group_id"] == row["text/sample_id"] and row["latent/media_png"][:4] == b"\x89PNG"
+    for side in ("ar", "diffusion"):
+        train = json.loads((run / "parts" / side / "iter-000002" / "train.json").read_text())["metrics"]
+        assert train["grad_norm"] > 0 and train["behaviour_logp_max_abs_diff"] < 1e-4, side  # replay against the sampler's record
+        assert weights_files(run, side, 3) != weights_files(run, side, 0), side  # each side published its own versions
+    metrics = json.loads((run / "iter-000002" / "_SUCCESS").read_text())["metrics"]
+    assert {"train/ar/loss", "train/diffusion/loss", "advantage/ar/abs_mean", "advantage/diffusion/abs_mean"} <= set(metrics)
+    with prefect_server.client() as c:
+        iterations = c.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["pe-iteration"])),
+                                      flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=["run:pe-reference"])))
+        tasks = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in iterations])))
+    assert sorted(r.name for r in iterations) == ["iter-000000", "iter-000001", "iter-000002"]
+    names = {t.name.rsplit("-", 1)[0] for t in tasks if t.flow_run_id == iterations[0].id}
+    assert {"generate-ar", "generate-diffusion", "compose", "score", "advantage", "train-ar", "train-diffusion",
+            "sync-ar", "sync-diffusion"} <= names
+
+
+def test_a_killed_pipeline_run_resumes_to_the_uninterrupted_results(pe_reference, tmp_path, unirl_env):
+    import psutil
+
+    from flows.hooks import worker_processes
+    from tests.e2e.test_rl_flow import STOP_AT_SYNC, wait_stopped
+
+    reference, recipe, _ = pe_reference
+    root = tmp_path / "runs"
+    args = ["run", str(recipe), "--run-name", "pe-reference", f"storage.root={root}"]
+    proc = zygote.popen([sys.executable, "-m", "flows.cli", *args], env={**unirl_env, "UNIRL_FAULTS": STOP_AT_SYNC},
+                        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = root / "pe-reference"
+    wait_stopped(proc)  # iteration 1: the rewriter trained, its sync under way, the drawer not yet trained
+    assert (run / "parts" / "ar" / "iter-000001" / "manifests" / "train.json").exists()
+    assert not (run / "parts" / "diffusion" / "iter-000001" / "manifests" / "train.json").exists()
+    workers = worker_processes(lambda url: str(run) in url)
+    assert len(workers) >= 3, "both sides' worker groups should be running"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, "worker processes outlived the run"
+    out = run_unirl(args, unirl_env)
+    assert "iter-000000 (" not in out.stdout and "iter-000002 (3/3)" in out.stdout
+    for i in range(3):
+        a = json.loads((run / f"iter-{i:06d}" / "_SUCCESS").read_text())["metrics"]
+        b = json.loads((reference / f"iter-{i:06d}" / "_SUCCESS").read_text())["metrics"]
+        for key in ("rollout/reward_mean", "train/ar/loss", "train/ar/grad_norm", "train/diffusion/loss",
+                    "train/diffusion/grad_norm"):
+            assert a[key] == b[key], (i, key)
+    for side in ("ar", "diffusion"):
+        assert weights_files(run, side, 3) == weights_files(reference, side, 3), side
