@@ -99,6 +99,14 @@ def pipeline_errors(recipe: Recipe) -> list[str]:
             role = "rewriter" if side == "ar" else "drawer"
             errors.append(f"pe.{side}.model.kind: {family.name!r} is a {family.policy} family; the {role} must be a "
                           f"{POLICY_OF[side]} family (allowed: {', '.join(fits)})")
+    for side in SIDES:
+        rollout = getattr(pe, side).rollout
+        if rollout.mode != "sync":
+            errors.append(f"pe.{side}.rollout.mode: a pipeline samples each iteration's parts in order; async rollout "
+                          "is not offered for pipelines (set it to sync)")
+        if rollout.dynamic_sampling is not None:
+            errors.append(f"pe.{side}.rollout.dynamic_sampling: not offered for pipelines (a refill would redraw the "
+                          "other part too); remove it")
     if pe.freeze_llm and pe.freeze_diffusion:
         errors.append("pe.freeze_llm: both sides are frozen (pe.freeze_diffusion is true too), so nothing trains; "
                       "unfreeze one of them")

@@ -233,8 +233,9 @@ class Example:
     image: Image.Image
 
 
-def make_examples(n: int, seed: int, split: str = "train", size: int = 32) -> list[Example]:
-    """n (prompt, rendered image) pairs for flow-matching SFT; image i is rendered with seed
-    (seed, i) so two examples of one prompt show different layouts."""
-    prompts = sample_prompts(n, seed, split)
+def make_examples(n: int, seed: int, split: str = "train", size: int = 32, kinds: tuple[str, ...] | None = None
+                  ) -> list[Example]:
+    """n (prompt, rendered image) pairs for flow-matching SFT, of `kinds` (default: all); image i is
+    rendered with seed (seed, i) so two examples of one prompt show different layouts."""
+    prompts = sample_prompts(n, seed, split, kinds=kinds or KINDS)
     return [Example(p, render(p, size, seed=seed * 1_000_003 + i)) for i, p in enumerate(prompts)]

@@ -38,7 +38,9 @@ def _rgb(image: Any) -> np.ndarray:
 
 @register_scorer("geneval", reads=("image",))
 class GenEvalScorer:
-    """Toy GenEval (stages.geneval): the image against its sample's prompt.
+    """Toy GenEval (stages.geneval): the image against its sample's intent, the prompt's
+    `geneval_prompt` metadata where it has one (a pipeline's user prompt said in other words,
+    stages/sources/pe_geneval.py), else the prompt itself.
     mode "strict": 1 when object, colour, count and position all hold, else 0 (GenEval's score);
     mode "mean": the mean of the four components (a denser signal, but `object` credits a shape
     drawn in the wrong colour); mode "partial": the mean of strict, colour (shape and colour
@@ -61,7 +63,10 @@ class GenEvalScorer:
     def __call__(self, batch: ScoreBatch) -> ScoreResult:
         from stages.geneval import score
 
-        results = [score(image, prompt).as_dict() for image, prompt in zip(_images(batch, self.name), batch.prompts)]
+        images = _images(batch, self.name)
+        metadata = batch.metadata or [{}] * len(images)
+        intents = [meta.get("geneval_prompt") or prompt for prompt, meta in zip(batch.prompts, metadata)]
+        results = [score(image, intent).as_dict() for image, intent in zip(images, intents)]
         if not results:
             return ScoreResult(np.zeros(0))
         components = {k: np.array([r[k] for r in results], dtype=np.float64) for k in results[0]}

@@ -16,6 +16,9 @@ class GenEvalData(Section):
     name: Literal["geneval"] = "geneval"
     seed: int = Field(1234, description="Seed of the prompt stream.")
     heldout_size: int = Field(32, ge=0, description="Held-out prompts used for evaluation.")
+    kinds: list[Literal["single", "count", "pair", "position"]] = Field(
+        ["single", "count", "pair", "position"], min_length=1,
+        description="Prompt kinds to draw (each equally often), for training prompts and synthetic SFT records.")
     prompts: list[str] = Field(
         default_factory=list,
         description="Train on these prompts (cycled in order, each iteration taking the next ones) instead of the "
@@ -40,7 +43,9 @@ class GenEvalSource(Source):
         """Prompts whose metadata carries the prompt for the detector."""
         from stages.geneval.dataset import sample_prompts
 
-        return ProceduralPrompts(sample_prompts, heldout_size=cfg.heldout_size, seed=cfg.seed, prompts=cfg.prompts,
+        kinds = tuple(cfg.kinds)
+        return ProceduralPrompts(lambda n, seed, split: sample_prompts(n, seed, split, kinds=kinds),
+                                 heldout_size=cfg.heldout_size, seed=cfg.seed, prompts=cfg.prompts,
                                  meta=lambda text: {"geneval_prompt": text})
 
     @classmethod
@@ -70,4 +75,4 @@ class GenEvalSource(Source):
         from stages.models.family import get_family
 
         size = recipe.rollout.sampler.image_size or get_family(recipe.model.kind).native_image_size(recipe.model)
-        return geneval_records(recipe.sft.examples, seed=recipe.sft.seed, image_size=int(size))
+        return geneval_records(recipe.sft.examples, seed=recipe.sft.seed, image_size=int(size), kinds=tuple(recipe.data.kinds))

@@ -1,0 +1,65 @@
+"""The prompt-enhancer demo's data: paraphrases that keep the intent in words the drawer never saw,
+a held-out split of phrasings, the imperfect rewriter teacher's colour slip, and the geneval
+scorer reading the intent rather than the user's words."""
+from __future__ import annotations
+
+import numpy as np
+
+from stages.geneval.dataset import COLOURS, SHAPES, all_prompts, parse_prompt, render
+from stages.geneval.paraphrase import PE_CHARSET, paraphrases, split_of, wrong_colour
+from stages.recipe import build_recipe
+from stages.rewards.base import ScoreBatch
+from stages.rewards.image import GenEvalScorer
+from stages.sources.pe_geneval import PEGenEvalData, PEGenEvalSource, PEPrompts
+
+
+def test_paraphrases_keep_the_intent_in_other_words():
+    said = paraphrases("a red circle")
+    assert "paint one crimson disc" in said and "show me a single scarlet ring" in said and "a red circle" not in said
+    twos = paraphrases("two blue squares")
+    assert "a pair of navy boxes" in twos and "draw 2 azure tiles" in twos
+    for intent in all_prompts("single") + all_prompts("count"):
+        spec = parse_prompt(intent)
+        for text in paraphrases(intent):
+            assert set(text) <= set(PE_CHARSET) and len(text) <= 40
+            words = text.split()
+            assert not any(c in words for c in COLOURS if c != spec.objects[0].colour), text  # no other colour named
+            assert not any(s in words for s in SHAPES if s != spec.objects[0].shape), text
+
+
+def test_heldout_prompts_are_phrasings_never_trained_on_of_intents_the_drawer_knows():
+    source = PEPrompts(PEGenEvalData(heldout_size=64))
+    held = source.heldout()
+    trained = {text for text, _ in source.train}
+    assert len(held) == 64 and not {p.text for p in held} & trained
+    assert all(split_of(p.text) == "heldout" for p in held)
+    drawer_knows = set(all_prompts("single", "train"))
+    assert {p.metadata["geneval_prompt"] for p in held} <= drawer_knows
+    assert {p.metadata["geneval_prompt"] for p in source.batch(3, 200)} == drawer_knows  # every intent is asked for
+    assert [p.text for p in source.batch(3, 5)] == [p.text for p in PEPrompts(PEGenEvalData()).batch(3, 5)]  # deterministic
+
+
+def test_the_imperfect_teacher_writes_the_wrong_colour_and_nothing_else():
+    recipe = build_recipe({
+        "name": "r", "data": {"name": "pe_geneval"}, "reward": {"scorers": [{"name": "geneval"}]},
+        "pe": {"ar": {"model": {"kind": "qwen3", "tiny": {"charset": PE_CHARSET}}, "algorithm": {"name": "grpo"},
+                      "sft": {"examples": 2000, "noise": 0.3}},
+               "diffusion": {"model": {"kind": "sd3"}, "algorithm": {"name": "flow_grpo"}}}})
+    from stages.pipeline import part_recipe
+
+    records = PEGenEvalSource.sft_records(part_recipe(recipe, "ar", "r"))
+    prompts = {p.text: p.metadata["answer"] for p in PEPrompts(recipe.data).batch(0, 2000)}
+    slipped = [r for r in records if r["response"] != prompts[r["prompt"]]]
+    assert 0.25 < len(slipped) / len(records) < 0.35
+    assert all(r["response"] == wrong_colour(prompts[r["prompt"]]) for r in slipped)
+    assert wrong_colour("a yellow square") == "a red square"
+
+
+def test_geneval_scores_the_image_against_the_intent_not_the_words():
+    image = render("a blue square", size=32, seed=1)
+    batch = ScoreBatch(sample_ids=["s"], prompts=["draw one navy box"], texts=None, images=[image], videos=None,
+                       metadata=[{"geneval_prompt": "a blue square"}], finish_reasons=None)
+    assert GenEvalScorer("strict")(batch).scores.tolist() == [1.0]
+    wrong = ScoreBatch(sample_ids=["s"], prompts=["a blue square"], texts=None, images=[image], videos=None,
+                       metadata=[{"geneval_prompt": "a red square"}], finish_reasons=None)
+    assert np.array_equal(GenEvalScorer("strict")(wrong).scores, [0.0])
