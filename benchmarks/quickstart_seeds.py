@@ -6,6 +6,7 @@ stay fixed.
     python benchmarks/quickstart_seeds.py --seeds 0 1 2                      # AR: exact match
     python benchmarks/quickstart_seeds.py --recipe recipes/diffusion/quickstart.yaml   # toy-GenEval strict
     python benchmarks/quickstart_seeds.py --recipe recipes/video/quickstart.yaml --components  # + per-component means
+    python benchmarks/quickstart_seeds.py --recipe recipes/pe/quickstart.yaml        # the pipeline: image strict score
 
 `acc` is the greedy score (AR: greedy decoding; diffusion: the deterministic ODE sampler),
 `avg@k` the mean over k sampled answers or images per prompt; `CPU s` the user + system seconds
@@ -36,7 +37,7 @@ def components(recipe_path: str, overrides: list[str], work: Path, name: str, ve
     from stages.iteration import SCORED_COLUMNS, reads_images, score_batch
     from stages.recipe import load_recipe
     from stages.rewards.base import build_scorer, run_scorer
-    from stages.sample import read_rollouts
+    from stages.sample import read_rollouts, scoring_view
     from stages.storage import RunStorage
 
     recipe = load_recipe(recipe_path, overrides)
@@ -45,7 +46,7 @@ def components(recipe_path: str, overrides: list[str], work: Path, name: str, ve
     out = {}
     for kind in ("greedy", "sampled"):
         files = sorted(p.relative_to(work / name).as_posix() for p in (work / name / "eval" / version / kind).rglob("*.arrow"))
-        table = read_rollouts(storage, files, columns=SCORED_COLUMNS)
+        table = scoring_view(read_rollouts(storage, files, columns=SCORED_COLUMNS))
         result = run_scorer(build_scorer(scorer_name, **params), score_batch(table, prompt_images=reads_images([scorer_name])))
         out.update({f"{kind}/{k}": float(np.mean(v)) for k, v in sorted((result.components or {}).items())})
     return out
@@ -56,6 +57,16 @@ def _children_cpu() -> float:
     worker ranks): on a shared machine wall time grows with the others' load, CPU time does not."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def seed_overrides(recipe_path: str, seed: int) -> list[str]:
+    """The overrides that make `seed` a different run: the run's seed and each model's tiny
+    initialisation and warm-start order (a pipeline's both parts)."""
+    import yaml
+
+    raw = yaml.safe_load(Path(recipe_path).read_text()) or {}
+    prefixes = [f"pe.{side}." for side in ("ar", "diffusion")] if raw.get("pe") else [""]
+    return [f"seed={seed}", *(f"{p}{key}={seed}" for p in prefixes for key in ("model.tiny.seed", "sft.seed"))]
 
 
 def main() -> int:
@@ -72,7 +83,7 @@ def main() -> int:
     for n, seed in enumerate(args.seeds):
         name = f"seed{seed}"
         cmd = [sys.executable, "-m", "flows.cli", "run", args.recipe, f"storage.root={work}", "--run-name", name,
-               f"seed={seed}", f"model.tiny.seed={seed}", f"sft.seed={seed}", *args.overrides]
+               *seed_overrides(args.recipe, seed), *args.overrides]
         start, cpu_start = time.perf_counter(), _children_cpu()
         log = work / f"{name}.log"
         with log.open("w") as console:
