@@ -32,15 +32,21 @@ from tasks.sync import sync
 from tasks.train import train
 
 
-def named(task: Any, name: str) -> Any:
-    return staged(task.with_options(name=name))
+# Each part's task under its own name in the flow run. Made once: `staged` keeps its untagged copy
+# of a task by the task's identity, which a task made per call would not keep.
+NAMED = {f"{task.name}-{side}": task.with_options(name=f"{task.name}-{side}")
+         for task in (generate_part, train, sync) for side in pipeline.SIDES}
+
+
+def named(name: str) -> Any:
+    return staged(NAMED[name])
 
 
 @flow(name="pe-iteration", flow_run_name="iter-{iteration:06d}")
 def pe_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any]:
     start = time.perf_counter()
-    rewrites = named(generate_part, "generate-ar")(recipe, run_name, iteration, "ar")
-    images = named(generate_part, "generate-diffusion")(recipe, run_name, iteration, "diffusion", rewrites["files"])
+    rewrites = named("generate-ar")(recipe, run_name, iteration, "ar")
+    images = named("generate-diffusion")(recipe, run_name, iteration, "diffusion", rewrites["files"])
     composed = staged(compose)(recipe, run_name, iteration, rewrites["files"], images["files"])
     scored = staged(score)(recipe, run_name, iteration, composed["files"])
     adv = staged(part_advantages)(recipe, run_name, iteration, composed["files"], scored["files"])
@@ -50,8 +56,8 @@ def pe_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any
         metrics[f"time/generate_{side}_s"] = float(rewrites.get("seconds", 0.0) if side == "ar" else images.get("seconds", 0.0))
     for side, rel in adv["parts"].items():
         part = pipeline.part_recipe(recipe, side, run_name)
-        trained = named(train, f"train-{side}")(part, side, iteration, gens[side]["files"], rel)
-        synced = named(sync, f"sync-{side}")(part, side, iteration)
+        trained = named(f"train-{side}")(part, side, iteration, gens[side]["files"], rel)
+        synced = named(f"sync-{side}")(part, side, iteration)
         metrics.update({f"train/{side}/{k}": float(v) for k, v in trained["metrics"].items()})
         metrics[f"time/train_{side}_s"] = float(trained.get("seconds", 0.0))
         metrics[f"time/sync_{side}_s"] = float(synced.get("seconds", 0.0))

@@ -17,7 +17,7 @@ from stages.workers.group import NodeLauncher, WorkerGroup, get_group
 from stages.workers.rendezvous import GroupPlan, NodeSetupError
 
 T = TypeVar("T")
-_UNTAGGED: dict[int, Any] = {}
+_UNTAGGED: dict[int, tuple[Any, Any]] = {}
 _ENGINES: dict[str, RolloutEngine] = {}
 
 
@@ -36,9 +36,9 @@ def staged(task: T) -> T:
     if on_server():
         return task
     key = id(task)
-    if key not in _UNTAGGED:
-        _UNTAGGED[key] = task.with_options(tags=set())  # type: ignore[attr-defined]
-    return _UNTAGGED[key]
+    if key not in _UNTAGGED:  # the task is kept with its copy: a dead task's id could name another
+        _UNTAGGED[key] = (task, task.with_options(tags=set()))  # type: ignore[attr-defined]
+    return _UNTAGGED[key][1]
 
 
 def run_tags(recipe: Recipe, run_name: str) -> AbstractContextManager[Any]:
