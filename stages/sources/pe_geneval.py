@@ -64,6 +64,18 @@ class PEGenEvalSource(Source):
         return PEPrompts(cfg)
 
     @classmethod
+    def check(cls, recipe: Any) -> None:
+        """A tiny character-level rewriter must have every character of the prompts and rewrites
+        (others read as <unk>)."""
+        from stages.geneval.paraphrase import PE_CHARSET
+
+        charset = getattr(getattr(recipe.model, "tiny", None), "charset", None)
+        missing = "".join(sorted(set(PE_CHARSET) - set(charset or PE_CHARSET)))
+        if missing and not recipe.model.path:
+            raise ValueError(f"model.tiny.charset: lacks {missing!r}, characters of data.name pe_geneval's prompts and "
+                             f"rewrites; set it to {PE_CHARSET!r}")
+
+    @classmethod
     def sft_records(cls, recipe: Any) -> list[dict[str, Any]]:
         """`sft.examples` (paraphrase, canonical prompt) records of the train paraphrases; `sft.noise`
         of them carry an imperfect teacher's slip that only the image reveals: the wrong colour."""

@@ -63,3 +63,17 @@ def test_geneval_scores_the_image_against_the_intent_not_the_words():
     wrong = ScoreBatch(sample_ids=["s"], prompts=["a blue square"], texts=None, images=[image], videos=None,
                        metadata=[{"geneval_prompt": "a red square"}], finish_reasons=None)
     assert np.array_equal(GenEvalScorer("strict")(wrong).scores, [0.0])
+
+
+def test_a_rewriter_whose_characters_miss_the_prompts_is_refused_naming_the_field():
+    from stages.recipe import RecipeError
+
+    recipe = {"name": "r", "data": {"name": "pe_geneval"}, "reward": {"scorers": [{"name": "geneval"}]},
+              "pe": {"ar": {"model": {"kind": "qwen3"}, "algorithm": {"name": "grpo"}},
+                     "diffusion": {"model": {"kind": "sd3"}, "algorithm": {"name": "flow_grpo"}}}}
+    try:
+        build_recipe(recipe)
+    except RecipeError as exc:
+        assert any(e.startswith("pe.ar.model.tiny.charset: lacks 'abcdefghijklmnopqrstuvwxyz'") for e in exc.errors), exc.errors
+    else:
+        raise AssertionError("a rewriter without letters was accepted")
