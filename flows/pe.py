@@ -24,6 +24,7 @@ from stages.recipe import Recipe
 from stages.run import initial_weights, open_run, update_run_info
 from stages.storage import iter_dir, join
 from stages.tracking import Tracker
+from stages.train.manifests import MANIFEST
 from stages.workers.group import close_group
 from tasks.common import close_engine, run_tags, staged, storage_of
 from tasks.pe import compose, evaluate_pipeline, generate_part, part_advantages
@@ -74,6 +75,7 @@ def pe_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
         update_run_info(storage, mlflow_run_id=tracker.run_id)
     parts = {side: pipeline.part_recipe(recipe, side, run_name) for side in pipeline.SIDES}
     stores = {}
+    progress: Progress | None = None
     try:
         for side, part in parts.items():
             stores[side], _ = open_run(part, side)
@@ -82,11 +84,13 @@ def pe_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
                 run_sft(part, stores[side])
             else:
                 initial_weights(stores[side], part)
+        register(recipe, tracker, run_name, stores, 0)
         first = storage.last_success() + 1
         if first > 0:
             logger.info("resuming %s at %s", storage.url(), iter_dir(first))
         for i in range(first):  # committed by a killed run before it reported them
             if not tracker.has_step(i):
+                register(recipe, tracker, run_name, stores, i + 1)
                 tracker.log_metrics(i, storage.read_json(join(iter_dir(i), "_SUCCESS"))["metrics"])
         log_file = log_to_run_folder(storage.local_path())
         say(f"[unirl] run {run_name} at {storage.url()}  (MLflow {tracker.link()})"
@@ -105,20 +109,35 @@ def pe_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
                     evals[version] = held_out(recipe, run_name, version, tracker,
                                               "after RL" if version == recipe.iterations else "")
                 storage.mark_success(i, summary)
+                register(recipe, tracker, run_name, stores, version)
                 tracker.log_metrics(i, summary["metrics"])
                 preview(recipe, tracker, storage, i)
                 progress.iteration(i, summary["metrics"])
-        progress.close()
     except BaseException:
         tracker.finish("FAILED")
         raise
     finally:
+        if progress is not None:
+            progress.close()
         for store in stores.values():
             close_engine(store.url())
             close_group(store.url())
     tracker.finish()
     return {"run": run_name, "storage": storage.url(), "iterations": recipe.iterations,
             "mlflow_run_id": tracker.run_id, "eval": {str(k): v for k, v in evals.items()}}
+
+
+def register(recipe: Recipe, tracker: Tracker, run_name: str, stores: dict[str, Any], version: int) -> None:
+    """Each part's published weights `version` as a version of the registered model
+    `<recipe name>-<side>` in MLflow (`tracking.registry`); a part publishes every
+    `checkpoint_every` iterations and a frozen one only v000000."""
+    if not recipe.tracking.registry:
+        return
+    for side, store in stores.items():
+        rel = store.weights_rel(version)
+        if (version == 0 or pipeline.trains(recipe, side)) and store.exists(join(rel, MANIFEST)):
+            tracker.register_version(f"{recipe.name}-{side}", run_name, version, store.url(rel),
+                                     store.read_json(join(rel, MANIFEST)))
 
 
 def held_out(recipe: Recipe, run_name: str, version: int, tracker: Tracker, label: str) -> dict[str, float]:
@@ -138,9 +157,23 @@ def held_out(recipe: Recipe, run_name: str, version: int, tracker: Tracker, labe
     return m
 
 
+def rewrite_table(storage: Any, composed: list[str], rewards: str, grid: str) -> dict[str, list[Any]]:
+    """Every composed row of an iteration as a table row: the user's prompt, the rewrite beside it,
+    the reward of its image, and the grid artifact that shows the first images."""
+    from stages.sample import read_rollouts, read_shard, scoring_view
+
+    table = scoring_view(read_rollouts(storage, composed, columns=["sample_id", "prompt", "text"]))
+    shard = read_shard(storage, rewards, "rewards")
+    reward = dict(zip(shard.column("sample_id").to_pylist(), shard.column("reward").to_pylist()))
+    ids = table.column("sample_id").to_pylist()
+    return {"sample_id": ids, "prompt": table.column("prompt").to_pylist(), "rewrite": table.column("text").to_pylist(),
+            "reward": [reward[s] for s in ids], "grid": [grid] * len(ids)}
+
+
 def preview(recipe: Recipe, tracker: Tracker, storage: Any, iteration: int) -> None:
     """Every `tracking.preview_every` iterations: the grid of composed rollouts, each image captioned
-    with the user's prompt, the rewrite and the reward."""
+    with the user's prompt, the rewrite and the reward, and the table of every rewrite beside its
+    prompt and reward (tables/rewrites/step-N.json)."""
     every = recipe.tracking.preview_every
     if not every or iteration % every:
         return
@@ -149,7 +182,8 @@ def preview(recipe: Recipe, tracker: Tracker, storage: Any, iteration: int) -> N
 
         composed = storage.stage_manifest(iteration, "compose")["files"]
         rewards = storage.stage_manifest(iteration, "score")["files"][0]
-        log_grid(tracker, iteration, rollout_grid(storage, composed, rewards), "rollouts")
+        grid = log_grid(tracker, iteration, rollout_grid(storage, composed, rewards), "rollouts")
+        tracker.log_table(iteration, rewrite_table(storage, composed, rewards, grid), "rewrites")
     except Exception as exc:  # noqa: BLE001 - a preview is for people, not for the run
         get_run_logger().warning("rollout preview of %s not logged: %s", iter_dir(iteration), exc)
 

@@ -112,6 +112,11 @@ def table_from_rows(rows: list[dict[str, Any]], kind: str, segments: Iterable[st
     for name in extra:  # e.g. reward/<component>; SFT's response / media_png; a prompt's images
         dtype = known.get(name, pa.float64())
         schema = schema.append(pa.field(name, dtype))
+    return rows_to_table(rows, schema)
+
+
+def rows_to_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+    """The table of `schema` from plain rows (a missing key is null; dict `metadata` is stored as JSON)."""
     columns = {}
     for field in schema:
         values = [r.get(field.name) for r in rows]
@@ -229,13 +234,7 @@ def composed_table(rows: list[dict[str, Any]], kinds: list[str]) -> pa.Table:
     for kind in kinds:
         fields += [pa.field(namespaced(kind, n), t) for n, t in {**PART_COLUMNS, **SEGMENT_COLUMNS[kind]}.items()]
     schema = pa.schema(fields, metadata={"unirl.schema_version": str(SCHEMA_VERSION), "unirl.kind": "rollouts"})
-    columns = {}
-    for field in schema:
-        values = [r.get(field.name) for r in rows]
-        if field.name == "metadata":
-            values = [v if isinstance(v, str) else json.dumps(v or {}, sort_keys=True) for v in values]
-        columns[field.name] = pa.array(values, type=field.type)
-    return pa.Table.from_pydict(columns, schema=schema)
+    return rows_to_table(rows, schema)
 
 
 def part_view(table: pa.Table, kind: str) -> pa.Table:

@@ -66,9 +66,14 @@ class PEGenEvalSource(Source):
     @classmethod
     def check(cls, recipe: Any) -> None:
         """A tiny character-level rewriter must have every character of the prompts and rewrites
-        (others read as <unk>)."""
+        (others read as <unk>); a drawer's warm start cannot learn from text records."""
         from stages.geneval.paraphrase import PE_CHARSET
 
+        from stages.models.family import get_family
+
+        if recipe.sft is not None and recipe.sft.source == "synthetic" and get_family(recipe.model.kind).policy != "text":
+            raise ValueError("data.name: pe_geneval's synthetic records are (paraphrase, canonical prompt) text; a "
+                             f"{recipe.model.kind} warm start needs images: give it its own data (data.name: geneval)")
         charset = getattr(getattr(recipe.model, "tiny", None), "charset", None)
         missing = "".join(sorted(set(PE_CHARSET) - set(charset or PE_CHARSET)))
         if missing and not recipe.model.path:

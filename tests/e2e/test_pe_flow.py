@@ -55,7 +55,7 @@ def pe_reference(tmp_path_factory, prefect_server, mlflow_uri):
     return tmp / "runs" / "pe-reference", recipe, out
 
 
-def test_a_pipeline_run_trains_both_sides_and_shows_each_part(pe_reference, prefect_server):
+def test_a_pipeline_run_trains_both_sides_and_shows_each_part(pe_reference, prefect_server, mlflow_uri):
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId, FlowRunFilterTags
 
     run, _, out = pe_reference
@@ -71,6 +71,18 @@ def test_a_pipeline_run_trains_both_sides_and_shows_each_part(pe_reference, pref
         assert weights_files(run, side, 3) != weights_files(run, side, 0), side  # each side published its own versions
     metrics = json.loads((run / "iter-000002" / "_SUCCESS").read_text())["metrics"]
     assert {"train/ar/loss", "train/diffusion/loss", "advantage/ar/abs_mean", "advantage/diffusion/abs_mean"} <= set(metrics)
+    from mlflow.tracking import MlflowClient
+
+    info = json.loads((run / "run.json").read_text())
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    assert "images/rollouts/step-000002.png" in [a.path for a in client.list_artifacts(info["mlflow_run_id"], "images/rollouts")]
+    shown = json.loads(Path(client.download_artifacts(info["mlflow_run_id"], "tables/rewrites/step-000002.json")).read_text())
+    rows = [dict(zip(shown["columns"], r)) for r in shown["data"]]
+    by_id = {r["sample_id"]: r for r in composed.to_pylist()}
+    assert len(rows) == 8 and all(r["rewrite"] == by_id[r["sample_id"]]["text/text"] for r in rows)  # each rewrite beside its image
+    versions = {side: sorted(int(v.tags["unirl.policy_version"]) for v in client.search_model_versions(f"name='pe-e2e-{side}'")
+                             if v.tags.get("unirl.run") == "pe-reference") for side in ("ar", "diffusion")}
+    assert versions == {"ar": [0, 1, 2, 3], "diffusion": [0, 1, 2, 3]}  # each side's published versions, registered
     with prefect_server.client() as c:
         iterations = c.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["pe-iteration"])),
                                       flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=["run:pe-reference"])))

@@ -77,3 +77,19 @@ def test_a_rewriter_whose_characters_miss_the_prompts_is_refused_naming_the_fiel
         assert any(e.startswith("pe.ar.model.tiny.charset: lacks 'abcdefghijklmnopqrstuvwxyz'") for e in exc.errors), exc.errors
     else:
         raise AssertionError("a rewriter without letters was accepted")
+
+
+def test_a_drawer_warm_started_on_the_paraphrases_is_refused_naming_its_data():
+    from stages.recipe import RecipeError
+
+    recipe = {"name": "r", "data": {"name": "pe_geneval"}, "reward": {"scorers": [{"name": "geneval"}]},
+              "pe": {"ar": {"model": {"kind": "qwen3", "tiny": {"charset": PE_CHARSET}}, "algorithm": {"name": "grpo"}},
+                     "diffusion": {"model": {"kind": "sd3"}, "algorithm": {"name": "flow_grpo"}, "sft": {"steps": 10}}}}
+    try:
+        build_recipe(recipe)
+    except RecipeError as exc:
+        assert any(e.startswith("pe.diffusion.data.name: pe_geneval's synthetic records are") for e in exc.errors), exc.errors
+    else:
+        raise AssertionError("a drawer warm start on text records was accepted")
+    recipe["pe"]["diffusion"]["data"] = {"name": "geneval", "kinds": ["single"]}
+    build_recipe(recipe)
