@@ -104,7 +104,10 @@ def iteration_line(i: int, total: int, m: dict[str, float]) -> str:
     clip = f"  clip {m['train/clip_frac']:.3f}" if "train/clip_frac" in m else ""
     if "train/loss" not in m:  # a pipeline: each trained part's loss and gradient norm
         sides = sorted({k.split("/")[1] for k in m if k.startswith("train/") and k.endswith("/loss")})
-        losses = "".join(f"  {s} loss {m[f'train/{s}/loss']:+.4f} grad {m[f'train/{s}/grad_norm']:.3f}" for s in sides)
+        losses = "".join(f"  {s} loss {m[f'train/{s}/loss']:+.4f}" for s in sides)
+        # a pipeline's parts step apart (a gradient norm each); a unified model's stages step together
+        grads = [f" {s} {m[f'train/{s}/grad_norm']:.3f}" for s in sides if f"train/{s}/grad_norm" in m]
+        losses += f"  grad{''.join(grads)}" if grads else (f"  grad {m['train/grad_norm']:.3f}" if "train/grad_norm" in m else "")
         return (f"[unirl] iter-{i:06d} ({i + 1}/{total})  reward {m['rollout/reward_mean']:.3f}±{m['rollout/reward_std']:.3f}"
                 f"{losses}  {m['time/iteration_s']:.1f}s")
     return (

@@ -39,6 +39,7 @@ FLOWS: dict[str, tuple[str, str]] = {
     "video": ("rl-train", "flows/rl.py:rl_train"),
     "pipeline": ("rl-train", "flows/rl.py:rl_train"),
     "pe": ("rl-train", "flows/rl.py:rl_train"),
+    "unified": ("rl-train", "flows/rl.py:rl_train"),
     "sft": ("sft", "flows/sft.py:sft"),
 }
 

@@ -68,15 +68,10 @@ def pe_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any
 
 def pe_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
     """The body of `rl_train` for a pipeline recipe, under the run's lease."""
-    logger = get_run_logger()
-    storage, info = open_run(recipe, run_name)
-    tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"))
-    if info.get("mlflow_run_id") != tracker.run_id:
-        update_run_info(storage, mlflow_run_id=tracker.run_id)
     parts = {side: pipeline.part_recipe(recipe, side, run_name) for side in pipeline.SIDES}
-    stores = {}
-    progress: Progress | None = None
-    try:
+
+    def warm_start(storage: Any, tracker: Tracker) -> dict[str, Any]:
+        stores = {}
         for side, part in parts.items():
             stores[side], _ = open_run(part, side)
             if part.sft is not None:
@@ -84,6 +79,27 @@ def pe_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
                 run_sft(part, stores[side])
             else:
                 initial_weights(stores[side], part)
+        return {f"{recipe.name}-{side}": (store, pipeline.trains(recipe, side)) for side, store in zip(parts, stores.values())}
+
+    return run_stages(recipe, run_name, warm_start, pe_iteration, evaluate_pipeline, "rewrites")
+
+
+def run_stages(recipe: Recipe, run_name: str, warm_start: Any, iteration_flow: Any, evaluate: Any,
+               table: str) -> dict[str, Any]:
+    """What a prompt-enhancer pipeline and a unified model share around their iterations: the warm
+    start (`warm_start(storage, tracker)` -> {registered model name: (run storage, whether it
+    trains)}), the resume after the last finished iteration, `iteration_flow` per iteration,
+    held-out evaluation (`evaluate`, a task of (recipe, run_name, version)), MLflow metrics,
+    weights versions in the registry and previews (the rollout grid and the `table` of texts)."""
+    logger = get_run_logger()
+    storage, info = open_run(recipe, run_name)
+    tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"))
+    if info.get("mlflow_run_id") != tracker.run_id:
+        update_run_info(storage, mlflow_run_id=tracker.run_id)
+    stores: dict[str, Any] = {}
+    progress: Progress | None = None
+    try:
+        stores = warm_start(storage, tracker)
         register(recipe, tracker, run_name, stores, 0)
         first = storage.last_success() + 1
         if first > 0:
@@ -99,19 +115,19 @@ def pe_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
         evals: dict[int, dict[str, float]] = {}
         with run_tags(recipe, run_name), temporary_settings(updates={"flows.heartbeat_frequency": None}):
             if recipe.eval.enabled:
-                evals[0] = held_out(recipe, run_name, 0, tracker, "before RL")
+                evals[0] = held_out(recipe, run_name, 0, tracker, "before RL", evaluate)
             for i in range(first, recipe.iterations):
-                summary = pe_iteration(recipe, run_name, i)
+                summary = iteration_flow(recipe, run_name, i)
                 version = i + 1
                 if (recipe.eval.every and version % recipe.eval.every == 0) or (
                     recipe.eval.enabled and version == recipe.iterations
                 ):
                     evals[version] = held_out(recipe, run_name, version, tracker,
-                                              "after RL" if version == recipe.iterations else "")
+                                              "after RL" if version == recipe.iterations else "", evaluate)
                 storage.mark_success(i, summary)
                 register(recipe, tracker, run_name, stores, version)
                 tracker.log_metrics(i, summary["metrics"])
-                preview(recipe, tracker, storage, i)
+                preview(recipe, tracker, storage, i, table)
                 progress.iteration(i, summary["metrics"])
     except BaseException:
         tracker.finish("FAILED")
@@ -119,7 +135,7 @@ def pe_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
     finally:
         if progress is not None:
             progress.close()
-        for store in stores.values():
+        for store, _ in stores.values():
             close_engine(store.url())
             close_group(store.url())
     tracker.finish()
@@ -128,22 +144,21 @@ def pe_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
 
 
 def register(recipe: Recipe, tracker: Tracker, run_name: str, stores: dict[str, Any], version: int) -> None:
-    """Each part's published weights `version` as a version of the registered model
-    `<recipe name>-<side>` in MLflow (`tracking.registry`); a part publishes every
+    """Each model's published weights `version` as a version of its registered model in MLflow
+    (`tracking.registry`; a pipeline's parts as `<recipe name>-<side>`); a model publishes every
     `checkpoint_every` iterations and a frozen one only v000000."""
     if not recipe.tracking.registry:
         return
-    for side, store in stores.items():
+    for name, (store, trains) in stores.items():
         rel = store.weights_rel(version)
-        if (version == 0 or pipeline.trains(recipe, side)) and store.exists(join(rel, MANIFEST)):
-            tracker.register_version(f"{recipe.name}-{side}", run_name, version, store.url(rel),
-                                     store.read_json(join(rel, MANIFEST)))
+        if (version == 0 or trains) and store.exists(join(rel, MANIFEST)):
+            tracker.register_version(name, run_name, version, store.url(rel), store.read_json(join(rel, MANIFEST)))
 
 
-def held_out(recipe: Recipe, run_name: str, version: int, tracker: Tracker, label: str) -> dict[str, float]:
-    """The pipeline on the held-out prompts at `version` (a frozen part at v000000): greedy rewrite
-    then ODE image, and `eval.k` sampled rewrites with one sampled image each."""
-    m = staged(evaluate_pipeline)(recipe, run_name, version)["metrics"]
+def held_out(recipe: Recipe, run_name: str, version: int, tracker: Tracker, label: str, evaluate: Any) -> dict[str, float]:
+    """The model on the held-out prompts at `version` (a frozen part at v000000): greedy text
+    then ODE image, and `eval.k` sampled texts with one sampled image each."""
+    m = staged(evaluate)(recipe, run_name, version)["metrics"]
     k = recipe.eval.k
     say(f"[unirl] held-out v{version:06d}{' (' + label + ')' if label else ''}: accuracy {m['eval/accuracy']:.3f}"
         f"  avg@{k} {m[f'eval/avg_at_{k}']:.3f}  pass@{k} {m[f'eval/pass_at_{k}']:.3f}  ({int(m['eval/prompts'])} prompts)")
@@ -170,10 +185,10 @@ def rewrite_table(storage: Any, composed: list[str], rewards: str, grid: str) ->
             "reward": [reward[s] for s in ids], "grid": [grid] * len(ids)}
 
 
-def preview(recipe: Recipe, tracker: Tracker, storage: Any, iteration: int) -> None:
+def preview(recipe: Recipe, tracker: Tracker, storage: Any, iteration: int, table: str = "rewrites") -> None:
     """Every `tracking.preview_every` iterations: the grid of composed rollouts, each image captioned
-    with the user's prompt, the rewrite and the reward, and the table of every rewrite beside its
-    prompt and reward (tables/rewrites/step-N.json)."""
+    with the user's prompt, the text (rewrite or plan) and the reward, and the table of every text
+    beside its prompt and reward (tables/<table>/step-N.json)."""
     every = recipe.tracking.preview_every
     if not every or iteration % every:
         return
@@ -183,7 +198,7 @@ def preview(recipe: Recipe, tracker: Tracker, storage: Any, iteration: int) -> N
         composed = storage.stage_manifest(iteration, "compose")["files"]
         rewards = storage.stage_manifest(iteration, "score")["files"][0]
         grid = log_grid(tracker, iteration, rollout_grid(storage, composed, rewards), "rollouts")
-        tracker.log_table(iteration, rewrite_table(storage, composed, rewards, grid), "rewrites")
+        tracker.log_table(iteration, rewrite_table(storage, composed, rewards, grid), table)
     except Exception as exc:  # noqa: BLE001 - a preview is for people, not for the run
         get_run_logger().warning("rollout preview of %s not logged: %s", iter_dir(iteration), exc)
 

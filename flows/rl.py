@@ -112,6 +112,10 @@ def rl_train(
             from flows.pe import pe_run
 
             return pe_run(recipe, run_name)
+        if recipe.unified is not None:
+            from flows.unified import unified_run
+
+            return unified_run(recipe, run_name)
         return train_run(recipe, run_name)
     finally:
         lease.release()

@@ -24,6 +24,7 @@ from stages.faults import fault_point
 from stages.recipe import Recipe
 from stages.run import materialize_model, open_run, update_run_info
 from stages.sft import write_sft_data
+from stages.unified import write_sft_data as unified_sft_data
 from stages.storage import RunStorage, join
 from stages.tracking import Tracker
 from stages.train.manifests import MANIFEST, write_weights_dir
@@ -50,14 +51,16 @@ def run_sft(recipe: Recipe, storage: RunStorage, tracker: Tracker | None = None)
                                   {"version": 0, "source": recipe.model.path or "tiny"})
         manifest = storage.read_json("sft/manifest.json") if storage.exists("sft/manifest.json") else None
         if manifest is None:
-            manifest = write_sft_data(storage, recipe)
+            manifest = write_sft_data(storage, recipe) if recipe.unified is None else unified_sft_data(storage, recipe)
             storage.write_json("sft/manifest.json", manifest)
+        data: Any = manifest["files"][0] if recipe.unified is None else manifest["files"]
+        stages = {"stages": manifest["stages"]} if recipe.unified is not None else {}
         s = recipe.sft
         group.start(None)
         done = 0
         while done < s.steps:
             steps = min(CHUNK, s.steps - done)
-            out = group.call("sft", data=manifest["files"][0], steps=steps, batch_size=s.batch_size, seed=s.seed, start_step=done)
+            out = group.call("sft", data=data, steps=steps, batch_size=s.batch_size, seed=s.seed, start_step=done, **stages)
             done = out["steps"]
             fault_point("sft")
             say(f"[unirl] sft step {done}/{s.steps}  loss {out['last_loss']:.4f}  {out['seconds']:.1f}s")

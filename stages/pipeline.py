@@ -158,11 +158,11 @@ def compose(storage: RunStorage, rel: str, ar: RunStorage, ar_files: list[str], 
     return {**write_shard(storage, rel, composed_table(rows, ["text", "latent"])), "files": [rel]}
 
 
-def part_advantages(recipe: Recipe, storage: RunStorage, iteration: int, composed: list[str], rewards: list[str],
-                    parts: dict[str, RunStorage]) -> dict[str, Any]:
-    """Advantages of each trained part within its own groups (DESIGN.md section 5): an image's
+def advantage_rows(recipe: Recipe, storage: RunStorage, composed: list[str], rewards: list[str],
+                   sides: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Advantage rows of each of `sides` within its own groups (DESIGN.md section 5): an image's
     among the images of its rewrite; a rewrite's, whose reward is the mean of its images',
-    among the rewrites of its prompt. Each written to the part's run (`advantages.arrow`)."""
+    among the rewrites of its prompt."""
     table = read_rollouts(storage, composed, columns=["sample_id", "group_id", "text/sample_id", "latent/sample_id"])
     reward_of = {}
     for rel in rewards:
@@ -183,16 +183,31 @@ def part_advantages(recipe: Recipe, storage: RunStorage, iteration: int, compose
         "diffusion": (image_ids, [reward_of[s] for s in image_ids], [rewrite_of[s] for s in image_ids]),
         "ar": (list(per_rewrite), [float(np.mean(v)) for v in per_rewrite.values()], [prompt_of[s] for s in per_rewrite]),
     }
-    out: dict[str, Any] = {"files": [], "parts": {}, "metrics": {}}  # files of the parts' runs, by side
-    for side, part in parts.items():
+    out = {}
+    for side in sides:
         ids, values, group_ids = groups[side]
         adv = group_advantages(values, group_ids, **knobs).numpy()
-        rows = [{"sample_id": s, "group_id": g, "advantage": float(x)} for s, g, x in zip(ids, group_ids, adv)]
-        rel = join(iter_dir(iteration), "advantages.arrow")
-        write_shard(part, rel, table_from_rows(rows, "advantages"))
-        part.commit_stage(iteration, "advantage", {"files": [rel], "rows": len(rows)})
-        out["parts"][side] = rel
-        out["metrics"].update({f"advantage/{side}/abs_mean": float(np.abs(adv).mean()),
-                               f"advantage/{side}/std": float(adv.std())})
+        out[side] = [{"sample_id": s, "group_id": g, "advantage": float(x)} for s, g, x in zip(ids, group_ids, adv)]
     return out
 
+
+def advantage_metrics(rows: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+    out = {}
+    for side, part in rows.items():
+        adv = np.array([r["advantage"] for r in part])
+        out.update({f"advantage/{side}/abs_mean": float(np.abs(adv).mean()), f"advantage/{side}/std": float(adv.std())})
+    return out
+
+
+def part_advantages(recipe: Recipe, storage: RunStorage, iteration: int, composed: list[str], rewards: list[str],
+                    parts: dict[str, RunStorage]) -> dict[str, Any]:
+    """Advantages of each trained part within its own groups (`advantage_rows`), each written to
+    the part's run (`advantages.arrow`)."""
+    rows = advantage_rows(recipe, storage, composed, rewards, list(parts))
+    out: dict[str, Any] = {"files": [], "parts": {}, "metrics": advantage_metrics(rows)}  # files of the parts' runs, by side
+    for side, part in parts.items():
+        rel = join(iter_dir(iteration), "advantages.arrow")
+        write_shard(part, rel, table_from_rows(rows[side], "advantages"))
+        part.commit_stage(iteration, "advantage", {"files": [rel], "rows": len(rows[side])})
+        out["parts"][side] = rel
+    return out

@@ -239,6 +239,44 @@ class PipelineConfig(Section):
     freeze_diffusion: bool = Field(True, description="Do not train the drawer (its weights stay v000000).")
 
 
+class UnifiedStage(Section):
+    """One stage of a unified model (stages/unified.py): how it samples, its policy loss, the records
+    of its share of the joint warm start and the weight of its loss in the joint step."""
+
+    rollout: RolloutConfig | None = Field(
+        None, description="Its sampling. ar: group_size is the plans per prompt; diffusion: group_size is the images "
+        "per plan, one group per plan (prompts_per_iteration follows from the ar stage).")
+    algorithm: AlgorithmConfig | None = Field(
+        None, description="Its policy loss (a text algorithm for ar, a flow algorithm for diffusion); both stages need one.")
+    sft: SFTConfig | None = Field(
+        None, description="Its records in the joint warm start (source, path, examples, noise, batch_size per step); the "
+        "warm start's steps, lr and seed are the recipe's `sft`. Empty: the stage adds no loss to the warm start.")
+    data: DataConfig | None = Field(
+        None, description="The prompt source of its warm-start records (empty: the recipe's `data`); the diffusion "
+        "stage learns to draw canonical prompts here (data.name: geneval).")
+    loss_weight: float = Field(1.0, gt=0, description="Weight of its loss in the joint optimizer step (RL and warm start).")
+
+
+class UnifiedConfig(Section):
+    """A unified model: one backbone (a family offering both policies) writes a plan (`ar`), then draws
+    it (`diffusion`); both losses go into one optimizer step on the shared weights (docs/unified.md)."""
+
+    ar: UnifiedStage = Field(default_factory=UnifiedStage, description="The text stage: prompt -> plan.")
+    diffusion: UnifiedStage = Field(default_factory=UnifiedStage, description="The image stage: plan -> image.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rollout_kinds(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for side, kind in (("ar", "text"), ("diffusion", "flow")):
+            stage = out.get(side)
+            if isinstance(stage, dict) and isinstance(stage.get("rollout"), dict) and "kind" not in stage["rollout"]:
+                out[side] = {**stage, "rollout": {**stage["rollout"], "kind": kind}}
+        return out
+
+
 class Recipe(Section):
     """A whole RL post-training run."""
 
@@ -259,6 +297,10 @@ class Recipe(Section):
         None, description="A prompt-enhancer pipeline (rewriter, then drawer) instead of one model: its parts "
         "give the models, sampling, algorithms, optimizers and warm starts, so the recipe's own model, rollout, "
         "algorithm, train and sft stay unset.")
+    unified: UnifiedConfig | None = Field(
+        None, description="A unified model (one backbone that writes a plan, then draws it): `model` is a family offering "
+        "text and flow, `train` and `sft` its one optimizer and joint warm start; each stage's sampling and algorithm are "
+        "here, so the recipe's own rollout and algorithm stay unset.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     iterations: int = Field(3, ge=1, description="RL iterations in the run.")
     checkpoint_every: int = Field(1, ge=1, description="Save a checkpoint (and publish weights) every N iterations.")
@@ -271,8 +313,8 @@ class Recipe(Section):
     @model_validator(mode="before")
     @classmethod
     def _rollout_kind(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("pe") is not None:
-            return data  # the parts carry the models and their rollout sections
+        if isinstance(data, dict) and (data.get("pe") is not None or data.get("unified") is not None):
+            return data  # the parts (stages) carry their rollout sections
         return _fill_rollout_kind(data)
 
     @model_validator(mode="after")
@@ -286,11 +328,18 @@ class Recipe(Section):
             if errors:
                 raise ValueError("\n".join(errors))
             return self
+        if self.unified is not None:
+            from stages.unified import unified_errors
+
+            errors = unified_errors(self)
+            if errors:
+                raise ValueError("\n".join(errors))
+            return self
         family = families.get(self.model.kind)
         errors = self.scorer_errors(family.produces, f"model.kind {self.model.kind!r}")
-        policy = policies.get(family.policy)
+        policy = policies.get(self.rollout.kind)
         algo = algorithms.get(self.algorithm.name)
-        if self.rollout.kind != family.policy:
+        if self.rollout.kind not in family.offers():
             errors.append(f"rollout.kind: {self.rollout.kind!r} sampling does not run model.kind {self.model.kind!r}, "
                           f"whose policy is {family.policy!r}; remove rollout.kind")
         if algo.segment != policy.segment:
@@ -378,6 +427,8 @@ class Recipe(Section):
     def to_yaml(self) -> str:
         """The resolved recipe; a pipeline's without the one-model sections its parts replace."""
         unset = {"model", "rollout", "algorithm", "train", "sft"} if self.pe is not None else None
+        if self.unified is not None:
+            unset = {"rollout", "algorithm"}
         return yaml.safe_dump(self.model_dump(mode="json", exclude=unset), sort_keys=False)
 
 

@@ -69,25 +69,42 @@ def evaluate_pipeline(recipe: Recipe, run_name: str, version: int) -> dict[str, 
     part's is 0): `greedy` is the greedy rewrite drawn by the ODE sampler, `sampled` is `eval.k`
     sampled rewrites per prompt, one sampled image each; both scored on the composed rows
     (eval/vNNNNNN/<name>/composed.arrow) by the eval scorer, against the user's intent."""
-    from stages.evaluation import eval_dir, eval_metrics, write_eval_requests
+    from stages.evaluation import eval_dir
 
     storage = storage_of(recipe, run_name)
     rel = join(eval_dir(version), "metrics.json")
     if storage.exists(rel):
         return storage.read_json(rel)
     ar, flow = (pipeline.part_recipe(recipe, side, run_name) for side in pipeline.SIDES)
-    ar_store, flow_store = (storage_of(part, side) for part, side in ((ar, "ar"), (flow, "diffusion")))
-    ar_version, flow_version = (part_version(recipe, side, version) for side in pipeline.SIDES)
+    stores = {"ar": storage_of(ar, "ar"), "diffusion": storage_of(flow, "diffusion")}
+    engines = {"ar": engine_of(ar, stores["ar"]), "diffusion": engine_of(flow, stores["diffusion"])}
+
+    def draw(side: str, requests: str, folder: str, greedy: bool) -> list[str]:
+        return engines[side].generate(requests, folder, version, policy_version=part_version(recipe, side, version),
+                                      greedy=greedy, seed_tag="eval")["files"]
+
+    result = evaluate_composed(recipe, storage, version, ar, stores, draw)
+    storage.write_json(rel, result)
+    return result
+
+
+def evaluate_composed(recipe: Recipe, storage: Any, version: int, ar: Recipe, stores: dict[str, Any],
+                      draw: Any) -> dict[str, Any]:
+    """Held-out results of a two-stage model at `version`: `greedy`, the greedy text drawn by the
+    ODE sampler, and `sampled`, `eval.k` sampled texts per prompt with one sampled image each;
+    both composed (eval/vNNNNNN/<name>/composed.arrow) and scored by the eval scorer against the
+    user's intent. `draw(side, requests, folder, greedy)` samples a stage's requests into files
+    of `stores[side]`; `ar` is the text stage's recipe (its held-out prompts)."""
+    from stages.evaluation import eval_dir, eval_metrics, write_eval_requests
+
     outputs = {}
     for name, size, greedy in (("greedy", 1, True), ("sampled", recipe.eval.k, False)):
         folder = join(eval_dir(version), name)
-        requests = write_eval_requests(ar_store, ar, version, size, name)
-        rewrites = engine_of(ar, ar_store).generate(requests, folder, version, policy_version=ar_version, greedy=greedy,
-                                                   seed_tag="eval")["files"]
-        drawn = pipeline.flow_requests(ar_store, rewrites, flow_store, version, 1, join(eval_dir(version), f"{name}-requests.arrow"))
-        images = engine_of(flow, flow_store).generate(drawn["files"][0], folder, version, policy_version=flow_version,
-                                                     greedy=greedy, seed_tag="eval")["files"]
-        outputs[name] = pipeline.compose(storage, join(folder, "composed.arrow"), ar_store, rewrites, flow_store, images)["files"]
-    result = {"version": version, "metrics": eval_metrics(storage, recipe, outputs["greedy"], outputs["sampled"])}
-    storage.write_json(rel, result)
-    return result
+        requests = write_eval_requests(stores["ar"], ar, version, size, name)
+        texts = draw("ar", requests, join(folder, "texts"), greedy)
+        drawn = pipeline.flow_requests(stores["ar"], texts, stores["diffusion"], version, 1,
+                                       join(eval_dir(version), f"{name}-image-requests.arrow"))
+        images = draw("diffusion", drawn["files"][0], join(folder, "images"), greedy)
+        outputs[name] = pipeline.compose(storage, join(folder, "composed.arrow"), stores["ar"], texts, stores["diffusion"],
+                                         images)["files"]
+    return {"version": version, "metrics": eval_metrics(storage, recipe, outputs["greedy"], outputs["sampled"])}

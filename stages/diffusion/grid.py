@@ -97,7 +97,10 @@ def log_eval_grid(tracker: Any, storage: RunStorage, version: int) -> str | None
     from stages.evaluation import eval_dir
 
     folder = join(eval_dir(version), "greedy")
-    parts = [join(folder, f) for f in storage.files(folder) if f.endswith(".arrow")]
+    names = [f for f in storage.files(folder) if f.endswith(".arrow")]
+    if "composed.arrow" in names:  # a two-stage model's: each image with the text that caused it
+        names = ["composed.arrow"]
+    parts = [join(folder, f) for f in names]
     if not parts:
         return None
     return log_grid(tracker, version, rollout_grid(storage, parts), "heldout")

@@ -51,7 +51,7 @@ class EngineCore:
 
         self.recipe = recipe
         self.family = get_family(recipe.model.kind)
-        self.policy_cls = policies.get(self.family.policy)
+        self.policy_cls = policies.get(self.recipe.rollout.kind)
         self.device = torch.device(device)
         self.lock = threading.RLock()
         self.running = threading.Event()

@@ -36,6 +36,9 @@ class Family:
     # The policy this family's models run as ("text": autoregressive tokens, "flow": flow-matching
     # latents) and the media its samples carry for scorers ("text", "image", "video").
     policy: ClassVar[str]
+    # A unified family offers several policies on the same parameters (the recipe's `rollout.kind`
+    # picks one; `policy` is the default); empty: just `policy`.
+    policies: ClassVar[tuple[str, ...]] = ()
     produces: ClassVar[tuple[str, ...]]
     lora_targets: ClassVar[tuple[str, ...]] = ()
     # Whether its prompts carry images (vision-language models): requests and rollouts then hold
@@ -44,6 +47,11 @@ class Family:
     # Modules `load` imports (the model classes: seconds each on a small machine); a worker group
     # launched ahead of its spec imports them while it waits (WorkerGroup.prewarm).
     modules: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def offers(cls) -> tuple[str, ...]:
+        """The policies this family's models run as."""
+        return cls.policies or (cls.policy,)
 
     @classmethod
     def check(cls, recipe: Any) -> None:

@@ -36,10 +36,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import model_validator
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
@@ -112,6 +113,16 @@ def joint_attention_mask(text_mask: torch.Tensor, num_image: int) -> torch.Tenso
     return mask[:, None]
 
 
+def cached_text_mask(attention_mask: torch.Tensor, new: int) -> torch.Tensor:
+    """Boolean SDPA mask (B, 1, new, T) of the last `new` text tokens over all T = past + new
+    (`attention_mask`: (B, T), 1 = real token): causal over valid tokens, each query sees itself."""
+    total = attention_mask.shape[1]
+    q = torch.arange(total - new, total, device=attention_mask.device)
+    k = torch.arange(total, device=attention_mask.device)
+    mask = (k[None, :] <= q[:, None])[None] & attention_mask.bool()[:, None, :]
+    return (mask | (k[None, :] == q[:, None])[None])[:, None]
+
+
 def timestep_embedding(sigma: torch.Tensor, dim: int) -> torch.Tensor:
     """sigma: (B,) in [0, 1] -> (B, dim) sinusoidal features of 1000 * sigma (the SD3 / FLUX scale)."""
     half = dim // 2
@@ -135,10 +146,14 @@ class TransfusionBlock(nn.Module):
         self.gate_up = nn.Linear(d, 2 * config.intermediate_size, bias=False)
         self.down = nn.Linear(config.intermediate_size, d, bias=False)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache: Any = None, layer: int = 0) -> torch.Tensor:
+        """`cache`: a transformers `Cache` holding the keys and values of earlier text tokens (the
+        sampler's KV cache); this call's are appended to it, and `mask` covers all of them."""
         b, s, d = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, self.num_heads, d // self.num_heads).unbind(2)
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(self.attn_norm(x)).view(b, s, 3, self.num_heads, d // self.num_heads).unbind(2))
+        if cache is not None:
+            k, v = cache.update(k, v, layer)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.attn_out(attn.transpose(1, 2).reshape(b, s, d))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -175,13 +190,14 @@ class TransfusionModel(PreTrainedModel):
     def set_input_embeddings(self, value: nn.Module) -> None:
         self.embed_tokens = value
 
-    def _embed_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        length = input_ids.shape[1]
-        if length > self.config.max_text_len:
-            raise ValueError(f"text of {length} tokens is longer than this model's max_text_len "
+    def _embed_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
+        if int(position_ids.max()) >= self.config.max_text_len:
+            raise ValueError(f"text of {int(position_ids.max()) + 1} tokens is longer than this model's max_text_len "
                              f"{self.config.max_text_len}: truncate the prompt or build the model with a larger max_text_len")
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        return self.embed_tokens(input_ids) + self.text_pos(positions)
+        return self.embed_tokens(input_ids) + self.text_pos(position_ids)
 
     def _embed_image(self, latents: torch.Tensor, sigma: torch.Tensor | float) -> torch.Tensor:
         cfg = self.config
@@ -199,21 +215,31 @@ class TransfusionModel(PreTrainedModel):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 latents: torch.Tensor | None = None, sigma: torch.Tensor | float | None = None, *,
-                compute_logits: bool = True) -> TransfusionOutput:
+                compute_logits: bool = True, position_ids: torch.Tensor | None = None,
+                past_key_values: Any = None, use_cache: bool = False) -> TransfusionOutput:
         """input_ids, attention_mask: (B, L) (mask 1 = real token; left or right padding);
         latents: (B, C, H, W) noisy latents at noise level sigma: (B,) or a float in [0, 1].
-        Without latents the sequence is text only."""
+        Without latents the sequence is text only. Text only, as the language model is called
+        (stages/policies/text_sampling.py): `past_key_values` a transformers `Cache` the call
+        reads and extends when `use_cache` (then `attention_mask` covers past and new tokens),
+        `position_ids` (B, L) the new tokens' positions (default: valid tokens counted)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         length = input_ids.shape[1]
-        x = self._embed_text(input_ids, attention_mask)
+        cache = past_key_values if use_cache else None
+        if cache is not None and latents is not None:
+            raise ValueError("a KV cache is for sampling text; the velocity is one forward over text and image")
+        x = self._embed_text(input_ids, attention_mask, position_ids)
         if latents is not None:
             if sigma is None:
                 raise ValueError("velocity needs the noise level sigma of the latents (a float or (B,) in [0, 1])")
             x = torch.cat([x, self._embed_image(latents, sigma)], dim=1)
-        mask = joint_attention_mask(attention_mask, x.shape[1] - length)
-        for block in self.blocks:
-            x = block(x, mask)
+        if cache is not None:
+            mask = cached_text_mask(attention_mask, length)
+        else:
+            mask = joint_attention_mask(attention_mask, x.shape[1] - length)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, mask, cache, layer)
         x = self.norm(x)
         text_hidden = x[:, :length]
         logits = self.lm_head(text_hidden) if compute_logits else None
@@ -226,13 +252,14 @@ class TransfusionModel(PreTrainedModel):
     def text_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, attention_mask: (B, L) -> next-token logits (B, L, V); position i predicts
         token i+1 and sees only valid tokens 0..i (a full forward, no KV-cache)."""
-        return self.forward(input_ids, attention_mask).logits
+        return self(input_ids, attention_mask).logits
 
     def velocity(self, text_ids: torch.Tensor, text_mask: torch.Tensor | None, latents: torch.Tensor,
                  sigma: torch.Tensor | float) -> torch.Tensor:
         """text_ids, text_mask: (B, L) condition prefix; latents: (B, C, H, W) at noise level sigma
         ((B,) or float in [0, 1]) -> predicted velocity noise - x_0, (B, C, H, W)."""
-        return self.forward(text_ids, text_mask, latents, sigma, compute_logits=False).velocity
+        # through __call__, not .forward: FSDP2 gathers the sharded weights in its forward hooks
+        return self(text_ids, text_mask, latents, sigma, compute_logits=False).velocity
 
 
 def build_tiny_transfusion(path: str | Path, *, seed: int = 0, vocab_size: int = 256, hidden_size: int = 64,
@@ -253,3 +280,196 @@ def build_tiny_transfusion(path: str | Path, *, seed: int = 0, vocab_size: int =
     root = Path(path)
     model.save_pretrained(root)
     return root
+
+
+# ---------------------------------------------------------------------------- the `transfusion` family
+#
+# A unified family: the one `TransfusionModel` is both the text policy (its LM head, sampled with a
+# KV cache like any causal LM) and the flow policy (its velocity head, conditioned on text tokens
+# run through the same blocks), so `policies` offers both on the same parameters. Its folder is a
+# diffusers-style layout: `transformer/` (the model, config.json + model.safetensors), `vae/` (an
+# AutoencoderKL), `tokenizer/` (characters), model_index.json naming `UnirlTransfusionPipeline`.
+
+from pydantic import Field as _Field  # noqa: E402  (the family's recipe sections below)
+
+from stages.config_base import Section  # noqa: E402
+from stages.models.family import families  # noqa: E402
+from stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase  # noqa: E402
+from stages.models.flow_geometry import FlowGeometry, check_image_side  # noqa: E402
+
+PIPELINE = "UnirlTransfusionPipeline"
+CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 "
+
+
+class TinyTransfusion(Section):
+    """Architecture of the seeded random unified model used when `model.path` is empty."""
+
+    image_size: int = _Field(32, ge=8, description="Side of generated images in pixels.")
+    seed: int = _Field(0, description="Seed of the random initialisation.")
+    hidden_size: int = _Field(64, ge=8, description="Width of the shared transformer.")
+    num_layers: int = _Field(2, ge=1, description="Transformer blocks (shared by text and image).")
+    num_heads: int = _Field(4, ge=1, description="Attention heads per block.")
+    intermediate_size: int = _Field(128, ge=8, description="Width of the SwiGLU MLP.")
+    patch_size: int = _Field(2, ge=1, description="Image patch side, in latent pixels.")
+    latent_channels: int = _Field(4, ge=1, description="Channels of the VAE latent.")
+    vae_channels: list[int] = _Field([32, 32], min_length=1, description="VAE block widths (multiples of 8); the VAE "
+                                     "downsamples by 2**(len-1).")
+    max_text_len: int = _Field(64, ge=4, description="Longest text (prompt + plan) the position table covers.")
+    text_length: int = _Field(24, ge=2, description="Text tokens of a drawing's condition (the plan, padded).")
+    charset: str = _Field(CHARSET, min_length=1, description="Characters of the character-level tokenizer.")
+
+    @property
+    def vae_factor(self) -> int:
+        return 2 ** (len(self.vae_channels) - 1)
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> "TinyTransfusion":
+        bad = [c for c in self.vae_channels if c % 8]
+        if bad:
+            raise ValueError(f"model.tiny.vae_channels: {bad} are not multiples of 8 (the VAE's GroupNorm has 8 groups)")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model.tiny.hidden_size: {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+        if self.text_length > self.max_text_len:
+            raise ValueError(f"model.tiny.text_length: {self.text_length} exceeds max_text_len {self.max_text_len}")
+        check_image_side("model.tiny.image_size", self.image_size, self.vae_factor, self.patch_size)
+        return self
+
+
+class TransfusionModelConfig(FlowModelBase):
+    """A unified model of our own (stages/models/transfusion.py): one transformer that writes text
+    and draws images; a local folder in its layout, or the tiny seeded one."""
+
+    kind: Literal["transfusion"] = "transfusion"
+    tiny: TinyTransfusion = _Field(default_factory=TinyTransfusion, description="Tiny architecture, used only without `path`.")
+    chat_template: bool | None = _Field(False, description="Wrap text prompts in the tokenizer's chat template (it has none).")
+
+
+@dataclass
+class TransfusionBundle(FlowBundle):
+    """A loaded unified model: the flow bundle, and its tokenizer for the text policy."""
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.text["tokenizer"]
+
+
+def transfusion_geometry(vae: dict[str, Any], transformer: dict[str, Any], where: str) -> FlowGeometry:
+    factor = 2 ** (len(vae.get("block_out_channels", (32,))) - 1)
+    p = int(transformer["patch_size"])
+    return FlowGeometry(channels=int(transformer["latent_channels"]), spatial=factor, patch=p,
+                        max_patches=int(transformer["image_size"]) // p, what=f"the unified model in {where}")
+
+
+@families.register("transfusion")
+class Transfusion(FlowFamily):
+    name = "transfusion"
+    config = TransfusionModelConfig
+    policy = "flow"
+    policies = ("text", "flow")
+    produces = ("image",)
+    pipelines = (PIPELINE,)
+    block_lists = ("blocks",)
+    timestep_scale = 1.0
+    pipeline_defaults = {"image_size": 32, "num_frames": None, "text_length": 24}
+    modules = ("diffusers.models.autoencoders.autoencoder_kl",)
+
+    @classmethod
+    def check(cls, recipe: Any) -> None:
+        if recipe.model.lora is not None:
+            raise ValueError("model.lora: the transfusion family trains all its weights (LoRA is not offered); remove it")
+        if recipe.rollout.kind == "flow":
+            super().check(recipe)
+
+    @classmethod
+    def recipe_geometry(cls, cfg: TransfusionModelConfig) -> FlowGeometry | None:
+        from stages.models.flow_folder import config_of
+
+        if cfg.path:
+            if not (Path(cfg.path) / "vae" / "config.json").is_file():
+                return None
+            return transfusion_geometry(config_of(Path(cfg.path), "vae"), config_of(Path(cfg.path), "transformer"), cfg.path)
+        t = cfg.tiny
+        return transfusion_geometry({"block_out_channels": t.vae_channels},
+                                    {"patch_size": t.patch_size, "latent_channels": t.latent_channels,
+                                     "image_size": t.image_size // t.vae_factor}, "model.tiny")
+
+    @classmethod
+    def tiny_defaults(cls, tiny: Any) -> dict[str, Any]:
+        return {"image_size": tiny.image_size, "num_frames": None, "text_length": tiny.text_length}
+
+    @classmethod
+    def build_tiny(cls, directory: Path, tiny: TinyTransfusion) -> Path:
+        from diffusers import AutoencoderKL
+
+        from stages.models.flow_folder import write_defaults, write_index
+        from stages.models.flow_text import seeded
+        from stages.models.tokenizer import build_char_tokenizer
+
+        root = Path(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        tok = build_char_tokenizer(tiny.charset)
+        tok.save_pretrained(root / "tokenizer")
+        blocks = len(tiny.vae_channels)
+        vae = {"in_channels": 3, "out_channels": 3, "latent_channels": tiny.latent_channels,
+               "down_block_types": ["DownEncoderBlock2D"] * blocks, "up_block_types": ["UpDecoderBlock2D"] * blocks,
+               "block_out_channels": list(tiny.vae_channels), "layers_per_block": 1, "norm_num_groups": 8,
+               "sample_size": tiny.image_size, "use_quant_conv": False, "use_post_quant_conv": False,
+               "mid_block_add_attention": False, "scaling_factor": 1.0, "shift_factor": 0.0}
+        seeded(tiny.seed * 100 + 1, lambda: AutoencoderKL(**vae)).save_pretrained(root / "vae")
+        build_tiny_transfusion(root / "transformer", seed=tiny.seed * 100 + 2, vocab_size=len(tok),
+                               hidden_size=tiny.hidden_size, num_layers=tiny.num_layers, num_heads=tiny.num_heads,
+                               intermediate_size=tiny.intermediate_size, latent_channels=tiny.latent_channels,
+                               image_size=tiny.image_size // tiny.vae_factor, patch_size=tiny.patch_size,
+                               max_text_len=tiny.max_text_len, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+        write_index(root, PIPELINE, {"vae": ("diffusers", "AutoencoderKL"),
+                                     "tokenizer": ("transformers", "PreTrainedTokenizerFast"),
+                                     "transformer": ("stages.models.transfusion", "TransfusionModel")})
+        write_defaults(root, **cls.tiny_defaults(tiny))
+        return root
+
+    @classmethod
+    def load(cls, directory: Path, cfg: TransfusionModelConfig, device: Any) -> TransfusionBundle:
+        from stages.models.flow_folder import folder_defaults
+
+        parts = cls.load_parts(directory, cfg, device, text=("tokenizer",))
+        (transformer,) = parts.transformers
+        geo = transfusion_geometry(dict(parts.vae.config), transformer.config.to_dict(), str(parts.root))
+        settings = folder_defaults(parts.root, cls.pipeline_defaults)
+        if int(settings["text_length"]) > transformer.config.max_text_len:
+            raise ValueError(f"model.path: {parts.root} conditions drawings on {settings['text_length']} text tokens, more "
+                             f"than its transformer's max_text_len {transformer.config.max_text_len}")
+        return TransfusionBundle(transformer, parts.vae, parts.text, parts.root, parts.index, geo, settings)
+
+    @classmethod
+    def codec(cls, bundle: Any) -> Any:
+        from stages.models.flow_vae import ShiftScale
+
+        return ShiftScale()
+
+    @classmethod
+    def encode_prompt(cls, bundle: Any, text: str) -> tuple[torch.Tensor, ...]:
+        """(ids (L,), mask (L,)): the plan's characters, right-padded to the folder's text_length;
+        the transformer reads them itself (no separate text encoder)."""
+        from stages.models.flow_text import ids_and_mask
+
+        ids, mask = ids_and_mask(bundle.tokenizer, text, int(bundle.settings["text_length"]), add_special_tokens=False)
+        return ids[0], mask[0]
+
+    @classmethod
+    def forward(cls, bundle: Any, module: Any, x: torch.Tensor, sigma: torch.Tensor, cond: tuple[torch.Tensor, ...],
+                guidance: float | None) -> torch.Tensor:
+        """The shared transformer over [plan tokens | image patches]; the velocity head's output."""
+        ids, mask = cond
+        return module.velocity(ids.to(x.device).long(), mask.to(x.device), x, sigma).float()
+
+    @classmethod
+    def export(cls, bundle: Any, local: Path, state: dict[str, Any], *, lora: Any) -> None:
+        """The folder with the trained transformer (model.safetensors, as `from_pretrained` reads it)."""
+        from safetensors.torch import save_file
+
+        from stages.models.flow_folder import write_folder
+
+        write_folder(local, base_dir=bundle.directory, vae=bundle.vae, parts={})
+        tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
+        save_file(tensors, str(local / "transformer" / "model.safetensors"), metadata={"format": "pt"})

@@ -106,6 +106,6 @@ class Policy:
 
 
 def policy_for(recipe: Any) -> type[Policy]:
-    from stages.models.family import get_family
-
-    return policies.get(get_family(recipe.model.kind).policy)
+    """The policy a recipe's model runs as: its `rollout.kind` (the family's policy, or one of
+    those a unified family offers)."""
+    return policies.get(recipe.rollout.kind)

@@ -61,7 +61,7 @@ class GenEvalSource(Source):
         from stages.models.family import get_family
 
         family = get_family(recipe.model.kind)
-        if "image" not in family.produces or family.takes_images:
+        if "image" not in family.produces or family.takes_images or recipe.rollout.kind != "flow":
             return  # a model that reads toy-GenEval prompts rather than draws them: its scorers decide what it is paid for
         side = cls.image_size(recipe)
         if side is not None and side < MIN_IMAGE_SIZE:

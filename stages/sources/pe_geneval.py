@@ -69,9 +69,7 @@ class PEGenEvalSource(Source):
         (others read as <unk>); a drawer's warm start cannot learn from text records."""
         from stages.geneval.paraphrase import PE_CHARSET
 
-        from stages.models.family import get_family
-
-        if recipe.sft is not None and recipe.sft.source == "synthetic" and get_family(recipe.model.kind).policy != "text":
+        if recipe.sft is not None and recipe.sft.source == "synthetic" and recipe.rollout.kind != "text":
             raise ValueError("data.name: pe_geneval's synthetic records are (paraphrase, canonical prompt) text; a "
                              f"{recipe.model.kind} warm start needs images: give it its own data (data.name: geneval)")
         charset = getattr(getattr(recipe.model, "tiny", None), "charset", None)

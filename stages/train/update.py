@@ -12,6 +12,7 @@ samples); keys naming a max or ending in `_min` are the max / min across everyth
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,55 +27,87 @@ def _extreme(key: str) -> str | None:
     return "max" if "max" in key.split("_") else None
 
 
+@dataclass
+class UpdatePart:
+    """One policy's share of an optimizer step: its algorithm, this rank's micro-batches
+    (`batches[k]`: of mini-batch k; `counts[k]`: the most any rank has), the behaviour tolerance
+    of its on-policy check, the weight of its loss and the prefix of its metrics."""
+
+    policy: Any
+    algo: Any
+    batches: list[list[Any]]
+    counts: list[int]
+    tolerance: float
+    weight: float = 1.0
+    prefix: str = ""
+
+
 def rl_update(stack: Any, policy: Any, algo: Any, batches: list[list[Any]], counts: list[int], *, iteration: int,
               seed: int, tolerance: float) -> dict[str, Any]:
     """One optimizer step per mini-batch: `batches[k]` are this rank's micro-batches of mini-batch
     k, `counts[k]` the most any rank has. Returns the update's metrics."""
-    template = policy.template(next((b for group in batches for b in group), None), stack)
+    return joint_update(stack, [UpdatePart(policy, algo, batches, counts, tolerance)], iteration=iteration, seed=seed)
 
-    def get(k: int, j: int) -> tuple[Any, float]:
-        return (batches[k][j], 1.0) if j < len(batches[k]) else (policy.stand_in(template), 0.0)
 
-    ctx = TrainContext(policy, stack, iteration, seed, tolerance, stack.rank)
+def joint_update(stack: Any, parts: list[UpdatePart], *, iteration: int, seed: int) -> dict[str, Any]:
+    """One optimizer step per mini-batch k, into which every part's micro-batches of mini-batch k
+    accumulate their gradients: a part's loss is its algorithm's (each micro-batch's share of it
+    is its units over the part's total across ranks) times the part's weight. A unified model
+    trains its text and image stages this way on one set of weights (stages/unified.py).
+    Returns each part's metrics under its prefix, and the step's."""
+    updates = {len(p.counts) for p in parts}
+    if len(updates) != 1:
+        raise ValueError(f"the parts of a joint update cut their batches into different numbers of updates: {sorted(updates)}")
     stack.module.train()
-    frozen: dict[tuple[int, int], Any] = {}
-    with torch.no_grad(), stack.maybe_ema(algo.samples_with_ema):
-        for k, count in enumerate(counts):
-            for j in range(count):
-                old = algo.freeze_old(ctx, get(k, j)[0], k)
-                if old is not None:
-                    frozen[(k, j)] = old
-    totals: dict[str, float] = {}
-    extremes: dict[str, float] = {}
-    weight = 0.0
+    states = []
+    for part in parts:
+        template = part.policy.template(next((b for group in part.batches for b in group), None), stack)
+
+        def get(k: int, j: int, part: UpdatePart = part, template: Any = template) -> tuple[Any, float]:
+            return (part.batches[k][j], 1.0) if j < len(part.batches[k]) else (part.policy.stand_in(template), 0.0)
+
+        ctx = TrainContext(part.policy, stack, iteration, seed, part.tolerance, stack.rank)
+        frozen: dict[tuple[int, int], Any] = {}
+        with torch.no_grad(), stack.maybe_ema(part.algo.samples_with_ema):
+            for k, count in enumerate(part.counts):
+                for j in range(count):
+                    old = part.algo.freeze_old(ctx, get(k, j)[0], k)
+                    if old is not None:
+                        frozen[(k, j)] = old
+        states.append({"get": get, "ctx": ctx, "frozen": frozen, "totals": {}, "extremes": {}, "weight": 0.0})
     norms, skipped = [], 0
-    for k, count in enumerate(counts):
-        total = torch.tensor([float(sum(algo.units(b) for b in batches[k]))], dtype=torch.float64, device=stack.device)
-        stack.all_reduce(total)
-        for j in range(count):
-            b, real = get(k, j)
-            share = real * algo.units(b) / max(float(total[0]), 1.0)
-            metrics = algo.loss_backward(ctx, b, frozen.get((k, j)), share=share, update=k, real=bool(real))
-            w = b.weight * real
-            for key, value in metrics.items():
-                kind = _extreme(key)
-                if kind is None:
-                    totals[key] = totals.get(key, 0.0) + (value * w if real else 0.0)
-                elif real:
-                    sign = 1.0 if kind == "max" else -1.0
-                    extremes[key] = max(extremes.get(key, -np.inf), sign * value)
-                else:
-                    extremes.setdefault(key, -np.inf)
-            weight += w
+    for k in range(updates.pop()):
+        for part, st in zip(parts, states):
+            algo = part.algo
+            total = torch.tensor([float(sum(algo.units(b) for b in part.batches[k]))], dtype=torch.float64, device=stack.device)
+            stack.all_reduce(total)
+            for j in range(part.counts[k]):
+                b, real = st["get"](k, j)
+                share = part.weight * real * algo.units(b) / max(float(total[0]), 1.0)
+                metrics = algo.loss_backward(st["ctx"], b, st["frozen"].get((k, j)), share=share, update=k, real=bool(real))
+                w = b.weight * real
+                for key, value in metrics.items():
+                    kind = _extreme(key)
+                    if kind is None:
+                        st["totals"][key] = st["totals"].get(key, 0.0) + (value * w if real else 0.0)
+                    elif real:
+                        sign = 1.0 if kind == "max" else -1.0
+                        st["extremes"][key] = max(st["extremes"].get(key, -np.inf), sign * value)
+                    else:
+                        st["extremes"].setdefault(key, -np.inf)
+                st["weight"] += w
         norm = stack.step()
         if np.isfinite(norm):
             norms.append(norm)
         else:
             skipped += 1
-    out = stack.reduce_metrics(totals, weight, extremes, policy.weight_name)
-    for key in extremes:
-        if _extreme(key) == "min":
-            out[key] = -out[key]
+    out: dict[str, Any] = {}
+    for part, st in zip(parts, states):
+        metrics = stack.reduce_metrics(st["totals"], st["weight"], st["extremes"], part.policy.weight_name)
+        for key in st["extremes"]:
+            if _extreme(key) == "min":
+                metrics[key] = -metrics[key]
+        out.update({part.prefix + key: value for key, value in metrics.items()})
     out.update({"grad_norm": float(np.mean(norms)) if norms else float("nan"), "skipped_steps": skipped, "lr": stack.lr})
     return out
 

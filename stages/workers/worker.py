@@ -8,6 +8,7 @@ class runs in one process without a process group (stages/loop.py).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,23 @@ from stages.sample import join_on_sample_id, read_rollouts, read_shard, table_fr
 from stages.storage import RunStorage, join
 from stages.train import checkpoint
 from stages.train.stack import OptimizerSpec, TrainStack, load_bundle, rank_of, world_size
-from stages.train.update import rl_update, sft_steps
+from stages.train.update import UpdatePart, joint_update, sft_steps
+from stages.unified import JointSFT, split_by_kind, stage_recipe
+from stages.pipeline import SIDES
 
 COMMANDS = ("ping", "generate", "train", "sft", "save", "publish", "publish_adapter", "weight_specs",
             "join_update_group", "broadcast_weights")
+
+
+@dataclass
+class Stage:
+    """A policy the group runs, with its algorithm, the behaviour tolerance of its on-policy check
+    and the weight of its loss in a joint step."""
+
+    policy: Any
+    algorithm: Any
+    tolerance: float
+    weight: float
 
 
 def rl_spec(recipe: Recipe) -> OptimizerSpec:
@@ -55,29 +69,43 @@ class Worker:
         self.family = get_family(recipe.model.kind)
         sharded = self.world > 1 and recipe.train.sharded_load
         bundle = load_bundle(self.family, self.base_dir, recipe.model, device, sharded=sharded)
-        policy_cls = policies.get(self.family.policy)
-        self.policy = policy_cls(self.family, bundle, recipe, device)
-        self.algorithm = get_algorithm(recipe.algorithm.name)(recipe.algorithm, recipe)
+        # Each policy the group runs, by stage: one ("", the recipe's) or a unified model's two on
+        # the same bundle ("ar", "diffusion"; stages/unified.py).
+        self.stages: dict[str, Stage] = {}
+        parts = {"": recipe} if recipe.unified is None else {side: stage_recipe(recipe, side) for side in SIDES}
+        for side, part in parts.items():
+            policy_cls = policies.get(part.rollout.kind)
+            self.stages[side] = Stage(policy_cls(self.family, bundle, part, device), get_algorithm(part.algorithm.name)(part.algorithm, part),
+                                      self._tolerance(part, policy_cls), 1.0 if not side else getattr(recipe.unified, side).loss_weight)
+        main = self.stages["diffusion" if recipe.unified is not None else ""]
+        self.policy, self.algorithm = main.policy, main.algorithm
         if self.mode == "sft":
-            opt, decay = policy_cls.sft_spec(recipe)
+            opt, decay = type(self.policy).sft_spec(recipe)
         else:
             opt, decay = rl_spec(recipe), (lambda step: self.algorithm.ema_decay(step, recipe.train.ema.decay))
+        needs_reference = any(stage.algorithm.needs_reference for stage in self.stages.values())
         self.stack = TrainStack(
             self.family, bundle, mesh=mesh, device=device, spec=opt, lora=recipe.model.lora, seed=recipe.seed, ema_decay=decay,
-            reference_dir=self.base_dir if self.mode == "rl" and self.algorithm.needs_reference else None,
+            reference_dir=self.base_dir if self.mode == "rl" and needs_reference else None,
             reference_cfg=recipe.model, weights_dir=self.base_dir, sharded_load=sharded,
             mixed_precision=recipe.train.mixed_precision,
         )
+        self.tolerance = main.tolerance
+        self._sft_info: dict[str, Any] | None = None
+        if spec.get("checkpoint") is not None:
+            self.version = checkpoint.load(self.stack, self.storage, self.scratch, int(spec["checkpoint"]))
+
+    @staticmethod
+    def _tolerance(recipe: Recipe, policy_cls: Any) -> float:
+        """The behaviour tolerance of the first update: the recipe's, else its engine's, else the
+        policy's default at the compute dtype."""
         from stages.engines import engines
 
         tolerance = recipe.rollout.behaviour_tolerance
         if tolerance is None:
             tolerance = engines.get(recipe.rollout.engine.name).behaviour_tolerance
         compute = "bfloat16" if recipe.train.mixed_precision == "bf16" else recipe.model.dtype
-        self.tolerance = policy_cls.default_tolerance(compute) if tolerance is None else tolerance
-        self._sft_info: dict[str, Any] | None = None
-        if spec.get("checkpoint") is not None:
-            self.version = checkpoint.load(self.stack, self.storage, self.scratch, int(spec["checkpoint"]))
+        return policy_cls.default_tolerance(compute) if tolerance is None else tolerance
 
     def _local_weights(self, rel: str) -> Path:
         """A run folder as a local path (object stores: a per-rank copy in the scratch folder)."""
@@ -94,22 +122,30 @@ class Worker:
     def ping(self) -> dict[str, Any]:
         return {"version": self.version, "world_size": self.world}
 
-    def generate(self, iteration: int, requests: str, out_dir: str, greedy: bool = False, seed_tag: str = "") -> dict[str, Any]:
+    def _stage(self, stage: str) -> Stage:
+        if stage not in self.stages:
+            raise ValueError(f"this worker group runs the stages {sorted(self.stages)}, not {stage!r}")
+        return self.stages[stage]
+
+    def generate(self, iteration: int, requests: str, out_dir: str, greedy: bool = False, seed_tag: str = "",
+                 stage: str = "") -> dict[str, Any]:
         """`group_size` samples per request; each rank writes `out_dir/part-{rank:03d}.arrow`.
-        greedy: the policy's deterministic sampler (evaluation). Rows record the policy version."""
+        greedy: the policy's deterministic sampler (evaluation). Rows record the policy version.
+        `stage`: a unified model's "ar" (plans) or "diffusion" (images)."""
         start = time.perf_counter()
+        policy, algorithm = self._stage(stage).policy, self._stage(stage).algorithm
         req = read_shard(self.storage, requests, "requests")
-        samples = self.policy.samples(req, self.storage.url(requests))
-        segment = self.policy.segment
-        with self.stack.maybe_ema(self.algorithm.samples_with_ema and not greedy):
-            rows = self.policy.rollout(self.stack.module, self.stack.my_share(samples), iteration=iteration, seed_tag=seed_tag,
-                                       greedy=greedy, stack=self.stack, transitions=self.algorithm.replays_transitions)
+        samples = policy.samples(req, self.storage.url(requests))
+        segment = policy.segment
+        with self.stack.maybe_ema(algorithm.samples_with_ema and not greedy):
+            rows = policy.rollout(self.stack.module, self.stack.my_share(samples), iteration=iteration, seed_tag=seed_tag,
+                                  greedy=greedy, stack=self.stack, transitions=algorithm.replays_transitions)
         for row in rows:
             row.update(iteration=iteration, policy_version=self.version, parts=[segment])
         images = [c for c in IMAGE_COLUMNS if c in req.schema.names]  # copied into every row, on every rank's shard
         write_shard(self.storage, join(out_dir, f"part-{self.rank:03d}.arrow"),
                     table_from_rows(rows, "rollouts", [segment], extra=images))
-        counters = {"rows": len(rows), **self.policy.counters(rows)}
+        counters = {"rows": len(rows), **policy.counters(rows)}
         totals = torch.tensor(list(counters.values()), dtype=torch.int64, device=self.device)
         self.stack.all_reduce(totals)
         return {"files": [join(out_dir, f"part-{k:03d}.arrow") for k in range(self.world)],
@@ -121,34 +157,53 @@ class Worker:
         fault_point(f"train-rank{self.rank}", iteration, owner=False)
         fault_point("train-node", iteration, owner=False, node=True)
         start = time.perf_counter()
-        table = read_rollouts(self.storage, rollouts)
         adv_table = read_shard(self.storage, advantages, "advantages")
-        if adv_table.num_rows < table.num_rows:  # dynamic sampling dropped groups
-            table = table.filter(pc.is_in(table.column("sample_id"), value_set=adv_table.column("sample_id")))
-        table = join_on_sample_id(table, adv_table, ["advantage"], self.storage.url(advantages))
         where = self.storage.url(rollouts[0]) + (" ..." if len(rollouts) > 1 else "")
+        if self.recipe.unified is None:
+            tables = {"": read_rollouts(self.storage, rollouts)}
+        else:
+            tables = split_by_kind([read_shard(self.storage, f, "rollouts") for f in rollouts])
         t = self.recipe.train
-        groups, counts = self.stack.cut(self.stack.my_share(range(table.num_rows)), t.micro_batch_size, t.updates_per_batch)
-        advantages = table.column("advantage").to_numpy()
-        batches = [self.policy.batches(table, group, advantages, where) for group in groups]
-        first = next((b[0] for b in batches if b), None)
-        if first is not None:
-            self.policy.check_batch(first, iteration, self.algorithm, where)
-        metrics = rl_update(self.stack, self.policy, self.algorithm, batches, counts, iteration=iteration,
-                            seed=self.recipe.seed, tolerance=self.tolerance)
+        parts = []
+        for side, table in sorted(tables.items()):
+            stage = self._stage(side)
+            table = table.sort_by("sample_id")
+            if adv_table.num_rows < table.num_rows and not side:  # dynamic sampling dropped groups
+                table = table.filter(pc.is_in(table.column("sample_id"), value_set=adv_table.column("sample_id")))
+            table = join_on_sample_id(table, adv_table, ["advantage"], self.storage.url(advantages))
+            groups, counts = self.stack.cut(self.stack.my_share(range(table.num_rows)), t.micro_batch_size, t.updates_per_batch)
+            values = table.column("advantage").to_numpy()
+            batches = [stage.policy.batches(table, group, values, where) for group in groups]
+            first = next((b[0] for b in batches if b), None)
+            if first is not None:
+                stage.policy.check_batch(first, iteration, stage.algorithm, where)
+            parts.append(UpdatePart(stage.policy, stage.algorithm, batches, counts, stage.tolerance, stage.weight,
+                                    f"{side}/" if side else ""))
+        metrics = joint_update(self.stack, parts, iteration=iteration, seed=self.recipe.seed)
         self.version += 1
         return {"iteration": iteration, "policy_version": self.version, "metrics": metrics, "seconds": time.perf_counter() - start}
 
-    def sft(self, data: str, steps: int, batch_size: int, seed: int, start_step: int = 0) -> dict[str, Any]:
+    def sft(self, data: str | list[str], steps: int, batch_size: int, seed: int, start_step: int = 0,
+            stages: list[str] | None = None) -> dict[str, Any]:
         """SFT steps [start_step, start_step + steps) on the records `data` (run-relative Arrow
-        shard): the first call prepares them (the policy encodes them once)."""
+        shards; a unified model's: one per stage, `stages` naming each): the first call prepares
+        them (the policy encodes them once)."""
         if self.mode != "sft":
             raise ValueError("the sft command needs a worker group started for SFT (mode 'sft')")
         info: dict[str, Any] = {}
-        if self._sft_info is None:
-            table = read_shard(self.storage, data, "sft")
-            self._sft_info = info = self.policy.sft_setup(table, self.storage.url(data), self.stack, seed)
-        return {**sft_steps(self.stack, self.policy, start_step, steps, seed=seed, batch_size=batch_size), **info}
+        policy: Any = self.policy
+        if self.recipe.unified is not None:  # one shard per stage, the stages' losses in one step
+            files = dict(zip(stages or [], [data] if isinstance(data, str) else data))
+            policy = self._joint = getattr(self, "_joint", None) or JointSFT(
+                {side: (self._stage(side).policy, self._stage(side).weight) for side in files}, self.recipe)
+            if self._sft_info is None:
+                tables = {side: read_shard(self.storage, rel, "sft") for side, rel in files.items()}
+                self._sft_info = info = policy.sft_setup(tables, {s: self.storage.url(r) for s, r in files.items()}, self.stack, seed)
+        elif self._sft_info is None:
+            rel = data if isinstance(data, str) else data[0]
+            table = read_shard(self.storage, rel, "sft")
+            self._sft_info = info = self.policy.sft_setup(table, self.storage.url(rel), self.stack, seed)
+        return {**sft_steps(self.stack, policy, start_step, steps, seed=seed, batch_size=batch_size), **info}
 
     def save(self) -> dict[str, Any]:
         return checkpoint.save(self.stack, self.storage, self.scratch, self.version)
