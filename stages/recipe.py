@@ -336,7 +336,7 @@ class Recipe(Section):
                 raise ValueError("\n".join(errors))
             return self
         family = families.get(self.model.kind)
-        errors = self.scorer_errors(family.produces, f"model.kind {self.model.kind!r}")
+        errors = self.scorer_errors(family.produced_by(self.rollout.kind), f"model.kind {self.model.kind!r}")
         policy = policies.get(self.rollout.kind)
         algo = algorithms.get(self.algorithm.name)
         if self.rollout.kind not in family.offers():

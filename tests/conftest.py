@@ -30,7 +30,7 @@ TINY = REPO / "recipes" / "ar" / "tiny.yaml"
 # files fill in around them instead of one long file running alone at the end.
 LONGEST_FIRST = [
     "e2e/test_deployment.py", "e2e/test_multinode.py", "e2e/test_faults_ranks.py", "e2e/test_rl_flow.py", "stages/test_matrix.py",
-    "e2e/test_flow_family_runs.py", "e2e/test_pe_flow.py", "e2e/test_faults_outages.py", "e2e/test_faults_kills.py", "e2e/test_ar_algorithms.py",
+    "e2e/test_flow_family_runs.py", "e2e/test_pe_flow.py", "e2e/test_unified_flow.py", "e2e/test_faults_outages.py", "e2e/test_faults_kills.py", "e2e/test_ar_algorithms.py",
     "stages/engines/test_engine_sync.py", "e2e/test_diffusion_flow.py", "e2e/test_vlm_flow.py", "e2e/test_reward_server.py",
     "e2e/test_async_rl.py", "e2e/test_rl_s3.py", "stages/test_sharded_load.py", "stages/test_sd3_bundle.py", "test_zygote.py",
 ]
@@ -170,3 +170,12 @@ def tiny_weights(tmp_path_factory):
         return built[case]
 
     return get
+
+
+def recipe_errors(data: dict) -> list[str]:
+    """The `field.path: ...` lines of a recipe that must not validate."""
+    from stages.recipe import RecipeError, build_recipe
+
+    with pytest.raises(RecipeError) as caught:
+        build_recipe(data)
+    return caught.value.errors

@@ -12,6 +12,8 @@ def merged(*parts: dict) -> dict:
     return out
 
 
+TRANSFUSION = {"image_size": 16, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64,
+               "vae_channels": [8, 8], "max_text_len": 32, "text_length": 8, "vocabulary": "words"}
 TINY = {
     "qwen3": {"model": {"kind": "qwen3", "tiny": {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64}},
               "data": {"name": "arithmetic"}, "reward": {"scorers": [{"name": "integer_format"}]},
@@ -46,13 +48,25 @@ TINY = {
             "reward": {"scorers": [{"name": "video", "params": {"scorer": "brightness", "max_frames": 3}}]},
             "rollout": {"prompts_per_iteration": 2, "group_size": 3, "sampler": {"num_steps": 3, "init_same_noise": False}},
             "train": {"micro_batch_size": 4}},
+    # The unified family: its default policy draws (flow); TEXT_CASES below runs its text policy.
+    "transfusion": {"model": {"kind": "transfusion", "tiny": TRANSFUSION}, "data": {"name": "geneval"},
+                    "reward": {"scorers": [{"name": "brightness"}]},
+                    "rollout": {"prompts_per_iteration": 2, "group_size": 3, "sampler": {"num_steps": 3, "init_same_noise": False}},
+                    "train": {"micro_batch_size": 4}},
 }
 # Variants of a family the matrix runs too (a second architecture behind one `model.kind`).
 VARIANTS = {
     "wan2.2": {"model": {"kind": "wan", "tiny": {"experts": 2, "boundary_ratio": 0.7}}},
     "hunyuan_video1.5": {"model": {"kind": "hunyuan_video", "tiny": {"version": "1.5", "vae_channels": [8, 8], "vae_temporal": 2}}},
 }
-CASES = {**TINY, **{name: merged(TINY[over["model"]["kind"]], over) for name, over in VARIANTS.items()}}
+# A family offering several policies on one set of weights runs each: the same model, sampled as text.
+TEXT_CASES = {
+    "transfusion_text": {"model": {"kind": "transfusion", "tiny": TRANSFUSION}, "data": {"name": "pe_geneval", "kinds": ["single"]},
+                         "reward": {"scorers": [{"name": "text_length", "params": {"max_length": 24}}]},
+                         "rollout": {"kind": "text", "prompts_per_iteration": 3, "group_size": 4, "max_new_tokens": 3},
+                         "train": {"micro_batch_size": 4}},
+}
+CASES = {**TINY, **{name: merged(TINY[over["model"]["kind"]], over) for name, over in VARIANTS.items()}, **TEXT_CASES}
 # What an algorithm needs beyond the family's tiny recipe, and options the matrix exercises on the
 # way: KL to the reference (the frozen copy; LoRA's adapter-disabled reference is in the e2e
 # tests), classifier-free guidance with a negative prompt.

@@ -35,6 +35,15 @@ PE_CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 "
 HELDOUT_PERCENT = 20
 
 
+def lexicon() -> tuple[str, ...]:
+    """Every word a paraphrase is made of (a word-level tokenizer's vocabulary for them)."""
+    words = [w for table in (COLOUR_WORDS, SHAPE_WORDS, COUNT_WORDS) for options in table.values() for o in options
+             for w in o.split()]
+    words += [plural(w) for options in SHAPE_WORDS.values() for w in options]
+    words += [w for frame in FRAMES for w in frame.replace("{x}", "").split()]
+    return tuple(dict.fromkeys(words))
+
+
 def plural(noun: str) -> str:
     return noun + ("es" if noun.endswith("x") else "s")
 

@@ -49,6 +49,11 @@ class Family:
     modules: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
+    def produced_by(cls, policy: str) -> tuple[str, ...]:
+        """What a rollout of this family's `policy` produces: a unified family's text policy writes text."""
+        return cls.produces if policy == cls.policy or policy != "text" else ("text",)
+
+    @classmethod
     def offers(cls) -> tuple[str, ...]:
         """The policies this family's models run as."""
         return cls.policies or (cls.policy,)

@@ -317,6 +317,10 @@ class TinyTransfusion(Section):
     max_text_len: int = _Field(64, ge=4, description="Longest text (prompt + plan) the position table covers.")
     text_length: int = _Field(24, ge=2, description="Text tokens of a drawing's condition (the plan, padded).")
     charset: str = _Field(CHARSET, min_length=1, description="Characters of the character-level tokenizer.")
+    vocabulary: Literal["characters", "words"] = _Field(
+        "characters", description="characters: one token per character of `charset`; words: one token per word of the "
+        "toy tasks and their paraphrases (other words fall apart into characters), as a real tokenizer makes "
+        "'red' one token.")
 
     @property
     def vae_factor(self) -> int:
@@ -407,7 +411,13 @@ class Transfusion(FlowFamily):
 
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
-        tok = build_char_tokenizer(tiny.charset)
+        if tiny.vocabulary == "words":
+            from stages.geneval.paraphrase import lexicon
+            from stages.models.flow_text import build_tiny_tokenizer, toy_words
+
+            tok = build_tiny_tokenizer((*toy_words(), *lexicon()), model_max_length=tiny.max_text_len)
+        else:
+            tok = build_char_tokenizer(tiny.charset)
         tok.save_pretrained(root / "tokenizer")
         blocks = len(tiny.vae_channels)
         vae = {"in_channels": 3, "out_channels": 3, "latent_channels": tiny.latent_channels,

@@ -90,10 +90,19 @@ class Worker:
             reference_cfg=recipe.model, weights_dir=self.base_dir, sharded_load=sharded,
             mixed_precision=recipe.train.mixed_precision,
         )
-        self.tolerance = main.tolerance
+        self._main = main
         self._sft_info: dict[str, Any] | None = None
         if spec.get("checkpoint") is not None:
             self.version = checkpoint.load(self.stack, self.storage, self.scratch, int(spec["checkpoint"]))
+
+    @property
+    def tolerance(self) -> float:
+        """The behaviour tolerance of the recipe's policy (a unified model's: its image stage's)."""
+        return self._main.tolerance
+
+    @tolerance.setter
+    def tolerance(self, value: float) -> None:
+        self._main.tolerance = value
 
     @staticmethod
     def _tolerance(recipe: Recipe, policy_cls: Any) -> float:

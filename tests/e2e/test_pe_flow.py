@@ -6,18 +6,12 @@ resumes to the uninterrupted run's metrics and both sides' weights."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.ipc as ipc
 import pytest
-import yaml
 
-from tests import zygote
-from tests.conftest import REPO, run_unirl
+from tests.e2e.composed_runs import killed_and_resumed, reference_run
 
 pytestmark = pytest.mark.slow
 
@@ -49,10 +43,7 @@ def pe_reference(tmp_path_factory, prefect_server, mlflow_uri):
 
     tmp = tmp_path_factory.mktemp("pe-reference")
     env = {**isolated_env(tmp), **prefect_server.client_env, "MLFLOW_TRACKING_URI": mlflow_uri}
-    recipe = tmp / "pe.yaml"
-    recipe.write_text(yaml.safe_dump({**RECIPE, "storage": {"root": str(tmp / "runs")}}))
-    out = run_unirl(["run", str(recipe), "--run-name", "pe-reference"], env)
-    return tmp / "runs" / "pe-reference", recipe, out
+    return reference_run(tmp, env, RECIPE, "pe-reference")
 
 
 def test_a_pipeline_run_trains_both_sides_and_shows_each_part(pe_reference, prefect_server, mlflow_uri):
@@ -94,28 +85,13 @@ def test_a_pipeline_run_trains_both_sides_and_shows_each_part(pe_reference, pref
 
 
 def test_a_killed_pipeline_run_resumes_to_the_uninterrupted_results(pe_reference, tmp_path, unirl_env):
-    import psutil
-
-    from flows.hooks import worker_processes
-    from tests.e2e.test_rl_flow import STOP_AT_SYNC, wait_stopped
-
     reference, recipe, _ = pe_reference
-    root = tmp_path / "runs"
-    args = ["run", str(recipe), "--run-name", "pe-reference", f"storage.root={root}"]
-    proc = zygote.popen([sys.executable, "-m", "flows.cli", *args], env={**unirl_env, "UNIRL_FAULTS": STOP_AT_SYNC},
-                        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    run = root / "pe-reference"
-    wait_stopped(proc)  # iteration 1: the rewriter trained, its sync under way, the drawer not yet trained
-    assert (run / "parts" / "ar" / "iter-000001" / "manifests" / "train.json").exists()
-    assert not (run / "parts" / "diffusion" / "iter-000001" / "manifests" / "train.json").exists()
-    workers = worker_processes(lambda url: str(run) in url)
-    assert len(workers) >= 3, "both sides' worker groups should be running"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    _, alive = psutil.wait_procs(workers, timeout=30)
-    assert not alive, "worker processes outlived the run"
-    out = run_unirl(args, unirl_env)
-    assert "iter-000000 (" not in out.stdout and "iter-000002 (3/3)" in out.stdout
+
+    def stopped(run: Path) -> None:  # iteration 1: the rewriter trained, its sync under way, the drawer not yet trained
+        assert (run / "parts" / "ar" / "iter-000001" / "manifests" / "train.json").exists()
+        assert not (run / "parts" / "diffusion" / "iter-000001" / "manifests" / "train.json").exists()
+
+    run, _ = killed_and_resumed(recipe, "pe-reference", tmp_path / "runs", unirl_env, workers_at_least=3, stopped=stopped)
     for i in range(3):
         a = json.loads((run / f"iter-{i:06d}" / "_SUCCESS").read_text())["metrics"]
         b = json.loads((reference / f"iter-{i:06d}" / "_SUCCESS").read_text())["metrics"]

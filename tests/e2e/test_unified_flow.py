@@ -7,18 +7,12 @@ the uninterrupted run's metrics and weights."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.ipc as ipc
 import pytest
-import yaml
 
-from tests import zygote
-from tests.conftest import REPO, run_unirl
+from tests.e2e.composed_runs import killed_and_resumed, reference_run
 
 pytestmark = pytest.mark.slow
 
@@ -48,10 +42,7 @@ def unified_reference(tmp_path_factory, prefect_server, mlflow_uri):
 
     tmp = tmp_path_factory.mktemp("unified-reference")
     env = {**isolated_env(tmp), **prefect_server.client_env, "MLFLOW_TRACKING_URI": mlflow_uri}
-    recipe = tmp / "unified.yaml"
-    recipe.write_text(yaml.safe_dump({**RECIPE, "storage": {"root": str(tmp / "runs")}}))
-    out = run_unirl(["run", str(recipe), "--run-name", "unified-reference"], env)
-    return tmp / "runs" / "unified-reference", recipe, out
+    return reference_run(tmp, env, RECIPE, "unified-reference")
 
 
 def test_a_unified_run_trains_both_stages_in_one_step(unified_reference, prefect_server, mlflow_uri):
@@ -93,27 +84,14 @@ def test_a_unified_run_trains_both_stages_in_one_step(unified_reference, prefect
 
 
 def test_a_killed_unified_run_resumes_to_the_uninterrupted_results(unified_reference, tmp_path, unirl_env):
-    import psutil
-
-    from flows.hooks import worker_processes
-    from tests.e2e.test_rl_flow import STOP_AT_SYNC, wait_stopped
-
     reference, recipe, _ = unified_reference
-    root = tmp_path / "runs"
-    args = ["run", str(recipe), "--run-name", "unified-reference", f"storage.root={root}"]
-    proc = zygote.popen([sys.executable, "-m", "flows.cli", *args], env={**unirl_env, "UNIRL_FAULTS": STOP_AT_SYNC},
-                        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    run = root / "unified-reference"
-    wait_stopped(proc)  # iteration 1: the joint step taken, its sync (checkpoint, publish) not committed
-    assert (run / "iter-000001" / "manifests" / "train.json").exists()
-    workers = worker_processes(lambda url: str(run) in url)
-    assert len(workers) >= 2, "the worker group's two ranks should be running"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    _, alive = psutil.wait_procs(workers, timeout=30)
-    assert not alive, "worker processes outlived the run"
-    out = run_unirl(args, unirl_env)
-    assert "iter-000000 (" not in out.stdout and "iter-000002 (3/3)" in out.stdout
+
+    def stopped(run: Path) -> None:  # iteration 1: the joint step taken, its sync (checkpoint, publish) not committed
+        assert (run / "iter-000001" / "manifests" / "train.json").exists()
+        assert not (run / "iter-000001" / "manifests" / "sync.json").exists()
+
+    run, _ = killed_and_resumed(recipe, "unified-reference", tmp_path / "runs", unirl_env, workers_at_least=2,
+                                stopped=stopped)
     for i in range(3):
         a = json.loads((run / f"iter-{i:06d}" / "_SUCCESS").read_text())["metrics"]
         b = json.loads((reference / f"iter-{i:06d}" / "_SUCCESS").read_text())["metrics"]

@@ -29,7 +29,8 @@ def kind_of(case: str) -> str:
 def pairs() -> list[tuple[str, str]]:
     out = []
     for case in sorted(CASES):
-        segment = policies.get(families.get(kind_of(case)).policy).segment
+        policy = CASES[case].get("rollout", {}).get("kind") or families.get(kind_of(case)).policy
+        segment = policies.get(policy).segment
         out += [(case, algo) for algo, cls in algorithms.items() if cls.segment == segment]
     return out
 
@@ -41,6 +42,9 @@ def recipe_of(case: str, algo: str, root: Path, **extra: dict):
 
 def test_every_family_has_a_tiny_recipe_and_every_algorithm_a_family():
     assert sorted(TINY) == families.names(), "add a tiny recipe for each registered family to TINY"
+    run = {(kind_of(case), CASES[case].get("rollout", {}).get("kind") or families.get(kind_of(case)).policy) for case in CASES}
+    offered = {(kind, policy) for kind in TINY for policy in families.get(kind).offers()}
+    assert run == offered, f"policies a family offers that no case runs: {offered - run}"
     assert {(families.get(k).policy, families.get(k).produces) for k in TINY} >= {("text", ("text",)), ("flow", ("image",)),
                                                                                      ("flow", ("video",))}
     trained = {algo for _, algo in pairs()}

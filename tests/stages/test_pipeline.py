@@ -7,7 +7,8 @@ import pyarrow.ipc as ipc
 import pytest
 
 from stages import pipeline
-from stages.recipe import RecipeError, build_recipe
+from stages.recipe import build_recipe
+from tests.conftest import recipe_errors as errors
 from stages.sample import (ShardSchemaError, part_view, read_rollouts, read_shard, scoring_view, table_from_rows,
                            write_shard)
 from stages.storage import RunStorage
@@ -19,12 +20,6 @@ DRAWER = {"model": {"kind": "sd3", "tiny": {"image_size": 16}}, "rollout": {"gro
           "algorithm": {"name": "flow_grpo"}}
 PE = {"name": "pe", "data": {"name": "geneval"}, "reward": {"scorers": [{"name": "brightness"}]},
       "pe": {"ar": AR, "diffusion": DRAWER}}
-
-
-def errors(data: dict) -> list[str]:
-    with pytest.raises(RecipeError) as caught:
-        build_recipe(data)
-    return caught.value.errors
 
 
 def test_a_pipeline_recipe_validates_and_each_part_is_a_one_model_recipe():

@@ -13,18 +13,13 @@ import torch
 from stages.algorithms import BehaviourMismatchError
 from stages.algorithms.base import algorithms
 from stages.models.family import families
-from stages.recipe import RecipeError, build_recipe
+from stages.recipe import build_recipe
 from tests import zygote
 from tests.conftest import REPO
+from tests.conftest import recipe_errors as errors
 from tests.tiny import TINY, merged
 
 SOURCES = [p for d in ("stages", "flows", "tasks") for p in (REPO / d).rglob("*.py")]
-
-
-def errors(data: dict) -> list[str]:
-    with pytest.raises(RecipeError) as info:
-        build_recipe(data)
-    return info.value.errors
 
 
 def sd3(**over) -> dict:

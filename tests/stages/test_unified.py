@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from stages.recipe import RecipeError, build_recipe
+from stages.recipe import build_recipe
+from tests.conftest import recipe_errors as errors
 from stages.train.stack import OptimizerSpec, TrainStack
 from stages.train.update import UpdatePart, joint_update
 from stages.unified import stage_recipe
@@ -22,12 +23,6 @@ UNIFIED = {
                        "algorithm": {"name": "grpo"}},
                 "diffusion": {"rollout": {"group_size": 2, "sampler": {"num_steps": 3}}, "algorithm": {"name": "flow_grpo"}}},
 }
-
-
-def errors(data: dict) -> list[str]:
-    with pytest.raises(RecipeError) as caught:
-        build_recipe(data)
-    return caught.value.errors
 
 
 def test_a_unified_recipe_validates_and_each_stage_is_a_one_model_recipe():

@@ -1,0 +1,50 @@
+"""What the prompt-enhancer and unified-model e2e tests share: one uninterrupted reference run,
+and the same run killed with SIGKILL while it is stopped in iteration 1's sync, then resumed."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from tests import zygote
+from tests.conftest import REPO, run_unirl
+
+
+def reference_run(tmp: Path, env: dict[str, str], recipe: dict[str, Any], name: str) -> tuple[Path, Path, Any]:
+    """(run folder, recipe file, `unirl run`'s completed process) of an uninterrupted run."""
+    path = tmp / "recipe.yaml"
+    path.write_text(yaml.safe_dump({**recipe, "storage": {"root": str(tmp / "runs")}}))
+    out = run_unirl(["run", str(path), "--run-name", name], env)
+    return tmp / "runs" / name, path, out
+
+
+def killed_and_resumed(recipe: Path, name: str, root: Path, env: dict[str, str], *, workers_at_least: int,
+                       stopped: Callable[[Path], None]) -> tuple[Path, Any]:
+    """The run stopped in iteration 1's sync (`stopped(run)` checks what is committed by then),
+    killed with SIGKILL (no worker process may outlive it), then resumed to the end: (run folder,
+    the resumed `unirl run`'s completed process)."""
+    import psutil
+
+    from flows.hooks import worker_processes
+    from tests.e2e.test_rl_flow import STOP_AT_SYNC, wait_stopped
+
+    args = ["run", str(recipe), "--run-name", name, f"storage.root={root}"]
+    proc = zygote.popen([sys.executable, "-m", "flows.cli", *args], env={**env, "UNIRL_FAULTS": STOP_AT_SYNC},
+                        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = root / name
+    wait_stopped(proc)
+    stopped(run)
+    workers = worker_processes(lambda url: str(run) in url)
+    assert len(workers) >= workers_at_least, f"expected {workers_at_least} worker processes of the run, found {len(workers)}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, "worker processes outlived the run"
+    out = run_unirl(args, env)
+    assert "iter-000000 (" not in out.stdout and "iter-000002 (3/3)" in out.stdout
+    return run, out
