@@ -15,8 +15,12 @@ from tests import zygote
 from tests.conftest import REPO, run_unirl
 
 
-def reference_run(tmp: Path, env: dict[str, str], recipe: dict[str, Any], name: str) -> tuple[Path, Path, Any]:
-    """(run folder, recipe file, `unirl run`'s completed process) of an uninterrupted run."""
+def reference_run(tmp: Path, prefect_server: Any, mlflow_uri: str, recipe: dict[str, Any], name: str) -> tuple[Path, Path, Any]:
+    """(run folder, recipe file, `unirl run`'s completed process) of an uninterrupted run on the
+    session's Prefect server and MLflow."""
+    from tests.conftest import isolated_env
+
+    env = {**isolated_env(tmp), **prefect_server.client_env, "MLFLOW_TRACKING_URI": mlflow_uri}
     path = tmp / "recipe.yaml"
     path.write_text(yaml.safe_dump({**recipe, "storage": {"root": str(tmp / "runs")}}))
     out = run_unirl(["run", str(path), "--run-name", name], env)
@@ -48,3 +52,16 @@ def killed_and_resumed(recipe: Path, name: str, root: Path, env: dict[str, str],
     out = run_unirl(args, env)
     assert "iter-000000 (" not in out.stdout and "iter-000002 (3/3)" in out.stdout
     return run, out
+
+
+def composed_rollouts(run: Path, rows: int) -> dict[str, Any]:
+    """The last iteration's composed rollout shard, opened with plain pyarrow: `rows` rows, each
+    holding the text part (prompt -> plan or rewrite) and the latent part that drew it."""
+    import pyarrow.ipc as ipc
+
+    composed = ipc.open_file(str(run / "iter-000002" / "rollouts" / "composed.arrow")).read_all()
+    assert composed.num_rows == rows
+    row = composed.slice(0, 1).to_pylist()[0]
+    assert row["parts"] == ["text", "latent"] and row["latent/prompt"] == row["text/text"].strip()
+    assert row["latent/group_id"] == row["text/sample_id"] and row["latent/media_png"][:4] == b"\x89PNG"
+    return composed

@@ -8,10 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pyarrow.ipc as ipc
 import pytest
 
-from tests.e2e.composed_runs import killed_and_resumed, reference_run
+from tests.e2e.composed_runs import composed_rollouts, killed_and_resumed, reference_run
 
 pytestmark = pytest.mark.slow
 
@@ -39,11 +38,7 @@ def weights_files(run: Path, side: str, version: int) -> dict:
 @pytest.fixture(scope="module")
 def pe_reference(tmp_path_factory, prefect_server, mlflow_uri):
     """One uninterrupted pipeline run of three iterations."""
-    from tests.conftest import isolated_env
-
-    tmp = tmp_path_factory.mktemp("pe-reference")
-    env = {**isolated_env(tmp), **prefect_server.client_env, "MLFLOW_TRACKING_URI": mlflow_uri}
-    return reference_run(tmp, env, RECIPE, "pe-reference")
+    return reference_run(tmp_path_factory.mktemp("pe-reference"), prefect_server, mlflow_uri, RECIPE, "pe-reference")
 
 
 def test_a_pipeline_run_trains_both_sides_and_shows_each_part(pe_reference, prefect_server, mlflow_uri):
@@ -51,11 +46,7 @@ def test_a_pipeline_run_trains_both_sides_and_shows_each_part(pe_reference, pref
 
     run, _, out = pe_reference
     assert "iter-000002 (3/3)" in out.stdout and "held-out v000003 (after RL)" in out.stdout
-    composed = ipc.open_file(str(run / "iter-000002" / "rollouts" / "composed.arrow")).read_all()
-    assert composed.num_rows == 2 * 2 * 2  # prompts x rewrites x images
-    row = composed.slice(0, 1).to_pylist()[0]
-    assert row["parts"] == ["text", "latent"] and row["latent/prompt"] == row["text/text"].strip()
-    assert row["latent/group_id"] == row["text/sample_id"] and row["latent/media_png"][:4] == b"\x89PNG"
+    composed = composed_rollouts(run, rows=2 * 2 * 2)  # prompts x rewrites x images
     for side in ("ar", "diffusion"):
         train = json.loads((run / "parts" / side / "iter-000002" / "train.json").read_text())["metrics"]
         assert train["grad_norm"] > 0 and train["behaviour_logp_max_abs_diff"] < 1e-4, side  # replay against the sampler's record

@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pyarrow.ipc as ipc
 import pytest
 
-from tests.e2e.composed_runs import killed_and_resumed, reference_run
+from tests.e2e.composed_runs import composed_rollouts, killed_and_resumed, reference_run
 
 pytestmark = pytest.mark.slow
 
@@ -38,11 +37,7 @@ def weights_files(run: Path, version: int) -> dict:
 @pytest.fixture(scope="module")
 def unified_reference(tmp_path_factory, prefect_server, mlflow_uri):
     """One uninterrupted unified run of three iterations."""
-    from tests.conftest import isolated_env
-
-    tmp = tmp_path_factory.mktemp("unified-reference")
-    env = {**isolated_env(tmp), **prefect_server.client_env, "MLFLOW_TRACKING_URI": mlflow_uri}
-    return reference_run(tmp, env, RECIPE, "unified-reference")
+    return reference_run(tmp_path_factory.mktemp("unified-reference"), prefect_server, mlflow_uri, RECIPE, "unified-reference")
 
 
 def test_a_unified_run_trains_both_stages_in_one_step(unified_reference, prefect_server, mlflow_uri):
@@ -50,11 +45,7 @@ def test_a_unified_run_trains_both_stages_in_one_step(unified_reference, prefect
 
     run, _, out = unified_reference
     assert "iter-000002 (3/3)" in out.stdout and "held-out v000003 (after RL)" in out.stdout
-    composed = ipc.open_file(str(run / "iter-000002" / "rollouts" / "composed.arrow")).read_all()
-    assert composed.num_rows == 2 * 2 * 2  # prompts x plans x images
-    row = composed.slice(0, 1).to_pylist()[0]
-    assert row["parts"] == ["text", "latent"] and row["latent/prompt"] == row["text/text"].strip()
-    assert row["latent/group_id"] == row["text/sample_id"] and row["latent/media_png"][:4] == b"\x89PNG"
+    composed = composed_rollouts(run, rows=2 * 2 * 2)  # prompts x plans x images
     train = json.loads((run / "iter-000002" / "train.json").read_text())["metrics"]
     assert train["grad_norm"] > 0 and {"ar/loss", "diffusion/loss"} <= set(train)
     for side in ("ar", "diffusion"):  # each stage's replay against its sampler's record, in the one step
