@@ -13,8 +13,16 @@ import torch
 from stages.models.family import families
 from tests.tiny import CASES
 
+def diffusers_ships(kind: str) -> bool:
+    """The family's pipeline is a diffusers class (the unified `transfusion` family is ours:
+    tests/stages/test_unified.py and the matrix cover it)."""
+    import diffusers
+
+    return hasattr(diffusers, families.get(kind).pipelines[0])
+
+
 FLOW_CASES = sorted(c for c in CASES if families.get(CASES[c]["model"]["kind"]).policy == "flow"
-                    and CASES[c]["model"]["kind"] != "sd3")
+                    and CASES[c]["model"]["kind"] != "sd3" and diffusers_ships(CASES[c]["model"]["kind"]))
 PROMPT = "two blue squares moving up quickly"
 
 
