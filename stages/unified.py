@@ -70,6 +70,7 @@ def unified_errors(recipe: Recipe) -> list[str]:
     from pydantic import ValidationError
 
     from stages.algorithms.base import algorithms
+    from stages.engines import engines
     from stages.models.family import families
 
     u = recipe.unified
@@ -106,7 +107,7 @@ def unified_errors(recipe: Recipe) -> list[str]:
                           "trains; async rollout is not offered (set it to sync)")
         if rollout.dynamic_sampling is not None:
             errors.append(f"unified.{side}.rollout.dynamic_sampling: not offered for unified models; remove it")
-        if rollout.engine.name != "trainside":
+        if engines.get(rollout.engine.name).own_weights:
             errors.append(f"unified.{side}.rollout.engine.name: a unified model samples inside its worker group "
                           "(trainside); dedicated engines serve one policy per model")
     if recipe.train.updates_per_batch != 1:

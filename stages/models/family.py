@@ -51,7 +51,7 @@ class Family:
     @classmethod
     def produced_by(cls, policy: str) -> tuple[str, ...]:
         """What a rollout of this family's `policy` produces: a unified family's text policy writes text."""
-        return cls.produces if policy == cls.policy or policy != "text" else ("text",)
+        return ("text",) if policy == "text" != cls.policy else cls.produces
 
     @classmethod
     def offers(cls) -> tuple[str, ...]:

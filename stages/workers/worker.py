@@ -77,7 +77,7 @@ class Worker:
             policy_cls = policies.get(part.rollout.kind)
             self.stages[side] = Stage(policy_cls(self.family, bundle, part, device), get_algorithm(part.algorithm.name)(part.algorithm, part),
                                       self._tolerance(part, policy_cls), 1.0 if not side else getattr(recipe.unified, side).loss_weight)
-        main = self.stages["diffusion" if recipe.unified is not None else ""]
+        self._main = main = self.stages["diffusion" if recipe.unified is not None else ""]
         self.policy, self.algorithm = main.policy, main.algorithm
         if self.mode == "sft":
             opt, decay = type(self.policy).sft_spec(recipe)
@@ -90,7 +90,6 @@ class Worker:
             reference_cfg=recipe.model, weights_dir=self.base_dir, sharded_load=sharded,
             mixed_precision=recipe.train.mixed_precision,
         )
-        self._main = main
         self._sft_info: dict[str, Any] | None = None
         if spec.get("checkpoint") is not None:
             self.version = checkpoint.load(self.stack, self.storage, self.scratch, int(spec["checkpoint"]))
