@@ -5,7 +5,8 @@ hands over here), one `pe-iteration` flow run per iteration whose task runs are 
         -> train-ar, train-diffusion (the parts that train) -> sync-ar, sync-diffusion
 
 Each part is a one-model run of its own under `{run}/parts/<side>` (stages/pipeline.py): its warm
-start, worker group, checkpoints and weights versions. The pipeline run's folder holds the composed
+start, checkpoints and weights versions, and its worker group (`pe.placement: separate`) or its
+member of one group that holds both (`shared`). The pipeline run's folder holds the composed
 rollouts, the rewards, the held-out results and `_SUCCESS` per iteration; a run resumes after
 its last finished iteration, and every task returns its committed output instead of redoing it.
 """
@@ -25,8 +26,8 @@ from stages.run import initial_weights, open_run, update_run_info
 from stages.storage import iter_dir, join
 from stages.tracking import Tracker
 from stages.train.manifests import MANIFEST
-from stages.workers.group import close_group
-from tasks.common import close_engine, run_tags, staged, storage_of
+from stages.workers.group import SharedGroup, close_group, share_group
+from tasks.common import announce, close_engine, run_tags, staged, storage_of
 from tasks.pe import compose, evaluate_pipeline, generate_part, part_advantages
 from tasks.score import score
 from tasks.sync import sync
@@ -79,6 +80,10 @@ def pe_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
                 run_sft(part, stores[side])
             else:
                 initial_weights(stores[side], part)
+        if recipe.pe.placement == "shared":  # one worker group holds both parts: every task of a part uses its member
+            shared = SharedGroup(storage, {side: (part, stores[side], stores[side].weights_rel(0)) for side, part in parts.items()},
+                                 log=announce(get_run_logger()))
+            share_group({stores[side].url(): member for side, member in shared.members.items()})
         return {f"{recipe.name}-{side}": (store, pipeline.trains(recipe, side)) for side, store in zip(parts, stores.values())}
 
     return run_stages(recipe, run_name, warm_start, pe_iteration, evaluate_pipeline, "rewrites")

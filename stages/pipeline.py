@@ -107,6 +107,17 @@ def pipeline_errors(recipe: Recipe) -> list[str]:
         if rollout.dynamic_sampling is not None:
             errors.append(f"pe.{side}.rollout.dynamic_sampling: not offered for pipelines (a refill would redraw the "
                           "other part too); remove it")
+    if pe.placement == "shared":
+        ar, drawer = pe.ar.train, pe.diffusion.train
+        for field in ("nproc_per_node", "backend"):
+            if getattr(ar, field) != getattr(drawer, field):
+                errors.append(f"pe.diffusion.train.{field}: {getattr(drawer, field)!r}, but pe.ar.train.{field} is "
+                              f"{getattr(ar, field)!r}; with pe.placement: shared both parts run on the same ranks, so "
+                              "give both the same value (or set pe.placement: separate)")
+        for side in SIDES:
+            if getattr(pe, side).train.nnodes != 1:
+                errors.append(f"pe.{side}.train.nnodes: pe.placement: shared puts both parts in one worker group on one "
+                              "machine; set nnodes to 1 (or pe.placement: separate)")
     if pe.freeze_llm and pe.freeze_diffusion:
         errors.append("pe.freeze_llm: both sides are frozen (pe.freeze_diffusion is true too), so nothing trains; "
                       "unfreeze one of them")

@@ -237,6 +237,10 @@ class PipelineConfig(Section):
     diffusion: PipelinePart = Field(description="The drawer (a flow family).")
     freeze_llm: bool = Field(False, description="Do not train the rewriter (its weights stay v000000).")
     freeze_diffusion: bool = Field(True, description="Do not train the drawer (its weights stay v000000).")
+    placement: Literal["separate", "shared"] = Field(
+        "separate", description="Where the parts train and sample: `separate`, each in its own worker group (each with its "
+        "part's `train` placement); `shared`, both in one worker group on one machine (its ranks hold both models; the "
+        "parts' `train.nproc_per_node` and `train.backend` must agree and `train.nnodes` be 1).")
 
 
 class UnifiedStage(Section):

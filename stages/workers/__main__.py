@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from stages.workers.control import broadcast_json
     from stages.workers.forkserver import parent_pid
-    from stages.workers.worker import Worker
+    from stages.workers.worker import make_worker
 
     for module in filter(None, args.preload.split(",")):
         importlib.import_module(module)
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
         records = RunStorage(spec["root"], spec["run"], spec.get("options"))
     try:
-        worker = Worker(spec, mesh, device)
+        worker = make_worker(spec, mesh, device)
         me = {"rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "node": int(os.environ.get("GROUP_RANK", "0")),
               "host": socket.gethostname(), "pid": os.getpid(), "agent_pid": parent_pid()}
         ranks = worker.stack.all_gather_json(me) if group else [me]

@@ -105,9 +105,7 @@ class WorkerGroup:
         env = {**os.environ, "UNIRL_CONTROL_TOKEN": self.token, "OMP_NUM_THREADS": str(threads),
                "UNIRL_OWNER_PID": str(os.getpid())}
         spec_path = self.scratch / "spec.json"
-        from stages.models.family import get_family
-
-        preload = ["--preload", ",".join(get_family(self.recipe.model.kind).modules)]
+        preload = ["--preload", ",".join(self._preload())]
         self._threads = threads
         if self.multinode:
             self._prewarm_nodes(env, preload)
@@ -125,6 +123,12 @@ class WorkerGroup:
                 *torchrun_entry(["--spec", str(spec_path), *preload]),
             ]
         self._launch(cmd, env)
+
+    def _preload(self) -> list[str]:
+        """Modules the ranks import while they wait for the spec: the model family's."""
+        from stages.models.family import get_family
+
+        return list(get_family(self.recipe.model.kind).modules)
 
     def _launch(self, cmd: list[str], env: dict[str, str]) -> None:
         logf = open(self.log_path, "ab")
@@ -162,23 +166,28 @@ class WorkerGroup:
     def start(self, checkpoint: int | None) -> None:
         """Load `checkpoint` (a committed version) or the initial weights into the group: the
         prewarmed processes when they are waiting, else newly launched ones."""
+        self._boot(self._load(self.recipe, self.storage, self.init_weights, checkpoint),
+                   f"checkpoint {checkpoint}" if checkpoint is not None else "initial weights")
+
+    def _load(self, recipe: Recipe, storage: RunStorage, init_weights: str, checkpoint: int | None) -> dict[str, Any]:
+        """What a Worker loads: a model's recipe, run storage, initial weights and checkpoint."""
+        return {"recipe": recipe.model_dump(mode="json"), "root": storage.root, "run": storage.run,
+                "options": storage.options, "init_weights": init_weights, "init_version": 0,
+                "checkpoint": checkpoint, "mode": self.mode}
+
+    def _boot(self, load: dict[str, Any], what: str) -> None:
         waiting = self.alive() and self.port is None and not (self.scratch / "spec.json").exists()
         if not waiting:
             self.stop()
             self.prewarm()
         t = self.recipe.train
         ready = self.scratch / "ready.json"
-        spec = {
-            "recipe": self.recipe.model_dump(mode="json"), "root": self.storage.root, "run": self.storage.run,
-            "options": self.storage.options, "init_weights": self.init_weights, "init_version": 0,
-            "checkpoint": checkpoint, "backend": t.backend, "ready_file": str(ready),
-            "scratch": str(self.scratch), "threads_per_rank": self._threads, "mode": self.mode,
-        }
+        spec = {"root": self.storage.root, "run": self.storage.run, "options": self.storage.options, **load,
+                "backend": t.backend, "ready_file": str(ready), "scratch": str(self.scratch), "threads_per_rank": self._threads}
         spec_path = self.scratch / "spec.json"
         tmp = spec_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(spec))
         tmp.replace(spec_path)  # the ranks wait for this file to appear whole
-        what = f"checkpoint {checkpoint}" if checkpoint is not None else "initial weights"
         if self.multinode:
             self.storage.write_json(rdzv.group_rel(self.plan.group, "spec.json"), {**spec, "endpoint": self.plan.endpoint})
             nodes = f"{self.plan.min_nnodes}-{t.nnodes}" if self.plan.min_nnodes != t.nnodes else str(t.nnodes)
@@ -346,6 +355,91 @@ class WorkerGroup:
         return self.call("train", iteration=iteration, rollouts=rollouts, advantages=adv["files"][0])
 
 
+class SharedGroup(WorkerGroup):
+    """One worker group holding several models (`pe.placement: shared`): its ranks hold each
+    member's Worker (stages/workers/worker.py `Members`). Each member is used through its
+    `MemberGroup`, which any task takes for a one-model group; (re)starting the group loads every
+    member, the one that asked at its checkpoint, the others at their newest checkpoint at or
+    below the version they held (then each replays what it lacks when next ensured).
+    `storage`: the run that owns the group (its records and the spec's top-level run)."""
+
+    def __init__(self, storage: RunStorage, members: dict[str, tuple[Recipe, RunStorage, str]], *,
+                 log: Callable[[str], None] = print):
+        first = next(iter(members.values()))[0]
+        super().__init__(first, storage, init_weights="", log=log)
+        self.members = {name: MemberGroup(self, name, *member) for name, member in members.items()}
+        self.versions: dict[str, int] = {}  # each member's version in the live group
+        self.held: dict[str, int] = {}  # each member's last known version (kept when the group dies)
+
+    def _preload(self) -> list[str]:
+        from stages.models.family import get_family
+
+        return sorted({m for member in self.members.values() for m in get_family(member.recipe.model.kind).modules})
+
+    def restart(self, name: str, checkpoint: int | None, version: int) -> None:
+        """(Re)start the group: member `name` at `checkpoint` (it wants `version`), every other at
+        its usable checkpoint at or below the version it last held (or `version`, if it never ran)."""
+        from stages.train.manifests import usable_checkpoint
+
+        loads, said = {}, []
+        for other, member in self.members.items():
+            if other == name:
+                at = checkpoint
+            else:
+                at = usable_checkpoint(member.storage, self.held.get(other, version), self.log)
+            loads[other] = self._load(member.recipe, member.storage, member.init_weights, at)
+            said.append(f"{other} at {'checkpoint ' + str(at) if at is not None else 'initial weights'}")
+        self._boot({"members": loads}, f"members {', '.join(said)}")
+        self.versions = dict(self.version)
+        self.held.update(self.versions)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        super().stop(timeout)
+        self.versions = {}
+
+
+class MemberGroup(WorkerGroup):
+    """One member of a SharedGroup, used as a one-model group: commands go to its Worker, its
+    version is its own, and ensuring a version it cannot reach by replay restarts the whole group."""
+
+    def __init__(self, shared: SharedGroup, name: str, recipe: Recipe, storage: RunStorage, init_weights: str):
+        self.shared, self.name = shared, name
+        self.recipe, self.storage, self.init_weights = recipe, storage, init_weights
+        self.mode, self.multinode, self.log = "rl", False, shared.log
+        self._wanted = 0
+
+    @property
+    def version(self) -> int | None:  # type: ignore[override]
+        return self.shared.versions.get(self.name) if self.alive() else None
+
+    @version.setter
+    def version(self, value: int | None) -> None:
+        if value is not None:
+            self.shared.versions[self.name] = self.shared.held[self.name] = value
+
+    def alive(self) -> bool:
+        return self.shared.alive() and self.shared.port is not None
+
+    def prewarm(self) -> None:
+        self.shared.prewarm()
+
+    def ensure(self, version: int) -> None:
+        self._wanted = version
+        super().ensure(version)
+
+    def start(self, checkpoint: int | None) -> None:
+        self.shared.restart(self.name, checkpoint, self._wanted)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        self.shared.stop(timeout)
+
+    def log_tail(self, lines: int = 40) -> str:
+        return self.shared.log_tail(lines)
+
+    def _send(self, cmd: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        return self.shared._send(cmd, {**args, "member": self.name}, timeout)
+
+
 _LIVE: set[WorkerGroup] = set()
 _GROUPS: dict[str, WorkerGroup] = {}
 
@@ -356,6 +450,14 @@ def get_group(key: str, factory: Callable[[], WorkerGroup]) -> WorkerGroup:
     if group is None:
         group = _GROUPS[key] = factory()
     return group
+
+
+def share_group(groups: dict[str, WorkerGroup]) -> None:
+    """Make `groups` (key -> group, e.g. a SharedGroup's members by their runs' URLs) the
+    process-wide groups of those keys, so every task of those runs uses them."""
+    for key, group in groups.items():
+        close_group(key)
+        _GROUPS[key] = group
 
 
 def close_group(key: str) -> None:

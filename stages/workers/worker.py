@@ -279,3 +279,30 @@ class Worker:
         self.family.export(bundle, local, full, lora=lora)
         if ema_full is not None:
             self.family.export(bundle, local / "ema", {**full, **ema_full}, lora=lora)
+
+
+class Members:
+    """Several models in one worker group (a prompt enhancer's `pe.placement: shared`): one Worker
+    per member on the same ranks, each with its own recipe, run storage, weights, optimizer and
+    checkpoints; every command names its member (`member`)."""
+
+    def __init__(self, spec: dict[str, Any], mesh: Any, device: torch.device):
+        common = {k: v for k, v in spec.items() if k != "members"}
+        self.workers = {name: Worker({**common, **member, "scratch": str(Path(spec["scratch"]) / name)}, mesh, device)
+                        for name, member in spec["members"].items()}
+
+    @property
+    def version(self) -> dict[str, int]:
+        return {name: worker.version for name, worker in self.workers.items()}
+
+    def execute(self, cmd: str, args: dict[str, Any]) -> dict[str, Any]:
+        args = dict(args)
+        name = args.pop("member", None)
+        if name not in self.workers:
+            raise ValueError(f"this worker group holds the members {sorted(self.workers)}; command {cmd!r} named {name!r}")
+        return self.workers[name].execute(cmd, args)
+
+
+def make_worker(spec: dict[str, Any], mesh: Any, device: torch.device) -> Worker | Members:
+    """What a rank holds: one model's Worker, or a shared group's Members (spec `members`)."""
+    return Members(spec, mesh, device) if "members" in spec else Worker(spec, mesh, device)

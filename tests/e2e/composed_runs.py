@@ -28,16 +28,16 @@ def reference_run(tmp: Path, prefect_server: Any, mlflow_uri: str, recipe: dict[
 
 
 def killed_and_resumed(recipe: Path, name: str, root: Path, env: dict[str, str], *, workers_at_least: int,
-                       stopped: Callable[[Path], None]) -> tuple[Path, Any]:
-    """The run stopped in iteration 1's sync (`stopped(run)` checks what is committed by then),
-    killed with SIGKILL (no worker process may outlive it), then resumed to the end: (run folder,
-    the resumed `unirl run`'s completed process)."""
+                       stopped: Callable[[Path], None], overrides: tuple[str, ...] = ()) -> tuple[Path, Any]:
+    """The run (with `overrides` of the recipe) stopped in iteration 1's sync (`stopped(run)` checks
+    what is committed by then), killed with SIGKILL (no worker process may outlive it), then resumed
+    to the end: (run folder, the resumed `unirl run`'s completed process)."""
     import psutil
 
     from flows.hooks import worker_processes
     from tests.e2e.test_rl_flow import STOP_AT_SYNC, wait_stopped
 
-    args = ["run", str(recipe), "--run-name", name, f"storage.root={root}"]
+    args = ["run", str(recipe), "--run-name", name, f"storage.root={root}", *overrides]
     proc = zygote.popen([sys.executable, "-m", "flows.cli", *args], env={**env, "UNIRL_FAULTS": STOP_AT_SYNC},
                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run = root / name

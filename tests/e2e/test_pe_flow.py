@@ -1,8 +1,9 @@
 """A prompt-enhancer pipeline through the real `unirl run`: a tiny Qwen3 rewrites toy-GenEval prompts,
-a tiny SD3 draws each rewrite, both sides train (the rewriter on two ranks), each publishes its own
-weights versions; the iteration's flow run shows each part's generate, train and sync as task
-runs of their own; the composed shards open with plain pyarrow; a run killed with SIGKILL mid-iteration
-resumes to the uninterrupted run's metrics and both sides' weights."""
+a tiny SD3 draws each rewrite, both sides train (each in its own worker group of two ranks), each
+publishes its own weights versions; the iteration's flow run shows each part's generate, train and
+sync as task runs of their own; the composed shards open with plain pyarrow; the same run with both
+parts in one worker group (`pe.placement: shared`), killed with SIGKILL mid-iteration, resumes to the
+uninterrupted run's metrics and both sides' weights."""
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ RECIPE = {
                "algorithm": {"name": "grpo"}, "train": {"micro_batch_size": 4, "nproc_per_node": 2}},
         "diffusion": {"model": {"kind": "sd3", "tiny": {"image_size": 16}},
                       "rollout": {"group_size": 2, "sampler": {"num_steps": 3, "init_same_noise": False}},
-                      "algorithm": {"name": "flow_grpo"}, "train": {"micro_batch_size": 4}},
+                      "algorithm": {"name": "flow_grpo"}, "train": {"micro_batch_size": 4, "nproc_per_node": 2}},
         "freeze_diffusion": False,
     },
     "eval": {"k": 2}, "iterations": 3, "checkpoint_every": 1,
@@ -75,14 +76,19 @@ def test_a_pipeline_run_trains_both_sides_and_shows_each_part(pe_reference, pref
             "sync-ar", "sync-diffusion"} <= names
 
 
-def test_a_killed_pipeline_run_resumes_to_the_uninterrupted_results(pe_reference, tmp_path, unirl_env):
+def test_a_killed_pipeline_run_in_one_worker_group_resumes_to_the_uninterrupted_results(pe_reference, tmp_path, unirl_env):
     reference, recipe, _ = pe_reference
 
     def stopped(run: Path) -> None:  # iteration 1: the rewriter trained, its sync under way, the drawer not yet trained
         assert (run / "parts" / "ar" / "iter-000001" / "manifests" / "train.json").exists()
         assert not (run / "parts" / "diffusion" / "iter-000001" / "manifests" / "train.json").exists()
 
-    run, _ = killed_and_resumed(recipe, "pe-reference", tmp_path / "runs", unirl_env, workers_at_least=3, stopped=stopped)
+    run, _ = killed_and_resumed(recipe, "pe-reference", tmp_path / "runs", unirl_env, workers_at_least=3, stopped=stopped,
+                                overrides=("pe.placement=shared",))
+    # one group of two ranks holds both parts; each comes back from its own newest checkpoint (the
+    # rewriter's sync of iteration 1 had saved version 2 before the kill, the drawer's had not begun)
+    logs = "".join(p.read_text() for p in sorted((run / "logs").glob("*.log")))
+    assert "starting worker group: 2 rank(s), members ar at checkpoint 2, diffusion at checkpoint 1" in logs
     for i in range(3):
         a = json.loads((run / f"iter-{i:06d}" / "_SUCCESS").read_text())["metrics"]
         b = json.loads((reference / f"iter-{i:06d}" / "_SUCCESS").read_text())["metrics"]

@@ -42,6 +42,15 @@ def test_bad_pipeline_recipes_fail_naming_the_field():
     assert any(e.startswith("model: a prompt-enhancer recipe gives it per part") for e in errors(top_level))
     wrong_algorithm = {**PE, "pe": {**PE["pe"], "diffusion": {**DRAWER, "algorithm": {"name": "grpo"}}}}
     assert any(e.startswith("pe.diffusion.algorithm.name: 'grpo' trains text segments") for e in errors(wrong_algorithm))
+    def placed(**trains) -> dict:
+        return {**PE, "pe": {**PE["pe"], "placement": "shared", "diffusion": {**DRAWER, "train": trains}}}
+
+    assert errors(placed(nproc_per_node=2)) == [  # one group: both parts on the same ranks
+        "pe.diffusion.train.nproc_per_node: 2, but pe.ar.train.nproc_per_node is 1; with pe.placement: shared both "
+        "parts run on the same ranks, so give both the same value (or set pe.placement: separate)"]
+    assert any(e.startswith("pe.diffusion.train.nnodes: pe.placement: shared puts both parts in one worker group on one "
+                            "machine") for e in errors(placed(nnodes=2)))
+    build_recipe({**PE, "pe": {**PE["pe"], "placement": "separate", "diffusion": {**DRAWER, "train": {"nproc_per_node": 2}}}})
     text_reward = {**PE, "reward": {"scorers": [{"name": "exact_match"}]}}
     assert any("scorer 'exact_match' reads text, but pe.diffusion.model.kind 'sd3' produces image" in e for e in errors(text_reward))
 
