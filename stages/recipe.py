@@ -92,7 +92,8 @@ class SFTConfig(Section):
     noise: float = Field(
         0.0, ge=0, le=1,
         description="Fraction of synthetic demonstrations carrying an imperfect teacher's slip: arithmetic answers end in "
-        "a stray '=' (toy_vqa answers in '.'), toy video clips move the opposite way.",
+        "a stray '=' (toy_vqa answers in '.'), toy video clips move the opposite way, toy-GenEval images show one object "
+        "group in another colour than the prompt says.",
     )
     steps: int = Field(200, ge=1, description="Optimizer steps.")
     batch_size: int = Field(32, ge=1, description="Examples per step (all ranks together).")

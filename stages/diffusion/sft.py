@@ -23,13 +23,15 @@ from stages.seeds import derive_seed
 # ---------------------------------------------------------------- records
 
 
-def geneval_records(n: int, *, seed: int, image_size: int, kinds: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+def geneval_records(n: int, *, seed: int, image_size: int, kinds: tuple[str, ...] | None = None,
+                    noise: float = 0.0) -> list[dict[str, Any]]:
     """`n` toy-GenEval training records {prompt, media_png}: prompts of the train split (never
-    the held-out one) of `kinds` (default: all), each rendered with its own layout."""
+    the held-out one) of `kinds` (default: all), each rendered with its own layout; `noise` of
+    them show one object group in a colour the prompt does not say (make_examples)."""
     from stages.geneval import make_examples
 
     out = []
-    for ex in make_examples(n, seed, split="train", size=image_size, kinds=kinds):
+    for ex in make_examples(n, seed, split="train", size=image_size, kinds=kinds, noise=noise):
         buf = io.BytesIO()
         ex.image.save(buf, format="PNG")
         out.append({"prompt": ex.prompt, "media_png": buf.getvalue()})

@@ -233,9 +233,28 @@ class Example:
     image: Image.Image
 
 
-def make_examples(n: int, seed: int, split: str = "train", size: int = 32, kinds: tuple[str, ...] | None = None
-                  ) -> list[Example]:
+def miscoloured(spec: PromptSpec, rng: np.random.Generator) -> PromptSpec:
+    """The scene a careless captioner would have called `spec`: one of its object groups (drawn at
+    random) in another colour (drawn at random among the others)."""
+    k = int(rng.integers(len(spec.objects)))
+    obj = spec.objects[k]
+    colour = str(rng.choice([c for c in COLOURS if c != obj.colour]))
+    objects = tuple(ObjectSpec(o.shape, colour, o.count) if j == k else o for j, o in enumerate(spec.objects))
+    return PromptSpec(objects, spec.relation)
+
+
+def make_examples(n: int, seed: int, split: str = "train", size: int = 32, kinds: tuple[str, ...] | None = None,
+                  noise: float = 0.0) -> list[Example]:
     """n (prompt, rendered image) pairs for flow-matching SFT, of `kinds` (default: all); image i is
-    rendered with seed (seed, i) so two examples of one prompt show different layouts."""
+    rendered with seed (seed, i) so two examples of one prompt show different layouts. `noise`: the
+    fraction of pairs whose image shows one object group in another colour than the prompt says
+    (caption noise, as in web alt-text): a model warm-started on them draws that slip too."""
     prompts = sample_prompts(n, seed, split, kinds=kinds or KINDS)
-    return [Example(p, render(p, size, seed=seed * 1_000_003 + i)) for i, p in enumerate(prompts)]
+    slips = np.random.default_rng([seed, 7919]).random(n) < noise
+    out = []
+    for i, p in enumerate(prompts):
+        spec = parse_prompt(p)
+        if slips[i]:
+            spec = miscoloured(spec, np.random.default_rng([seed, i, 7919]))
+        out.append(Example(p, render(spec, size, seed=seed * 1_000_003 + i)))
+    return out

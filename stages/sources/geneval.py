@@ -70,9 +70,10 @@ class GenEvalSource(Source):
     @classmethod
     def sft_records(cls, recipe: Any) -> list[dict[str, Any]]:
         """`sft.examples` (prompt, media_png) records at the recipe's image size (the sampler's, else
-        the model's own)."""
+        the model's own); `sft.noise` of them show one object group in another colour."""
         from stages.diffusion.sft import geneval_records
         from stages.models.family import get_family
 
         size = recipe.rollout.sampler.image_size or get_family(recipe.model.kind).native_image_size(recipe.model)
-        return geneval_records(recipe.sft.examples, seed=recipe.sft.seed, image_size=int(size), kinds=tuple(recipe.data.kinds))
+        return geneval_records(recipe.sft.examples, seed=recipe.sft.seed, image_size=int(size), kinds=tuple(recipe.data.kinds),
+                               noise=recipe.sft.noise)

@@ -76,6 +76,23 @@ def test_render_is_seeded_and_sized():
     assert len(examples) == 4 and all(score(e.image, e.prompt).strict == 1.0 for e in examples)
 
 
+def test_caption_noise_draws_one_object_group_in_another_colour():
+    from stages.geneval.dataset import parse_prompt
+
+    noisy = make_examples(40, seed=3, size=32, noise=1.0)
+    assert [e.prompt for e in noisy] == [e.prompt for e in make_examples(40, seed=3, size=32)]  # the captions stay
+    for e in noisy:
+        wrong = score(e.image, e.prompt)
+        assert wrong.strict == 0.0 and wrong.colour < 1.0, (e.prompt, wrong)
+        drawn = {tuple(c) for c in np.asarray(e.image).reshape(-1, 3)} - {(255, 255, 255)}
+        said = {COLOURS[o.colour] for o in parse_prompt(e.prompt).objects}
+        assert drawn != said, e.prompt  # a group in a colour the prompt does not give it
+    half = make_examples(400, seed=3, size=32, noise=0.5)
+    slipped = sum(score(e.image, e.prompt).strict == 0.0 for e in half)
+    assert 160 <= slipped <= 240  # about half, drawn per example from the seed
+    assert [e.image.tobytes() for e in half[:5]] == [e.image.tobytes() for e in make_examples(5, seed=3, size=32, noise=0.5)]
+
+
 def test_rendered_images_score_one_on_their_own_prompts():
     prompts = all_prompts()
     rng = np.random.default_rng(0)
