@@ -368,8 +368,9 @@ class SharedGroup(WorkerGroup):
         first = next(iter(members.values()))[0]
         super().__init__(first, storage, init_weights="", log=log)
         self.members = {name: MemberGroup(self, name, *member) for name, member in members.items()}
-        self.versions: dict[str, int] = {}  # each member's version in the live group
-        self.held: dict[str, int] = {}  # each member's last known version (kept when the group dies)
+        # `version` (rank 0's answer, kept up to date by the members): each member's version in the
+        # live group, None when it is not running; `held`: each one's last known (kept when it dies)
+        self.held: dict[str, int] = {}
 
     def _preload(self) -> list[str]:
         from stages.models.family import get_family
@@ -390,12 +391,7 @@ class SharedGroup(WorkerGroup):
             loads[other] = self._load(member.recipe, member.storage, member.init_weights, at)
             said.append(f"{other} at {'checkpoint ' + str(at) if at is not None else 'initial weights'}")
         self._boot({"members": loads}, f"members {', '.join(said)}")
-        self.versions = dict(self.version)
-        self.held.update(self.versions)
-
-    def stop(self, timeout: float = 20.0) -> None:
-        super().stop(timeout)
-        self.versions = {}
+        self.held.update(self.version)
 
 
 class MemberGroup(WorkerGroup):
@@ -410,12 +406,12 @@ class MemberGroup(WorkerGroup):
 
     @property
     def version(self) -> int | None:  # type: ignore[override]
-        return self.shared.versions.get(self.name) if self.alive() else None
+        return self.shared.version.get(self.name) if self.alive() else None
 
     @version.setter
     def version(self, value: int | None) -> None:
         if value is not None:
-            self.shared.versions[self.name] = self.shared.held[self.name] = value
+            self.shared.version[self.name] = self.shared.held[self.name] = value
 
     def alive(self) -> bool:
         return self.shared.alive() and self.shared.port is not None
