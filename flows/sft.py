@@ -57,12 +57,18 @@ def run_sft(recipe: Recipe, storage: RunStorage, tracker: Tracker | None = None)
         stages = {"stages": manifest["stages"]} if recipe.unified is not None else {}
         s = recipe.sft
         group.start(None)
+        warm = getattr(recipe.model, "vae_warmup", None)
+        warm_steps = warm.resolved_steps(bool(recipe.model.path)) if warm is not None else 0
+        if warm_steps:
+            say(f"[unirl] sft: the VAE learns the SFT media first ({warm_steps} steps of batch {warm.batch_size}) ...")
         done = 0
         while done < s.steps:
             steps = min(CHUNK, s.steps - done)
             out = group.call("sft", data=data, steps=steps, batch_size=s.batch_size, seed=s.seed, start_step=done, **stages)
             done = out["steps"]
             fault_point("sft")
+            if "vae_seconds" in out:
+                say(f"[unirl] sft: VAE warm-up done, reconstruction loss {out['vae_loss']:.4f}  {out['vae_seconds']:.1f}s")
             say(f"[unirl] sft step {done}/{s.steps}  loss {out['last_loss']:.4f}  {out['seconds']:.1f}s")
             if tracker is not None:
                 tracker.log_metrics(done, {"sft/loss": out["loss"]}, key="sft/loss")
