@@ -2,20 +2,23 @@
 
 mode "strict": 1 when the clip shows the prompt's number of squares of its colour in every frame,
 moving the stated way at the stated speed, else 0; mode "mean": the mean of colour, count,
-direction and speed (a denser signal). Components are logged either way: strict, object, colour,
-count, direction, speed."""
+direction and speed (a denser signal); mode "motion": the mean of strict, direction and speed, for
+a model that already draws the right squares (colour and count credit nothing about motion, and
+a mean over them lets RL trade motion for them). Components are logged either way: strict,
+object, colour, count, direction, speed."""
 from __future__ import annotations
 
 import numpy as np
 
 from stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
 
-VIDEOTOY_MODE_PARTS = {"strict": ("strict",), "mean": ("colour", "count", "direction", "speed")}
+VIDEOTOY_MODE_PARTS = {"strict": ("strict",), "mean": ("colour", "count", "direction", "speed"),
+                       "motion": ("strict", "direction", "speed")}
 
 
 @register_scorer("videotoy", reads=("video",))
 class VideoToyScorer:
-    """Needs batch.videos (N lists of PIL frames); params: mode (strict | mean)."""
+    """Needs batch.videos (N lists of PIL frames); params: mode (strict | mean | motion)."""
 
     name = "videotoy"
 

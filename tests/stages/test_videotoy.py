@@ -85,6 +85,8 @@ def test_the_videotoy_scorer_modes_read_videos():
     strict = run_scorer(build_scorer("videotoy"), batch)
     assert strict.scores.tolist() == [1.0, 0.0] and strict.components["speed"].tolist() == [1.0, 0.0]
     assert run_scorer(build_scorer("videotoy", mode="mean"), batch).scores.tolist() == [1.0, 0.75]
+    # motion: strict, direction, speed; the wrong-speed clip moves the right way and nothing else.
+    assert run_scorer(build_scorer("videotoy", mode="motion"), batch).scores.tolist() == pytest.approx([1.0, 1 / 3])
     with pytest.raises(ValueError, match="not one of strict, mean"):
         build_scorer("videotoy", mode="partial")
 
