@@ -55,6 +55,8 @@ def test_quickstart_sft_then_flow_grpo_on_s3(tmp_path, unirl_env):
     finally:
         server.stop()
     assert "sft step 3/3" in out.stdout and "iter-000001 (2/2)" in out.stdout
+    assert "the VAE learns the SFT media first (3 steps of batch 8)" in out.stdout
+    assert "VAE warm-up done, reconstruction loss" in out.stdout
     # The held-out toy-GenEval strict score before and after RL (ODE greedy, SDE avg@k / pass@k).
     assert "held-out v000000 (before RL): accuracy" in out.stdout and "held-out v000002 (after RL)" in out.stdout
     final = json.loads((tmp_path / "diffusion-quickstart" / "eval" / "v000002" / "metrics.json").read_text())["metrics"]
@@ -64,7 +66,9 @@ def test_quickstart_sft_then_flow_grpo_on_s3(tmp_path, unirl_env):
     rollouts = read_arrow(run / "iter-000000" / "rollouts" / "part-000.arrow")
     assert rollouts.num_rows == 8
     row = rollouts.slice(0, 1).to_pylist()[0]
-    assert row["parts"] == ["latent"] and len(row["sigmas"]) == 4 and len(row["sde_logprobs"]) == 3
+    # The quickstart's SDE window is the first 30% of the steps: of 3 steps, step 0 alone.
+    assert row["parts"] == ["latent"] and len(row["sigmas"]) == 4 and row["sde_indices"] == [0]
+    assert len(row["sde_logprobs"]) == 1
     assert Image.open(io.BytesIO(row["media_png"])).size == (32, 32)
     rewards = read_arrow(run / "iter-000000" / "rewards.arrow")
     assert {"reward/geneval/strict", "reward/geneval/colour", "reward/geneval/position"} <= set(rewards.column_names)
