@@ -4,7 +4,8 @@ its frames, one PNG each, in a list column (`media_frames`).
 Why frames as PNGs and not one file per clip: rewards must read the exact pixels the model made,
 so the stored form is lossless; an animated PNG (the lossless one-file form) holds the same
 compressed frames, while separate PNGs decode one by one (frame-based scorers pick frames), and
-a lossy GIF or MP4 would change what scorers see (no MP4 encoder is installed here either). GIFs are made only for people: the MLflow previews."""
+a lossy GIF or MP4 would change what scorers see (no MP4 encoder is installed here either).
+GIFs are made only for people: the MLflow previews."""
 from __future__ import annotations
 
 import io

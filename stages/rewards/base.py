@@ -50,6 +50,15 @@ class ScoreResult:
     scores: np.ndarray
     components: dict[str, np.ndarray] = field(default_factory=dict)
 
+    @classmethod
+    def mean_of(cls, results: list[dict[str, float]], parts: tuple[str, ...]) -> "ScoreResult":
+        """Per-sample component dicts (a detector's scores) -> every component logged, and the score
+        the mean of `parts` (a scorer mode's components)."""
+        if not results:
+            return cls(np.zeros(0))
+        components = {k: np.array([r[k] for r in results], dtype=np.float64) for k in results[0]}
+        return cls(np.mean([components[k] for k in parts], axis=0), components)
+
 
 class Scorer(Protocol):
     name: str

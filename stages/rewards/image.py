@@ -67,11 +67,7 @@ class GenEvalScorer:
         metadata = batch.metadata or [{}] * len(images)
         intents = [meta.get("geneval_prompt") or prompt for prompt, meta in zip(batch.prompts, metadata)]
         results = [score(image, intent).as_dict() for image, intent in zip(images, intents)]
-        if not results:
-            return ScoreResult(np.zeros(0))
-        components = {k: np.array([r[k] for r in results], dtype=np.float64) for k in results[0]}
-        scores = np.mean([components[k] for k in GENEVAL_MODE_PARTS[self.mode]], axis=0)
-        return ScoreResult(scores, components)
+        return ScoreResult.mean_of(results, GENEVAL_MODE_PARTS[self.mode])
 
 
 def jpeg_kilobytes(image: Any, quality: int = 95) -> float:

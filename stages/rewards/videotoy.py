@@ -8,8 +8,6 @@ a mean over them lets RL trade motion for them). Components are logged either wa
 object, colour, count, direction, speed."""
 from __future__ import annotations
 
-import numpy as np
-
 from stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
 
 VIDEOTOY_MODE_PARTS = {"strict": ("strict",), "mean": ("colour", "count", "direction", "speed"),
@@ -39,7 +37,4 @@ class VideoToyScorer:
         if batch.videos is None:
             raise ValueError("scorer 'videotoy' needs videos (ScoreBatch.videos) and the batch has none")
         results = [score(frames, prompt).as_dict() for frames, prompt in zip(batch.videos, batch.prompts)]
-        if not results:
-            return ScoreResult(np.zeros(0))
-        components = {k: np.array([r[k] for r in results], dtype=np.float64) for k in results[0]}
-        return ScoreResult(np.mean([components[k] for k in VIDEOTOY_MODE_PARTS[self.mode]], axis=0), components)
+        return ScoreResult.mean_of(results, VIDEOTOY_MODE_PARTS[self.mode])
