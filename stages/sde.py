@@ -35,7 +35,12 @@ def shifted_sigmas(num_steps: int, shift: float) -> Tensor:
     if shift <= 0:
         raise ValueError(f"shift must be > 0, got {shift}")
     t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
-    return (shift * t / (1.0 + (shift - 1.0) * t)).to(torch.float32)
+    return shift_sigmas(t, shift).to(torch.float32)
+
+
+def shift_sigmas(t: Tensor, shift: float) -> Tensor:
+    """sigma = shift*t / (1 + (shift-1)*t), elementwise on t in [0, 1]; shift = 1 returns t."""
+    return shift * t / (1.0 + (shift - 1.0) * t)
 
 
 def dynamic_shift(

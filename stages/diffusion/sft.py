@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from stages.diffusion.sampling import Velocity
+from stages.sde import shift_sigmas
 from stages.seeds import derive_seed
 
 
@@ -145,11 +146,12 @@ def standardize_latents(vae: Any, images: np.ndarray, batch: int = 256) -> dict[
 # ---------------------------------------------------------------- flow matching
 
 
-def logit_normal_sigmas(sample_ids: list[Any], *, seed: int, step: int) -> Tensor:
-    """(B,) sigma = sigmoid(n), n ~ N(0, 1), one generator per (seed, step, record)."""
+def logit_normal_sigmas(sample_ids: list[Any], *, seed: int, step: int, shift: float = 1.0) -> Tensor:
+    """(B,) sigma = shift_sigmas(sigmoid(n), shift), n ~ N(0, 1), one generator per (seed, step,
+    record): shift > 1 moves training towards high noise as a shifted sampler's schedule is."""
     out = [torch.randn(1, generator=torch.Generator().manual_seed(derive_seed(seed, "sft-sigma", step, i, k)))
            for k, i in enumerate(sample_ids)]
-    return torch.sigmoid(torch.cat(out))
+    return shift_sigmas(torch.sigmoid(torch.cat(out)), shift)
 
 
 def flow_matching_loss(velocity: Velocity, x0: Tensor, noise: Tensor, sigma: Tensor) -> Tensor:

@@ -62,6 +62,12 @@ class FlowMatchingSFT(Section):
     )
     schedule: Literal["constant", "cosine"] = Field("cosine", description="lr over `sft.steps`, after the warm-up.")
     warmup_steps: int = Field(100, ge=0, description="Linear lr warm-up steps.")
+    sigma_shift: float = Field(
+        1.0, gt=0,
+        description="Shift of the logit-normal training sigmas, s*sigma / (1 + (s-1)*sigma), as the sampler's `shift` "
+                    "shifts its steps (diffusers' SD3 trainer draws from its shifted scheduler): > 1 trains more at high "
+                    "noise, where a shifted sampler spends its first steps and a clip's layout and motion are decided.",
+    )
 
 
 class TinyFlow(Section):

@@ -354,7 +354,7 @@ class FlowPolicy(Policy):
         x0 = self._sft_latents[mine].to(self.device)
         g = torch.Generator().manual_seed(derive_seed(seed, "sft-noise", step, stack.rank))
         noise = torch.randn(x0.shape, generator=g).to(self.device)
-        sigma = S.logit_normal_sigmas(mine, seed=seed, step=step).to(self.device)
+        sigma = S.logit_normal_sigmas(mine, seed=seed, step=step, shift=self.recipe.model.flow_matching.sigma_shift).to(self.device)
         from stages.diffusion.model import bind
 
         velocity = bind(self.family, self.bundle, self.prompts([self._sft_prompts[i] for i in mine], self.sampler), 1.0, module)

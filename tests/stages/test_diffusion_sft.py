@@ -33,6 +33,14 @@ def test_batches_depend_on_seed_and_step_only():
     assert sig.shape == (2,) and bool(((sig > 0) & (sig < 1)).all())
 
 
+def test_shifted_training_sigmas_follow_the_samplers_shift():
+    # The same draws, shifted: 3s / (1 + 2s); at the median draw (s = 0.5) that is 0.75.
+    plain = S.logit_normal_sigmas(list(range(64)), seed=0, step=1)
+    shifted = S.logit_normal_sigmas(list(range(64)), seed=0, step=1, shift=3.0)
+    torch.testing.assert_close(shifted, 3 * plain / (1 + 2 * plain))
+    assert float(shifted.median()) > 0.6 > float(plain.median())  # training moves towards high noise
+
+
 def test_flow_matching_loss_by_hand():
     x0 = torch.tensor([[[[1.0, -1.0]]]])
     noise = torch.tensor([[[[0.5, 0.5]]]])
