@@ -67,14 +67,13 @@ def dynamic_shift(
 def time_shift_sigmas(num_steps: int, mu: float) -> Tensor:
     """(T+1,) float32 sigmas: sigma(t) = exp(mu) / (exp(mu) + (1/t - 1)) on t = linspace(1, 0, T+1).
 
-    At t = 0 the formula's limit, 0, is used. Written as exp(mu)*t / (exp(mu)*t + 1 - t), which is
+    At t = 0 the formula's limit, 0, is used: it is `shift_sigmas(t, exp(mu))`, the schedule of
     `shifted_sigmas` with shift = exp(mu).
     """
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
-    e = math.exp(mu)
-    return (e * t / (e * t + (1.0 - t))).to(torch.float32)
+    return shift_sigmas(t, math.exp(mu)).to(torch.float32)
 
 
 # ---------------------------------------------------------------- the step kernel
