@@ -12,11 +12,13 @@ import json
 import os
 import posixpath
 import re
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 import fsspec
+import tenacity
 from fsspec.implementations.local import LocalFileSystem
 
 ITER_RE = re.compile(r"^iter-(\d{6})$")
@@ -34,19 +36,45 @@ def join(*parts: str) -> str:
 
 # How long object-store calls are retried while the store is unreachable (an outage, a restart).
 RETRY_S = float(os.environ.get("UNIRL_STORAGE_RETRY_S", "300"))
+# botocore and aiohttp connection failures, matched by class name (aiohttp need not be installed).
 _TRANSIENT = {"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
               "ClientConnectorError", "ServerDisconnectedError", "ClientOSError"}
+# S3 error codes and HTTP statuses of a store that is overloaded or restarting, not of a wrong request.
+_TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "RequestTimeout", "Throttling", "ThrottlingException",
+                    "RequestLimitExceeded", "InternalError", "500", "503"}
+_TRANSIENT_STATUS = {429, 500, 502, 503, 504}
+_MISSING_CODES = {"NoSuchKey", "NoSuchBucket", "404", "NotFound"}
+
+
+def _chain(exc: BaseException | None):
+    """`exc`, then what it was raised from or while handling, outermost first (s3fs raises an
+    OSError from botocore's ClientError)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
 
 
 def transient(exc: BaseException) -> bool:
     """Whether an object-store error is the store being unreachable for a while (worth a retry),
-    not a wrong request."""
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    if any(c.__name__ in _TRANSIENT for c in type(exc).__mro__):
-        return True
-    text = str(exc)
-    return any(code in text for code in ("SlowDown", "ServiceUnavailable", "503", "RequestTimeout"))
+    not a wrong request. Decided by exception class and S3 error code, never by message text (a
+    missing `iter-000503/...` names 503 and is still missing); the first exception of the chain
+    that tells wins, and a missing file or a refused permission is never transient."""
+    from botocore.exceptions import ClientError
+
+    for e in _chain(exc):
+        if isinstance(e, (FileNotFoundError, PermissionError)):
+            return False
+        if isinstance(e, ClientError):
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in _MISSING_CODES or status == 404:
+                return False
+            return code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS
+        if isinstance(e, (ConnectionError, TimeoutError)) or any(c.__name__ in _TRANSIENT for c in type(e).__mro__):
+            return True
+    return False
 
 
 def no_space(exc: OSError, where: str) -> OSError:
@@ -96,23 +124,19 @@ class RunStorage:
     # -- writing ----------------------------------------------------------------------------
     def io(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """`fn(*args, **kwargs)` on the store; on an object store that is unreachable for a while,
-        retried with exponential backoff for up to RETRY_S seconds, saying so on stderr."""
+        retried with exponential backoff (1 s doubling to 15 s) for up to RETRY_S seconds, saying so
+        on stderr; the last error is raised as it was."""
         if self.local:
             return fn(*args, **kwargs)
-        import sys
-        import time
 
-        deadline, delay = time.monotonic() + RETRY_S, 1.0
-        while True:
-            try:
-                return fn(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - re-raised unless transient
-                if not transient(exc) or time.monotonic() + delay > deadline:
-                    raise
-                print(f"[unirl] storage {self.url()} unreachable ({what}: {type(exc).__name__}); retrying in {delay:.0f}s",
-                      file=sys.stderr, flush=True)
-                time.sleep(delay)
-                delay = min(2 * delay, 15.0)
+        def say(state: tenacity.RetryCallState) -> None:
+            print(f"[unirl] storage {self.url()} unreachable ({what}: {type(state.outcome.exception()).__name__}); "
+                  f"retrying in {state.next_action.sleep:.0f}s", file=sys.stderr, flush=True)
+
+        retrying = tenacity.Retrying(retry=tenacity.retry_if_exception(transient),
+                                     wait=tenacity.wait_exponential(multiplier=1, min=1, max=15),
+                                     stop=tenacity.stop_before_delay(RETRY_S), before_sleep=say, reraise=True)
+        return retrying(fn, *args, **kwargs)
 
     def write_bytes(self, rel: str, data: bytes) -> str:
         """Write a whole file so that readers see all of it or nothing (a temporary file renamed

@@ -58,3 +58,137 @@ def test_local_write_is_atomic_rename(tmp_path):
 def test_bad_run_name():
     with pytest.raises(ValueError, match="not a plain run name"):
         RunStorage("/tmp", "a/b")
+
+
+# -- object-store errors: retried only when the store is unreachable (issue 34) ---------------------
+def client_error(code: str, message: str = "x", status: int | None = None):
+    from botocore.exceptions import ClientError
+
+    response = {"Error": {"Code": code, "Message": message}}
+    if status is not None:
+        response["ResponseMetadata"] = {"HTTPStatusCode": status}
+    return ClientError(response, "GetObject")
+
+
+def as_s3fs_raises(error):
+    """The exception s3fs raises for a botocore error: translated, the ClientError its cause."""
+    from s3fs.errors import translate_boto_error
+
+    try:
+        raise translate_boto_error(error) from error
+    except OSError as exc:
+        return exc
+
+
+def test_a_missing_path_naming_503_is_not_an_outage():
+    from stages.storage import transient
+
+    assert not transient(FileNotFoundError("bucket/run/iter-000503/rollouts"))
+    assert not transient(FileNotFoundError("bucket/r503/weights/v000503/manifest.json"))
+    assert not transient(client_error("NoSuchKey", "iter-000503/_SUCCESS (HTTP 503 in the name)"))
+    assert not transient(as_s3fs_raises(client_error("NoSuchKey", "iter-000503/_SUCCESS")))
+    assert not transient(client_error("NoSuchBucket", "bucket-503"))
+    assert not transient(client_error("404", "Not Found", status=404))
+    assert not transient(PermissionError("bucket-503: AccessDenied"))
+    assert not transient(as_s3fs_raises(client_error("AccessDenied", "ServiceUnavailable SlowDown 503")))
+    assert not transient(ValueError("SlowDown 503 ServiceUnavailable RequestTimeout"))
+
+
+@pytest.mark.parametrize("code", ["SlowDown", "ServiceUnavailable", "RequestTimeout", "Throttling", "InternalError", "503"])
+def test_an_overloaded_store_is_transient_also_as_s3fs_raises_it(code):
+    from stages.storage import transient
+
+    assert transient(client_error(code))
+    assert transient(as_s3fs_raises(client_error(code)))
+
+
+@pytest.mark.parametrize("status", [429, 500, 502, 503, 504])
+def test_a_5xx_or_429_status_is_transient_whatever_the_code(status):
+    from stages.storage import transient
+
+    assert transient(client_error("SomethingNew", status=status))
+    assert not transient(client_error("SomethingNew", status=400))
+
+
+def test_connection_and_timeout_errors_are_transient():
+    from stages.storage import transient
+
+    assert transient(ConnectionRefusedError("127.0.0.1:9000"))
+    assert transient(TimeoutError())
+    try:
+        raise OSError("wrapped") from ConnectionResetError()
+    except OSError as exc:
+        assert transient(exc)
+
+
+def test_io_retries_an_outage_with_doubling_waits_and_says_so(monkeypatch, capsys):
+    import time
+
+    s = RunStorage(f"memory://retry-{os.getpid()}", "r1")
+    sleeps, failures = [], [client_error("SlowDown"), ConnectionRefusedError("store down")]
+    monkeypatch.setattr(time, "sleep", sleeps.append)
+
+    def flaky():
+        if failures:
+            raise failures.pop(0)
+        return "ok"
+
+    assert s.io("read a", flaky) == "ok"
+    assert sleeps == [1, 2]
+    err = capsys.readouterr().err
+    assert "unreachable (read a: ClientError); retrying in 1s" in err
+    assert "unreachable (read a: ConnectionRefusedError); retrying in 2s" in err
+
+
+def test_io_gives_up_after_retry_s_with_the_original_error(monkeypatch):
+    from stages import storage as storage_mod
+
+    monkeypatch.setattr(storage_mod, "RETRY_S", 0.0)
+    s = RunStorage(f"memory://giveup-{os.getpid()}", "r1")
+    error = ConnectionRefusedError("store down")
+
+    def down():
+        raise error
+
+    with pytest.raises(ConnectionRefusedError) as info:
+        s.io("read a", down)
+    assert info.value is error
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint():
+    import socket
+
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+def test_missing_paths_on_s3_under_names_with_503_fail_at_once(moto_endpoint, monkeypatch):
+    import time
+
+    import s3fs
+
+    from stages import storage as storage_mod
+
+    monkeypatch.setattr(storage_mod, "RETRY_S", 30.0)  # long enough that one wrong retry shows
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": moto_endpoint}}
+    s3fs.S3FileSystem(**options).mkdir("store-503")
+    s = RunStorage("s3://store-503/team", "r503", options)
+    missing = RunStorage("s3://no-such-bucket-503/team", "r503", options)
+    start = time.monotonic()
+    assert not s.exists("iter-000503/_SUCCESS")
+    assert s.stage_manifest(503, "score") is None
+    with pytest.raises(FileNotFoundError):
+        s.read_json("iter-000503/manifests/score.json")
+    with pytest.raises(FileNotFoundError):
+        s.read_bytes("weights/v000503/manifest.json")
+    with pytest.raises(FileNotFoundError):
+        missing.read_bytes("iter-000503/_SUCCESS")
+    assert time.monotonic() - start < 10
