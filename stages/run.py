@@ -48,7 +48,9 @@ def open_run(recipe: Recipe, run_name: str) -> tuple[RunStorage, dict[str, Any]]
                 f"{storage.url('run.json')}: run {run_name!r} was started with a different recipe "
                 f"(see {storage.url('recipe.yaml')}); resume with the same recipe or pick a new --run-name"
             )
-        if recipe.iterations != info.get("iterations"):
+        changed = "schedule_steps" not in info  # runs made before it was recorded: their first length
+        info.setdefault("schedule_steps", schedule_steps(recipe, info.get("iterations", recipe.iterations)))
+        if recipe.iterations != info.get("iterations") or changed:
             info["iterations"] = recipe.iterations
             storage.write_json("run.json", info)
         if storage.read_text("recipe.yaml") != recipe.to_yaml():  # iterations, ranks, storage, tracking
@@ -57,11 +59,18 @@ def open_run(recipe: Recipe, run_name: str) -> tuple[RunStorage, dict[str, Any]]
     info = {
         "run_id": uuid.uuid4().hex, "run_name": run_name, "code_version": code_version(),
         "recipe_hash": recipe.fingerprint(), "created": datetime.now(timezone.utc).isoformat(),
-        "iterations": recipe.iterations, "mlflow_run_id": None,
+        "iterations": recipe.iterations, "schedule_steps": schedule_steps(recipe, recipe.iterations), "mlflow_run_id": None,
     }
     storage.write_text("recipe.yaml", recipe.to_yaml())
     storage.write_json("run.json", info)
     return storage, info
+
+
+def schedule_steps(recipe: Recipe, iterations: int) -> int:
+    """Optimizer steps of the learning-rate schedule: those of the run's first length. An extended
+    run keeps it (a step that was taken replays with the learning rate it was taken with); past it
+    a linear or cosine schedule stays at its final lr (`train.min_lr_ratio` * lr)."""
+    return iterations * recipe.train.updates_per_batch
 
 
 def update_run_info(storage: RunStorage, **fields: Any) -> dict[str, Any]:

@@ -10,6 +10,8 @@ from (seed, iteration, sample id), so no RNG state needs saving to resume bit-fo
 """
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -92,7 +94,7 @@ def save(stack: "TrainStack", storage: "RunStorage", scratch: Path, version: int
     if stack.rank == 0:
         storage.write_json(join(rel, "extra.json"), {
             "version": version, "optimizer": extra, "world_size": stack.world,
-            "worker": {"opt_steps": stack.opt_steps},
+            "worker": {"opt_steps": stack.opt_steps, "schedule_steps": stack.spec.total},
         })
         storage.write_json(join(rel, MANIFEST), {"version": version, "files": file_digests(storage, rel)})
         storage.write_json(join(rel, "_COMMITTED"), {"version": version})
@@ -120,6 +122,8 @@ def load(stack: "TrainStack", storage: "RunStorage", scratch: Path, version: int
         for key in ema:
             stack.ema.shadow[key[len("ema."):]].copy_(tensors[key])
     stack.opt_steps = int(extra.get("worker", {}).get("opt_steps", 0))
+    if extra.get("worker", {}).get("schedule_steps"):  # the schedule the saved steps were taken on
+        stack.spec = dataclasses.replace(stack.spec, total=int(extra["worker"]["schedule_steps"]))
     return int(extra["version"])
 
 

@@ -21,6 +21,7 @@ from stages.images import IMAGE_COLUMNS
 from stages.models.family import get_family
 from stages.policies import policies
 from stages.recipe import Recipe
+from stages.run import schedule_steps
 from stages.sample import join_on_sample_id, read_rollouts, read_shard, table_from_rows, write_shard
 from stages.storage import RunStorage, join
 from stages.train import checkpoint
@@ -44,10 +45,11 @@ class Stage:
     weight: float
 
 
-def rl_spec(recipe: Recipe) -> OptimizerSpec:
+def rl_spec(recipe: Recipe, schedule_steps: int) -> OptimizerSpec:
+    """The recipe's optimizer; `schedule_steps`: the length of its lr schedule (the run's, run.json)."""
     t = recipe.train
     return OptimizerSpec(lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, schedule=t.lr_schedule,
-                         warmup=t.warmup_steps, total=recipe.iterations * t.updates_per_batch, min_ratio=t.min_lr_ratio,
+                         warmup=t.warmup_steps, total=schedule_steps, min_ratio=t.min_lr_ratio,
                          max_grad_norm=t.max_grad_norm, ema=t.ema.decay if t.ema else None)
 
 
@@ -82,7 +84,7 @@ class Worker:
         if self.mode == "sft":
             opt, decay = type(self.policy).sft_spec(recipe)
         else:
-            opt, decay = rl_spec(recipe), (lambda step: self.algorithm.ema_decay(step, recipe.train.ema.decay))
+            opt, decay = rl_spec(recipe, self._schedule_steps()), (lambda step: self.algorithm.ema_decay(step, recipe.train.ema.decay))
         needs_reference = any(stage.algorithm.needs_reference for stage in self.stages.values())
         self.stack = TrainStack(
             self.family, bundle, mesh=mesh, device=device, spec=opt, lora=recipe.model.lora, seed=recipe.seed, ema_decay=decay,
@@ -102,6 +104,12 @@ class Worker:
     @tolerance.setter
     def tolerance(self, value: float) -> None:
         self._main.tolerance = value
+
+    def _schedule_steps(self) -> int:
+        """The run's schedule length as recorded at its start (run.json), not the recipe's
+        `iterations`, which an extended run changes."""
+        info = self.storage.read_json("run.json") if self.storage.exists("run.json") else {}
+        return int(info.get("schedule_steps") or schedule_steps(self.recipe, self.recipe.iterations))
 
     @staticmethod
     def _tolerance(recipe: Recipe, policy_cls: Any) -> float:

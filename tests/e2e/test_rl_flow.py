@@ -213,6 +213,28 @@ def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, eph
     assert [m.step for m in client.get_metric_history(info["mlflow_run_id"], "train/loss")] == [0, 1, 2, 3]
 
 
+def test_a_run_killed_between_checkpoints_and_extended_replays_at_the_rates_it_trained_with(tmp_path, unirl_env):
+    """A cosine schedule over the run's first 5 iterations; killed in iteration 3's train (its
+    last checkpoint is 2), then the same command with iterations=8: the replayed step and every
+    step taken keep their learning rates, and past the first length the schedule stays at its end."""
+    root = tmp_path / "runs"
+    args = ["run", str(TINY), "train.lr_schedule=cosine", "checkpoint_every=2", "eval.enabled=false",
+            "reward.scorers=[{name: text_length, weight: 1.0}]", f"storage.root={root}", "--run-name", "ext"]
+    killed = run_unirl([*args, "iterations=5"], {**unirl_env, "UNIRL_FAULTS": "train@3"}, check=False)
+    assert killed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), killed.stderr[-2000:]
+    run = root / "ext"
+    assert (run / "iter-000002/_SUCCESS").exists() and not (run / "iter-000003/_SUCCESS").exists()
+    out = run_unirl([*args, "iterations=8"], unirl_env)
+    assert "[unirl] replaying the train step of iter-000002" in out.stdout and "[unirl] iter-000007 (8/8)" in out.stdout
+    check_layout(run, 8)
+    metrics = [json.loads((run / f"iter-{i:06d}/train.json").read_text())["metrics"] for i in range(8)]
+    # lr * (1 + cos(pi * k / 5)) / 2 for the first 5 steps, then the schedule's end (min_lr_ratio 0)
+    expected = [1e-3 * (1 + np.cos(np.pi * k / 5)) / 2 for k in range(5)] + [0.0] * 3
+    np.testing.assert_allclose([m["lr"] for m in metrics], expected, rtol=1e-9, atol=1e-12)
+    assert all(m["behaviour_logp_max_abs_diff"] <= 1e-4 for m in metrics)
+    assert json.loads((run / "run.json").read_text())["schedule_steps"] == 5
+
+
 def assert_default_console(out: subprocess.CompletedProcess, iterations: int) -> None:
     """What `unirl run` shows by default (not on a terminal): its own lines, one per iteration and
     per held-out evaluation, where the log file is; none of Prefect's per-task INFO lines, MLflow's
