@@ -109,6 +109,10 @@ class EvalConfig(Section):
         None, description="Registered scorer whose score 1 means a correct answer; empty: the first of reward.scorers "
         "(with its params).",
     )
+    scorer_params: dict[str, Any] = Field(
+        default_factory=dict, description="Params of eval.scorer, checked against its schema as reward.scorers[].params are "
+        "(e.g. {mode: strict} for geneval, {url: ...} for remote).",
+    )
     k: int = Field(4, ge=1, description="Samples per prompt for avg@k and pass@k.")
     enabled: bool = Field(True, description="Evaluate before the first and after the last iteration.")
 
@@ -406,13 +410,17 @@ class Recipe(Section):
                               f"reward.scorers.{seen[spec.component]}; give one of them another `key`")
             seen.setdefault(spec.component, i)
         if self.eval.scorer is not None:
-            check("eval.scorer", self.eval.scorer)
+            if check("eval.scorer", self.eval.scorer):
+                errors += [f"eval.scorer_params.{e}" for e in check_scorer_params(self.eval.scorer, self.eval.scorer_params)]
+        elif self.eval.scorer_params:
+            errors.append("eval.scorer_params: given without eval.scorer (the first of reward.scorers is used with its own "
+                          "params); name the scorer in eval.scorer or remove eval.scorer_params")
         return errors
 
     def eval_scorer(self) -> tuple[str, dict[str, Any]]:
         """(name, params) of the held-out correctness scorer: `eval.scorer`, else the first reward scorer."""
         if self.eval.scorer is not None:
-            return self.eval.scorer, {}
+            return self.eval.scorer, dict(self.eval.scorer_params)
         first = self.reward.scorers[0]
         return first.name, dict(first.params)
 

@@ -89,3 +89,26 @@ def test_cli_validate_exit_codes():
     assert bad.returncode == 2
     assert "train.lr: Input should be greater than 0; got -0.1" in bad.stderr
     assert "model.bogus: unknown field (allowed: chat_template, dtype, kind, lora, path, tiny)" in bad.stderr
+
+
+def test_eval_scorer_params_are_checked_at_validate_time_and_reach_the_evaluation(tmp_path):
+    """A held-out scorer that needs params (`keyword`, `remote`) is checked like reward.scorers[]
+    before anything runs, not at the first evaluation after SFT."""
+    import numpy as np
+
+    from stages.rewards.base import ScoreBatch, build_scorer
+
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(TINY, ["eval.scorer=keyword"])
+    assert any(e.startswith("eval.scorer_params.keywords: ") for e in caught.value.errors), caught.value.errors
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(TINY, ["eval.scorer=remote", "eval.scorer_params={urll: http://127.0.0.1:1}"])
+    assert any(e.startswith("eval.scorer_params.urll: ") for e in caught.value.errors), caught.value.errors
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(TINY, ["eval.scorer_params={keywords: [a]}"])
+    assert caught.value.errors[0].startswith("eval.scorer_params: given without eval.scorer")
+    recipe = load_recipe(TINY, ["eval.scorer=keyword", "eval.scorer_params={keywords: ['4', '7']}"])
+    name, params = recipe.eval_scorer()
+    assert (name, params) == ("keyword", {"keywords": ["4", "7"]})
+    batch = ScoreBatch(["g/0", "g/1"], ["3+4=", "2+2="], texts=["47", "4"])
+    np.testing.assert_allclose(build_scorer(name, **params)(batch).scores, [1.0, 0.5])
