@@ -86,8 +86,9 @@ def one_of_each_kind() -> list[tuple[str, str]]:
 @pytest.mark.parametrize("family,algo", one_of_each_kind(), ids=lambda x: x)
 def test_world_size_two_matches_the_update_in_one_process(family, algo, tmp_path, forked_children):
     """The torchrun worker group at world size 2 (gloo, FSDP2) samples what one process samples
-    and takes the same step. Each rank cuts its own micro-batches, so kernels see other batch
-    shapes and round differently; flow log-probs divide by the small late-step std, which turns
+    (rank 1's tokens, latents and log-probs for a sample id are one process's) and takes the same
+    step. Each rank cuts its own micro-batches, so kernels see other batch shapes and round
+    differently; flow log-probs divide by the small late-step std, which turns
     that rounding into ~0.1% of the gradient norm. A wrong gradient reduction across ranks (a
     missing world-size factor, a rank's micro-batch counted twice) is off by tens of percent."""
     from stages import iteration as it
@@ -110,16 +111,34 @@ def test_world_size_two_matches_the_update_in_one_process(family, algo, tmp_path
             trained = group.call("train", iteration=0, rollouts=gen["files"], advantages=adv["files"][0])
         finally:
             group.stop()
-        table = read_rollouts(storage, gen["files"])
-        column = "text" if "text" in table.column_names else "noise_seed"
-        runs[nproc] = (dict(zip(table.column("sample_id").to_pylist(), table.column(column).to_pylist())), trained["metrics"])
-    (samples1, m1), (samples2, m2) = runs[1], runs[2]
-    assert samples1 == samples2, "a sample must not depend on the rank that made it"
+        runs[nproc] = ([sampled(read_rollouts(storage, [f])) for f in gen["files"]], trained["metrics"])
+    ([one], m1), ([rank0, rank1], m2) = runs[1], runs[2]
+    assert rank0 and rank1 and sorted([*rank0, *rank1]) == sorted(one), "world size 2 samples each id once, both ranks some"
+    for sid, got in {**rank0, **rank1}.items():  # what rank 1 (or 0) sampled for a sample id, against one process
+        for column, want in one[sid].items():
+            if column in TOKENS:
+                assert np.array_equal(got[column], want), f"{sid}: {column} depends on the rank that sampled it"
+            else:
+                np.testing.assert_allclose(got[column], want, rtol=1e-4, atol=1e-5, err_msg=f"{sid}: {column} depends on the rank")
     assert m2["behaviour_logp_max_abs_diff"] <= loop_tolerance(family)
     np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(m2["grad_norm"], m1["grad_norm"], rtol=1e-2)
     weight = policies.get(families.get(kind_of(family)).policy).weight_name
     assert m1[weight] == m2[weight]
+
+
+# Drawn, so identical on any rank; computed, so equal up to the rounding of the other micro-batch
+# shapes a rank samples in (a rank-dependent noise draw is off by the noise's own scale, ~1).
+TOKENS = ("response_ids", "noise_seed")
+FLOATS = ("response_logprobs", "latents", "sde_logprobs")
+
+
+def sampled(table) -> dict[str, dict[str, np.ndarray]]:
+    """What was sampled, per sample id: tokens and their log-probs (text), the latent trajectory
+    and its SDE log-probs (flow)."""
+    columns = [c for c in TOKENS + FLOATS if c in table.column_names]
+    rows = table.select(["sample_id", *columns]).to_pylist()
+    return {row["sample_id"]: {c: np.asarray(row[c]) for c in columns} for row in rows}
 
 
 def loop_tolerance(case: str) -> float:
