@@ -123,6 +123,7 @@ def run_stages(recipe: Recipe, run_name: str, warm_start: Any, iteration_flow: A
                 evals[0] = held_out(recipe, run_name, 0, tracker, "before RL", evaluate)
             for i in range(first, recipe.iterations):
                 summary = iteration_flow(recipe, run_name, i)
+                progress.iteration(i, summary["metrics"])  # before its evaluation: the console reads top to bottom
                 version = i + 1
                 if (recipe.eval.every and version % recipe.eval.every == 0) or (
                     recipe.eval.enabled and version == recipe.iterations
@@ -133,7 +134,6 @@ def run_stages(recipe: Recipe, run_name: str, warm_start: Any, iteration_flow: A
                 register(recipe, tracker, run_name, stores, version)
                 tracker.log_metrics(i, summary["metrics"])
                 preview(recipe, tracker, storage, i, table)
-                progress.iteration(i, summary["metrics"])
     except BaseException:
         tracker.finish("FAILED")
         raise

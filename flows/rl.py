@@ -165,6 +165,7 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
                 evals[0] = held_out(recipe, run_name, 0, tracker, "before RL", books)
             for i in range(first, recipe.iterations):
                 summary = ahead.take(i) if overlap else rl_iteration(recipe, run_name, i)
+                progress.iteration(i, summary["metrics"])  # before its evaluation: the console reads top to bottom
                 version = i + 1
                 if summary.get("weights"):
                     books.submit(register, recipe, tracker, storage, run_name, version)
@@ -175,7 +176,6 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
                     evals[version] = held_out(recipe, run_name, version, tracker, label, books)
                 storage.mark_success(i, summary)
                 books.submit(report, recipe, tracker, storage, artifacts, i, summary)
-                progress.iteration(i, summary["metrics"])
                 last = summary
         ahead.close()  # the last flow run's end
         books.close()

@@ -243,6 +243,9 @@ def assert_default_console(out: subprocess.CompletedProcess, iterations: int) ->
     assert all(line.startswith("[unirl] ") for line in lines), [x for x in lines if not x.startswith("[unirl] ")][:5]
     assert sum(" iter-0" in line and f"/{iterations})" in line for line in lines) == iterations
     assert sum("held-out v" in line for line in lines) == 2 and any(line.startswith("[unirl] log: ") for line in lines)
+    # Top to bottom: the evaluation before RL, every iteration, then the one after RL.
+    order = [line for line in lines if " iter-0" in line or "held-out v" in line]
+    assert "(before RL)" in order[0] and "(after RL)" in order[-1] and f"({iterations}/{iterations})" in order[-2], order
     assert sum(line.startswith("[unirl] evaluating v") for line in lines) == 2  # a long wait says what it waits for
     log = next(line for line in lines if line.startswith("[unirl] log: ")).split(": ", 1)[1]
     text = Path(log).read_text()
