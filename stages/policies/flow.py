@@ -143,6 +143,13 @@ class FlowPolicy(Policy):
                 raise ValueError(f"rollout.sampler.{path}: algorithm {algo.name!r} samples with {path}={value!r}, the "
                                  f"recipe sets {current!r}; remove it or choose another algorithm.name")
         sampler._check_window()  # the window rules again, now that the mode is known
+        if recipe.rollout.dynamic_sampling is not None and algo.replays_transitions and not recipe.rollout.behaviour_tolerance:
+            raise ValueError(
+                "rollout.dynamic_sampling: the trainer replays the kept groups in other micro-batches than sampled them "
+                "(the dropped groups leave gaps), and a flow replay equals the sampler's record only in the same "
+                "micro-batch (the flow behaviour tolerance is 0). Set "
+                "rollout.behaviour_tolerance (e.g. 1e-5) to accept that rounding, or remove dynamic_sampling"
+            )
         if recipe.reward.overlong.truncated != "keep":
             raise ValueError("reward.overlong.truncated: flow samples are never truncated; remove reward.overlong")
         if sampler.init_same_noise and (sampler.eta == 0 or sampler.kernel == "ode") and recipe.rollout.group_size > 1:

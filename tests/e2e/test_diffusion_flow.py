@@ -104,3 +104,30 @@ def test_world_size_two_with_uneven_micro_batches(tmp_path, unirl_env, recipe):
     if recipe == "flow_dppo.yaml":
         assert train["behaviour_logp_max_abs_diff"] == 0.0
     assert json.loads((run / "checkpoints" / "000002" / "_COMMITTED").read_text())["version"] == 2
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_dynamic_sampling_on_a_flow_family(tmp_path, unirl_env, nproc):
+    """DAPO's refill rounds on toy GenEval: groups whose rewards are all equal are dropped and the
+    kept ones are trained in other micro-batches than they were sampled in. A flow replay equals the
+    sampler's record only in the same micro-batch, so validate refuses the combination at the flow
+    tolerance 0 (before anything loads), and a run that accepts the rounding with a tolerance trains
+    the kept groups exactly as sampled, within it, at world size 1 and 2."""
+    common = ["run", str(QUICKSTART), f"storage.root={tmp_path}", "iterations=2", "sft=null", f"train.nproc_per_node={nproc}",
+              *TINY, "rollout.dynamic_sampling={max_rounds: 3}", "reward.scorers=[{name: geneval, params: {mode: partial}}]"]
+    refused = run_unirl(common, unirl_env, check=False)
+    assert refused.returncode == 2 and "rollout.dynamic_sampling: the trainer replays the kept groups" in refused.stderr
+    assert not (tmp_path / "diffusion-quickstart").exists()
+    run_unirl([*common, "rollout.behaviour_tolerance=1e-5"], unirl_env)
+    run = tmp_path / "diffusion-quickstart"
+    dropped = 0
+    for i in range(2):
+        metrics = json.loads((run / f"iter-{i:06d}" / "_SUCCESS").read_text())["metrics"]
+        dropped += metrics["rollout/groups_dropped"]
+        kept = read_arrow(run / f"iter-{i:06d}" / "advantages.arrow")
+        train = json.loads((run / f"iter-{i:06d}" / "train.json").read_text())["metrics"]
+        assert train["samples"] == kept.num_rows == 4 * len(set(kept.column("group_id").to_pylist()))
+        assert 0.0 <= train["behaviour_logp_max_abs_diff"] <= 1e-5 and train["skipped_steps"] == 0
+        rounds = [p for p in (run / f"iter-{i:06d}" / "rollouts").rglob("part-*.arrow")]
+        assert len(rounds) == nproc * metrics["rollout/dynamic_rounds"]
+    assert dropped > 0  # the refill rounds happened and dropped groups
