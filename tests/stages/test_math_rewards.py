@@ -116,3 +116,34 @@ def test_weighted_sum_keeps_components():
     np.testing.assert_allclose(total.scores, [1.5, 1.0])
     assert total.components["math_verify/extracted"].tolist() == [1.0, 1.0]
     assert total.components["format"].tolist() == [1.0, 0.0]
+
+
+def test_scores_in_a_thread_as_the_reward_server_does():
+    """math-verify's own timeouts are SIGALRM alarms that refuse to run outside a main thread: the
+    scorer must still score there, and a power tower must not hang it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = ["\\boxed{\\frac{1}{2}}", "\\boxed{x^2+2x+1}", "\\boxed{9^{9^{9^{9}}}}", "\\boxed{3}"]
+    with ThreadPoolExecutor(1) as pool:
+        scores, comps = pool.submit(score, "math_verify", texts, ["0.5", "(x+1)^2", "2", "4"]).result(timeout=120)
+    assert scores == [1.0, 1.0, 0.0, 0.0]
+    assert comps["extracted"] == [1.0] * 4
+
+
+def test_a_comparison_past_the_deadline_is_wrong_and_its_worker_replaced(monkeypatch):
+    from stages.rewards import math as math_rewards
+
+    checker = math_rewards.Checker(workers=1)
+    kills = []
+    terminate = checker._terminate
+    monkeypatch.setattr(checker, "_terminate", lambda: (kills.append(1), terminate()))
+    try:
+        assert checker.equal([("2", "2")]) == [True]  # started: the deadline below is not spent on a spawn
+        # Expanding (x+1)^1000 runs until math-verify's alarm (TIMEOUT_S, 2 s), past this deadline.
+        monkeypatch.setattr(math_rewards, "DEADLINE_S", 1.0)
+        assert checker.equal([("3", "3"), ("(x+1)^{1000}", "(x+2)^{1000}")]) == [True, False]
+        assert len(kills) == 1
+        monkeypatch.setattr(math_rewards, "DEADLINE_S", 30.0)
+        assert checker.equal([("\\frac{1}{2}", "0.5")]) == [True]  # a fresh worker
+    finally:
+        checker.close()
