@@ -1,15 +1,16 @@
 """Synthetic arithmetic prompts: `a+b=`, `12*3-40+7=`, or any template around the expression.
 
 The answer is the exact integer value with the usual precedence (`*` before `+`/`-`). The
-held-out split is a fixed set of distinct expressions, drawn once from the seed, that the
-training stream never yields; the training prompts of an iteration depend only on
-(seed, iteration), so a resumed run sees the same prompts.
+held-out splits are two fixed sets of distinct expressions, drawn once from the seed, that the
+training stream never yields: `dev` first, then `test` among the expressions dev did not take;
+the training prompts of an iteration depend only on (seed, iteration), so a resumed run sees the
+same prompts.
 """
 from __future__ import annotations
 
 import random
 
-from stages.data import Prompt
+from stages.data import Prompt, check_split
 
 OPERATORS = ("+", "-", "*")
 
@@ -80,14 +81,17 @@ class Arithmetic:
         self.template = template
         self.seed = seed
         self.space = len(set(self.operators)) ** (operands - 1) * (self.hi - self.lo + 1) ** operands
-        if heldout_size >= self.space:
+        if 2 * heldout_size >= self.space:
             raise ValueError(
-                f"data: {self.space} possible expressions cannot give {heldout_size} distinct held-out prompts "
-                "and still leave training prompts; widen data.digits / min_value / max_value, add operands, "
-                "or lower data.heldout_size"
+                f"data.heldout_size: {self.space} possible expressions cannot give two disjoint held-out splits "
+                f"(dev and test) of {heldout_size} distinct prompts and still leave training prompts; lower "
+                "data.heldout_size, or widen data.digits / min_value / max_value, or add operands"
             )
-        self._heldout = self._draw(random.Random(f"heldout-{seed}"), heldout_size, set(), "heldout", distinct=True)
-        self._heldout_exprs = {p.metadata["expr"] for p in self._heldout}
+        dev = self._draw(random.Random(f"heldout-{seed}"), heldout_size, set(), "heldout", distinct=True)
+        dev_exprs = {p.metadata["expr"] for p in dev}
+        test = self._draw(random.Random(f"test-{seed}"), heldout_size, dev_exprs, "test", distinct=True)
+        self._splits = {"dev": dev, "test": test}
+        self._heldout_exprs = dev_exprs | {p.metadata["expr"] for p in test}
 
     def _one(self, rng: random.Random) -> tuple[str, str]:
         # Values first, then operators.
@@ -107,9 +111,10 @@ class Arithmetic:
             out.append(Prompt(f"{prefix}-{len(out):05d}", text, {"answer": answer, "expr": expr}))
         return out
 
-    def heldout(self) -> list[Prompt]:
-        """The fixed held-out split: distinct expressions, never yielded by `batch`."""
-        return list(self._heldout)
+    def heldout(self, split: str = "dev") -> list[Prompt]:
+        """The fixed `dev` or `test` split: distinct expressions, none in the other split, never
+        yielded by `batch`."""
+        return list(self._splits[check_split(split)])
 
     def batch(self, iteration: int, n: int) -> list[Prompt]:
         """The `n` training prompts of `iteration` (same result on every call)."""

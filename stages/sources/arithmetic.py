@@ -19,8 +19,8 @@ class ArithmeticData(Section):
     min_value: int | None = Field(None, description="Smallest operand, overriding the low end of `digits` (may be negative).")
     max_value: int | None = Field(None, description="Largest operand, overriding the high end of `digits`.")
     template: str = Field("{expr}=", description="Prompt text; `{expr}` is replaced by the expression, e.g. 'What is {expr}? '.")
-    heldout_size: int = Field(16, ge=0, description="Size of the fixed held-out split (never trained on).")
-    seed: int = Field(1234, description="Seed of the prompt stream and the held-out split.")
+    heldout_size: int = Field(16, ge=0, description="Size of each of the dev and test splits (never trained on).")
+    seed: int = Field(1234, description="Seed of the prompt stream and the dev and test splits.")
 
     @model_validator(mode="after")
     def _check_space(self) -> "ArithmeticData":
@@ -31,10 +31,10 @@ class ArithmeticData(Section):
         if lo > hi:
             raise ValueError(f"data.min_value: {lo} is above the largest operand {hi}")
         space = len(set(self.operators)) ** (self.operands - 1) * (hi - lo + 1) ** self.operands
-        if self.heldout_size >= space:
+        if 2 * self.heldout_size >= space:
             raise ValueError(
-                f"data.heldout_size: {self.heldout_size} held-out prompts leave none of the {space} possible "
-                "expressions for training; lower it or widen digits / min_value / max_value / operands"
+                f"data.heldout_size: two held-out splits (dev and test) of {self.heldout_size} prompts leave none of "
+                f"the {space} possible expressions for training; lower it or widen digits / min_value / max_value / operands"
             )
         return self
 

@@ -38,15 +38,29 @@ def test_min_max_values_and_template():
         assert int(p.metadata["answer"]) == values[0] - values[1] - values[2]
 
 
-def test_heldout_fixed_distinct_and_never_trained_on():
-    a = Arithmetic(heldout_size=30, seed=3)  # 100 possible one-digit sums: held-out is 30% of them
+def test_dev_and_test_fixed_distinct_disjoint_and_never_trained_on():
+    a = Arithmetic(heldout_size=30, seed=3)  # 100 possible one-digit sums: dev and test are 30% of them each
     b = Arithmetic(heldout_size=30, seed=3)
-    held = [p.metadata["expr"] for p in a.heldout()]
-    assert held == [p.metadata["expr"] for p in b.heldout()]
-    assert len(set(held)) == 30
-    trained = {p.metadata["expr"] for it in range(50) for p in a.batch(it, 16)}
-    assert trained and not trained & set(held)
-    assert len(trained) == 70  # every other expression does show up
+    dev, test = ([p.metadata["expr"] for p in a.heldout(split)] for split in ("dev", "test"))
+    assert dev == [p.metadata["expr"] for p in b.heldout("dev")] and test == [p.metadata["expr"] for p in b.heldout("test")]
+    assert a.heldout() == a.heldout("dev")
+    assert len(set(dev)) == len(set(test)) == 30 and not set(dev) & set(test)
+    trained = {p.metadata["expr"] for it in range(60) for p in a.batch(it, 16)}
+    assert trained and not trained & (set(dev) | set(test))
+    assert len(trained) == 40  # every other expression does show up
+    assert [p.prompt_id for p in a.heldout("test")[:2]] == ["test-00000", "test-00001"]
+    with pytest.raises(ValueError, match="unknown held-out split 'train' \\(allowed: dev, test\\)"):
+        a.heldout("train")
+
+
+def test_dev_is_the_heldout_split_of_before_the_test_split():
+    # Computed before the test split existed: recipes tuned on the held-out split were tuned on dev.
+    src = Arithmetic(heldout_size=16, seed=1234)
+    assert [p.text for p in src.heldout("dev")] == ["4+7=", "5+6=", "4+0=", "7+8=", "6+5=", "6+2=", "8+2=", "1+0=", "6+4=",
+                                                     "5+1=", "9+9=", "2+8=", "7+5=", "0+8=", "2+0=", "2+9="]
+    src = Arithmetic(digits=2, operators=["+", "*"], heldout_size=16, seed=7)
+    assert [p.text for p in src.heldout("dev")[:6]] == ["11+34=", "82*18=", "66*44=", "34*20=", "80+52=", "85+50="]
+    assert src.heldout("dev")[0].prompt_id == "heldout-00000"
 
 
 def test_deterministic_per_seed_and_iteration():
@@ -63,7 +77,7 @@ def test_deterministic_per_seed_and_iteration():
         (dict(operators=["/"]), "data.operators"),
         (dict(template="Compute:"), "data.template"),
         (dict(min_value=9, max_value=2), "data.min_value"),
-        (dict(heldout_size=100), "cannot give 100 distinct held-out"),
+        (dict(heldout_size=50), "data.heldout_size: 100 possible expressions cannot give two disjoint held-out splits"),
     ],
 )
 def test_bad_settings_are_named(kwargs, message):
@@ -75,4 +89,7 @@ def test_built_from_a_recipe_section():
     from stages.sources.arithmetic import ArithmeticData
 
     src = arithmetic_source(ArithmeticData(digits=2, heldout_size=3, seed=9))
-    assert len(src.heldout()) == 3 and src.operands == 2 and src.template == "{expr}="
+    assert len(src.heldout()) == len(src.heldout("test")) == 3 and src.operands == 2 and src.template == "{expr}="
+    assert ArithmeticData(heldout_size=49).heldout_size == 49  # 100 one-digit sums: 2 x 49 held out leave 2 to train on
+    with pytest.raises(ValueError, match="data.heldout_size: two held-out splits \\(dev and test\\) of 50 prompts leave none"):
+        ArithmeticData(heldout_size=50)
