@@ -9,9 +9,13 @@ white, rendered by stages/geneval/dataset.py), whose answers are known from the 
 
 Every question has exactly one right answer (`render` lays a position scene out so that only the
 named relation holds). An instance is (kind, scene, layout seed); the training stream draws
-layout seeds below 2**31 from (seed, iteration), the held-out split renders its scenes with
-seeds from 2**31 up, so no held-out image is ever trained on, and it is the same for every run
-of a recipe (it depends on `seed` and its size only).
+layout seeds below 2**31 from (seed, iteration), the dev split renders its scenes with layout
+seeds from 2**31 up and the test split with seeds from 2**31 + 2**30 up. Different seeds can
+still lay a small scene out the same way, so images are compared too: a test image equal to a
+dev one, or a training image equal to either, is drawn again with the next layout seed of its
+range. No dev or test image is ever trained on, no test image is a dev image, and both splits
+are the same for every run of a recipe (they depend on `seed`, `kinds`, `image_size` and their
+size only).
 """
 from __future__ import annotations
 
@@ -19,11 +23,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stages.data import Prompt
+from stages.data import Prompt, check_split
 from stages.seeds import derive_seed
 
 KINDS = ("colour", "shape", "count", "position")
-HELDOUT_SEEDS = 2**31
+HELDOUT_SEEDS = 2**31  # dev layouts: [2**31, 2**31 + 2**30); training layouts are below
+TEST_SEEDS = HELDOUT_SEEDS + 2**30  # test layouts: [2**31 + 2**30, 2**32)
+RELAYOUTS = 1000  # layouts tried for a scene whose image is taken (by a held-out split) before giving up
 SIDES = {"on the left of": "left", "on the right of": "right"}
 
 
@@ -61,29 +67,43 @@ def make_question(kind: str, rng: np.random.Generator) -> Question:
 
 
 class ToyVQA:
-    """Training questions by (seed, iteration); a fixed held-out split. A prompt's metadata holds
+    """Training questions by (seed, iteration); fixed dev and test splits. A prompt's metadata holds
     the `answer` (for exact_match), its `kind` and the `scene` drawn; its image is PNG bytes."""
 
     def __init__(self, *, kinds: tuple[str, ...] = KINDS, image_size: int = 32, heldout_size: int = 40, seed: int = 0):
         self.kinds, self.size, self.seed = tuple(kinds), image_size, seed
-        self._heldout = [self._prompt(f"heldout-{i:05d}", derive_seed(seed, "heldout", i), HELDOUT_SEEDS + i)
-                         for i in range(heldout_size)]
+        dev = [self._prompt(f"heldout-{i:05d}", derive_seed(seed, "heldout", i), HELDOUT_SEEDS + i, HELDOUT_SEEDS)
+               for i in range(heldout_size)]
+        dev_images = {p.images for p in dev}
+        test = [self._prompt(f"test-{i:05d}", derive_seed(seed, "test", i), TEST_SEEDS + i, TEST_SEEDS, dev_images)
+                for i in range(heldout_size)]
+        self._splits = {"dev": dev, "test": test}
+        self._held_images = dev_images | {p.images for p in test}
 
-    def _prompt(self, prompt_id: str, draw_seed: int, layout_seed: int) -> Prompt:
+    def _prompt(self, prompt_id: str, draw_seed: int, layout_seed: int, lo: int,
+                avoid: set[tuple[bytes, ...]] | frozenset = frozenset()) -> Prompt:
+        """The question drawn with `draw_seed`, its scene laid out with `layout_seed`, or with the
+        next seeds of [lo, lo + 2**30) while the image is one of `avoid`."""
         from stages.geneval.dataset import render
         from stages.images import png_bytes
 
         rng = np.random.default_rng(draw_seed)
         q = make_question(self.kinds[rng.integers(len(self.kinds))], rng)
-        image = render(q.scene, self.size, seed=layout_seed)
-        return Prompt(prompt_id, q.text, {"answer": q.answer, "kind": q.kind, "scene": q.scene.text}, (png_bytes(image),))
+        span = HELDOUT_SEEDS if lo == 0 else 2**30
+        for k in range(RELAYOUTS):
+            images = (png_bytes(render(q.scene, self.size, seed=lo + (layout_seed - lo + k) % span)),)
+            if images not in avoid:
+                return Prompt(prompt_id, q.text, {"answer": q.answer, "kind": q.kind, "scene": q.scene.text}, images)
+        raise ValueError(f"data.heldout_size: the dev and test splits take every layout of {q.scene.text!r} at "
+                         f"{self.size} px that {RELAYOUTS} seeds give; lower data.heldout_size or raise data.image_size")
 
-    def heldout(self) -> list[Prompt]:
-        return list(self._heldout)
+    def heldout(self, split: str = "dev") -> list[Prompt]:
+        """The fixed `dev` or `test` split: images never in `batch`, no test image a dev image."""
+        return list(self._splits[check_split(split)])
 
     def batch(self, iteration: int, n: int) -> list[Prompt]:
         out = []
         for j in range(n):
             seed = derive_seed(self.seed, "train", iteration, j)
-            out.append(self._prompt(f"it{iteration:06d}-{j:05d}", seed, seed % HELDOUT_SEEDS))
+            out.append(self._prompt(f"it{iteration:06d}-{j:05d}", seed, seed % HELDOUT_SEEDS, 0, self._held_images))
         return out

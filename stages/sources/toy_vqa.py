@@ -17,8 +17,9 @@ class ToyVQAData(Section):
     kinds: list[Literal["colour", "shape", "count", "position"]] = Field(
         ["colour", "shape", "count", "position"], min_length=1, description="Question kinds to draw from (uniformly).")
     image_size: int = Field(32, ge=16, le=512, description="Side of the square scene images in pixels.")
-    heldout_size: int = Field(40, ge=0, description="Size of the fixed held-out split (images never trained on).")
-    seed: int = Field(1234, description="Seed of the question stream and the held-out split.")
+    heldout_size: int = Field(40, ge=0, description="Size of each of the dev and test splits (never trained on): "
+                              "images never trained on, no test image a dev image.")
+    seed: int = Field(1234, description="Seed of the question stream and the dev and test splits.")
 
 
 @sources.register("toy_vqa")
@@ -50,7 +51,7 @@ _CACHE: dict[tuple[Any, ...], Any] = {}
 
 
 def _built(kinds: tuple[str, ...], size: int, heldout: int, seed: int, make: Any) -> Any:
-    """The source is asked for every iteration: its held-out images are rendered once per process."""
+    """The source is asked for every iteration: its dev and test images are rendered once per process."""
     key = (kinds, size, heldout, seed)
     if key not in _CACHE:
         _CACHE[key] = make(kinds=kinds, image_size=size, heldout_size=heldout, seed=seed)

@@ -3,6 +3,7 @@ the very images the prompts carry), image columns of JSONL / Parquet files, and 
 fail before anything is sampled, naming the row or sample and the file."""
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 
@@ -14,12 +15,14 @@ from PIL import Image
 from stages.data_files import DataFileError, FilePrompts
 from stages.geneval.detector import detect
 from stages.images import decode, png_bytes
-from stages.toy_vqa import HELDOUT_SEEDS, ToyVQA
+from stages.geneval.dataset import render
+from stages.seeds import derive_seed
+from stages.toy_vqa import HELDOUT_SEEDS, TEST_SEEDS, ToyVQA
 
 
 def test_toy_vqa_answers_are_what_the_detector_sees_in_the_prompts_image():
     source = ToyVQA(image_size=32, heldout_size=40, seed=3)
-    prompts = source.heldout() + source.batch(0, 60)
+    prompts = source.heldout("dev") + source.heldout("test") + source.batch(0, 60)
     assert {p.metadata["kind"] for p in prompts} == {"colour", "shape", "count", "position"}
     for p in prompts:
         (png,) = p.images
@@ -38,15 +41,46 @@ def test_toy_vqa_answers_are_what_the_detector_sees_in_the_prompts_image():
             assert ("left" if first.bbox[2] < second.bbox[0] else "right") == answer, p
 
 
-def test_toy_vqa_stream_is_deterministic_and_never_draws_a_heldout_image():
+def test_toy_vqa_stream_is_deterministic_and_never_draws_a_dev_or_test_image():
     a, b = ToyVQA(seed=5), ToyVQA(seed=5)
     assert [p.images for p in a.batch(7, 16)] == [p.images for p in b.batch(7, 16)]
     assert [p.text for p in a.batch(7, 16)] != [p.text for p in a.batch(8, 16)]
-    assert [p.images for p in a.heldout()] == [p.images for p in b.heldout()]
-    held = {p.images for p in a.heldout()}
-    assert not held & {p.images for i in range(20) for p in a.batch(i, 16)}
+    for split in ("dev", "test"):
+        assert [(p.prompt_id, p.text, p.images) for p in a.heldout(split)] == [(p.prompt_id, p.text, p.images) for p in b.heldout(split)]
+        assert len(a.heldout(split)) == 40
+    dev, test = ({p.images for p in a.heldout(split)} for split in ("dev", "test"))
+    assert not dev & test and a.heldout() == a.heldout("dev")
+    assert not (dev | test) & {p.images for i in range(20) for p in a.batch(i, 16)}
     assert ToyVQA(seed=5, heldout_size=3).heldout()[0].images == a.heldout()[0].images  # the split grows, never reshuffles
     assert HELDOUT_SEEDS == 2**31  # training layouts are drawn below it (seed % 2**31)
+    with pytest.raises(ValueError, match="unknown held-out split 'heldout' \\(allowed: dev, test\\)"):
+        a.heldout("heldout")
+
+
+def test_toy_vqa_dev_is_the_heldout_split_of_before_the_test_split():
+    # Computed before the test split existed (sha256 of the decoded pixels, first 16 hex digits).
+    expected = [("what colour is the square?", "red", "680ff4db0b9b3a9d"), ("how many shapes are there?", "1", "92ad91104f789891"),
+                ("how many shapes are there?", "3", "a370bcb536eedf6b"), ("what colour is the triangle?", "green", "f04d5fc08527ecc0")]
+    dev = ToyVQA(seed=5, heldout_size=4).heldout("dev")
+    assert [(p.text, p.metadata["answer"], hashlib.sha256(decode(p.images[0], "x").tobytes()).hexdigest()[:16])
+            for p in dev] == expected
+    assert [p.prompt_id for p in dev] == [f"heldout-{i:05d}" for i in range(4)]
+
+
+def test_toy_vqa_compares_images_not_only_layout_seeds():
+    """Small single-object scenes have few layouts, so distinct seeds collide: the colliding
+    training and test images are drawn again, with the next layout seed of their range."""
+    a = ToyVQA(kinds=("colour", "shape"), image_size=16, heldout_size=40, seed=5)
+    dev, test = a.heldout("dev"), a.heldout("test")
+    first_layout = [(png_bytes(render(p.metadata["scene"], 16, seed=TEST_SEEDS + i)),) for i, p in enumerate(test)]
+    assert [p.images for p in test] != first_layout  # some test scene first fell on a dev image
+    assert {p.images for p in dev}.isdisjoint(p.images for p in test)
+    held, redrawn = {p.images for p in dev + test}, 0
+    for i in range(20):
+        for j, p in enumerate(a.batch(i, 16)):
+            assert p.images not in held, p
+            redrawn += p.images != (png_bytes(render(p.metadata["scene"], 16, seed=derive_seed(5, "train", i, j) % HELDOUT_SEEDS)),)
+    assert redrawn  # and some training scenes first fell on a dev or test image
 
 
 def rgb(colour: tuple[int, int, int], size: tuple[int, int] = (20, 12)) -> Image.Image:
