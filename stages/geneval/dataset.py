@@ -2,7 +2,10 @@
 
 The grammar is small enough to enumerate, so the train / held-out split is a fixed property of
 each prompt's text (a hash), not of any seed: every run, recipe and benchmark holds out the same
-prompts. `render` draws a scene that the detector in `stages.geneval.detector` scores 1.0 (strict)
+prompts. The held-out prompts are partitioned once more, into `dev` (what recipes are tuned on)
+and `test` (reported after RL): each kind's held-out prompts, in the order of a second hash, go
+alternately to dev and test, so each half has every kind with two or more held-out prompts (the
+single kind has one, which is dev's). `render` draws a scene that the detector in `stages.geneval.detector` scores 1.0 (strict)
 against its own prompt, so the SFT data and the RL reward speak the same language.
 """
 from __future__ import annotations
@@ -30,7 +33,7 @@ COUNT_WORDS = {"a": 1, "an": 1, "one": 1, "two": 2, "three": 3}
 NUMBER_NAMES = {1: "a", 2: "two", 3: "three"}
 RELATIONS = ("on the left of", "on the right of", "above", "below")
 KINDS = ("single", "count", "pair", "position")
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "heldout", "dev", "test")  # dev and test partition heldout
 HELDOUT_PERCENT = 20
 MIN_IMAGE_SIZE = 16
 
@@ -145,6 +148,16 @@ def split_of(text: str) -> str:
     return "heldout" if int.from_bytes(digest[:4], "big") % 100 < HELDOUT_PERCENT else "train"
 
 
+@functools.lru_cache(maxsize=None)
+def _heldout_halves() -> dict[str, str]:
+    """Held-out prompt -> `dev` or `test` (see the module docstring)."""
+    halves = {}
+    for kind in KINDS:
+        order = sorted(_prompts(kind, "heldout"), key=lambda t: hashlib.sha256(f"dev/test {t}".encode()).digest())
+        halves.update((t, "dev" if i % 2 == 0 else "test") for i, t in enumerate(order))
+    return halves
+
+
 def all_prompts(kind: str | None = None, split: str | None = None) -> list[str]:
     """Every prompt of the grammar in canonical form (a fixed order), optionally one kind/split."""
     if kind is not None and kind not in KINDS:
@@ -166,17 +179,25 @@ def _prompts(kind: str | None, split: str | None) -> tuple[str, ...]:
     specs += [PromptSpec(p) for p in pairs]
     specs += [PromptSpec(p, r) for r in RELATIONS for p in pairs]
     texts = [s.text for s in specs if kind is None or s.kind == kind]
+    if split in ("dev", "test"):
+        return tuple(t for t in _prompts(kind, "heldout") if _heldout_halves()[t] == split)
     return tuple(t for t in texts if split is None or split_of(t) == split)
 
 
 def sample_prompts(n: int, seed: int, split: str = "train", kinds: tuple[str, ...] = KINDS) -> list[str]:
-    """n prompts of `split`, drawn with replacement: a kind uniformly from `kinds` (so the 528
-    position prompts do not swamp the 12 single-object ones), then a prompt of that kind."""
+    """n prompts of `split`, drawn with replacement: a kind uniformly from those of `kinds` that
+    have prompts in `split` (so the 528 position prompts do not swamp the 12 single-object ones;
+    the test split has no single prompt), then a prompt of that kind."""
     pools = {k: all_prompts(k, split) for k in kinds}
+    drawn = tuple(k for k in kinds if pools[k])
+    if n and not drawn:
+        raise ValueError(f"data.kinds: toy GenEval's {split} split has no prompts of kind {', '.join(kinds)} (the one "
+                         "held-out single prompt is dev's); add a kind (count, pair, position) to data.kinds, or evaluate on "
+                         "dev only (eval.test: false)")
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        pool = pools[kinds[rng.integers(len(kinds))]]
+        pool = pools[drawn[rng.integers(len(drawn))]]
         out.append(pool[rng.integers(len(pool))])
     return out
 

@@ -15,21 +15,23 @@ class GenEvalData(Section):
 
     name: Literal["geneval"] = "geneval"
     seed: int = Field(1234, description="Seed of the prompt stream.")
-    heldout_size: int = Field(32, ge=0, description="Held-out prompts used for evaluation.")
+    heldout_size: int = Field(
+        32, ge=0, description="Size of each of the dev and test splits (never trained on), drawn with replacement "
+        "from toy GenEval's dev and test prompts (77 and 75; the test split has no single prompt).")
     kinds: list[Literal["single", "count", "pair", "position"]] = Field(
         ["single", "count", "pair", "position"], min_length=1,
         description="Prompt kinds to draw (each equally often), for training prompts and synthetic SFT records.")
     prompts: list[str] = Field(
         default_factory=list,
         description="Train on these prompts (cycled in order, each iteration taking the next ones) instead of the "
-        "generated stream; each must parse.",
+        "generated stream; each must parse and be of the train split.",
     )
 
     @model_validator(mode="after")
     def _check_prompts(self) -> "GenEvalData":
-        from stages.geneval.dataset import parse_prompt  # numpy + PIL only
+        from stages.geneval.dataset import parse_prompt, split_of  # numpy + PIL only
 
-        check_listed_prompts(self.prompts, parse_prompt)
+        check_listed_prompts(self.prompts, parse_prompt, split_of)
         return self
 
 

@@ -16,17 +16,20 @@ class VideoToyData(Section):
 
     name: Literal["videotoy"] = "videotoy"
     seed: int = Field(1234, description="Seed of the prompt stream.")
-    heldout_size: int = Field(64, ge=0, description="Held-out prompts used for evaluation (drawn from the held-out split).")
+    heldout_size: int = Field(
+        64, ge=0, description="Size of each of the dev and test splits (never trained on), drawn with replacement from "
+        "the grammar's 8 dev and 7 test prompts.")
     prompts: list[str] = Field(
         default_factory=list,
-        description="Train on these prompts (cycled in order) instead of the generated stream; each must parse.",
+        description="Train on these prompts (cycled in order) instead of the generated stream; each must parse and be "
+        "of the train split.",
     )
 
     @model_validator(mode="after")
     def _check_prompts(self) -> "VideoToyData":
-        from stages.videotoy import parse_prompt
+        from stages.videotoy import parse_prompt, split_of
 
-        check_listed_prompts(self.prompts, parse_prompt)
+        check_listed_prompts(self.prompts, parse_prompt, split_of)
         return self
 
 

@@ -7,7 +7,9 @@ over a white background.
 
 A slow square moves `SPEED_PX['slowly']` pixels per frame, a quick one `SPEED_PX['quickly']`
 (for a 16-pixel frame; they scale with the frame side). The grammar has 64 prompts; a fixed 20% by
-text hash are held out, so held-out prompts are unseen combinations of seen words. `render` draws
+text hash are held out (15), so held-out prompts are unseen combinations of seen words. They are
+partitioned once more, in the order of a second hash alternately, into `dev` (8 prompts: what
+recipes are tuned on) and `test` (7: reported after RL). `render` draws
 a clip the detector (stages/videotoy/detector.py) scores 1.0 against its own prompt; with
 `reverse` it draws the same clip moving the opposite way: an imperfect teacher's slip, which the
 SFT data of the video quickstart carries for a fraction of its demonstrations.
@@ -30,7 +32,7 @@ OPPOSITE = {"left": "right", "right": "left", "up": "down", "down": "up"}
 SPEEDS = ("slowly", "quickly")
 # Pixels per frame at a 16-pixel frame side (scaled with the side).
 SPEED_PX = {"slowly": 1.0, "quickly": 2.0}
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "heldout", "dev", "test")  # dev and test partition heldout
 HELDOUT_PERCENT = 20
 MIN_SIZE, MIN_FRAMES = 12, 2
 WORDS = tuple(sorted({*COUNTS, *COLOURS, "square", "squares", "moving", *DIRECTIONS, *SPEEDS}))
@@ -71,6 +73,10 @@ def split_of(text: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _prompts(split: str | None) -> tuple[str, ...]:
+    if split in ("dev", "test"):
+        order = sorted(_prompts("heldout"), key=lambda t: hashlib.sha256(f"dev/test {t}".encode()).digest())
+        half = set(order[0::2] if split == "dev" else order[1::2])
+        return tuple(t for t in _prompts("heldout") if t in half)
     specs = [ClipSpec(n, c, d, s) for n, c, d, s in itertools.product(COUNTS.values(), COLOURS, DIRECTIONS, SPEEDS)]
     return tuple(s.text for s in specs if split is None or split_of(s.text) == split)
 

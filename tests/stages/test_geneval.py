@@ -58,8 +58,49 @@ def test_the_heldout_split_is_fixed_disjoint_and_covers_every_kind():
     assert a == sample_prompts(50, seed=3, split="heldout") != sample_prompts(50, seed=4, split="heldout")
     assert set(a) <= heldout and {parse_prompt(p).kind for p in a} == set(KINDS)
     assert set(sample_prompts(200, seed=0)) <= train
-    with pytest.raises(ValueError, match="split"):
-        sample_prompts(1, seed=0, split="test")
+    with pytest.raises(ValueError, match="unknown split 'validation'"):
+        sample_prompts(1, seed=0, split="validation")
+
+
+def test_dev_and_test_partition_the_heldout_prompts_of_every_kind():
+    for kind in KINDS:
+        dev, test = set(all_prompts(kind, "dev")), set(all_prompts(kind, "test"))
+        assert not dev & test and dev | test == set(all_prompts(kind, "heldout")), kind
+        assert dev and (test or kind == "single") and abs(len(dev) - len(test)) <= 1, kind
+    assert (len(all_prompts(split="dev")), len(all_prompts(split="test"))) == (77, 75)
+    # The partition is fixed: evaluations stored under one stay comparable.
+    assert all_prompts("single", "dev") == ["a green triangle"] and all_prompts("single", "test") == []
+    assert all_prompts("count", "dev") == ["two red triangles", "three green triangles"]
+    assert all_prompts("count", "test") == ["three blue circles", "three yellow triangles"]
+
+
+def test_the_source_gives_disjoint_dev_and_test_splits_never_trained_on():
+    from stages.sources.geneval import GenEvalData, GenEvalSource
+
+    a, b = (GenEvalSource.build(GenEvalData(heldout_size=32, seed=5)) for _ in range(2))
+    dev, test = a.heldout("dev"), a.heldout("test")
+    assert len(dev) == len(test) == 32 and a.heldout() == dev
+    assert [p.text for p in dev] == [p.text for p in b.heldout("dev")] and [p.text for p in test] == [p.text for p in b.heldout("test")]
+    assert not {p.text for p in dev} & {p.text for p in test}
+    assert {p.text for p in dev} <= set(all_prompts(split="dev")) and {p.text for p in test} <= set(all_prompts(split="test"))
+    assert {parse_prompt(p.text).kind for p in test} == {"count", "pair", "position"}
+    trained = {p.text for it in range(50) for p in a.batch(it, 16)}
+    assert not trained & {p.text for p in dev + test}
+    assert (dev[0].prompt_id, test[0].prompt_id) == ("heldout-00000", "test-00000")
+    assert test[0].metadata == {"geneval_prompt": test[0].text}
+    with pytest.raises(ValueError, match="unknown held-out split 'train'"):
+        a.heldout("train")
+
+
+def test_single_prompts_have_a_dev_split_only_and_listed_training_prompts_must_be_train_prompts():
+    from stages.sources.geneval import GenEvalData, GenEvalSource
+
+    single = GenEvalSource.build(GenEvalData(kinds=["single"], heldout_size=4))
+    assert [p.text for p in single.heldout("dev")] == ["a green triangle"] * 4  # what the held-out split was
+    with pytest.raises(ValueError, match="data.kinds: toy GenEval's test split has no prompts of kind single"):
+        single.heldout("test")
+    with pytest.raises(ValueError, match="data.prompts.1: 'three blue circles' is a held-out prompt"):
+        GenEvalData(prompts=["a red circle", "three blue circles"])
 
 
 def test_render_is_seeded_and_sized():

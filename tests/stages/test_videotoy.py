@@ -35,6 +35,13 @@ def test_the_grammar_its_split_and_the_prompt_errors():
     # every word of a held-out prompt is seen in training: held-out prompts are new combinations
     assert {w for p in heldout for w in p.split()} <= {w for p in train for w in p.split()}
     assert set(sample_prompts(100, 0, "heldout")) <= heldout and sample_prompts(5, 1) == sample_prompts(5, 1)
+    # dev and test halve the held-out prompts, fixed (evaluations stored under one stay comparable)
+    dev, test = all_prompts("dev"), all_prompts("test")
+    assert (len(dev), len(test)) == (8, 7) and not set(dev) & set(test) and set(dev) | set(test) == heldout
+    assert dev[:2] == ["a red square moving left slowly", "a red square moving down quickly"]
+    assert test[:2] == ["a green square moving right quickly", "a yellow square moving right quickly"]
+    assert {parse_prompt(p).count for p in test} == {parse_prompt(p).count for p in dev} == {1, 2}
+    assert set(sample_prompts(100, 0, "test")) <= set(test)
     for bad in ("a red square moving sideways slowly", "two red square moving up slowly", "a purple square moving up slowly",
                 "a red square"):
         with pytest.raises(ValueError, match="cannot parse toy video prompt"):
@@ -103,6 +110,14 @@ def test_the_source_and_its_sft_records_carry_the_teachers_slip(tmp_path):
     assert [p.text for p in prompts.batch(2, 4)] == [p.text for p in prompts.batch(2, 4)] != [p.text for p in prompts.batch(3, 4)]
     assert all(split_of(p.text) == "train" for p in prompts.batch(0, 50))
     assert len(prompts.heldout()) == 16 and all(split_of(p.text) == "heldout" for p in prompts.heldout())
+    dev, test = ({p.text for p in prompts.heldout(split)} for split in ("dev", "test"))
+    assert len(prompts.heldout("test")) == 16 and not dev & test
+    assert not (dev | test) & {p.text for it in range(40) for p in prompts.batch(it, 8)}
+    again = src.build(recipe.data)
+    assert [p.text for p in again.heldout("test")] == [p.text for p in prompts.heldout("test")]
+    assert [p.prompt_id for p in prompts.heldout("test")[:2]] == ["test-00000", "test-00001"]
+    with pytest.raises(ValueError, match="unknown held-out split 'heldout'"):
+        prompts.heldout("heldout")
     records = src.sft_records(recipe)
     assert len(records) == 40
     reversed_ = 0
@@ -132,3 +147,5 @@ def test_a_source_or_size_that_cannot_make_toy_clips_is_a_validate_error(tmp_pat
     assert err.startswith("data.name: toy video prompts need a video model; model.kind 'sd3' makes image")
     (err,) = errors(data={"prompts": ["a red square moving around"]})
     assert err.startswith("data.prompts.0: cannot parse toy video prompt")
+    (err,) = errors(data={"prompts": ["a red square moving up slowly", "two blue squares moving up slowly"]})
+    assert err.startswith("data.prompts.1: 'two blue squares moving up slowly' is a held-out prompt")
