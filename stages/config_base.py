@@ -23,7 +23,7 @@ class EMAConfig(Section):
     decay: float = Field(0.99, gt=0, lt=1, description="EMA decay per optimizer step.")
 
 
-FIELDS_READ: set[str] = set()  # "Section.field" read in this process (when traced)
+FIELDS_READ: set[str] = set()  # "Section.field" the run's own code read in this process (when traced)
 
 
 def field_key(section: type, name: str) -> str:
@@ -35,22 +35,54 @@ def field_key(section: type, name: str) -> str:
 
 
 def _trace_field_reads(directory: str) -> None:
-    """Record every recipe field any code reads (attribute access on a section) and write the set
-    to `directory` when the process exits: the test suite sets UNIRL_FIELD_TRACE to find fields
-    that nothing reads. Off (no cost) unless the variable is set."""
+    """Record the recipe fields the run's own code reads (attribute access on a section) and write
+    the set to `directory` when the process exits: the test suite sets UNIRL_FIELD_TRACE to find
+    fields no run uses. A read counts when the code making it is in flows/, tasks/ or stages/ (not
+    tests/, not a library) and does not run under validation: inside pydantic (validators, what
+    they call, re-validation on assignment), a registry entry's `check(cls, recipe)` or an
+    `*_errors` function, what `unirl validate` runs. A field only checked is as unused as one
+    nothing reads. Off (no cost) unless the variable is set."""
     import atexit
     import json
     import os
+    import sys
     import uuid
+
+    import pydantic
 
     read = FIELDS_READ
     plain = BaseModel.__getattribute__
+    repo = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    run_code = tuple(os.path.join(repo, d) + os.sep for d in ("flows", "stages", "tasks"))
+    validation = os.path.dirname(os.path.realpath(pydantic.__file__)) + os.sep
+    kinds: dict[object, str] = {}  # code object -> "run", "validation" or "other"
+
+    def kind(code) -> str:
+        if code not in kinds:
+            path = os.path.realpath(code.co_filename)
+            if (path.startswith(validation) or code.co_name.endswith("_errors")
+                    or (code.co_name == "check" and code.co_varnames[:2] == ("cls", "recipe"))):
+                kinds[code] = "validation"
+            else:
+                kinds[code] = "run" if path.startswith(run_code) else "other"
+        return kinds[code]
+
+    def by_run_code(frame) -> bool:
+        if kind(frame.f_code) != "run":
+            return False
+        while frame is not None:
+            if kind(frame.f_code) == "validation":
+                return False
+            frame = frame.f_back
+        return True
 
     def traced(self: BaseModel, name: str):
         if not name.startswith("_"):
             fields = type(self).__pydantic_fields__ if hasattr(type(self), "__pydantic_fields__") else {}
             if name in fields:
-                read.add(field_key(type(self), name))
+                key = field_key(type(self), name)
+                if key not in read and by_run_code(sys._getframe(1)):
+                    read.add(key)
         return plain(self, name)
 
     Section.__getattribute__ = traced  # type: ignore[method-assign]

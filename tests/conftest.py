@@ -16,8 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 # An environment with PYTHONDONTWRITEBYTECODE would have every process compile every module anew.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
-# Every process the suite starts records the recipe fields it reads (stages/config_base.py);
-# `pytest_sessionfinish` below fails the whole suite on a field nothing read (tests/recipe_fields.py).
+# Every process the suite starts records the recipe fields its run code reads (stages/config_base.py);
+# `pytest_sessionfinish` below fails the whole suite on a field no run read (tests/recipe_fields.py).
 os.environ.setdefault("UNIRL_FIELD_TRACE", tempfile.mkdtemp(prefix="unirl-field-trace-"))
 # Tiny models are built once per `model:` section for the whole session, in every process the
 # suite starts (stages/run.py `materialize_model`); a run's weights v000000 are copied from there.
@@ -67,9 +67,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     unread = unread_fields(trace)
     if unread:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        message = f"recipe fields nothing read in the whole suite (remove them or use them): {unread}"
+        message = f"recipe fields no run read in the whole suite, only validators or tests if anything (remove them or use them): {unread}"
         if reporter is not None:
-            reporter.write_line(f"FAILED every recipe field is read by something: {message}", red=True)
+            reporter.write_line(f"FAILED every recipe field is used by a run: {message}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

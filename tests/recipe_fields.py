@@ -1,11 +1,13 @@
-"""Every recipe field is read by something: a field nothing reads is a lie to the user.
+"""Every recipe field is used by a run: a field nothing reads is a lie to the user, and so is one
+only validators and tests read (the run behaves the same whatever it holds).
 
 Every process of the test session (each pytest worker, each `unirl` run, each worker rank)
-records the recipe fields its code reads (stages/config_base.py, on while UNIRL_FIELD_TRACE is
-set, which tests/conftest.py does). When the whole suite has run, tests/conftest.py's
-`pytest_sessionfinish` (in the process that started the session, after every pytest worker has
-written what it read) fails the session on a field nothing read; run on a subset of the suite
-it judges nothing."""
+records the recipe fields its run code reads (stages/config_base.py, on while UNIRL_FIELD_TRACE
+is set, which tests/conftest.py does): code in flows/, tasks/ and stages/, not under validation
+(pydantic's validators, `check(cls, recipe)`, `*_errors`), not tests/ (tests/test_recipe_fields.py
+says so). When the whole suite has run, tests/conftest.py's `pytest_sessionfinish` (in the
+process that started the session, after every pytest worker has written what it read) fails the
+session on a field no run read; run on a subset of the suite it judges nothing."""
 from __future__ import annotations
 
 import json
