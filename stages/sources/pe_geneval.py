@@ -7,10 +7,10 @@ from __future__ import annotations
 import random
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from stages.config_base import Section
-from stages.data import Prompt
+from stages.data import Prompt, check_split
 from stages.seeds import derive_seed
 from stages.sources import Source, sources
 
@@ -19,35 +19,59 @@ class PEGenEvalData(Section):
     """Paraphrased toy-GenEval prompts: the user's words for an intent the drawer knows."""
 
     name: Literal["pe_geneval"] = "pe_geneval"
-    seed: int = Field(1234, description="Seed of the prompt stream and of the held-out draw.")
-    heldout_size: int = Field(64, ge=0, description="Held-out prompts: phrasings never trained on, of the same intents.")
+    seed: int = Field(1234, description="Seed of the prompt stream and of the dev and test draws.")
+    heldout_size: int = Field(
+        64, ge=0, description="Size of each of the dev and test splits (never trained on): distinct held-out phrasings "
+        "of the same intents, drawn from a pool of 395 (single), 613 (count) or 1008 (both).")
     kinds: list[Literal["single", "count"]] = Field(
         ["single"], min_length=1,
         description="Intent kinds: single (one object) or count (two or three of one object). The intents are the "
         "toy-GenEval train split's (those a drawer warm-started on `data.name: geneval` has seen).")
 
+    @model_validator(mode="after")
+    def _check_size(self) -> "PEGenEvalData":
+        held = len(heldout_pool(tuple(self.kinds)))
+        if 2 * self.heldout_size > held:
+            raise ValueError(f"data.heldout_size: kinds {', '.join(self.kinds)} have {held} held-out phrasings, too few for "
+                             f"two disjoint splits (dev and test) of {self.heldout_size}; lower it to {held // 2} at most")
+        return self
+
+
+def heldout_pool(kinds: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(paraphrase, intent) pairs never trained on, of the train-split intents of `kinds`."""
+    from stages.geneval.paraphrase import paraphrase_pool
+
+    return paraphrase_pool(intents_of(kinds), "heldout")
+
+
+def intents_of(kinds: tuple[str, ...]) -> tuple[str, ...]:
+    from stages.geneval.dataset import all_prompts
+
+    return tuple(t for kind in kinds for t in all_prompts(kind, "train"))
+
 
 class PEPrompts:
-    """Training prompts by (seed, iteration) from the train paraphrases; a fixed held-out set."""
+    """Training prompts by (seed, iteration) from the train paraphrases; fixed dev and test sets of
+    distinct held-out paraphrases: dev as the single held-out set was drawn, test among the rest."""
 
     def __init__(self, cfg: PEGenEvalData):
-        from stages.geneval.dataset import all_prompts
         from stages.geneval.paraphrase import paraphrase_pool
 
-        intents = tuple(t for kind in cfg.kinds for t in all_prompts(kind, "train"))
         self.seed = cfg.seed
-        self.train = paraphrase_pool(intents, "train")
-        held = paraphrase_pool(intents, "heldout")
-        rng = random.Random(f"pe-heldout-{cfg.seed}")
-        picked = rng.sample(held, min(cfg.heldout_size, len(held)))
-        self._heldout = [self.prompt(f"heldout-{i:05d}", *pair) for i, pair in enumerate(picked)]
+        self.train = paraphrase_pool(intents_of(tuple(cfg.kinds)), "train")
+        held = heldout_pool(tuple(cfg.kinds))
+        dev = random.Random(f"pe-heldout-{cfg.seed}").sample(held, cfg.heldout_size)
+        taken = {text for text, _ in dev}
+        test = random.Random(f"pe-test-{cfg.seed}").sample([pair for pair in held if pair[0] not in taken], cfg.heldout_size)
+        self._splits = {"dev": [self.prompt(f"heldout-{i:05d}", *pair) for i, pair in enumerate(dev)],
+                        "test": [self.prompt(f"test-{i:05d}", *pair) for i, pair in enumerate(test)]}
 
     @staticmethod
     def prompt(prompt_id: str, text: str, intent: str) -> Prompt:
         return Prompt(prompt_id, text, {"geneval_prompt": intent, "answer": intent})
 
-    def heldout(self) -> list[Prompt]:
-        return list(self._heldout)
+    def heldout(self, split: str = "dev") -> list[Prompt]:
+        return list(self._splits[check_split(split)])
 
     def batch(self, iteration: int, n: int) -> list[Prompt]:
         rng = random.Random(derive_seed(self.seed, "train", iteration))
