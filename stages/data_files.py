@@ -10,11 +10,13 @@ is epoch 0, then epoch 1, ... and iteration k takes stream positions [k*n, (k+1)
 constant batch size every training row is seen once per epoch before any repeats, and the
 prompts of an iteration depend only on (seed, iteration, n): a resumed run sees the same ones.
 
-Held-out split: either `heldout_path` (a second file with the same columns) or a fixed
-`heldout_fraction` of the distinct prompt texts drawn from the seed. Training never yields a
-prompt whose text is in the held-out split (duplicates of a held-out prompt are dropped too).
-With images, a prompt is its text and its images: the same question about two images is two
-prompts.
+Held-out splits: `dev` is either `heldout_path` (a second file with the same columns) or a fixed
+`heldout_fraction` of the distinct prompt texts drawn from the seed (among those not in
+`test_path`); `test` likewise is `test_path` or a `test_fraction` drawn among the prompts dev did
+not take, and empty when neither is given (callers then skip the test evaluation). Training never
+yields a prompt of either split (duplicates of a held-out prompt are dropped too), and no prompt
+is in both. With images, a prompt is its text and its images: the same question about two images
+is two prompts.
 
 Images (vision-language models, `image_column`): each row names one image or a list of them, as
 file paths (relative to the data file's folder, or absolute) or image bytes (Parquet binary, or
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.data import Prompt
+from stages.data import Prompt, check_split
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -124,7 +126,7 @@ def read_records(
     decode (with `image_column`)."""
     p = Path(path)
     if not p.is_file():
-        raise DataFileError(f"{p}: no such file (data.path and data.heldout_path are local paths)")
+        raise DataFileError(f"{p}: no such file (data.path, data.heldout_path and data.test_path are local paths)")
     suffix = p.suffix.lower()
     if suffix in JSONL_SUFFIXES:
         rows, columns = _read_jsonl(p)
@@ -189,7 +191,7 @@ def _row_images(value: Any, path: Path, where: str, column: str) -> tuple[bytes,
 
 
 class FilePrompts:
-    """A prompt source over a local file; `batch` and `heldout` as `stages.arithmetic.Arithmetic`."""
+    """A prompt source over a local file; `batch` and `heldout(split)` as `stages.arithmetic.Arithmetic`."""
 
     def __init__(
         self,
@@ -201,44 +203,65 @@ class FilePrompts:
         image_column: str | None = None,
         heldout_fraction: float = 0.0,
         heldout_path: str | os.PathLike[str] | None = None,
+        test_fraction: float = 0.0,
+        test_path: str | os.PathLike[str] | None = None,
         seed: int = 0,
     ):
-        if not 0.0 <= heldout_fraction < 1.0:
-            raise ValueError(f"data.heldout_fraction: must be in [0, 1), got {heldout_fraction}")
+        for name, fraction in (("heldout_fraction", heldout_fraction), ("test_fraction", test_fraction)):
+            if not 0.0 <= fraction < 1.0:
+                raise ValueError(f"data.{name}: must be in [0, 1), got {fraction}")
         if heldout_path is not None and heldout_fraction > 0:
             raise ValueError("data.heldout_fraction: set either heldout_fraction or heldout_path, not both")
+        if test_path is not None and test_fraction > 0:
+            raise ValueError("data.test_fraction: set either test_fraction or test_path, not both")
         self.path, self.seed = Path(path), seed
         columns = dict(prompt_column=prompt_column, answer_column=answer_column, id_column=id_column,
                        image_column=image_column)
         records = read_records(path, **columns)
+        texts = list(dict.fromkeys(r.identity for r in records))
+        test = read_records(test_path, **columns) if test_path is not None else []
         if heldout_path is not None:
-            heldout = read_records(heldout_path, **columns)
-        elif heldout_fraction > 0:
-            texts = list(dict.fromkeys(r.identity for r in records))
-            k = max(1, round(heldout_fraction * len(texts)))
-            if k >= len(texts):
-                raise DataFileError(
-                    f"{self.path}: heldout_fraction {heldout_fraction} of {len(texts)} distinct prompts leaves "
-                    "none for training; lower data.heldout_fraction"
-                )
-            order = list(range(len(texts)))
-            random.Random(f"heldout-{seed}").shuffle(order)
-            chosen = {texts[i] for i in order[:k]}
-            first = {}
-            for r in records:
-                if r.identity in chosen:
-                    first.setdefault(r.identity, r)
-            heldout = [first[t] for t in texts if t in chosen]
+            dev = read_records(heldout_path, **columns)
+            in_dev = {r.identity for r in dev}
+            clash = next((r for r in test if r.identity in in_dev), None)
+            if clash is not None:
+                raise DataFileError(f"{test_path}: {clash.where} is also in the dev split ({heldout_path}); a prompt "
+                                    "belongs to one held-out split at most")
         else:
-            heldout = []
-        held_texts = {r.identity for r in heldout}
-        self._train = [r for r in records if r.identity not in held_texts]
+            dev = self._draw(records, texts, heldout_fraction, {r.identity for r in test}, f"heldout-{seed}",
+                             "lower data.heldout_fraction")
+        if test_path is None:
+            test = self._draw(records, texts, test_fraction, {r.identity for r in dev}, f"test-{seed}",
+                              f"beside the {len(dev)} of the dev split; lower data.test_fraction or data.heldout_fraction")
+        held = {r.identity for r in dev} | {r.identity for r in test}
+        self._train = [r for r in records if r.identity not in held]
         if not self._train:
-            raise DataFileError(
-                f"{self.path}: every prompt is also in the held-out split ({heldout_path}); no training prompts left"
-            )
-        self._heldout = [Prompt(f"heldout-{i:05d}-{r.key}", r.text, dict(r.metadata), r.images) for i, r in enumerate(heldout)]
+            raise DataFileError(f"{self.path}: every prompt is also in the dev or test split ({heldout_path or test_path}); "
+                                "no training prompts left")
+        self._splits = {name: [Prompt(f"{prefix}-{i:05d}-{r.key}", r.text, dict(r.metadata), r.images) for i, r in enumerate(rs)]
+                        for name, prefix, rs in (("dev", "heldout", dev), ("test", "test", test))}
         self._perms: dict[int, list[int]] = {}
+
+    def _draw(self, records: list[Record], texts: list[tuple[str, tuple[bytes, ...]]], fraction: float,
+              taken: set[tuple[str, tuple[bytes, ...]]], rng_name: str, fix: str) -> list[Record]:
+        """`fraction` of the file's distinct prompts (at least one), drawn by `rng_name` among those not
+        `taken`: the first record of each, in file order; [] for fraction 0."""
+        if fraction <= 0:
+            return []
+        pool = [t for t in texts if t not in taken]
+        k = max(1, round(fraction * len(texts)))
+        if k >= len(pool):
+            field = "heldout_fraction" if rng_name.startswith("heldout") else "test_fraction"
+            raise DataFileError(f"{self.path}: {field} {fraction} of {len(texts)} distinct prompts leaves none for "
+                                f"training ({fix})")
+        order = list(range(len(pool)))
+        random.Random(rng_name).shuffle(order)
+        chosen = {pool[i] for i in order[:k]}
+        first: dict[tuple[str, tuple[bytes, ...]], Record] = {}
+        for r in records:
+            if r.identity in chosen:
+                first.setdefault(r.identity, r)
+        return [first[t] for t in texts if t in chosen]
 
     @property
     def train_size(self) -> int:
@@ -253,8 +276,9 @@ class FilePrompts:
             self._perms[epoch] = order
         return self._perms[epoch]
 
-    def heldout(self) -> list[Prompt]:
-        return [Prompt(p.prompt_id, p.text, dict(p.metadata), p.images) for p in self._heldout]
+    def heldout(self, split: str = "dev") -> list[Prompt]:
+        """The `dev` or `test` split (`test` is [] without test_fraction or test_path)."""
+        return [Prompt(p.prompt_id, p.text, dict(p.metadata), p.images) for p in self._splits[check_split(split)]]
 
     def batch(self, iteration: int, n: int) -> list[Prompt]:
         """The `n` training prompts of `iteration`: stream positions [iteration*n, (iteration+1)*n)."""
@@ -288,9 +312,10 @@ def file_prompt_source(config: Any) -> FilePrompts:
     params = dict(
         path=config.path, prompt_column=config.prompt_column, answer_column=config.answer_column,
         id_column=config.id_column, image_column=config.image_column, heldout_fraction=config.heldout_fraction,
-        heldout_path=config.heldout_path, seed=config.seed,
+        heldout_path=config.heldout_path, test_fraction=config.test_fraction, test_path=config.test_path, seed=config.seed,
     )
-    key = (_stamp(config.path), _stamp(config.heldout_path), tuple(sorted((k, str(v)) for k, v in params.items())))
+    key = (_stamp(config.path), _stamp(config.heldout_path), _stamp(config.test_path),
+           tuple(sorted((k, str(v)) for k, v in params.items())))
     if key not in _CACHE:
         if len(_CACHE) > 8:
             _CACHE.clear()

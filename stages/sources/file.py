@@ -22,15 +22,25 @@ class FileData(Section):
         None, description="Column of each prompt's image(s) for vision-language models: a path (relative to the file's "
         "folder, or absolute) or image bytes, or a list of them (empty: text prompts).")
     heldout_fraction: float = Field(
-        0.0, ge=0, lt=1, description="Fraction of the distinct prompts held out, fixed by `seed` (0: none, or heldout_path)."
-    )
-    heldout_path: str | None = Field(None, description="A separate held-out file with the same columns (instead of heldout_fraction).")
-    seed: int = Field(1234, description="Seed of the per-epoch shuffles and of the held-out draw.")
+        0.0, ge=0, lt=1, description="Fraction of the distinct prompts held out as the dev split (what recipes are tuned "
+        "on), fixed by `seed`, drawn among those not in test_path (0: none, or heldout_path).")
+    heldout_path: str | None = Field(
+        None, description="A separate dev-split file with the same columns (instead of heldout_fraction).")
+    test_fraction: float = Field(
+        0.0, ge=0, lt=1, description="Fraction of the distinct prompts held out as the test split (reported after RL), "
+        "fixed by `seed`, none of them dev's. With neither test_fraction nor test_path the file has no test split: "
+        "its test evaluation is skipped.")
+    test_path: str | None = Field(
+        None, description="A separate test-split file with the same columns (instead of test_fraction); none of its "
+        "prompts may be in heldout_path.")
+    seed: int = Field(1234, description="Seed of the per-epoch shuffles and of the dev and test draws.")
 
     @model_validator(mode="after")
     def _one_heldout(self) -> "FileData":
         if self.heldout_path is not None and self.heldout_fraction > 0:
             raise ValueError("data.heldout_fraction: set either heldout_fraction or heldout_path, not both")
+        if self.test_path is not None and self.test_fraction > 0:
+            raise ValueError("data.test_fraction: set either test_fraction or test_path, not both")
         return self
 
 

@@ -77,6 +77,50 @@ def test_heldout_fraction_fixed_and_disjoint_from_training(tmp_path):
     assert all(p.prompt_id.startswith("heldout-") and "answer" in p.metadata for p in src.heldout())
 
 
+def test_dev_is_the_former_heldout_split_and_test_fraction_draws_among_the_rest(tmp_path):
+    data = rows(20) + [rows(20)[i] for i in range(5)]
+    path = write_jsonl(tmp_path / "d.jsonl", data)
+    # Drawn before the test split existed: a recipe tuned on the held-out split was tuned on dev.
+    assert [p.text for p in FilePrompts(path=path, heldout_fraction=0.25, seed=2).heldout("dev")] == [
+        "0+1=", "2+1=", "7+1=", "12+1=", "13+1="]
+    a, b = (FilePrompts(path=path, heldout_fraction=0.25, test_fraction=0.2, seed=2) for _ in range(2))
+    dev, test = [p.text for p in a.heldout("dev")], [p.text for p in a.heldout("test")]
+    assert dev == ["0+1=", "2+1=", "7+1=", "12+1=", "13+1="] and a.heldout() == a.heldout("dev")
+    assert len(test) == len(set(test)) == 4 and not set(dev) & set(test)  # 20% of the 20 distinct prompts
+    assert test == [p.text for p in b.heldout("test")]
+    assert all(p.prompt_id.startswith("test-") and "answer" in p.metadata for p in a.heldout("test"))
+    trained = {p.text for it in range(10) for p in a.batch(it, a.train_size)}
+    assert not trained & set(dev + test) and len(trained) == 11
+    with pytest.raises(ValueError, match="unknown held-out split 'train'"):
+        a.heldout("train")
+    with pytest.raises(DataFileError, match="test_fraction 0.75 of 20 distinct prompts leaves none for training"):
+        FilePrompts(path=path, heldout_fraction=0.25, test_fraction=0.75)
+
+
+def test_without_a_test_fraction_or_path_the_test_split_is_empty(tmp_path):
+    src = FilePrompts(path=write_jsonl(tmp_path / "d.jsonl", rows(10)), heldout_fraction=0.2, seed=0)
+    assert src.heldout("test") == [] and len(src.heldout("dev")) == 2 and src.train_size == 8
+
+
+def test_test_path_is_never_trained_on_nor_in_dev(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", rows(10))
+    test = write_jsonl(tmp_path / "test.jsonl", [{"prompt": "3+1=", "answer": 4}, {"prompt": "50+1=", "answer": 51}])
+    src = FilePrompts(path=train, heldout_fraction=0.3, test_path=test, seed=1)
+    dev = {p.text for p in src.heldout("dev")}
+    assert [p.text for p in src.heldout("test")] == ["3+1=", "50+1="]
+    assert len(dev) == 3 and "3+1=" not in dev  # dev is drawn among the prompts test_path does not hold
+    assert not {p.text for p in src.batch(0, src.train_size)} & (dev | {"3+1="}) and src.train_size == 6
+    dev_file = write_jsonl(tmp_path / "dev.jsonl", [{"prompt": "7+1=", "answer": 8}, {"prompt": "50+1=", "answer": 51}])
+    with pytest.raises(DataFileError, match=r"test.jsonl: line 2 is also in the dev split \(.*dev.jsonl\)"):
+        FilePrompts(path=train, heldout_path=dev_file, test_path=test)
+    with pytest.raises(ValueError, match="either test_fraction or test_path"):
+        FilePrompts(path=train, test_path=test, test_fraction=0.1)
+    from stages.sources.file import FileData
+
+    with pytest.raises(ValueError, match="data.test_fraction: set either test_fraction or test_path"):
+        FileData(path=str(train), test_path=str(test), test_fraction=0.1)
+
+
 def test_heldout_path(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", rows(6))
     held = write_jsonl(tmp_path / "test.jsonl", [{"prompt": "0+1=", "answer": 1}, {"prompt": "99+1=", "answer": 100}])
@@ -150,10 +194,16 @@ def test_missing_file_suffix_and_fraction_errors(tmp_path):
 
 def test_built_from_config_and_reread_when_the_file_changes(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", rows(4))
+    test = write_jsonl(tmp_path / "test.jsonl", [{"prompt": "99+1=", "answer": 100}])
     config = SimpleNamespace(name="file", path=str(path), prompt_column="prompt", answer_column="answer",
-                             id_column=None, image_column=None, heldout_fraction=0.25, heldout_path=None, seed=0)
+                             id_column=None, image_column=None, heldout_fraction=0.25, heldout_path=None,
+                             test_fraction=0.0, test_path=str(test), seed=0)
     first = file_prompt_source(config)
     assert file_prompt_source(config) is first  # every iteration builds the source: parse once
     write_jsonl(path, rows(8))
     os.utime(path, ns=(1, 1))
     assert file_prompt_source(config).train_size == 6
+    write_jsonl(test, [{"prompt": "7+1=", "answer": 8}])
+    os.utime(test, ns=(2, 2))
+    assert [p.text for p in file_prompt_source(config).heldout("test")] == ["7+1="]
+    assert file_prompt_source(config).train_size == 5
