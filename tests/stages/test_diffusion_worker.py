@@ -10,6 +10,7 @@ import os
 import socket
 
 import numpy as np
+import pyarrow.compute as pc
 import pytest
 import torch
 import torch.distributed as dist
@@ -102,9 +103,18 @@ def test_flow_grpo_generate_train_checkpoint_publish(mesh, tmp_path):
     assert again.version == 1 and again.stack.opt_steps == 1
     for (name, p), q in zip(w.stack.module.named_parameters(), again.stack.module.parameters()):
         assert torch.equal(full(p), full(q)), name
-    # the same iteration sampled again gives the same images (seeded per sample, not per batch)
-    gen2 = again.generate(iteration=0, requests="iter-000000/requests.arrow", out_dir="again")
-    assert read_rollouts(storage, gen2["files"]).column("noise_seed").to_pylist() == table.column("noise_seed").to_pylist()
+    # The same iteration sampled again draws the same trajectories, seeded per sample, not per batch
+    # or process: the restored worker samples the second prompt alone (a micro-batch of 3 where it
+    # shared one with the first prompt), the trained one both.
+    both = read_rollouts(storage, w.generate(iteration=0, requests="iter-000000/requests.arrow", out_dir="both")["files"])
+    write_shard(storage, "again/requests.arrow", it.read_shard(storage, "iter-000000/requests.arrow", "requests").slice(1))
+    alone = read_rollouts(storage, again.generate(iteration=0, requests="again/requests.arrow", out_dir="again")["files"])
+    ids = alone.column("sample_id").to_pylist()
+    assert len(ids) == 3 and set(ids) < set(both.column("sample_id").to_pylist())
+    mine = both.filter(pc.is_in(both.column("sample_id"), value_set=alone.column("sample_id")))
+    for column in ("latents", "sde_logprobs"):
+        np.testing.assert_allclose(np.array(alone.column(column).to_pylist()), np.array(mine.column(column).to_pylist()),
+                                   rtol=1e-4, atol=1e-5, err_msg=column)
 
 
 def test_lora_kl_and_updates_per_batch(mesh, tmp_path):
