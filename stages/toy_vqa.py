@@ -83,7 +83,8 @@ class ToyVQA:
     def _prompt(self, prompt_id: str, draw_seed: int, layout_seed: int, lo: int,
                 avoid: set[tuple[bytes, ...]] | frozenset = frozenset()) -> Prompt:
         """The question drawn with `draw_seed`, its scene laid out with `layout_seed`, or with the
-        next seeds of [lo, lo + 2**30) while the image is one of `avoid`."""
+        next seeds of its range while the image is one of `avoid` (the range: [0, 2**31) for
+        training, lo = 0; [lo, lo + 2**30) for a held-out split)."""
         from stages.geneval.dataset import render
         from stages.images import png_bytes
 
