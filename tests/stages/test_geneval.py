@@ -80,7 +80,8 @@ def test_the_source_gives_disjoint_dev_and_test_splits_never_trained_on():
     a, b = (GenEvalSource.build(GenEvalData(heldout_size=32, seed=5)) for _ in range(2))
     dev, test = a.heldout("dev"), a.heldout("test")
     assert len(dev) == len(test) == 32 and a.heldout() == dev
-    assert [p.text for p in dev] == [p.text for p in b.heldout("dev")] and [p.text for p in test] == [p.text for p in b.heldout("test")]
+    for split in ("dev", "test"):
+        assert [p.text for p in a.heldout(split)] == [p.text for p in b.heldout(split)]
     assert not {p.text for p in dev} & {p.text for p in test}
     assert {p.text for p in dev} <= set(all_prompts(split="dev")) and {p.text for p in test} <= set(all_prompts(split="test"))
     assert {parse_prompt(p.text).kind for p in test} == {"count", "pair", "position"}

@@ -46,7 +46,8 @@ def test_toy_vqa_stream_is_deterministic_and_never_draws_a_dev_or_test_image():
     assert [p.images for p in a.batch(7, 16)] == [p.images for p in b.batch(7, 16)]
     assert [p.text for p in a.batch(7, 16)] != [p.text for p in a.batch(8, 16)]
     for split in ("dev", "test"):
-        assert [(p.prompt_id, p.text, p.images) for p in a.heldout(split)] == [(p.prompt_id, p.text, p.images) for p in b.heldout(split)]
+        assert [(p.prompt_id, p.text, p.images) for p in a.heldout(split)] == \
+            [(p.prompt_id, p.text, p.images) for p in b.heldout(split)]
         assert len(a.heldout(split)) == 40
     dev, test = ({p.images for p in a.heldout(split)} for split in ("dev", "test"))
     assert not dev & test and a.heldout() == a.heldout("dev")
@@ -59,8 +60,10 @@ def test_toy_vqa_stream_is_deterministic_and_never_draws_a_dev_or_test_image():
 
 def test_toy_vqa_dev_is_the_heldout_split_of_before_the_test_split():
     # Computed before the test split existed (sha256 of the decoded pixels, first 16 hex digits).
-    expected = [("what colour is the square?", "red", "680ff4db0b9b3a9d"), ("how many shapes are there?", "1", "92ad91104f789891"),
-                ("how many shapes are there?", "3", "a370bcb536eedf6b"), ("what colour is the triangle?", "green", "f04d5fc08527ecc0")]
+    expected = [("what colour is the square?", "red", "680ff4db0b9b3a9d"),
+                ("how many shapes are there?", "1", "92ad91104f789891"),
+                ("how many shapes are there?", "3", "a370bcb536eedf6b"),
+                ("what colour is the triangle?", "green", "f04d5fc08527ecc0")]
     dev = ToyVQA(seed=5, heldout_size=4).heldout("dev")
     assert [(p.text, p.metadata["answer"], hashlib.sha256(decode(p.images[0], "x").tobytes()).hexdigest()[:16])
             for p in dev] == expected
