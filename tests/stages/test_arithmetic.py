@@ -64,8 +64,10 @@ def test_dev_is_the_heldout_split_of_before_the_test_split():
 
 
 def test_deterministic_per_seed_and_iteration():
-    a, b = Arithmetic(digits=3, seed=7), Arithmetic(digits=3, seed=7)
-    assert [p.text for p in a.batch(4, 8)] == [p.text for p in b.batch(4, 8)]
+    # Recorded once: a resumed run (another process, another hash() salt) draws these again.
+    a = Arithmetic(digits=3, seed=7)
+    assert [p.text for p in a.batch(4, 8)] == ["513+171=", "813+726=", "547+886=", "549+588=", "890+122=", "551+646=",
+                                               "367+192=", "411+798="]
     assert [p.text for p in a.batch(4, 8)] != [p.text for p in a.batch(5, 8)]
     assert [p.text for p in a.batch(4, 8)] != [p.text for p in Arithmetic(digits=3, seed=8).batch(4, 8)]
 

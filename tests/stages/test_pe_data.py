@@ -37,7 +37,8 @@ def test_heldout_prompts_are_phrasings_never_trained_on_of_intents_the_drawer_kn
     drawer_knows = set(all_prompts("single", "train"))
     assert {p.metadata["geneval_prompt"] for p in held} <= drawer_knows
     assert {p.metadata["geneval_prompt"] for p in source.batch(3, 200)} == drawer_knows  # every intent is asked for
-    assert [p.text for p in source.batch(3, 5)] == [p.text for p in PEPrompts(PEGenEvalData()).batch(3, 5)]  # deterministic
+    assert [p.text for p in PEPrompts(PEGenEvalData()).batch(3, 5)] == [  # recorded once: a resumed run draws them again
+        "paint one yellow box", "paint one yellow triangle", "show me one crimson triangle", "i want a navy disc", "draw a single azure tile"]
 
 
 def test_dev_and_test_are_disjoint_phrasings_never_trained_on_and_dev_is_the_former_heldout_split():

@@ -34,7 +34,10 @@ def test_the_grammar_its_split_and_the_prompt_errors():
     assert split_of("two blue squares moving up slowly") == split_of("Two blue squares moving up slowly.")
     # every word of a held-out prompt is seen in training: held-out prompts are new combinations
     assert {w for p in heldout for w in p.split()} <= {w for p in train for w in p.split()}
-    assert set(sample_prompts(100, 0, "heldout")) <= heldout and sample_prompts(5, 1) == sample_prompts(5, 1)
+    assert set(sample_prompts(100, 0, "heldout")) <= heldout
+    assert sample_prompts(5, 1) == ["a yellow square moving down quickly", "two red squares moving left quickly",  # recorded once
+                                    "two blue squares moving left slowly", "two yellow squares moving up slowly",
+                                    "a red square moving right slowly"]
     # dev and test halve the held-out prompts, fixed (evaluations stored under one stay comparable)
     dev, test = all_prompts("dev"), all_prompts("test")
     assert (len(dev), len(test)) == (8, 7) and not set(dev) & set(test) and set(dev) | set(test) == heldout
@@ -107,7 +110,9 @@ def test_the_source_and_its_sft_records_carry_the_teachers_slip(tmp_path):
                                                "sft": {"examples": 40, "noise": 0.5, "seed": 3}, "storage": {"root": str(tmp_path)}}))
     src = sources.get("videotoy")
     prompts = src.build(recipe.data)
-    assert [p.text for p in prompts.batch(2, 4)] == [p.text for p in prompts.batch(2, 4)] != [p.text for p in prompts.batch(3, 4)]
+    assert [p.text for p in prompts.batch(2, 4)] == ["two blue squares moving down slowly", "a blue square moving up quickly",
+                                                     "two red squares moving left quickly", "a green square moving up quickly"]
+    assert [p.text for p in prompts.batch(2, 4)] != [p.text for p in prompts.batch(3, 4)]
     assert all(split_of(p.text) == "train" for p in prompts.batch(0, 50))
     assert len(prompts.heldout()) == 16 and all(split_of(p.text) == "heldout" for p in prompts.heldout())
     dev, test = ({p.text for p in prompts.heldout(split)} for split in ("dev", "test"))
