@@ -1,7 +1,8 @@
 """A quickstart (SFT then RL) for several seeds: wall time and the held-out score after SFT and
-after RL, per seed, read from the run's own evaluations (`eval/<version>/metrics.json`). A seed
-changes the model initialisation, the SFT example order and the sampling; the held-out prompts
-stay fixed.
+after RL, per seed, read from the run's own evaluations of the test split
+(`eval/<version>/test/metrics.json`; `--split dev` reads the dev split, `eval/<version>/metrics.json`,
+which recipes are tuned on). A seed changes the model initialisation, the SFT example order and
+the sampling; the held-out prompts stay fixed.
 
     python benchmarks/quickstart_seeds.py --seeds 0 1 2                      # AR: exact match
     python benchmarks/quickstart_seeds.py --recipe recipes/diffusion/quickstart.yaml   # toy-GenEval strict
@@ -29,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def components(recipe_path: str, overrides: list[str], work: Path, name: str, version: str) -> dict[str, float]:
+def components(recipe_path: str, overrides: list[str], work: Path, name: str, version: str, split: str) -> dict[str, float]:
     """The eval scorer's per-component means over one evaluation's greedy and sampled outputs
     (`greedy/<component>`, `sampled/<component>`): which part of the prompt a model gets wrong."""
     import numpy as np
@@ -45,7 +46,8 @@ def components(recipe_path: str, overrides: list[str], work: Path, name: str, ve
     storage = RunStorage(str(work), name)
     out = {}
     for kind in ("greedy", "sampled"):
-        files = sorted(p.relative_to(work / name).as_posix() for p in (work / name / "eval" / version / kind).rglob("*.arrow"))
+        folder = work / name / "eval" / version / ("test" if split == "test" else "") / kind
+        files = sorted(p.relative_to(work / name).as_posix() for p in folder.rglob("*.arrow"))
         table = scoring_view(read_rollouts(storage, files, columns=SCORED_COLUMNS))
         result = run_scorer(build_scorer(scorer_name, **params), score_batch(table, prompt_images=reads_images([scorer_name])))
         out.update({f"{kind}/{k}": float(np.mean(v)) for k, v in sorted((result.components or {}).items())})
@@ -75,6 +77,8 @@ def main() -> int:
     parser.add_argument("--recipe", default=str(REPO / "recipes/ar/quickstart.yaml"))
     parser.add_argument("--components", action="store_true",
                         help="also print the eval scorer's per-component means after SFT and after RL")
+    parser.add_argument("--split", choices=("test", "dev"), default="test",
+                        help="the held-out split to report (test: what tables report; dev: what recipes are tuned on)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="unirl-seeds-"))
@@ -91,21 +95,23 @@ def main() -> int:
         wall, cpu = time.perf_counter() - start, _children_cpu() - cpu_start
         if proc.returncode != 0:
             sys.exit(log.read_text()[-4000:])
-        versions = sorted(p.name for p in (work / name / "eval").iterdir())
-        before = json.loads((work / name / "eval" / versions[0] / "metrics.json").read_text())["metrics"]
-        after = json.loads((work / name / "eval" / versions[-1] / "metrics.json").read_text())["metrics"]
-        k = next(key for key in before if key.startswith("eval/avg_at_")).rsplit("_", 1)[1]
+        sub, p = ("test", "test") if args.split == "test" else ("", "eval")
+        versions = sorted(v.name for v in (work / name / "eval").iterdir() if (v / sub / "metrics.json").exists())
+        before = json.loads((work / name / "eval" / versions[0] / sub / "metrics.json").read_text())["metrics"]
+        after = json.loads((work / name / "eval" / versions[-1] / sub / "metrics.json").read_text())["metrics"]
+        k = next(key for key in before if key.startswith(f"{p}/avg_at_")).rsplit("_", 1)[1]
         if n == 0:
+            print(f"{args.split} split")
             print(f"{'seed':>4s} {'wall s':>7s} {'CPU s':>6s} {'acc SFT':>8s} {'acc RL':>7s} {'gain':>6s} "
                   f"{f'avg@{k} SFT':>10s} {f'avg@{k} RL':>9s}")
-        gain = after["eval/accuracy"] - before["eval/accuracy"]
+        gain = after[f"{p}/accuracy"] - before[f"{p}/accuracy"]
         # one row as soon as its run is done: a long sweep shows its results as it goes
-        print(f"{seed:>4d} {wall:7.0f} {cpu:6.0f} {before['eval/accuracy']:8.3f} {after['eval/accuracy']:7.3f} {gain:+6.3f} "
-              f"{before[f'eval/avg_at_{k}']:10.3f} {after[f'eval/avg_at_{k}']:9.3f}", flush=True)
+        print(f"{seed:>4d} {wall:7.0f} {cpu:6.0f} {before[f'{p}/accuracy']:8.3f} {after[f'{p}/accuracy']:7.3f} {gain:+6.3f} "
+              f"{before[f'{p}/avg_at_{k}']:10.3f} {after[f'{p}/avg_at_{k}']:9.3f}", flush=True)
         if args.components:
             common = [f"seed={seed}", *args.overrides]
             for label, version in (("SFT", versions[0]), ("RL", versions[-1])):
-                parts = components(args.recipe, common, work, name, version)
+                parts = components(args.recipe, common, work, name, version, args.split)
                 print(f"seed {seed} {label} components: " + "  ".join(f"{k} {v:.3f}" for k, v in parts.items()), flush=True)
     return 0
 

@@ -3,7 +3,7 @@
     unirl run RECIPE [key.sub=value ...] [--run-name NAME] [--verbose]
     unirl validate RECIPE [key.sub=value ...]
     unirl sft RECIPE [key.sub=value ...] [--run-name NAME]
-    unirl evaluate RECIPE [key.sub=value ...] [--run-name NAME] [--version N]
+    unirl evaluate RECIPE [key.sub=value ...] [--run-name NAME] [--version N] [--split dev|test]
     unirl agent RECIPE [key.sub=value ...] [--run-name NAME] [--group ID]   (one node of a multi-node run)
     unirl reward-server --config FILE
     unirl engine-server RECIPE [key.sub=value ...] [--weights DIR] [--port N]
@@ -43,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     ev.add_argument("--run-name", default="", help="run folder name (default: the recipe's name)")
     ev.add_argument("--version", type=int, default=None, help="policy version (default: the last finished)")
+    ev.add_argument("--split", choices=("dev", "test"), default="dev",
+                    help="held-out split: dev (what recipes are tuned on) or test (report it once, after tuning)")
     ev.add_argument("--verbose", action="store_true", help="Prefect's flow and task run logs on the console too")
     agent = sub.add_parser("agent", help="run this node's torchrun agent for a multi-node run (train.nnodes > 1)")
     agent.add_argument("recipe", help="the run's recipe YAML file")
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 from flows.evaluate import evaluate_run
 
                 startup.imports_done(*RUN_IMPORTS)
-                evaluate_run(recipe, args.run_name or recipe.name, args.version)
+                evaluate_run(recipe, args.run_name or recipe.name, args.version, args.split)
                 return 0
             from flows.rl import rl_train
 

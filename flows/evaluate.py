@@ -10,14 +10,13 @@ from prefect.artifacts import create_table_artifact
 
 from flows.console import say
 
-from stages.evaluation import eval_dir
+from stages.evaluation import PREFIX, eval_dir, has_split
 from stages.recipe import Recipe
 from stages.run import open_run
 from stages.storage import join
 from stages.tracking import Tracker
 from stages.workers.group import close_group
-from tasks.common import close_engine
-from tasks.common import staged
+from tasks.common import close_engine, staged, storage_of
 from tasks.evaluate import evaluate
 
 
@@ -38,7 +37,6 @@ def eval_preview(recipe: Recipe, run_name: str, version: int) -> None:
     from prefect import get_run_logger
 
     from stages.policies import policy_for
-    from tasks.common import storage_of
 
     if not recipe.tracking.preview_every:
         return
@@ -51,24 +49,63 @@ def eval_preview(recipe: Recipe, run_name: str, version: int) -> None:
         get_run_logger().warning("held-out preview of v%06d not logged: %s", version, exc)
 
 
+def summary(recipe: Recipe, m: dict[str, float], split: str = "dev") -> str:
+    """`accuracy 0.250  avg@4 0.312  pass@4 0.500  (16 prompts)` of an evaluation's metrics."""
+    k, p = recipe.eval.k, PREFIX[split]
+    return (f"accuracy {m[f'{p}/accuracy']:.3f}  avg@{k} {m[f'{p}/avg_at_{k}']:.3f}  pass@{k} {m[f'{p}/pass_at_{k}']:.3f}"
+            f"  ({int(m[f'{p}/prompts'])} prompts)")
+
+
+def test_split(recipe: Recipe, run_name: str, version: int, task: Any, *, compute: bool = True) -> dict[str, float] | None:
+    """Policy `version` on the test split (`eval.test`), kept in storage and printed by `report_test`
+    after RL, not now: runs are watched and tuned on the dev split. None where the data has no
+    test split, or where it is not stored yet and `compute` is off (a resumed run's group no
+    longer holds the weights before RL)."""
+    if not (recipe.eval.enabled and recipe.eval.test) or not has_split(recipe, "test"):
+        return None
+    if not storage_of(recipe, run_name).exists(join(eval_dir(version, "test"), "metrics.json")):
+        if not compute:
+            return None
+        say(f"[unirl] evaluating v{version:06d} on the test prompts (reported after RL) ...")
+    return staged(task)(recipe, run_name, version, "test")["metrics"]
+
+
+def report_test(recipe: Recipe, run_name: str, tracker: Tracker, before: dict[str, float] | None, version: int,
+                task: Any) -> None:
+    """The test split after RL, beside its value before RL: printed once, logged to MLflow as `test/*`
+    (and on the registry version it evaluates)."""
+    after = test_split(recipe, run_name, version, task)
+    if after is None:
+        return
+    if before is not None:
+        tracker.log_metrics(0, before, key="test/accuracy")
+    tracker.log_metrics(version, after, key="test/accuracy")
+    if recipe.tracking.registry:
+        tracker.tag_version(recipe.name, run_name, version, after)
+    was = f"  (v000000 before RL: {summary(recipe, before, 'test')})" if before is not None else ""
+    say(f"[unirl] test v{version:06d} (after RL): {summary(recipe, after, 'test')}{was}")
+
+
 @flow(name="evaluate", flow_run_name="{recipe.name}/{run_name}/eval")
-def evaluate_run(recipe: Recipe, run_name: str = "", version: int | None = None) -> dict[str, Any]:
-    """Evaluate policy `version` of run `run_name` (default: its last finished iteration)."""
+def evaluate_run(recipe: Recipe, run_name: str = "", version: int | None = None, split: str = "dev") -> dict[str, Any]:
+    """Evaluate policy `version` of run `run_name` (default: its last finished iteration) on the
+    `dev` or `test` split."""
     run_name = run_name or recipe.name
     storage, info = open_run(recipe, run_name)
     if version is None:
         version = storage.last_success() + 1
-    if not storage.exists(join(eval_dir(version), "metrics.json")):
-        say(f"[unirl] evaluating v{version:06d} of {run_name} on the held-out prompts (greedy, and {recipe.eval.k} samples each) ...")
+    if not storage.exists(join(eval_dir(version, split), "metrics.json")):
+        say(f"[unirl] evaluating v{version:06d} of {run_name} on the {split} prompts (greedy, and {recipe.eval.k} samples each) ...")
     try:
-        result = staged(evaluate)(recipe, run_name, version)
+        result = staged(evaluate)(recipe, run_name, version, split)
     finally:
         close_engine(storage.url())
         close_group(storage.url())
     tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"))
-    tracker.log_metrics(version, result["metrics"], key="eval/accuracy")
+    tracker.log_metrics(version, result["metrics"], key=f"{PREFIX[split]}/accuracy")
     if recipe.tracking.registry:  # the results land on the version they evaluate
         tracker.tag_version(recipe.name, run_name, version, result["metrics"])
-    eval_artifact(recipe, run_name, version, result["metrics"])
-    say(f"[unirl] held-out v{version:06d}: " + "  ".join(f"{k} {v:.3f}" for k, v in result["metrics"].items()))
+    if split == "dev":
+        eval_artifact(recipe, run_name, version, result["metrics"])
+    say(f"[unirl] {'held-out' if split == 'dev' else split} v{version:06d}: {summary(recipe, result['metrics'], split)}")
     return result

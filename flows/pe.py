@@ -19,6 +19,7 @@ from prefect import flow, get_run_logger
 from prefect.settings import temporary_settings
 
 from flows.console import Progress, log_to_run_folder, say
+from flows.evaluate import report_test, summary, test_split
 from flows.sft import run_sft
 from stages import pipeline
 from stages.recipe import Recipe
@@ -94,7 +95,7 @@ def run_stages(recipe: Recipe, run_name: str, warm_start: Any, iteration_flow: A
     """What a prompt-enhancer pipeline and a unified model share around their iterations: the warm
     start (`warm_start(storage, tracker)` -> {registered model name: (run storage, whether it
     trains)}), the resume after the last finished iteration, `iteration_flow` per iteration,
-    held-out evaluation (`evaluate`, a task of (recipe, run_name, version)), MLflow metrics,
+    held-out evaluation (`evaluate`, a task of (recipe, run_name, version, split)), MLflow metrics,
     weights versions in the registry and previews (the rollout grid and the `table` of texts)."""
     logger = get_run_logger()
     storage, info = open_run(recipe, run_name)
@@ -119,8 +120,10 @@ def run_stages(recipe: Recipe, run_name: str, warm_start: Any, iteration_flow: A
         progress = Progress(recipe.iterations, first)
         evals: dict[int, dict[str, float]] = {}
         with run_tags(recipe, run_name), temporary_settings(updates={"flows.heartbeat_frequency": None}):
+            tested = None
             if recipe.eval.enabled:
                 evals[0] = held_out(recipe, run_name, 0, tracker, "before RL", evaluate)
+                tested = test_split(recipe, run_name, 0, evaluate, compute=first == 0)  # reported after RL
             for i in range(first, recipe.iterations):
                 summary = iteration_flow(recipe, run_name, i)
                 progress.iteration(i, summary["metrics"])  # before its evaluation: the console reads top to bottom
@@ -130,6 +133,8 @@ def run_stages(recipe: Recipe, run_name: str, warm_start: Any, iteration_flow: A
                 ):
                     evals[version] = held_out(recipe, run_name, version, tracker,
                                               "after RL" if version == recipe.iterations else "", evaluate)
+                    if version == recipe.iterations:
+                        report_test(recipe, run_name, tracker, tested, version, evaluate)
                 storage.mark_success(i, summary)
                 register(recipe, tracker, run_name, stores, version)
                 tracker.log_metrics(i, summary["metrics"])
@@ -164,9 +169,7 @@ def held_out(recipe: Recipe, run_name: str, version: int, tracker: Tracker, labe
     """The model on the held-out prompts at `version` (a frozen part at v000000): greedy text
     then ODE image, and `eval.k` sampled texts with one sampled image each."""
     m = staged(evaluate)(recipe, run_name, version)["metrics"]
-    k = recipe.eval.k
-    say(f"[unirl] held-out v{version:06d}{' (' + label + ')' if label else ''}: accuracy {m['eval/accuracy']:.3f}"
-        f"  avg@{k} {m[f'eval/avg_at_{k}']:.3f}  pass@{k} {m[f'eval/pass_at_{k}']:.3f}  ({int(m['eval/prompts'])} prompts)")
+    say(f"[unirl] held-out v{version:06d}{' (' + label + ')' if label else ''}: {summary(recipe, m)}")
     tracker.log_metrics(version, m, key="eval/accuracy")
     try:
         from stages.diffusion.grid import log_eval_grid

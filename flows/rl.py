@@ -32,7 +32,7 @@ from stages.train.manifests import MANIFEST
 from stages.tracking import Tracker
 from stages.workers.group import close_group
 from tasks.common import close_engine
-from flows.evaluate import eval_artifact
+from flows.evaluate import eval_artifact, report_test, summary, test_split
 from flows.sft import run_sft
 from tasks.advantage import advantage
 from tasks.common import engine_of, group_of, run_tags, staged, start_producer, stop_producer, storage_of
@@ -161,8 +161,10 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
         with run_tags(recipe, run_name), temporary_settings(updates={"flows.heartbeat_frequency": None}):
             if recipe.rollout.mode == "async" and first < recipe.iterations:
                 start_producer(recipe, run_name, storage)  # samples ahead while the trainer trains
+            tested = None
             if recipe.eval.enabled:
                 evals[0] = held_out(recipe, run_name, 0, tracker, "before RL", books)
+                tested = test_split(recipe, run_name, 0, evaluate, compute=first == 0)  # reported after RL
             for i in range(first, recipe.iterations):
                 summary = ahead.take(i) if overlap else rl_iteration(recipe, run_name, i)
                 progress.iteration(i, summary["metrics"])  # before its evaluation: the console reads top to bottom
@@ -174,6 +176,8 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
                 ):
                     label = "after RL" if version == recipe.iterations else ""
                     evals[version] = held_out(recipe, run_name, version, tracker, label, books)
+                    if label:
+                        report_test(recipe, run_name, tracker, tested, version, evaluate)
                 storage.mark_success(i, summary)
                 books.submit(report, recipe, tracker, storage, artifacts, i, summary)
                 last = summary
@@ -255,11 +259,7 @@ def held_out(recipe: Recipe, run_name: str, version: int, tracker: Tracker, labe
         say(f"[unirl] evaluating v{version:06d} on the held-out prompts (greedy, and {recipe.eval.k} samples each) ...")
     result = staged(evaluate)(recipe, run_name, version)
     m = result["metrics"]
-    k = recipe.eval.k
-    say(
-        f"[unirl] held-out v{version:06d}{' (' + label + ')' if label else ''}: accuracy {m['eval/accuracy']:.3f}"
-        f"  avg@{k} {m[f'eval/avg_at_{k}']:.3f}  pass@{k} {m[f'eval/pass_at_{k}']:.3f}  ({int(m['eval/prompts'])} prompts)"
-    )
+    say(f"[unirl] held-out v{version:06d}{' (' + label + ')' if label else ''}: {summary(recipe, m)}")
     books.submit(report_eval, recipe, tracker, run_name, version, m)
     return m
 

@@ -1,6 +1,10 @@
-"""Held-out evaluation: greedy accuracy and avg@k / pass@k over the data source's fixed held-out
-split. Correctness is the `eval.scorer` (1 = correct)."""
+"""Held-out evaluation: greedy accuracy and avg@k / pass@k over one of the data source's fixed
+held-out splits: `dev` (what recipes are tuned on; reported during a run as `eval/*`) or `test`
+(evaluated before and after RL, reported once after RL as `test/*`). Correctness is the
+`eval.scorer` (1 = correct)."""
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -12,16 +16,38 @@ from stages.sample import read_rollouts, scoring_view, table_from_rows, write_sh
 from stages.storage import RunStorage, join
 
 
-def eval_dir(version: int) -> str:
-    return join("eval", f"v{version:06d}")
+SPLITS = ("dev", "test")
+PREFIX = {"dev": "eval", "test": "test"}  # metric keys: eval/accuracy, test/accuracy
 
 
-def write_eval_requests(storage: RunStorage, recipe: Recipe, version: int, group_size: int, name: str) -> str:
-    prompts = build_prompt_source(recipe.data).heldout()
+def eval_dir(version: int, split: str = "dev") -> str:
+    """eval/vNNNNNN for the dev split, eval/vNNNNNN/test for the test split."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown evaluation split {split!r} (allowed: {', '.join(SPLITS)})")
+    base = join("eval", f"v{version:06d}")
+    return base if split == "dev" else join(base, split)
+
+
+def eval_data(recipe: Recipe) -> Any:
+    """The `data` section whose held-out prompts an evaluation draws: a pipeline's or a unified
+    model's text part's (its own, else the recipe's), else the recipe's."""
+    composed = recipe.pe or recipe.unified
+    return getattr(composed.ar, "data", None) or recipe.data if composed is not None else recipe.data
+
+
+def has_split(recipe: Recipe, split: str) -> bool:
+    """Whether the recipe's data source has prompts in `split` (a user's file may have no test split)."""
+    return bool(build_prompt_source(eval_data(recipe)).heldout(split))
+
+
+def write_eval_requests(storage: RunStorage, recipe: Recipe, version: int, group_size: int, name: str,
+                        split: str = "dev") -> str:
+    prompts = build_prompt_source(recipe.data).heldout(split)
     if not prompts:
-        raise ValueError("eval: the data source has no held-out prompts (set data.heldout_size > 0)")
+        raise ValueError(f"eval: the data source has no {split} prompts (set data.heldout_size > 0"
+                         + (", or give the file source a test split)" if split == "test" else ")"))
     rows = request_rows(recipe, prompts, "eval", group_size, version)
-    rel = join(eval_dir(version), f"{name}-requests.arrow")
+    rel = join(eval_dir(version, split), f"{name}-requests.arrow")
     write_shard(storage, rel, table_from_rows(rows, "requests"))
     return rel
 
@@ -34,16 +60,17 @@ def correctness(storage: RunStorage, recipe: Recipe, rollouts: list[str]) -> tup
     return table.column("group_id").to_pylist(), (scores >= 1.0).astype(np.float64)
 
 
-def eval_metrics(storage: RunStorage, recipe: Recipe, greedy: list[str], sampled: list[str]) -> dict[str, float]:
-    k = recipe.eval.k
+def eval_metrics(storage: RunStorage, recipe: Recipe, greedy: list[str], sampled: list[str],
+                 split: str = "dev") -> dict[str, float]:
+    k, p = recipe.eval.k, PREFIX[split]
     _, greedy_ok = correctness(storage, recipe, greedy)
     groups, ok = correctness(storage, recipe, sampled)
     per_prompt: dict[str, list[float]] = {}
     for g, c in zip(groups, ok):
         per_prompt.setdefault(g, []).append(c)
     return {
-        "eval/accuracy": float(greedy_ok.mean()),
-        f"eval/avg_at_{k}": float(ok.mean()),
-        f"eval/pass_at_{k}": float(np.mean([max(v) for v in per_prompt.values()])),
-        "eval/prompts": float(len(greedy_ok)),
+        f"{p}/accuracy": float(greedy_ok.mean()),
+        f"{p}/avg_at_{k}": float(ok.mean()),
+        f"{p}/pass_at_{k}": float(np.mean([max(v) for v in per_prompt.values()])),
+        f"{p}/prompts": float(len(greedy_ok)),
     }

@@ -115,6 +115,9 @@ class EvalConfig(Section):
     )
     k: int = Field(4, ge=1, description="Samples per prompt for avg@k and pass@k.")
     enabled: bool = Field(True, description="Evaluate before the first and after the last iteration.")
+    test: bool = Field(
+        True, description="With `enabled`, also evaluate the data's test split before and after RL, reported once after "
+        "RL (`test/*`); the dev split is what runs report meanwhile (`eval/*`) and what recipes are tuned on.")
 
 
 class TrainConfig(Section):

@@ -64,7 +64,7 @@ def part_advantages(recipe: Recipe, run_name: str, iteration: int, composed: lis
 
 @task(name="evaluate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1,
       retry_condition_fn=say_retry)
-def evaluate_pipeline(recipe: Recipe, run_name: str, version: int) -> dict[str, Any]:
+def evaluate_pipeline(recipe: Recipe, run_name: str, version: int, split: str = "dev") -> dict[str, Any]:
     """Held-out results of the pipeline at `version` (each part at its own version: a frozen
     part's is 0): `greedy` is the greedy rewrite drawn by the ODE sampler, `sampled` is `eval.k`
     sampled rewrites per prompt, one sampled image each; both scored on the composed rows
@@ -72,7 +72,7 @@ def evaluate_pipeline(recipe: Recipe, run_name: str, version: int) -> dict[str, 
     from stages.evaluation import eval_dir
 
     storage = storage_of(recipe, run_name)
-    rel = join(eval_dir(version), "metrics.json")
+    rel = join(eval_dir(version, split), "metrics.json")
     if storage.exists(rel):
         return storage.read_json(rel)
     ar, flow = (pipeline.part_recipe(recipe, side, run_name) for side in pipeline.SIDES)
@@ -83,13 +83,13 @@ def evaluate_pipeline(recipe: Recipe, run_name: str, version: int) -> dict[str, 
         return engines[side].generate(requests, folder, version, policy_version=part_version(recipe, side, version),
                                       greedy=greedy, seed_tag="eval")["files"]
 
-    result = evaluate_composed(recipe, storage, version, ar, stores, draw)
+    result = evaluate_composed(recipe, storage, version, ar, stores, draw, split)
     storage.write_json(rel, result)
     return result
 
 
 def evaluate_composed(recipe: Recipe, storage: Any, version: int, ar: Recipe, stores: dict[str, Any],
-                      draw: Any) -> dict[str, Any]:
+                      draw: Any, split: str = "dev") -> dict[str, Any]:
     """Held-out results of a two-stage model at `version`: `greedy`, the greedy text drawn by the
     ODE sampler, and `sampled`, `eval.k` sampled texts per prompt with one sampled image each;
     both composed (eval/vNNNNNN/<name>/composed.arrow) and scored by the eval scorer against the
@@ -99,12 +99,12 @@ def evaluate_composed(recipe: Recipe, storage: Any, version: int, ar: Recipe, st
 
     outputs = {}
     for name, size, greedy in (("greedy", 1, True), ("sampled", recipe.eval.k, False)):
-        folder = join(eval_dir(version), name)
-        requests = write_eval_requests(stores["ar"], ar, version, size, name)
+        folder = join(eval_dir(version, split), name)
+        requests = write_eval_requests(stores["ar"], ar, version, size, name, split)
         texts = draw("ar", requests, join(folder, "texts"), greedy)
         drawn = pipeline.flow_requests(stores["ar"], texts, stores["diffusion"], version, 1,
-                                       join(eval_dir(version), f"{name}-image-requests.arrow"))
+                                       join(eval_dir(version, split), f"{name}-image-requests.arrow"))
         images = draw("diffusion", drawn["files"][0], join(folder, "images"), greedy)
         outputs[name] = pipeline.compose(storage, join(folder, "composed.arrow"), stores["ar"], texts, stores["diffusion"],
                                          images)["files"]
-    return {"version": version, "metrics": eval_metrics(storage, recipe, outputs["greedy"], outputs["sampled"])}
+    return {"version": version, "metrics": eval_metrics(storage, recipe, outputs["greedy"], outputs["sampled"], split)}

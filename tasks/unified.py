@@ -72,13 +72,13 @@ def advantages(recipe: Recipe, run_name: str, iteration: int, composed: list[str
 
 @task(name="evaluate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1,
       retry_condition_fn=say_retry)
-def evaluate_unified(recipe: Recipe, run_name: str, version: int) -> dict[str, Any]:
+def evaluate_unified(recipe: Recipe, run_name: str, version: int, split: str = "dev") -> dict[str, Any]:
     """Held-out results at `version`: the greedy plan drawn by the ODE sampler, and `eval.k`
     sampled plans with one sampled image each, scored against the user's intent."""
     from stages.evaluation import eval_dir
 
     storage = storage_of(recipe, run_name)
-    rel = join(eval_dir(version), "metrics.json")
+    rel = join(eval_dir(version, split), "metrics.json")
     if storage.exists(rel):
         return storage.read_json(rel)
     group = group_of(recipe, storage)
@@ -89,6 +89,6 @@ def evaluate_unified(recipe: Recipe, run_name: str, version: int) -> dict[str, A
                           seed_tag="eval", stage=side)["files"]
 
     result = evaluate_composed(recipe, storage, version, stage_recipe(recipe, "ar"), {"ar": storage, "diffusion": storage},
-                               draw)
+                               draw, split)
     storage.write_json(rel, result)
     return result

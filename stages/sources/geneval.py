@@ -62,6 +62,8 @@ class GenEvalSource(Source):
 
         from stages.models.family import get_family
 
+        if recipe.eval.enabled and recipe.eval.test:
+            cls.build(recipe.data).heldout("test")  # a kind without test prompts fails here, at validate time
         family = get_family(recipe.model.kind)
         if "image" not in family.produces or family.takes_images or recipe.rollout.kind != "flow":
             return  # a model that reads toy-GenEval prompts rather than draws them: its scorers decide what it is paid for

@@ -134,6 +134,18 @@ def test_four_iterations_layout_shards_advantages_and_mlflow(tmp_path, reference
         accuracy = json.loads((run / f"eval/v{version:06d}/metrics.json").read_text())["metrics"]["eval/accuracy"]
         assert float(versions[version].tags["eval/accuracy"]) == pytest.approx(accuracy)
     assert "eval/accuracy" not in versions[3].tags
+    # The test split: evaluated before and after RL, logged once after RL, on prompts that neither
+    # the dev split nor any training iteration holds.
+    assert sorted(m.step for m in client.get_metric_history(info["mlflow_run_id"], "test/accuracy")) == [0, 4]
+    assert float(versions[4].tags["test/accuracy"]) == pytest.approx(
+        json.loads((run / "eval/v000004/test/metrics.json").read_text())["metrics"]["test/accuracy"])
+
+    def prompts(path: Path) -> set[str]:
+        return set(ipc.open_file(str(path)).read_all().column("prompt").to_pylist())
+
+    dev, test = prompts(run / "eval/v000000/greedy-requests.arrow"), prompts(run / "eval/v000000/test/greedy-requests.arrow")
+    trained = set().union(*(prompts(run / f"iter-{i:06d}/requests.arrow") for i in range(4)))
+    assert dev and test and not dev & test and not (dev | test) & trained
     local = client.download_artifacts(info["mlflow_run_id"], "tables/samples/step-000003.json", str(tmp_path))
     table = json.loads(Path(local).read_text())
     assert table["columns"] == ["sample_id", "prompt", "response", "reward", "advantage"] and len(table["data"]) == 16
@@ -244,9 +256,14 @@ def assert_default_console(out: subprocess.CompletedProcess, iterations: int) ->
     assert sum(" iter-0" in line and f"/{iterations})" in line for line in lines) == iterations
     assert sum("held-out v" in line for line in lines) == 2 and any(line.startswith("[unirl] log: ") for line in lines)
     # Top to bottom: the evaluation before RL, every iteration, then the one after RL.
-    order = [line for line in lines if " iter-0" in line or "held-out v" in line]
-    assert "(before RL)" in order[0] and "(after RL)" in order[-1] and f"({iterations}/{iterations})" in order[-2], order
-    assert sum(line.startswith("[unirl] evaluating v") for line in lines) == 2  # a long wait says what it waits for
+    order = [line for line in lines if " iter-0" in line or "held-out v" in line or line.startswith("[unirl] test v")]
+    assert "(before RL)" in order[0] and "(after RL)" in order[-2] and f"({iterations}/{iterations})" in order[-3], order
+    assert order[-1].startswith("[unirl] test v")
+    # a long wait says what it waits for: dev and test before RL, and after RL
+    assert sum(line.startswith("[unirl] evaluating v") for line in lines) == 4
+    # the test split is reported once, after RL, beside its value before RL
+    (test,) = [line for line in lines if line.startswith("[unirl] test v")]
+    assert test.startswith(f"[unirl] test v{iterations:06d} (after RL): accuracy ") and "(v000000 before RL: accuracy " in test
     log = next(line for line in lines if line.startswith("[unirl] log: ")).split(": ", 1)[1]
     text = Path(log).read_text()
     assert "Beginning subflow run 'iter-000000'" in text and "Task run 'train-" in text  # Prefect's INFO lines go there

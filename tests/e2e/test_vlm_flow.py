@@ -55,7 +55,7 @@ def test_images_travel_in_the_shards_and_heldout_accuracy_is_printed(reference):
         metrics = json.loads((run / f"iter-{i:06d}/train.json").read_text())["metrics"]
         assert 0.0 <= metrics["behaviour_logp_max_abs_diff"] <= 1e-4
     evaluated = run_unirl(["evaluate", RECIPE, *SMALL, f"storage.root={root}", "--run-name", "ref", "--version", "2"], env)
-    assert "[unirl] held-out v000002: eval/accuracy " in evaluated.stdout
+    assert "[unirl] held-out v000002: accuracy " in evaluated.stdout
     metrics = json.loads((run / "eval/v000002/metrics.json").read_text())["metrics"]
     assert metrics["eval/prompts"] == 4.0 and 0.0 <= metrics["eval/accuracy"] <= 1.0
 
