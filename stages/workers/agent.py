@@ -26,8 +26,10 @@ from stages.workers.forkserver import torchrun_entry
 from stages.workers.group import first_failure, kill_tree, spawn, threads_per_rank
 
 
-def open_group(storage: RunStorage, timeout_s: float) -> str:
-    """The run's newest group that has not started yet (waiting for the flow to announce one)."""
+def open_group(storage: RunStorage, timeout_s: float, shared_mount: bool = False) -> str:
+    """The run's newest group that has not started yet (waiting for the flow to announce one).
+    `shared_mount`: the recipe says its local root is one filesystem on every node
+    (`storage.shared`), which is the first thing to doubt when nothing is announced."""
     deadline = time.monotonic() + timeout_s
     while True:
         current = storage.read_json(rdzv.CURRENT) if storage.exists(rdzv.CURRENT) else None
@@ -36,7 +38,9 @@ def open_group(storage: RunStorage, timeout_s: float) -> str:
         if time.monotonic() > deadline:
             raise rdzv.NodeSetupError(
                 f"no worker group of run {storage.run!r} to join at {storage.url()} within {timeout_s:.0f}s: start (or "
-                "rerun) the run, whose group announces itself there, and check that this node reads the same storage")
+                "rerun) the run, whose group announces itself there, and check that this node reads the same storage"
+                + (f" (storage.shared is set: {storage.url()} must be the same mounted filesystem here as on the run's "
+                   "host, not a local folder of the same name)" if shared_mount and storage.local else ""))
         time.sleep(1.0)
 
 
@@ -51,7 +55,7 @@ def serve_node(storage: RunStorage, recipe: Any, *, group: str = "", log: Callab
     if recipe.train.nnodes == 1:
         raise rdzv.NodeSetupError("train.nnodes is 1: the run's own host is its only node, there is no group to join "
                                   "from here (set train.nnodes to the number of nodes)")
-    group = group or open_group(storage, recipe.train.startup_timeout_s)
+    group = group or open_group(storage, recipe.train.startup_timeout_s, recipe.storage.shared)
     plan = rdzv.read_plan(storage, group)
     if plan.fingerprint != recipe.fingerprint():
         raise rdzv.NodeSetupError(f"group {group} of run {storage.run!r} was started with another recipe than this "

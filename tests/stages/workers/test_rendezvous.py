@@ -225,3 +225,13 @@ def test_a_rank_reads_its_spec_from_run_storage_with_its_own_node_settings(tmp_p
     spec = wait_for_spec(pointer)
     assert spec["checkpoint"] == 3 and spec["group"] == plan.group and spec["endpoint"] == "127.0.0.1:1"
     assert spec["scratch"] == str(tmp_path / "scratch") and spec["threads_per_rank"] == 2
+
+
+def test_an_agent_on_a_shared_mount_that_sees_no_group_doubts_the_mount(tmp_path) -> None:
+    """`storage.shared` is the user's word that a local root is one filesystem on every node: an
+    agent that finds no announced group there says that this is what to check."""
+    root = tmp_path / "runs"
+    r = recipe(f"storage.root={root}", "storage.shared=true", "train.nnodes=2", "train.rendezvous.endpoint=127.0.0.1:1",
+               "train.startup_timeout_s=0.1")
+    with pytest.raises(rdzv.NodeSetupError, match=f"storage.shared is set: {root / 'r'} must be the same mounted filesystem"):
+        serve_node(RunStorage(str(root), "r"), r)
