@@ -27,18 +27,11 @@ def read_arrow(path):
 def test_quickstart_sft_then_flow_grpo_on_s3(tmp_path, unirl_env):
     """The quickstart's whole path (SFT, held-out evaluation, Flow-GRPO, checkpoints) with its run
     folder on s3:// (moto's server); the folder is then copied down and looked into."""
-    import socket
-
     import s3fs
-    from moto.server import ThreadedMotoServer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    try:
-        url = f"http://127.0.0.1:{port}"
+    from tests.moto_s3 import moto_endpoint
+
+    with moto_endpoint() as url:
         env = {**unirl_env, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": url}
         fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": url})
@@ -52,8 +45,6 @@ def test_quickstart_sft_then_flow_grpo_on_s3(tmp_path, unirl_env):
         assert json.loads(fs.cat(f"{base}/checkpoints/000002/_COMMITTED"))["version"] == 2
         assert not (REPO / "s3:").exists()
         fs.get(base, str(tmp_path / "diffusion-quickstart"), recursive=True)
-    finally:
-        server.stop()
     assert "sft step 3/3" in out.stdout and "iter-000001 (2/2)" in out.stdout
     assert "the VAE learns the SFT media first (3 steps of batch 8)" in out.stdout
     assert "VAE warm-up done, reconstruction loss" in out.stdout

@@ -25,10 +25,10 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 import s3fs
-from moto.server import ThreadedMotoServer
 
 from tests import zygote
 from tests.conftest import REPO, TINY, run_unirl
+from tests.moto_s3 import moto_endpoint
 from tests.e2e.test_rl_flow import SIGNAL
 
 pytestmark = pytest.mark.slow
@@ -56,18 +56,12 @@ def rdzv_port() -> int:
 
 @pytest.fixture(scope="module")
 def s3():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    url = f"http://127.0.0.1:{port}"
-    fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": url})
-    fs.mkdir(BUCKET)
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": url}
-    yield fs, env
-    server.stop()
+    with moto_endpoint() as url:
+        fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": url})
+        fs.mkdir(BUCKET)
+        env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+               "AWS_ENDPOINT_URL": url}
+        yield fs, env
 
 
 def read_table(fs: s3fs.S3FileSystem, path: str) -> pa.Table:

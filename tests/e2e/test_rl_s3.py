@@ -7,25 +7,18 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 import s3fs
-from moto.server import ThreadedMotoServer
 
 from tests.conftest import REPO, TINY, run_unirl
 from tests.e2e.test_rl_flow import SIGNAL, STAGE_FILES
+from tests.moto_s3 import moto_endpoint
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
 def s3_server():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+    with moto_endpoint() as url:
+        yield url
 
 
 def test_run_on_s3(tmp_path, unirl_env, s3_server):

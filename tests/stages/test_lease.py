@@ -22,15 +22,10 @@ def other_process_lease(storage: RunStorage, **owner) -> None:
 
 @pytest.fixture(scope="module")
 def moto_endpoint():
-    from moto.server import ThreadedMotoServer
+    from tests.moto_s3 import moto_endpoint
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+    with moto_endpoint() as url:
+        yield url
 
 
 @pytest.fixture(params=["local", "s3"])

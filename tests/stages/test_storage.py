@@ -157,17 +157,10 @@ def test_io_gives_up_after_retry_s_with_the_original_error(monkeypatch):
 
 @pytest.fixture(scope="module")
 def moto_endpoint():
-    import socket
+    from tests.moto_s3 import moto_endpoint
 
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+    with moto_endpoint() as url:
+        yield url
 
 
 def test_missing_paths_on_s3_under_names_with_503_fail_at_once(moto_endpoint, monkeypatch):
