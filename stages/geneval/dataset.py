@@ -2,10 +2,11 @@
 
 The grammar is small enough to enumerate, so the train / held-out split is a fixed property of
 each prompt's text (a hash), not of any seed: every run, recipe and benchmark holds out the same
-prompts. The held-out prompts are partitioned once more, into `dev` (what recipes are tuned on)
-and `test` (reported after RL): each kind's held-out prompts, in the order of a second hash, go
-alternately to dev and test, so each half has every kind with two or more held-out prompts (the
-single kind has one, which is dev's). `render` draws a scene that the detector in `stages.geneval.detector` scores 1.0 (strict)
+prompts: HELDOUT_PERCENT% of each kind by hash, and at least MIN_HELDOUT_PER_KIND of a kind (the
+next prompts in hash order), so the 12 single-object prompts give four. The held-out prompts are
+partitioned once more, into `dev` (what recipes are tuned on) and `test` (reported after RL): each
+kind's held-out prompts, in the order of a second hash, go alternately to dev and test, so each
+half has every kind. `render` draws a scene that the detector in `stages.geneval.detector` scores 1.0 (strict)
 against its own prompt, so the SFT data and the RL reward speak the same language.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ RELATIONS = ("on the left of", "on the right of", "above", "below")
 KINDS = ("single", "count", "pair", "position")
 SPLITS = ("train", "heldout", "dev", "test")  # dev and test partition heldout
 HELDOUT_PERCENT = 20
+MIN_HELDOUT_PER_KIND = 4  # two for dev, two for test
 MIN_IMAGE_SIZE = 16
 
 GRAMMAR = (
@@ -143,9 +145,24 @@ def parse_prompt(text: str) -> PromptSpec:
 
 
 def split_of(text: str) -> str:
-    """The fixed split of a prompt: `heldout` for HELDOUT_PERCENT% of prompts by text hash."""
-    digest = hashlib.sha256(parse_prompt(text).text.encode()).digest()
-    return "heldout" if int.from_bytes(digest[:4], "big") % 100 < HELDOUT_PERCENT else "train"
+    """The fixed split of a prompt: `heldout` or `train` (see the module docstring)."""
+    return "heldout" if parse_prompt(text).text in _heldout() else "train"
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
+
+
+@functools.lru_cache(maxsize=None)
+def _heldout() -> frozenset[str]:
+    """Every held-out prompt: per kind, those whose hash falls in HELDOUT_PERCENT%, topped up to
+    MIN_HELDOUT_PER_KIND with the next ones in (hash % 100, hash) order."""
+    held: set[str] = set()
+    for kind in KINDS:
+        order = sorted(_prompts(kind, None), key=lambda t: (_hash(t) % 100, _hash(t)))
+        below = sum(_hash(t) % 100 < HELDOUT_PERCENT for t in order)
+        held.update(order[: max(below, MIN_HELDOUT_PER_KIND)])
+    return frozenset(held)
 
 
 @functools.lru_cache(maxsize=None)
@@ -181,23 +198,19 @@ def _prompts(kind: str | None, split: str | None) -> tuple[str, ...]:
     texts = [s.text for s in specs if kind is None or s.kind == kind]
     if split in ("dev", "test"):
         return tuple(t for t in _prompts(kind, "heldout") if _heldout_halves()[t] == split)
-    return tuple(t for t in texts if split is None or split_of(t) == split)
+    if split is None:
+        return tuple(texts)
+    return tuple(t for t in texts if (t in _heldout()) == (split == "heldout"))
 
 
 def sample_prompts(n: int, seed: int, split: str = "train", kinds: tuple[str, ...] = KINDS) -> list[str]:
-    """n prompts of `split`, drawn with replacement: a kind uniformly from those of `kinds` that
-    have prompts in `split` (so the 528 position prompts do not swamp the 12 single-object ones;
-    the test split has no single prompt), then a prompt of that kind."""
-    pools = {k: all_prompts(k, split) for k in kinds}
-    drawn = tuple(k for k in kinds if pools[k])
-    if n and not drawn:
-        raise ValueError(f"data.kinds: toy GenEval's {split} split has no prompts of kind {', '.join(kinds)} (the one "
-                         "held-out single prompt is dev's); add a kind (count, pair, position) to data.kinds, or evaluate on "
-                         "dev only (eval.test: false)")
+    """n prompts of `split`, drawn with replacement: a kind uniformly from `kinds` (so the 528
+    position prompts do not swamp the 12 single-object ones), then a prompt of that kind."""
+    pools = {k: all_prompts(k, split) for k in kinds}  # every kind has prompts in every split
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        pool = pools[drawn[rng.integers(len(drawn))]]
+        pool = pools[kinds[rng.integers(len(kinds))]]
         out.append(pool[rng.integers(len(pool))])
     return out
 

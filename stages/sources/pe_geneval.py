@@ -22,7 +22,7 @@ class PEGenEvalData(Section):
     seed: int = Field(1234, description="Seed of the prompt stream and of the dev and test draws.")
     heldout_size: int = Field(
         64, ge=0, description="Size of each of the dev and test splits (never trained on): distinct held-out phrasings "
-        "of the same intents, drawn from a pool of 395 (single), 613 (count) or 1008 (both).")
+        "of the same intents, drawn from a pool of 300 (single), 613 (count) or 913 (both).")
     kinds: list[Literal["single", "count"]] = Field(
         ["single"], min_length=1,
         description="Intent kinds: single (one object) or count (two or three of one object). The intents are the "

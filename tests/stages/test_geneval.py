@@ -66,10 +66,12 @@ def test_dev_and_test_partition_the_heldout_prompts_of_every_kind():
     for kind in KINDS:
         dev, test = set(all_prompts(kind, "dev")), set(all_prompts(kind, "test"))
         assert not dev & test and dev | test == set(all_prompts(kind, "heldout")), kind
-        assert dev and (test or kind == "single") and abs(len(dev) - len(test)) <= 1, kind
-    assert (len(all_prompts(split="dev")), len(all_prompts(split="test"))) == (77, 75)
+        assert len(dev) >= 2 and len(test) >= 2 and abs(len(dev) - len(test)) <= 1, kind
+    assert (len(all_prompts(split="dev")), len(all_prompts(split="test"))) == (78, 77)
     # The partition is fixed: evaluations stored under one stay comparable.
-    assert all_prompts("single", "dev") == ["a green triangle"] and all_prompts("single", "test") == []
+    assert all_prompts("single", "dev") == ["a blue square", "a yellow triangle"]
+    assert all_prompts("single", "test") == ["a green triangle", "a yellow square"]
+    assert len(all_prompts("single", "train")) == 8  # topped up to four held out: 20% of 12 hashed to one
     assert all_prompts("count", "dev") == ["two red triangles", "three green triangles"]
     assert all_prompts("count", "test") == ["three blue circles", "three yellow triangles"]
 
@@ -84,7 +86,7 @@ def test_the_source_gives_disjoint_dev_and_test_splits_never_trained_on():
         assert [p.text for p in a.heldout(split)] == [p.text for p in b.heldout(split)]
     assert not {p.text for p in dev} & {p.text for p in test}
     assert {p.text for p in dev} <= set(all_prompts(split="dev")) and {p.text for p in test} <= set(all_prompts(split="test"))
-    assert {parse_prompt(p.text).kind for p in test} == {"count", "pair", "position"}
+    assert {parse_prompt(p.text).kind for p in test} == set(KINDS)
     trained = {p.text for it in range(50) for p in a.batch(it, 16)}
     assert not trained & {p.text for p in dev + test}
     assert (dev[0].prompt_id, test[0].prompt_id) == ("heldout-00000", "test-00000")
@@ -93,13 +95,12 @@ def test_the_source_gives_disjoint_dev_and_test_splits_never_trained_on():
         a.heldout("train")
 
 
-def test_single_prompts_have_a_dev_split_only_and_listed_training_prompts_must_be_train_prompts():
+def test_single_prompts_have_dev_and_test_splits_and_listed_training_prompts_must_be_train_prompts():
     from stages.sources.geneval import GenEvalData, GenEvalSource
 
-    single = GenEvalSource.build(GenEvalData(kinds=["single"], heldout_size=4))
-    assert [p.text for p in single.heldout("dev")] == ["a green triangle"] * 4  # what the held-out split was
-    with pytest.raises(ValueError, match="data.kinds: toy GenEval's test split has no prompts of kind single"):
-        single.heldout("test")
+    single = GenEvalSource.build(GenEvalData(kinds=["single"], heldout_size=16))
+    assert {p.text for p in single.heldout("dev")} == {"a blue square", "a yellow triangle"}
+    assert {p.text for p in single.heldout("test")} == {"a green triangle", "a yellow square"}
     with pytest.raises(ValueError, match="data.prompts.1: 'three blue circles' is a held-out prompt"):
         GenEvalData(prompts=["a red circle", "three blue circles"])
 

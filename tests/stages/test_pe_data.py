@@ -38,16 +38,17 @@ def test_heldout_prompts_are_phrasings_never_trained_on_of_intents_the_drawer_kn
     assert {p.metadata["geneval_prompt"] for p in held} <= drawer_knows
     assert {p.metadata["geneval_prompt"] for p in source.batch(3, 200)} == drawer_knows  # every intent is asked for
     assert [p.text for p in PEPrompts(PEGenEvalData()).batch(3, 5)] == [  # recorded once: a resumed run draws them again
-        "paint one yellow box", "paint one yellow triangle", "show me one crimson triangle", "i want a navy disc", "draw a single azure tile"]
+        "show me a single golden circle", "a picture of a single emerald square", "a navy ring", "a single azure wedge",
+        "draw a yellow disc"]
 
 
-def test_dev_and_test_are_disjoint_phrasings_never_trained_on_and_dev_is_the_former_heldout_split():
+def test_dev_and_test_are_disjoint_phrasings_never_trained_on_and_fixed_by_the_seed():
     a, b = PEPrompts(PEGenEvalData(seed=3, heldout_size=8)), PEPrompts(PEGenEvalData(seed=3, heldout_size=8))
     dev, test = a.heldout("dev"), a.heldout("test")
-    # Drawn before the test split existed: recipes tuned on the held-out split were tuned on dev.
+    # Recorded once: evaluations stored under one split stay comparable.
     assert [(p.prompt_id, p.text, p.metadata["answer"]) for p in dev[:4]] == [
         ("heldout-00000", "show me a red disc", "a red circle"), ("heldout-00001", "a picture of one crimson ring", "a red circle"),
-        ("heldout-00002", "show me one yellow triangle", "a yellow triangle"), ("heldout-00003", "one scarlet ring", "a red circle")]
+        ("heldout-00002", "one scarlet ring", "a red circle"), ("heldout-00003", "paint one crimson ring", "a red circle")]
     assert len(dev) == len(test) == 8 and a.heldout() == dev and test[0].prompt_id == "test-00000"
     assert [p.text for p in test] == [p.text for p in b.heldout("test")]
     assert len({p.text for p in dev} | {p.text for p in test}) == 16  # distinct, and no test phrasing is a dev one
@@ -58,8 +59,8 @@ def test_dev_and_test_are_disjoint_phrasings_never_trained_on_and_dev_is_the_for
 
 
 def test_a_heldout_size_the_phrasings_cannot_give_twice_is_named():
-    assert PEGenEvalData(kinds=["single"], heldout_size=197).heldout_size == 197
-    for kinds, pool in ((["single"], 395), (["count"], 613), (["single", "count"], 1008)):
+    assert PEGenEvalData(kinds=["single"], heldout_size=150).heldout_size == 150
+    for kinds, pool in ((["single"], 300), (["count"], 613), (["single", "count"], 913)):
         with pytest.raises(ValueError, match=f"data.heldout_size: kinds {', '.join(kinds)} have {pool} held-out phrasings, "
                                              f"too few for two disjoint splits \\(dev and test\\) of {pool // 2 + 1}"):
             PEGenEvalData(kinds=kinds, heldout_size=pool // 2 + 1)
