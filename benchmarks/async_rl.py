@@ -47,7 +47,7 @@ SETUPS = {
 
 def run(name: str, extra: list[str], work: Path, iterations: int, overrides: list[str]) -> dict[str, float]:
     env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "OMP_NUM_THREADS": "1"}
-    cmd = ["taskset", "-c", "0", sys.executable, "-m", "flows.cli", "run", str(RECIPE), f"storage.root={work}",
+    cmd = ["taskset", "-c", "0", sys.executable, "-m", "unirl.flows.cli", "run", str(RECIPE), f"storage.root={work}",
            "--run-name", name.replace(" ", "-"), f"iterations={iterations}", *GEOMETRY, *extra, *overrides]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)

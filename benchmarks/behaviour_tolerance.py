@@ -29,12 +29,12 @@ def main() -> int:
     import numpy as np
     import torch
 
-    from stages import iteration as it
-    from stages.policies.text import TextPolicy
-    from stages.recipe import load_recipe
-    from stages.sample import read_rollouts
-    from stages.storage import RunStorage
-    from stages.workers.worker import Worker
+    from unirl.stages import iteration as it
+    from unirl.stages.policies.text import TextPolicy
+    from unirl.stages.recipe import load_recipe
+    from unirl.stages.sample import read_rollouts
+    from unirl.stages.storage import RunStorage
+    from unirl.stages.workers.worker import Worker
 
     work = Path(tempfile.mkdtemp(prefix="unirl-tolerance-"))
     prompts, group = 64, 8
@@ -44,7 +44,7 @@ def main() -> int:
         "data.digits=3", "data.operands=3", "data.operators=[+, -, '*']", "reward.scorers=[{name: integer_format}]",
         "rollout.behaviour_tolerance=1.0",  # measure, do not stop
     ])
-    from stages.run import initial_weights
+    from unirl.stages.run import initial_weights
 
     storage = RunStorage(str(work), "run")
     spec = {"recipe": recipe.model_dump(mode="json"), "root": str(work), "run": "run",

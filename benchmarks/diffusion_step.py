@@ -1,6 +1,6 @@
 """One FlowGRPO iteration of a flow family's recipe (default: the diffusion quickstart, SD3) through
 the full flow (Prefect tasks, Arrow shards in run storage, the torchrun FSDP2 worker group) and the
-same math in a minimal in-process loop (`stages.loop.InProcessLoop`: the same worker, policy,
+same math in a minimal in-process loop (`unirl.stages.loop.InProcessLoop`: the same worker, policy,
 algorithm and train stack on in-memory storage), side by side, at 1x, 2x and 4x the group size.
 Prints seconds per iteration at steady state, the flow/loop ratio (target: at most 1.15) and how
 cost grows with the batch.
@@ -36,7 +36,7 @@ STAGES = ("generate", "score", "advantage", "train", "sync")
 
 
 def flow_run(recipe: Path, work: Path, name: str, iterations: int, overrides: list[str], env: dict[str, str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "flows.cli", "run", str(recipe), f"storage.root={work}", "--run-name", name,
+    cmd = [sys.executable, "-m", "unirl.flows.cli", "run", str(recipe), f"storage.root={work}", "--run-name", name,
            "sft=null", "eval.enabled=false", "tracking.preview_every=0", f"iterations={iterations}",
            f"checkpoint_every={iterations}", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -59,8 +59,8 @@ def in_process(recipe_path: Path, weights: str, iterations: int, overrides: list
     sys.path.insert(0, str(REPO))
     import torch
 
-    from stages.loop import InProcessLoop
-    from stages.recipe import load_recipe
+    from unirl.stages.loop import InProcessLoop
+    from unirl.stages.recipe import load_recipe
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     recipe = load_recipe(recipe_path, ["sft=null", *overrides])
@@ -90,7 +90,7 @@ def main() -> int:
     if args.loop:
         return in_process(recipe, args.loop, args.iterations, args.overrides)
     sys.path.insert(0, str(REPO))
-    from stages.recipe import load_recipe
+    from unirl.stages.recipe import load_recipe
 
     work = Path(tempfile.mkdtemp(prefix="unirl-diffusion-bench-"))
     env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_LOGGING_LEVEL": "WARNING",

@@ -64,7 +64,7 @@ class Row:
 
 
 def unirl(args: list[str], env: dict[str, str], check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
-    proc = run_command([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, capture_output=True, text=True,
+    proc = run_command([sys.executable, "-m", "unirl.flows.cli", *args], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=timeout)
     if check and proc.returncode != 0:
         raise RuntimeError(f"unirl {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -241,7 +241,7 @@ def node_row(bench: Bench) -> Row:
             if group and group not in seen:
                 seen.add(group)
                 agent_env = {**env, "UNIRL_FAULTS": "train-node@1"} if faulty else env
-                popen([sys.executable, "-m", "flows.cli", "agent", str(RECIPE), *args[2:], "--group", group],
+                popen([sys.executable, "-m", "unirl.flows.cli", "agent", str(RECIPE), *args[2:], "--group", group],
                       cwd=REPO, env=agent_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(0.5)
 
@@ -285,7 +285,7 @@ def s3_row(bench: Bench) -> Row:
     fs.mkdir(bucket)
     root = f"s3://{bucket}/runs"
     args = run_args(root, "r", NO_SFT)  # type: ignore[arg-type]
-    proc = popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+    proc = popen([sys.executable, "-m", "unirl.flows.cli", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                  stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 600
@@ -354,7 +354,7 @@ def reward_server_row(bench: Bench) -> Row:
     root = bench.work / "reward"
     remote = f"reward.scorers=[{{name: remote, params: {{url: 'http://127.0.0.1:{port}', attempts: 8}}}}]"
     env = {**bench.env, "UNIRL_REWARD_TOKEN": token}
-    run = popen([sys.executable, "-m", "flows.cli", *run_args(root, "r", [*NO_SFT, remote, "eval.scorer=exact_match"])],
+    run = popen([sys.executable, "-m", "unirl.flows.cli", *run_args(root, "r", [*NO_SFT, remote, "eval.scorer=exact_match"])],
                 cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     server = None
     try:
@@ -364,7 +364,7 @@ def reward_server_row(bench: Bench) -> Row:
                 raise RuntimeError(f"the run ended before scoring: {run.communicate()[1][-3000:]}")
             time.sleep(0.1)
         time.sleep(4)
-        server = subprocess.Popen([sys.executable, "-m", "flows.reward_server", "--config", str(config)], cwd=REPO, env=env,
+        server = subprocess.Popen([sys.executable, "-m", "unirl.flows.reward_server", "--config", str(config)], cwd=REPO, env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         out, err = run.communicate(timeout=900)
         if run.returncode != 0:

@@ -13,8 +13,8 @@ Checks, each independent (one that fails prints its traceback, the others still 
   iterations of generate, score, advantage, train, then save, publish and a relaunch from that
   checkpoint. Wall time per command; the first update's ratio is exactly 1 (the workers raise
   otherwise; ratio_min/max where reported). At world size 1 the workers keep the plain module
-  (`stages.workers.base.shard`), so NCCL runs (the all-reduces of counts and metrics), FSDP2 does not.
-* speed_sd3_loop: `stages.loop.InProcessLoop` at model.dtype float32 and bfloat16, a wider
+  (`unirl.stages.workers.base.shard`), so NCCL runs (the all-reduces of counts and metrics), FSDP2 does not.
+* speed_sd3_loop: `unirl.stages.loop.InProcessLoop` at model.dtype float32 and bfloat16, a wider
   and deeper transformer than the tiny default on cuda; steady-state seconds per iteration, ratio.
 * speed_qwen3_worker: there is no in-process AR loop, so the AR worker group's generate and train
   step at both dtypes (a larger tiny Qwen3 on cuda); steady-state seconds, ratio.
@@ -88,7 +88,7 @@ def median(values: list[float]) -> float:
 
 
 def recipe_of(path: Path, root: Path, device: str, overrides: list[str]) -> Any:
-    from stages.recipe import load_recipe
+    from unirl.stages.recipe import load_recipe
 
     backend = "nccl" if device == "cuda" else "gloo"
     return load_recipe(path, ["sft=null", f"storage.root={root}", f"train.backend={backend}", "train.nproc=1",
@@ -148,9 +148,9 @@ def check_env(device: str) -> dict[str, Any]:
 @contextmanager
 def worker_group(recipe: Any, root: Path) -> Iterator[Any]:
     """A started WorkerGroup on the recipe's tiny seeded model (weights v000000 built first)."""
-    from stages.run import initial_weights
-    from stages.storage import RunStorage
-    from stages.workers.group import WorkerGroup
+    from unirl.stages.run import initial_weights
+    from unirl.stages.storage import RunStorage
+    from unirl.stages.workers.group import WorkerGroup
 
     storage = RunStorage(recipe.storage.root, "run")
     group = WorkerGroup(recipe, storage, init_weights=initial_weights(storage, recipe), log=lambda line: say(f"  {line}"))
@@ -165,7 +165,7 @@ def worker_group(recipe: Any, root: Path) -> Iterator[Any]:
 
 def one_iteration(group: Any, recipe: Any, i: int) -> dict[str, Any]:
     """generate -> score -> advantage -> train of iteration i, as the tasks run it (without Prefect)."""
-    from stages import iteration as it
+    from unirl.stages import iteration as it
 
     storage = group.storage
     req = it.write_requests(storage, recipe, i)
@@ -228,8 +228,8 @@ def speedups(out: dict[str, Any], what: str, timings: dict[str, tuple[str, str]]
 def time_loop(recipe: Any, weights: str, device: str, dtype: str, warmup: int, timed: int) -> dict[str, Any]:
     import torch
 
-    from stages.algorithms import BehaviourMismatchError
-    from stages.loop import InProcessLoop
+    from unirl.stages.algorithms import BehaviourMismatchError
+    from unirl.stages.loop import InProcessLoop
 
     with ExitStack():
         loop = InProcessLoop(recipe, weights, device=device)  # at recipe.model.dtype
@@ -272,8 +272,8 @@ def time_loop(recipe: Any, weights: str, device: str, dtype: str, warmup: int, t
 
 
 def check_speed_sd3(device: str, work: Path, warmup: int, timed: int) -> dict[str, Any]:
-    from stages.run import initial_weights
-    from stages.storage import RunStorage
+    from unirl.stages.run import initial_weights
+    from unirl.stages.storage import RunStorage
 
     out: dict[str, Any] = {"overrides": SD3_SPEED[device], "warmup": warmup, "timed": timed}
     weights = None
@@ -317,7 +317,7 @@ def check_speed_ar(device: str, work: Path, warmup: int, timed: int) -> dict[str
 
 def check_sglang_client(url: str | None = None, token: str | None = None) -> dict[str, Any]:
     """The SGLang client against a live SGLang server (see the module docstring)."""
-    from stages.engines.client import EngineClient, finish_reason
+    from unirl.stages.engines.client import EngineClient, finish_reason
 
     url = url or os.environ.get("UNIRL_SGLANG_URL")
     if not url:

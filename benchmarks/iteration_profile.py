@@ -108,14 +108,14 @@ def overlapped_start(timeline: Timeline, i: int) -> float:
 def instrument(timeline: Timeline) -> None:
     """Timers around the iteration subflow, its gate, its body, the five task functions,
     `Ahead.take` and worker-group calls."""
-    import flows.ahead
-    import flows.rl as rl
-    import tasks.advantage
-    import tasks.generate
-    import tasks.score
-    import tasks.sync
-    import tasks.train
-    from stages.workers.group import WorkerGroup
+    import unirl.flows.ahead
+    import unirl.flows.rl as rl
+    import unirl.tasks.advantage
+    import unirl.tasks.generate
+    import unirl.tasks.score
+    import unirl.tasks.sync
+    import unirl.tasks.train
+    from unirl.stages.workers.group import WorkerGroup
 
     def around(fn: Callable[..., Any], before: str, after: str) -> Callable[..., Any]:
         # A function compiled in `fn`'s module, so Prefect still resolves its annotations; the
@@ -130,7 +130,7 @@ def instrument(timeline: Timeline) -> None:
         return wrapped
 
     rl.rl_iteration.fn = around(rl.rl_iteration.fn, "body>", "body<")
-    for t in (tasks.generate.generate, tasks.score.score, tasks.advantage.advantage, tasks.train.train, tasks.sync.sync):
+    for t in (unirl.tasks.generate.generate, unirl.tasks.score.score, unirl.tasks.advantage.advantage, unirl.tasks.train.train, unirl.tasks.sync.sync):
         t.fn = around(t.fn, f"task>{t.name}", f"task<{t.name}")
     wait_turn = rl.wait_turn
 
@@ -154,13 +154,13 @@ def instrument(timeline: Timeline) -> None:
             return getattr(subflow, name)
 
     rl.rl_iteration = Subflow()
-    take = flows.ahead.Ahead.take
+    take = unirl.flows.ahead.Ahead.take
 
     def timed_take(self: Any, i: int) -> Any:
         timeline.mark("take>", i)
         return take(self, i)
 
-    flows.ahead.Ahead.take = timed_take  # type: ignore[method-assign]
+    unirl.flows.ahead.Ahead.take = timed_take  # type: ignore[method-assign]
     call = WorkerGroup.call
 
     def timed_call(self: WorkerGroup, cmd: str, **kwargs: Any) -> Any:
@@ -176,7 +176,7 @@ def pin_worker_group(cpus: set[int], others: set[int]) -> None:
     """Every thread of the worker group's processes on `cpus`, this process (the flow) on `others`;
     the ephemeral API server, started later by this process, inherits `others`. So the model's
     work has cores of its own, as on a GPU host, and the flow's bookkeeping the rest."""
-    from stages.workers.group import WorkerGroup
+    from unirl.stages.workers.group import WorkerGroup
 
     os.sched_setaffinity(0, others)
     start = WorkerGroup.start
@@ -219,7 +219,7 @@ def main() -> int:
         os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank on its one core
         pin_worker_group({args.pin_worker}, set(range(os.cpu_count() or 1)) - {args.pin_worker})
     os.environ["UNIRL_OVERLAP_ITERATIONS"] = args.ahead
-    from flows.cli import main as cli
+    from unirl.flows.cli import main as cli
 
     code = cli(["run", args.recipe, f"storage.root={work}", "--run-name", "profile", f"iterations={args.iterations}",
                 f"checkpoint_every={args.iterations}", *args.overrides])

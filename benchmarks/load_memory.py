@@ -37,7 +37,7 @@ def build(folder: Path) -> Path:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from stages.models.tokenizer import build_char_tokenizer
+    from unirl.stages.models.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer("0123456789+-=*() ")
     config = Qwen3Config(**ARCH, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -63,8 +63,8 @@ def child(folder: Path, sharded: bool, dtype: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from stages.models.qwen3 import Qwen3, Qwen3ModelConfig
-    from stages.train.stack import OptimizerSpec, TrainStack, load_bundle
+    from unirl.stages.models.qwen3 import Qwen3, Qwen3ModelConfig
+    from unirl.stages.train.stack import OptimizerSpec, TrainStack, load_bundle
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()

@@ -35,11 +35,11 @@ def components(recipe_path: str, overrides: list[str], work: Path, name: str, ve
     (`greedy/<component>`, `sampled/<component>`): which part of the prompt a model gets wrong."""
     import numpy as np
 
-    from stages.iteration import SCORED_COLUMNS, reads_images, score_batch
-    from stages.recipe import load_recipe
-    from stages.rewards.base import build_scorer, run_scorer
-    from stages.sample import read_rollouts, scoring_view
-    from stages.storage import RunStorage
+    from unirl.stages.iteration import SCORED_COLUMNS, reads_images, score_batch
+    from unirl.stages.recipe import load_recipe
+    from unirl.stages.rewards.base import build_scorer, run_scorer
+    from unirl.stages.sample import read_rollouts, scoring_view
+    from unirl.stages.storage import RunStorage
 
     recipe = load_recipe(recipe_path, overrides)
     scorer_name, params = recipe.eval_scorer()
@@ -86,7 +86,7 @@ def main() -> int:
     print(f"runs and their console logs: {work}", flush=True)
     for n, seed in enumerate(args.seeds):
         name = f"seed{seed}"
-        cmd = [sys.executable, "-m", "flows.cli", "run", args.recipe, f"storage.root={work}", "--run-name", name,
+        cmd = [sys.executable, "-m", "unirl.flows.cli", "run", args.recipe, f"storage.root={work}", "--run-name", name,
                *seed_overrides(args.recipe, seed), *args.overrides]
         start, cpu_start = time.perf_counter(), _children_cpu()
         log = work / f"{name}.log"

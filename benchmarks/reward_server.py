@@ -2,7 +2,7 @@
 
     python benchmarks/reward_server.py [--requests 200] [--samples 16] [--in-flight 200] [--clip]
 
-Starts `python -m flows.reward_server` with rule scorers (text_length, keyword, constant; with
+Starts `python -m unirl.flows.reward_server` with rule scorers (text_length, keyword, constant; with
 --clip also a tiny random CLIP scoring 32-px images), sends --requests requests of --samples
 samples each, at most --in-flight at a time, and prints throughput and p50/p95 latency. Every
 answer is checked against the same scorers run in this process: the run fails (exit 1) unless
@@ -25,9 +25,9 @@ import httpx
 import numpy as np
 import yaml
 
-from stages.rewards import ScoreBatch
-from stages.rewards.server import ScoringService, load_config
-from stages.rewards.wire import CONTENT_TYPE, encode_batch
+from unirl.stages.rewards import ScoreBatch
+from unirl.stages.rewards.server import ScoringService, load_config
+from unirl.stages.rewards.wire import CONTENT_TYPE, encode_batch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def make_batch(i: int, n: int, images: list | None) -> ScoreBatch:
 
 def start_server(config_path: Path, token: str) -> subprocess.Popen:
     env = {**os.environ, "UNIRL_REWARD_TOKEN": token}
-    return subprocess.Popen([sys.executable, "-m", "flows.reward_server", "--config", str(config_path)],
+    return subprocess.Popen([sys.executable, "-m", "unirl.flows.reward_server", "--config", str(config_path)],
                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     images = None
     if args.clip:
-        from stages.tiny_models import random_images, save_tiny_clip
+        from unirl.stages.tiny_models import random_images, save_tiny_clip
 
         scorers.append({"name": "clip", "params": {"model_path": str(save_tiny_clip(tmp / "clip")), "device": "cpu"}})
         images = random_images(args.samples, size=(32, 32))

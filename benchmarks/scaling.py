@@ -30,13 +30,13 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="unirl-scaling-"))
     env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_LOGGING_LEVEL": "WARNING"}
     sys.path.insert(0, str(REPO))
-    from stages.recipe import load_recipe
+    from unirl.stages.recipe import load_recipe
 
     base = load_recipe(QUICKSTART, args.overrides).rollout.prompts_per_iteration
     rows = []
     for scale in (1, 2, 4):
         name = f"x{scale}"
-        cmd = [sys.executable, "-m", "flows.cli", "run", str(QUICKSTART), f"storage.root={work}", "--run-name", name,
+        cmd = [sys.executable, "-m", "unirl.flows.cli", "run", str(QUICKSTART), f"storage.root={work}", "--run-name", name,
                "sft=null", "eval.enabled=false", f"iterations={args.iterations}", f"checkpoint_every={args.iterations}",
                f"rollout.prompts_per_iteration={base * scale}", *args.overrides]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)

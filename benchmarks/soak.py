@@ -59,7 +59,7 @@ def family(root: psutil.Process) -> dict[str, list[psutil.Process]]:
             cmd = " ".join(child.cmdline())
         except psutil.Error:
             continue
-        if "stages.workers" in cmd:
+        if "unirl.stages.workers" in cmd:
             out["workers"].append(child)
         elif "uvicorn" in cmd or "prefect" in cmd and "server" in cmd:
             out["prefect"].append(child)
@@ -78,7 +78,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     env["PREFECT_HOME"] = str(work / "prefect")
     run = work / "runs" / "soak"
-    cmd = [sys.executable, "-m", "flows.cli", "run", str(REPO / "recipes" / "ar" / "tiny.yaml"), f"iterations={args.iterations}",
+    cmd = [sys.executable, "-m", "unirl.flows.cli", "run", str(REPO / "recipes" / "ar" / "tiny.yaml"), f"iterations={args.iterations}",
            f"storage.root={work / 'runs'}", "--run-name", "soak", *args.overrides]
     log = open(work / "soak.log", "w")  # noqa: SIM115 - the run's console, kept for reading afterwards
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -4,7 +4,7 @@
 
 Each round starts a fresh interpreter per case and mode and measures the CPU seconds
 (`time.process_time`) to import what that process imports before it works: the flow process
-(`flows.rl`, `mlflow.tracking`) and a worker rank of the qwen3 and of the sd3 family (the worker
+(`unirl.flows.rl`, `mlflow.tracking`) and a worker rank of the qwen3 and of the sd3 family (the worker
 and the modules the family has the rank preload: transformers, diffusers, peft). "on" is
 Python's default, "off" is what stages/startup.py does (the collector off until the imports are
 done). Medians over the rounds; the modes alternate within a round, so a
@@ -23,11 +23,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 def cases() -> dict[str, str]:
     sys.path.insert(0, str(REPO))
-    from stages.models.family import get_family
+    from unirl.stages.models.family import get_family
 
-    out = {"flow process (flows.rl, mlflow.tracking)": "flows.rl,mlflow.tracking"}
+    out = {"flow process (flows.rl, mlflow.tracking)": "unirl.flows.rl,mlflow.tracking"}
     for kind in ("qwen3", "sd3"):
-        out[f"{kind} worker rank"] = ",".join(("stages.workers.worker", *get_family(kind).modules))
+        out[f"{kind} worker rank"] = ",".join(("unirl.stages.workers.worker", *get_family(kind).modules))
     return out
 
 

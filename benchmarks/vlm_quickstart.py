@@ -58,7 +58,7 @@ def main() -> int:
     print(f"{'seed':>4s} {'wall s':>7s} {'acc SFT':>8s} {'acc RL':>7s} {'gain':>6s} {'slip SFT':>9s} {'slip RL':>8s}  per kind SFT -> RL")
     for seed in args.seeds:
         name = f"seed{seed}"
-        cmd = [sys.executable, "-m", "flows.cli", "run", args.recipe, f"storage.root={work}", "--run-name", name,
+        cmd = [sys.executable, "-m", "unirl.flows.cli", "run", args.recipe, f"storage.root={work}", "--run-name", name,
                f"seed={seed}", f"model.tiny.seed={seed}", f"sft.seed={seed}", *args.overrides]
         start = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)

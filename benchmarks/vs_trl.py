@@ -35,7 +35,7 @@ QUICKSTART = REPO / "recipes" / "ar" / "quickstart.yaml"
 
 
 def unirl(args: list[str], env: dict[str, str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "unirl.flows.cli", *args], cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"unirl {' '.join(args)} failed:\n{proc.stderr[-4000:]}")
 
@@ -44,7 +44,7 @@ def greedy_accuracy(model, tokenizer, prompts) -> float:
     """Greedy exact match on held-out prompts, the same code for both trainers' models."""
     import torch
 
-    from stages.rewards.rules import extract_answer
+    from unirl.stages.rewards.rules import extract_answer
 
     model.eval()
     correct = 0
@@ -66,8 +66,8 @@ def run_trl(sft_dir: Path, recipe, iterations: int, out: Path) -> tuple[list[flo
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from stages.data import build_prompt_source
-    from stages.models import load_tokenizer
+    from unirl.stages.data import build_prompt_source
+    from unirl.stages.models import load_tokenizer
 
     r, a, t = recipe.rollout, recipe.algorithm, recipe.train
     source = build_prompt_source(recipe.data)
@@ -116,9 +116,9 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", help="recipe overrides for both, e.g. rollout.group_size=8")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    from stages.data import build_prompt_source
-    from stages.models import load_qwen3
-    from stages.recipe import load_recipe
+    from unirl.stages.data import build_prompt_source
+    from unirl.stages.models import load_qwen3
+    from unirl.stages.recipe import load_recipe
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="unirl-vs-trl-"))
     env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_LOGGING_LEVEL": "WARNING"}

@@ -44,11 +44,11 @@ class LocalTrainer:
 
 
 def measure(size: str, weights: str, versions: int, root: Path) -> tuple[float, float, int]:
-    from stages.engines import engines
-    from stages.recipe import build_recipe
-    from stages.run import initial_weights
-    from stages.storage import RunStorage
-    from stages.workers.worker import Worker
+    from unirl.stages.engines import engines
+    from unirl.stages.recipe import build_recipe
+    from unirl.stages.run import initial_weights
+    from unirl.stages.storage import RunStorage
+    from unirl.stages.workers.worker import Worker
 
     lora = {"lora": {"rank": 8}} if weights == "lora" else {}
     recipe = build_recipe({"model": {"kind": "qwen3", "tiny": SIZES[size], **lora}, "storage": {"root": str(root)},

@@ -27,8 +27,8 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from stages.recipe import Recipe
-from stages.storage import RunStorage, iter_dir, join
+from unirl.stages.recipe import Recipe
+from unirl.stages.storage import RunStorage, iter_dir, join
 
 # (column, metric key): the columns of the iterations table, in order.
 COLUMNS: tuple[tuple[str, str], ...] = (

@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from stages import startup
+from unirl.stages import startup
 
 startup.importing()  # until the command's imports are done (stages/startup.py)
 
-from stages.recipe import RecipeError, load_recipe  # noqa: E402
+from unirl.stages.recipe import RecipeError, load_recipe  # noqa: E402
 
 
 # What every run, SFT and evaluation imports once it has started (stages/tracking.py), imported
@@ -64,12 +64,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["reward-server"]:
-        from flows.reward_server import main as serve
+        from unirl.flows.reward_server import main as serve
 
         startup.imports_done()
         return serve(argv[1:])
     if argv[:1] == ["engine-server"]:
-        from stages.engine_server import main as engine_server
+        from unirl.stages.engine_server import main as engine_server
 
         startup.imports_done()
         return engine_server(argv[1:])
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         print(recipe.to_yaml(), end="")
         return 0
     if args.run_name:
-        from stages.recipe import check_run_name
+        from unirl.stages.recipe import check_run_name
 
         try:
             check_run_name(args.run_name, "--run-name")
@@ -100,36 +100,36 @@ def main(argv: list[str] | None = None) -> int:
         startup.imports_done()
         return node_agent(recipe, args.run_name or recipe.name, args.group)
     if args.command in ("run", "sft"):
-        from stages.run import check_inputs
+        from unirl.stages.run import check_inputs
 
         try:
             check_inputs(recipe)  # a bad model folder or data file, before Prefect, MLflow or a model start
         except (OSError, ValueError) as exc:
             print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
-    from flows.console import error_text, failures_once, quiet_prefect
+    from unirl.flows.console import error_text, failures_once, quiet_prefect
 
     quiet_prefect(args.verbose)  # before Prefect configures its logging
     try:
-        from flows.ephemeral import lean_ephemeral_api, tie_ephemeral_api
+        from unirl.flows.ephemeral import lean_ephemeral_api, tie_ephemeral_api
 
         failures_once(args.verbose)
 
         with lean_ephemeral_api():
             tie_ephemeral_api()  # a killed `unirl` must not leave Prefect's temporary API server behind
             if args.command == "sft":
-                from flows.sft import sft
+                from unirl.flows.sft import sft
 
                 startup.imports_done(*RUN_IMPORTS)
                 sft(recipe, args.run_name or recipe.name)
                 return 0
             if args.command == "evaluate":
-                from flows.evaluate import evaluate_run
+                from unirl.flows.evaluate import evaluate_run
 
                 startup.imports_done(*RUN_IMPORTS)
                 evaluate_run(recipe, args.run_name or recipe.name, args.version, args.split)
                 return 0
-            from flows.rl import rl_train
+            from unirl.flows.rl import rl_train
 
             startup.imports_done(*RUN_IMPORTS)
             result = rl_train(recipe, args.run_name or recipe.name)
@@ -144,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def node_agent(recipe, run_name: str, group: str) -> int:
-    from stages.storage import RunStorage
-    from stages.workers.agent import serve_node
-    from stages.workers.rendezvous import NodeSetupError
+    from unirl.stages.storage import RunStorage
+    from unirl.stages.workers.agent import serve_node
+    from unirl.stages.workers.rendezvous import NodeSetupError
 
     try:
         return serve_node(RunStorage(recipe.storage.root, run_name, recipe.storage.options), recipe, group=group,

@@ -56,7 +56,7 @@ def lean_ephemeral_api() -> AbstractContextManager[Any]:
     server is left as configured). A variable the user set wins."""
     from prefect.settings import get_current_settings, temporary_settings
 
-    from tasks.common import on_server
+    from unirl.tasks.common import on_server
 
     if on_server() or not get_current_settings().server.ephemeral.enabled:
         return nullcontext()
@@ -90,7 +90,7 @@ def tie_ephemeral_api() -> None:
     real Prefect server there is nothing to tie)."""
     from prefect.settings import get_current_settings
 
-    from tasks.common import on_server
+    from unirl.tasks.common import on_server
 
     if on_server() or not get_current_settings().server.ephemeral.enabled:
         return

@@ -8,16 +8,16 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
-from flows.console import say
+from unirl.flows.console import say
 
-from stages.evaluation import PREFIX, eval_dir, has_split
-from stages.recipe import Recipe
-from stages.run import open_run
-from stages.storage import join
-from stages.tracking import Tracker
-from stages.workers.group import close_group
-from tasks.common import close_engine, staged, storage_of
-from tasks.evaluate import evaluate
+from unirl.stages.evaluation import PREFIX, eval_dir, has_split
+from unirl.stages.recipe import Recipe
+from unirl.stages.run import open_run
+from unirl.stages.storage import join
+from unirl.stages.tracking import Tracker
+from unirl.stages.workers.group import close_group
+from unirl.tasks.common import close_engine, staged, storage_of
+from unirl.tasks.evaluate import evaluate
 
 
 def eval_artifact(recipe: Recipe, run_name: str, version: int, metrics: dict[str, float]) -> None:
@@ -36,7 +36,7 @@ def eval_preview(recipe: Recipe, run_name: str, version: int) -> None:
     0: none); never fails the run."""
     from prefect import get_run_logger
 
-    from stages.policies import policy_for
+    from unirl.stages.policies import policy_for
 
     if not recipe.tracking.preview_every:
         return

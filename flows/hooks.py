@@ -16,10 +16,10 @@ import signal
 from pathlib import Path
 from typing import Any, Callable
 
-from stages.recipe import Recipe
-from stages.storage import RunStorage
-from stages.workers.group import close_group
-from tasks.common import close_engine, stop_producer
+from unirl.stages.recipe import Recipe
+from unirl.stages.storage import RunStorage
+from unirl.stages.workers.group import close_group
+from unirl.tasks.common import close_engine, stop_producer
 
 
 def _spec_url(spec: dict[str, Any], cwd: str | None) -> str | None:
@@ -38,14 +38,14 @@ def _spec_url(spec: dict[str, Any], cwd: str | None) -> str | None:
 
 
 def worker_processes(match: Callable[[str], bool]) -> list[Any]:
-    """Live `torchrun ... -m stages.workers --spec FILE` processes (agent and ranks) on this host
+    """Live `torchrun ... -m unirl.stages.workers --spec FILE` processes (agent and ranks) on this host
     whose run folder URL satisfies `match`."""
     import psutil
 
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmd = proc.info.get("cmdline") or []
-        if "stages.workers" not in cmd or "--spec" not in cmd:
+        if "unirl.stages.workers" not in cmd or "--spec" not in cmd:
             continue
         try:
             spec = json.loads(Path(cmd[cmd.index("--spec") + 1]).read_text())

@@ -17,8 +17,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from stages.multinode import DEFAULT_RDZV_PORT, RDZV_ENV, SECRET_ENV
-from stages.workers.rendezvous import HOST_ENV
+from unirl.stages.multinode import DEFAULT_RDZV_PORT, RDZV_ENV, SECRET_ENV
+from unirl.stages.workers.rendezvous import HOST_ENV
 
 RDZV_LABEL = "unirl.dev/rdzv"
 NODE_LABEL = "unirl.dev/node"
@@ -71,7 +71,7 @@ def node_template(template: dict[str, Any], gpus: int = 1, control_secret: str =
     props["node_index"] = _variable("integer", 0, "Which node of the run this pod is (set by the run for each node it "
                                     "starts); node 0 is behind the rendezvous Service and hosts the c10d store.", minimum=0)
     props["rdzv_service"] = _variable("string", rdzv_service, "The headless Service in front of node 0 (one per "
-                                      "concurrently running multi-node run: `python -m flows.deploy k8s-rdzv-service`).")
+                                      "concurrently running multi-node run: `python -m unirl.flows.deploy k8s-rdzv-service`).")
     props["rdzv_port"] = _variable("integer", DEFAULT_RDZV_PORT, "Port of the c10d rendezvous store.")
     manifest = out["job_configuration"]["job_manifest"]
     labels = {RDZV_LABEL: "{{ rdzv_service }}", NODE_LABEL: "node-{{ node_index }}"}

@@ -12,9 +12,9 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from stages.recipe import Recipe
-from stages.storage import RunStorage
-from stages.workers.agent import serve_node
+from unirl.stages.recipe import Recipe
+from unirl.stages.storage import RunStorage
+from unirl.stages.workers.agent import serve_node
 
 
 @flow(name="node-agent", flow_run_name="{run_name}/node-{node_index}")

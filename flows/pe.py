@@ -18,21 +18,21 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.settings import temporary_settings
 
-from flows.console import Progress, log_to_run_folder, say
-from flows.evaluate import report_test, summary, test_split
-from flows.sft import run_sft
-from stages import pipeline
-from stages.recipe import Recipe
-from stages.run import initial_weights, open_run, update_run_info
-from stages.storage import iter_dir, join
-from stages.tracking import Tracker
-from stages.train.manifests import MANIFEST
-from stages.workers.group import SharedGroup, close_group, share_group
-from tasks.common import announce, close_engine, run_tags, staged, storage_of
-from tasks.pe import compose, evaluate_pipeline, generate_part, part_advantages
-from tasks.score import score
-from tasks.sync import sync
-from tasks.train import train
+from unirl.flows.console import Progress, log_to_run_folder, say
+from unirl.flows.evaluate import report_test, summary, test_split
+from unirl.flows.sft import run_sft
+from unirl.stages import pipeline
+from unirl.stages.recipe import Recipe
+from unirl.stages.run import initial_weights, open_run, update_run_info
+from unirl.stages.storage import iter_dir, join
+from unirl.stages.tracking import Tracker
+from unirl.stages.train.manifests import MANIFEST
+from unirl.stages.workers.group import SharedGroup, close_group, share_group
+from unirl.tasks.common import announce, close_engine, run_tags, staged, storage_of
+from unirl.tasks.pe import compose, evaluate_pipeline, generate_part, part_advantages
+from unirl.tasks.score import score
+from unirl.tasks.sync import sync
+from unirl.tasks.train import train
 
 
 # Each part's task under its own name in the flow run. Made once: `staged` keeps its untagged copy
@@ -172,7 +172,7 @@ def held_out(recipe: Recipe, run_name: str, version: int, tracker: Tracker, labe
     say(f"[unirl] held-out v{version:06d}{' (' + label + ')' if label else ''}: {summary(recipe, m)}")
     tracker.log_metrics(version, m, key="eval/accuracy")
     try:
-        from stages.diffusion.grid import log_eval_grid
+        from unirl.stages.diffusion.grid import log_eval_grid
 
         log_eval_grid(tracker, storage_of(recipe, run_name), version)
     except Exception as exc:  # noqa: BLE001 - a preview is for people, not for the run
@@ -183,7 +183,7 @@ def held_out(recipe: Recipe, run_name: str, version: int, tracker: Tracker, labe
 def rewrite_table(storage: Any, composed: list[str], rewards: str, grid: str) -> dict[str, list[Any]]:
     """Every composed row of an iteration as a table row: the user's prompt, the rewrite beside it,
     the reward of its image, and the grid artifact that shows the first images."""
-    from stages.sample import read_rollouts, read_shard, scoring_view
+    from unirl.stages.sample import read_rollouts, read_shard, scoring_view
 
     table = scoring_view(read_rollouts(storage, composed, columns=["sample_id", "prompt", "text"]))
     shard = read_shard(storage, rewards, "rewards")
@@ -201,7 +201,7 @@ def preview(recipe: Recipe, tracker: Tracker, storage: Any, iteration: int, tabl
     if not every or iteration % every:
         return
     try:
-        from stages.diffusion.grid import log_grid, rollout_grid
+        from unirl.stages.diffusion.grid import log_grid, rollout_grid
 
         composed = storage.stage_manifest(iteration, "compose")["files"]
         rewards = storage.stage_manifest(iteration, "score")["files"][0]

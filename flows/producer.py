@@ -4,7 +4,7 @@ ahead of the trainer. Batch j waits until the trainer has published the version 
 bound schedules for it (stages/async_rollout.py `behaviour_version`): the trainer's sync task is
 the barrier. It resumes at the first batch it had not committed.
 
-    python -m flows.producer --spec FILE     # as the trainer's run starts it (stages/producer_process.py)
+    python -m unirl.flows.producer --spec FILE     # as the trainer's run starts it (stages/producer_process.py)
 """
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from stages.async_rollout import behaviour_version
-from stages.recipe import Recipe, build_recipe
-from stages.storage import join
-from stages.train.manifests import MANIFEST
-from tasks.common import close_engine, staged, storage_of
-from tasks.produce import produce
+from unirl.stages.async_rollout import behaviour_version
+from unirl.stages.recipe import Recipe, build_recipe
+from unirl.stages.storage import join
+from unirl.stages.train.manifests import MANIFEST
+from unirl.tasks.common import close_engine, staged, storage_of
+from unirl.tasks.produce import produce
 
 
 def published(storage: Any, recipe: Recipe, version: int) -> bool:
@@ -58,10 +58,10 @@ def rl_producer(recipe: Recipe, run_name: str, poll_s: float = 0.05) -> dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.producer")
+    parser = argparse.ArgumentParser(prog="python -m unirl.flows.producer")
     parser.add_argument("--spec", required=True, help="JSON: the recipe and the run name")
     args = parser.parse_args(argv)
-    from stages.workers.group import die_with_parent
+    from unirl.stages.workers.group import die_with_parent
 
     die_with_parent()
     spec = json.loads(Path(args.spec).read_text())

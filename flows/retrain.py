@@ -25,11 +25,11 @@ import yaml
 from prefect import flow, get_run_logger
 from pydantic import Field
 
-from flows.hooks import stop_matching_workers
-from flows.rl import rl_train
-from stages.recipe import Recipe
-from stages.storage import RunStorage
-from stages.train.manifests import MANIFEST, verify_weights_dir
+from unirl.flows.hooks import stop_matching_workers
+from unirl.flows.rl import rl_train
+from unirl.stages.recipe import Recipe
+from unirl.stages.storage import RunStorage
+from unirl.stages.train.manifests import MANIFEST, verify_weights_dir
 
 
 class RetrainError(RuntimeError):

@@ -1,6 +1,6 @@
 """`unirl reward-server --config FILE`: serve the configured scorers over HTTP until stopped.
 
-Also runnable as `python -m flows.reward_server --config FILE`. The config format and the HTTP
+Also runnable as `python -m unirl.flows.reward_server --config FILE`. The config format and the HTTP
 contract are in docs/rewards.md; the server itself is stages/rewards/server.py.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from stages.rewards.server import ConfigError, load_config, serve
+from unirl.stages.rewards.server import ConfigError, load_config, serve
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,32 +15,32 @@ from prefect.settings import temporary_settings
 from prefect.states import Cancelled
 from pydantic import Field
 
-from flows.ahead import Ahead, hand_over, wait_turn
-from flows.artifacts import RunArtifacts
-from flows.bookkeeping import Bookkeeping
-from flows.console import Progress, log_to_run_folder, say
-from flows.hooks import stop_worker_group
-from stages.data import build_prompt_source
-from stages.evaluation import eval_dir
-from stages.faults import fault_point
-from stages.policies import policy_for
-from stages.recipe import Recipe
-from stages.lease import RunLease
-from stages.run import initial_weights, open_run, update_run_info
-from stages.storage import iter_dir, join
-from stages.train.manifests import MANIFEST
-from stages.tracking import Tracker
-from stages.workers.group import close_group
-from tasks.common import close_engine
-from flows.evaluate import eval_artifact, report_test, summary, test_split
-from flows.sft import run_sft
-from tasks.advantage import advantage
-from tasks.common import engine_of, group_of, run_tags, staged, start_producer, stop_producer, storage_of
-from tasks.evaluate import evaluate
-from tasks.generate import generate
-from tasks.score import score
-from tasks.sync import sync
-from tasks.train import train
+from unirl.flows.ahead import Ahead, hand_over, wait_turn
+from unirl.flows.artifacts import RunArtifacts
+from unirl.flows.bookkeeping import Bookkeeping
+from unirl.flows.console import Progress, log_to_run_folder, say
+from unirl.flows.hooks import stop_worker_group
+from unirl.stages.data import build_prompt_source
+from unirl.stages.evaluation import eval_dir
+from unirl.stages.faults import fault_point
+from unirl.stages.policies import policy_for
+from unirl.stages.recipe import Recipe
+from unirl.stages.lease import RunLease
+from unirl.stages.run import initial_weights, open_run, update_run_info
+from unirl.stages.storage import iter_dir, join
+from unirl.stages.train.manifests import MANIFEST
+from unirl.stages.tracking import Tracker
+from unirl.stages.workers.group import close_group
+from unirl.tasks.common import close_engine
+from unirl.flows.evaluate import eval_artifact, report_test, summary, test_split
+from unirl.flows.sft import run_sft
+from unirl.tasks.advantage import advantage
+from unirl.tasks.common import engine_of, group_of, run_tags, staged, start_producer, stop_producer, storage_of
+from unirl.tasks.evaluate import evaluate
+from unirl.tasks.generate import generate
+from unirl.tasks.score import score
+from unirl.tasks.sync import sync
+from unirl.tasks.train import train
 
 STAGES = ("generate", "score", "advantage", "train", "sync")
 
@@ -109,11 +109,11 @@ def rl_train(
     lease = RunLease(storage_of(recipe, run_name), log=lambda m: say(f"[unirl] {m}")).acquire()  # one owner per run
     try:
         if recipe.pe is not None:
-            from flows.pe import pe_run
+            from unirl.flows.pe import pe_run
 
             return pe_run(recipe, run_name)
         if recipe.unified is not None:
-            from flows.unified import unified_run
+            from unirl.flows.unified import unified_run
 
             return unified_run(recipe, run_name)
         return train_run(recipe, run_name)

@@ -18,18 +18,18 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.console import say
+from unirl.flows.console import say
 
-from stages.faults import fault_point
-from stages.recipe import Recipe
-from stages.run import materialize_model, open_run, update_run_info
-from stages.sft import write_sft_data
-from stages.unified import write_sft_data as unified_sft_data
-from stages.storage import RunStorage, join
-from stages.tracking import Tracker
-from stages.train.manifests import MANIFEST, write_weights_dir
-from stages.workers.group import WorkerGroup
-from tasks.common import announce, node_launcher
+from unirl.stages.faults import fault_point
+from unirl.stages.recipe import Recipe
+from unirl.stages.run import materialize_model, open_run, update_run_info
+from unirl.stages.sft import write_sft_data
+from unirl.stages.unified import write_sft_data as unified_sft_data
+from unirl.stages.storage import RunStorage, join
+from unirl.stages.tracking import Tracker
+from unirl.stages.train.manifests import MANIFEST, write_weights_dir
+from unirl.stages.workers.group import WorkerGroup
+from unirl.tasks.common import announce, node_launcher
 
 BASE = "sft/base"
 CHUNK = 50
@@ -84,7 +84,7 @@ def sft(recipe: Recipe, run_name: str = "") -> dict[str, Any]:
     if recipe.sft is None:
         raise ValueError("the recipe has no `sft` section; add one (see recipes/ar/quickstart.yaml)")
     run_name = run_name or recipe.name
-    from stages.lease import RunLease
+    from unirl.stages.lease import RunLease
 
     with RunLease(RunStorage(recipe.storage.root, run_name, recipe.storage.options), log=lambda m: say(f"[unirl] {m}")):
         storage, info = open_run(recipe, run_name)

@@ -16,18 +16,18 @@ from typing import Any
 
 from prefect import flow
 
-from flows.console import say
-from flows.pe import run_stages
-from flows.sft import run_sft
-from stages import pipeline
-from stages.recipe import Recipe
-from stages.run import initial_weights
-from stages.tracking import Tracker
-from tasks.common import staged
-from tasks.score import score
-from tasks.sync import sync
-from tasks.train import train
-from tasks.unified import advantages, compose, evaluate_unified, generate_stage
+from unirl.flows.console import say
+from unirl.flows.pe import run_stages
+from unirl.flows.sft import run_sft
+from unirl.stages import pipeline
+from unirl.stages.recipe import Recipe
+from unirl.stages.run import initial_weights
+from unirl.stages.tracking import Tracker
+from unirl.tasks.common import staged
+from unirl.tasks.score import score
+from unirl.tasks.sync import sync
+from unirl.tasks.train import train
+from unirl.tasks.unified import advantages, compose, evaluate_unified, generate_stage
 
 # Each stage's generate under its own name in the flow run (made once: see flows/pe.py NAMED).
 NAMED = {f"generate-{side}": generate_stage.with_options(name=f"generate-{side}") for side in pipeline.SIDES}

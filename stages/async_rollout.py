@@ -21,8 +21,8 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stages.sample import read_rollouts, write_shard
-from stages.storage import RunStorage, iter_dir, join
+from unirl.stages.sample import read_rollouts, write_shard
+from unirl.stages.storage import RunStorage, iter_dir, join
 
 
 class ProducerError(RuntimeError):

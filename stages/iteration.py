@@ -10,15 +10,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from stages.advantage import group_advantages, group_stats
-from stages.data import build_prompt_source
-from stages.faults import fault_point
-from stages.media import decode_frames, decode_png
-from stages.recipe import Recipe
-from stages.rewards.base import ScoreBatch, ScoreResult, aggregate, build_scorer, prompt_check, run_scorer
-from stages.rewards.overlong import apply_overlong
-from stages.sample import metadata, read_rollouts, read_shard, scoring_view, table_from_rows, write_shard
-from stages.storage import RunStorage, iter_dir, join
+from unirl.stages.advantage import group_advantages, group_stats
+from unirl.stages.data import build_prompt_source
+from unirl.stages.faults import fault_point
+from unirl.stages.media import decode_frames, decode_png
+from unirl.stages.recipe import Recipe
+from unirl.stages.rewards.base import ScoreBatch, ScoreResult, aggregate, build_scorer, prompt_check, run_scorer
+from unirl.stages.rewards.overlong import apply_overlong
+from unirl.stages.sample import metadata, read_rollouts, read_shard, scoring_view, table_from_rows, write_shard
+from unirl.stages.storage import RunStorage, iter_dir, join
 
 
 def committed(storage: RunStorage, iteration: int, stage: str, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -64,8 +64,8 @@ def with_image_grids(recipe: Recipe, rows: list[dict[str, Any]], images: list[tu
                      names: list[str]) -> list[dict[str, Any]]:
     """`rows` with `images` (PNG bytes per row) and the patch grid the model family's image
     processor cuts each into, for a family that takes images; one without any is an error."""
-    from stages.images import image_size
-    from stages.models.family import get_family
+    from unirl.stages.images import image_size
+    from unirl.stages.models.family import get_family
 
     family = get_family(recipe.model.kind)
     if not family.takes_images:
@@ -99,7 +99,7 @@ def score_batch(table: Any, prompt_images: bool = True) -> ScoreBatch:
     """What scorers see of a rollouts table: texts (AR), decoded PNG images (image diffusion),
     decoded frames (video diffusion: `videos`, one list of frames per sample), or the answer and,
     with `prompt_images`, the first image its prompt showed (vision-language models)."""
-    from stages.images import decode
+    from unirl.stages.images import decode
 
     names = table.schema.names
     pngs = table.column("media_png").to_pylist() if "media_png" in names else None
@@ -123,7 +123,7 @@ def score_batch(table: Any, prompt_images: bool = True) -> ScoreBatch:
 
 def reads_images(scorers: list[str]) -> bool:
     """Whether one of `scorers` looks at images (a remote scorer may: its server decides)."""
-    from stages.rewards.base import scorer_reads
+    from unirl.stages.rewards.base import scorer_reads
 
     return any("image" in (scorer_reads(name) or ("image",)) for name in scorers)
 

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from stages import iteration as it
-from stages.storage import RunStorage, iter_dir
+from unirl.stages import iteration as it
+from unirl.stages.storage import RunStorage, iter_dir
 
 
 class InProcessLoop:
     def __init__(self, recipe: Any, weights_dir: str, *, device: str | torch.device = "cpu"):
-        from stages.workers.worker import Worker
+        from unirl.stages.workers.worker import Worker
 
         self.recipe = recipe
         self.storage = RunStorage(f"memory://unirl-loop-{uuid.uuid4().hex}", "loop")

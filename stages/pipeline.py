@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from stages.advantage import group_advantages
-from stages.recipe import Recipe, format_errors
-from stages.sample import (composed_table, namespaced, read_rollouts, read_shard, table_from_rows,
+from unirl.stages.advantage import group_advantages
+from unirl.stages.recipe import Recipe, format_errors
+from unirl.stages.sample import (composed_table, namespaced, read_rollouts, read_shard, table_from_rows,
                            write_shard)
-from stages.storage import RunStorage, iter_dir, join
+from unirl.stages.storage import RunStorage, iter_dir, join
 
 SIDES = ("ar", "diffusion")
 KIND_OF = {"ar": "text", "diffusion": "latent"}  # the segment each side produces
@@ -82,7 +82,7 @@ def pipeline_errors(recipe: Recipe) -> list[str]:
     """What `unirl validate` reports of a pipeline recipe, one `field.path: ...` line each."""
     from pydantic import ValidationError
 
-    from stages.models.family import families
+    from unirl.stages.models.family import families
 
     pe = recipe.pe
     assert pe is not None
@@ -149,7 +149,7 @@ def flow_requests(ar: RunStorage, ar_files: list[str], flow: RunStorage, iterati
 def compose(storage: RunStorage, rel: str, ar: RunStorage, ar_files: list[str], flow: RunStorage,
             flow_files: list[str]) -> dict[str, Any]:
     """One composed row per image: the rewrite that caused it and the image, namespaced by kind."""
-    from stages.sample import PART_COLUMNS, SEGMENT_COLUMNS
+    from unirl.stages.sample import PART_COLUMNS, SEGMENT_COLUMNS
 
     texts = read_rollouts(ar, ar_files).to_pylist()
     by_id = {r["sample_id"]: r for r in texts}

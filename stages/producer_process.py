@@ -1,4 +1,4 @@
-"""The process of an async run's producer: `python -m flows.producer --spec FILE`, started by the
+"""The process of an async run's producer: `python -m unirl.flows.producer --spec FILE`, started by the
 trainer's run, reporting to the same Prefect API (its own `rl-producer` flow run), dying with the
 trainer (PR_SET_PDEATHSIG), and started again when it died on its own (a kill, a crash): it
 resumes at the first batch it had not committed, so nothing is lost or sampled twice.
@@ -28,7 +28,7 @@ class ProducerProcess:
         self.starts = 0
 
     def start(self) -> None:
-        from stages.workers.group import spawn
+        from unirl.stages.workers.group import spawn
 
         spec = self.scratch / "spec.json"
         spec.write_text(json.dumps({"recipe": self.recipe.model_dump(mode="json"), "run_name": self.run_name}))
@@ -37,7 +37,7 @@ class ProducerProcess:
         if self.api_url:
             env["PREFECT_API_URL"] = self.api_url
         with open(self.log_path, "ab") as logf:
-            self.proc = spawn([sys.executable, "-m", "flows.producer", "--spec", str(spec)], env=env,
+            self.proc = spawn([sys.executable, "-m", "unirl.flows.producer", "--spec", str(spec)], env=env,
                               stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.starts += 1
 
@@ -64,7 +64,7 @@ class ProducerProcess:
             return "(no log)"
 
     def stop(self) -> None:
-        from stages.workers.group import kill_tree
+        from unirl.stages.workers.group import kill_tree
 
         if self.proc is not None:
             kill_tree(self.proc)

@@ -18,12 +18,12 @@ from typing import Annotated, Any, Literal, Union, get_args
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from stages.algorithms.base import algorithms
-from stages.config_base import EMAConfig, Section
-from stages.models.family import families
-from stages.multinode import AgentsConfig, RendezvousConfig, multinode_errors
-from stages.policies import policies
-from stages.sources import sources
+from unirl.stages.algorithms.base import algorithms
+from unirl.stages.config_base import EMAConfig, Section
+from unirl.stages.models.family import families
+from unirl.stages.multinode import AgentsConfig, RendezvousConfig, multinode_errors
+from unirl.stages.policies import policies
+from unirl.stages.sources import sources
 
 
 def _union(registry: Any, attr: str, tag: str) -> Any:
@@ -334,14 +334,14 @@ class Recipe(Section):
         """Every rule that needs two sections at once, so `unirl validate` finds what the run would
         otherwise meet inside the worker group; all problems are reported together."""
         if self.pe is not None:
-            from stages.pipeline import pipeline_errors
+            from unirl.stages.pipeline import pipeline_errors
 
             errors = pipeline_errors(self)
             if errors:
                 raise ValueError("\n".join(errors))
             return self
         if self.unified is not None:
-            from stages.unified import unified_errors
+            from unirl.stages.unified import unified_errors
 
             errors = unified_errors(self)
             if errors:
@@ -372,7 +372,7 @@ class Recipe(Section):
             errors.append("sft.path: `source: file` needs the path of a JSONL or Arrow file of prompt/response records")
         if errors:
             raise ValueError("\n".join(errors))
-        from stages.engines import engines
+        from unirl.stages.engines import engines
 
         for check in (policy.check, family.check, algo.check, sources.get(self.data.name).check,
                       engines.get(self.rollout.engine.name).check):
@@ -387,7 +387,7 @@ class Recipe(Section):
     def scorer_errors(self, produces: tuple[str, ...], producer: str) -> list[str]:
         """Unknown scorers, bad params, and scorers reading media that `producer` (the model that
         makes the scored samples) does not produce."""
-        from stages.rewards.base import check_scorer_params, scorer_names, scorer_reads
+        from unirl.stages.rewards.base import check_scorer_params, scorer_names, scorer_reads
 
         known = scorer_names()
         errors: list[str] = []
@@ -463,7 +463,7 @@ def check_run_name(name: str, field: str) -> str:
 def credential_errors(recipe: "Recipe") -> list[str]:
     """A credential written into a recipe would end up in recipe.yaml, MLflow params and the
     Prefect UI: refuse it, naming the field and where it belongs instead."""
-    from stages.secrets import literal_secrets, redact_url
+    from unirl.stages.secrets import literal_secrets, redact_url
 
     where = "set it in the environment (AWS_* variables, a remote scorer's token_env, MLFLOW_TRACKING_* ...) or a Prefect Secret block"
     data = recipe.model_dump(mode="json")

@@ -12,9 +12,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from stages.recipe import Recipe
-from stages.storage import RunStorage, join
-from stages.train.manifests import MANIFEST, write_weights_dir
+from unirl.stages.recipe import Recipe
+from unirl.stages.storage import RunStorage, join
+from unirl.stages.train.manifests import MANIFEST, write_weights_dir
 
 
 class RunMismatchError(ValueError):
@@ -84,8 +84,8 @@ def check_inputs(recipe: Recipe) -> None:
     """The checks of a run's own files that need no model, Prefect or MLflow: `model.path` holds a
     checkpoint of its family, and the prompt source reads (a missing, empty or malformed data file);
     each error names its file. `unirl run` calls this before starting anything."""
-    from stages.data import build_prompt_source
-    from stages.models.family import get_family
+    from unirl.stages.data import build_prompt_source
+    from unirl.stages.models.family import get_family
 
     if recipe.model.path:
         with tempfile.TemporaryDirectory() as unused:  # with a path, materialize checks and writes nothing
@@ -101,7 +101,7 @@ def materialize_model(recipe: Recipe, scratch: Path) -> Path:
     `scratch`. With UNIRL_TINY_CACHE set (the test suite sets it), tiny models are built once per
     `model:` section into that folder and reused: a tiny build is a function of the section alone
     (seeded init), and building one costs a run seconds of imports and init."""
-    from stages.models.family import get_family
+    from unirl.stages.models.family import get_family
 
     family = get_family(recipe.model.kind)
     cache = os.environ.get(TINY_CACHE_ENV)

@@ -19,8 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from stages.images import IMAGE_COLUMNS
-from stages.storage import RunStorage
+from unirl.stages.images import IMAGE_COLUMNS
+from unirl.stages.storage import RunStorage
 
 SCHEMA_VERSION = 1
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from stages.seeds import derive_seed
+from unirl.stages.seeds import derive_seed
 
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 

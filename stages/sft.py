@@ -10,9 +10,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from stages.recipe import Recipe
-from stages.sample import table_from_rows, write_shard
-from stages.storage import RunStorage
+from unirl.stages.recipe import Recipe
+from unirl.stages.sample import table_from_rows, write_shard
+from unirl.stages.storage import RunStorage
 
 SFT_DATA = "sft/data.arrow"
 
@@ -43,9 +43,9 @@ def file_records(path: str) -> list[dict[str, Any]]:
 
 
 def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
-    from stages.sources import sources
+    from unirl.stages.sources import sources
 
-    from stages.iteration import with_image_grids
+    from unirl.stages.iteration import with_image_grids
 
     sft = recipe.sft
     records = file_records(sft.path) if sft.source == "file" else sources.get(recipe.data.name).sft_records(recipe)

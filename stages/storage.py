@@ -87,7 +87,7 @@ class RunStorage:
     """Files of one run: `{root}/{run}/...`, addressed by paths relative to the run folder."""
 
     def __init__(self, root: str, run: str, options: dict[str, Any] | None = None):
-        from stages.recipe import check_run_name
+        from unirl.stages.recipe import check_run_name
 
         check_run_name(run, "run name")
         self.root = root

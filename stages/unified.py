@@ -27,9 +27,9 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from stages.pipeline import SIDES
-from stages.recipe import Recipe, format_errors
-from stages.storage import RunStorage
+from unirl.stages.pipeline import SIDES
+from unirl.stages.recipe import Recipe, format_errors
+from unirl.stages.storage import RunStorage
 
 POLICY_OF = {"ar": "text", "diffusion": "flow"}
 ROLE = {"ar": "writes the plan", "diffusion": "draws the plan"}
@@ -69,9 +69,9 @@ def unified_errors(recipe: Recipe) -> list[str]:
     """What `unirl validate` reports of a unified recipe, one `field.path: ...` line each."""
     from pydantic import ValidationError
 
-    from stages.algorithms.base import algorithms
-    from stages.engines import engines
-    from stages.models.family import families
+    from unirl.stages.algorithms.base import algorithms
+    from unirl.stages.engines import engines
+    from unirl.stages.models.family import families
 
     u = recipe.unified
     assert u is not None
@@ -128,15 +128,15 @@ def unified_errors(recipe: Recipe) -> list[str]:
 def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
     """Each stage's warm-start records (its own shard): the ar stage's (prompt, plan) text, the
     diffusion stage's (canonical prompt, image). `stages` names the stage of each file."""
-    from stages.sample import table_from_rows, write_shard
-    from stages.sources import sources
+    from unirl.stages.sample import table_from_rows, write_shard
+    from unirl.stages.sources import sources
 
     files, stages = [], []
     for side, rel in (("ar", TEXT_RECORDS), ("diffusion", IMAGE_RECORDS)):
         part = stage_recipe(recipe, side)
         if part.sft is None:
             continue
-        from stages.sft import file_records
+        from unirl.stages.sft import file_records
 
         records = file_records(part.sft.path) if part.sft.source == "file" else sources.get(part.data.name).sft_records(part)
         write_shard(storage, rel, table_from_rows(records, "sft"))

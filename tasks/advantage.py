@@ -6,9 +6,9 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from stages import iteration as it
-from stages.recipe import Recipe
-from tasks.common import storage_of
+from unirl.stages import iteration as it
+from unirl.stages.recipe import Recipe
+from unirl.tasks.common import storage_of
 
 
 @task(name="advantage", cache_policy=NO_CACHE)

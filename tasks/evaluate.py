@@ -6,11 +6,11 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from stages.evaluation import eval_dir, eval_metrics, write_eval_requests
-from stages.faults import fault_point
-from stages.recipe import Recipe
-from stages.storage import join
-from tasks.common import eval_engine_of, group_of, say_retry, storage_of
+from unirl.stages.evaluation import eval_dir, eval_metrics, write_eval_requests
+from unirl.stages.faults import fault_point
+from unirl.stages.recipe import Recipe
+from unirl.stages.storage import join
+from unirl.tasks.common import eval_engine_of, group_of, say_retry, storage_of
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1,

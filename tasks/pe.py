@@ -9,11 +9,11 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from stages import iteration as it
-from stages import pipeline
-from stages.recipe import Recipe
-from stages.storage import iter_dir, join
-from tasks.common import engine_of, say_retry, storage_of
+from unirl.stages import iteration as it
+from unirl.stages import pipeline
+from unirl.stages.recipe import Recipe
+from unirl.stages.storage import iter_dir, join
+from unirl.tasks.common import engine_of, say_retry, storage_of
 
 
 def part_version(recipe: Recipe, side: str, iteration: int) -> int:
@@ -69,7 +69,7 @@ def evaluate_pipeline(recipe: Recipe, run_name: str, version: int, split: str = 
     part's is 0): `greedy` is the greedy rewrite drawn by the ODE sampler, `sampled` is `eval.k`
     sampled rewrites per prompt, one sampled image each; both scored on the composed rows
     (eval/vNNNNNN/<name>/composed.arrow) by the eval scorer, against the user's intent."""
-    from stages.evaluation import eval_dir
+    from unirl.stages.evaluation import eval_dir
 
     storage = storage_of(recipe, run_name)
     rel = join(eval_dir(version, split), "metrics.json")
@@ -95,7 +95,7 @@ def evaluate_composed(recipe: Recipe, storage: Any, version: int, ar: Recipe, st
     both composed (eval/vNNNNNN/<name>/composed.arrow) and scored by the eval scorer against the
     user's intent. `draw(side, requests, folder, greedy)` samples a stage's requests into files
     of `stores[side]`; `ar` is the text stage's recipe (its held-out prompts)."""
-    from stages.evaluation import eval_dir, eval_metrics, write_eval_requests
+    from unirl.stages.evaluation import eval_dir, eval_metrics, write_eval_requests
 
     outputs = {}
     for name, size, greedy in (("greedy", 1, True), ("sampled", recipe.eval.k, False)):

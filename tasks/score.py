@@ -6,9 +6,9 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from stages import iteration as it
-from stages.recipe import Recipe
-from tasks.common import say_retry, storage_of
+from unirl.stages import iteration as it
+from unirl.stages.recipe import Recipe
+from unirl.tasks.common import say_retry, storage_of
 
 
 @task(name="score", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,

@@ -10,9 +10,9 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from stages import iteration as it
-from stages.recipe import Recipe
-from tasks.common import engine_of, group_of, storage_of
+from unirl.stages import iteration as it
+from unirl.stages.recipe import Recipe
+from unirl.tasks.common import engine_of, group_of, storage_of
 
 
 @task(name="sync", cache_policy=NO_CACHE)

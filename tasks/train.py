@@ -10,10 +10,10 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from stages import iteration as it
-from stages.recipe import Recipe
-from stages.storage import iter_dir, join
-from tasks.common import engine_of, group_of, say_retry, storage_of
+from unirl.stages import iteration as it
+from unirl.stages.recipe import Recipe
+from unirl.stages.storage import iter_dir, join
+from unirl.tasks.common import engine_of, group_of, say_retry, storage_of
 
 
 @task(name="train", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1,

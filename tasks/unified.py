@@ -9,14 +9,14 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from stages import iteration as it
-from stages import pipeline
-from stages.recipe import Recipe
-from stages.sample import table_from_rows, write_shard
-from stages.storage import iter_dir, join
-from stages.unified import stage_recipe
-from tasks.common import group_of, say_retry, storage_of
-from tasks.pe import evaluate_composed
+from unirl.stages import iteration as it
+from unirl.stages import pipeline
+from unirl.stages.recipe import Recipe
+from unirl.stages.sample import table_from_rows, write_shard
+from unirl.stages.storage import iter_dir, join
+from unirl.stages.unified import stage_recipe
+from unirl.tasks.common import group_of, say_retry, storage_of
+from unirl.tasks.pe import evaluate_composed
 
 OUT = {"ar": ("generate", "plans"), "diffusion": ("generate-image", "images")}
 
@@ -75,7 +75,7 @@ def advantages(recipe: Recipe, run_name: str, iteration: int, composed: list[str
 def evaluate_unified(recipe: Recipe, run_name: str, version: int, split: str = "dev") -> dict[str, Any]:
     """Held-out results at `version`: the greedy plan drawn by the ODE sampler, and `eval.k`
     sampled plans with one sampled image each, scored against the user's intent."""
-    from stages.evaluation import eval_dir
+    from unirl.stages.evaluation import eval_dir
 
     storage = storage_of(recipe, run_name)
     rel = join(eval_dir(version, split), "metrics.json")

@@ -87,10 +87,11 @@ def isolated_env(tmp: Path, forked: bool = True) -> dict[str, str]:
     # tests leave it unset, as a user on one machine would.
     env.pop("OMP_NUM_THREADS", None)
     env.pop("UNIRL_FORKSERVER", None)
+    env.pop("UNIRL_LAUNCHER", None)
     if forked:
-        from tests import zygote
+        from tests import forkserver, zygote
 
-        env["UNIRL_FORKSERVER"] = zygote.server().path
+        env.update(forkserver.env(zygote.server().path))
     return env
 
 
@@ -128,9 +129,10 @@ def unirl_env(tmp_path: Path, prefect_server, mlflow_uri: str) -> dict[str, str]
 def forked_children(monkeypatch) -> None:
     """For a test that starts worker groups or engines in its own process: they are forked from
     this pytest worker's fork server, as the ones `unirl` commands start in the e2e tests are."""
-    from tests import zygote
+    from tests import forkserver, zygote
 
-    monkeypatch.setenv("UNIRL_FORKSERVER", zygote.server().path)
+    for key, value in forkserver.env(zygote.server().path).items():
+        monkeypatch.setenv(key, value)
     for key, value in zygote.import_env().items():  # what `unirl` sets before its children start
         monkeypatch.setenv(key, value)
 
@@ -145,7 +147,7 @@ def run_unirl(args: list[str], env: dict[str, str], timeout: float = 600, check:
     from tests import zygote
 
     proc = zygote.run(
-        [sys.executable, "-m", "flows.cli", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "unirl.flows.cli", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout,
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"unirl {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}")
@@ -157,7 +159,7 @@ def tiny_weights(tmp_path_factory):
     """`tiny_weights(case)`: the tiny model of a family (or a family's variant, "wan2.2") of
     tests/tiny.py, built once per session and saved in its checkpoint layout, so tests load it by
     path like real weights."""
-    from stages.models.family import families
+    from unirl.stages.models.family import families
     from tests.tiny import CASES
 
     built: dict[str, Path] = {}
@@ -174,7 +176,7 @@ def tiny_weights(tmp_path_factory):
 
 def recipe_errors(data: dict) -> list[str]:
     """The `field.path: ...` lines of a recipe that must not validate."""
-    from stages.recipe import RecipeError, build_recipe
+    from unirl.stages.recipe import RecipeError, build_recipe
 
     with pytest.raises(RecipeError) as caught:
         build_recipe(data)

@@ -34,8 +34,8 @@ def serve_app(app: Any) -> Iterator[str]:
 @contextmanager
 def engine_server(recipe: Any, weights: Path, *, token: str | None = TOKEN, version: str = "0", **options: Any) -> Iterator[tuple[str, Any]]:
     """(url, core) of an engine server serving `weights` for `recipe`."""
-    from stages.engine_server.app import create_app
-    from stages.engine_server.core import EngineCore
+    from unirl.stages.engine_server.app import create_app
+    from unirl.stages.engine_server.core import EngineCore
 
     core = EngineCore(recipe, weights, version)
     with serve_app(create_app(core, token, **options)) as url:

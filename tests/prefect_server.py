@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flows.ephemeral import LEAN_SERVER_ENV, loopback_ca_file
+from unirl.flows.ephemeral import LEAN_SERVER_ENV, loopback_ca_file
 
 PREFECT = [sys.executable, "-m", "prefect"]
 

@@ -22,8 +22,8 @@ TAGS = {"kind", "name"}
 
 def section_fields() -> set[str]:
     """"Section.field" of every recipe section reachable from Recipe."""
-    from stages.config_base import field_key
-    from stages.recipe import Recipe, _union_members
+    from unirl.stages.config_base import field_key
+    from unirl.stages.recipe import Recipe, _union_members
 
     seen, out, todo = set(), set(), [Recipe]
     while todo:
@@ -43,7 +43,7 @@ def dump_reads(trace: Path) -> None:
     """Write what this process read so far (a pytest worker, before it exits)."""
     import os
 
-    from stages.config_base import FIELDS_READ
+    from unirl.stages.config_base import FIELDS_READ
 
     trace.mkdir(parents=True, exist_ok=True)
     (trace / f"pytest-{os.getpid()}.json").write_text(json.dumps(sorted(FIELDS_READ)))
@@ -51,7 +51,7 @@ def dump_reads(trace: Path) -> None:
 
 def unread_fields(trace: Path) -> list[str]:
     """Recipe fields no process of the session read."""
-    from stages.config_base import FIELDS_READ
+    from unirl.stages.config_base import FIELDS_READ
 
     read = set(FIELDS_READ)
     for path in trace.glob("*.json"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from stages.config_base import FIELDS_READ, Section
-from stages.recipe import build_recipe
+from unirl.stages.config_base import FIELDS_READ, Section
+from unirl.stages.recipe import build_recipe
 
 FIELD = "EvalConfig.scorer"  # read by the validators (Recipe.scorer_errors) and by Recipe.eval_scorer
 

@@ -15,7 +15,7 @@ from tests.conftest import REPO, TINY
 
 def test_a_forked_command_prints_and_exits_as_a_fresh_one():
     for args in (["iterations=2"], ["train.lr=-0.1", "model.bogus=1"]):
-        cmd = [sys.executable, "-m", "flows.cli", "validate", str(TINY), *args]
+        cmd = [sys.executable, "-m", "unirl.flows.cli", "validate", str(TINY), *args]
         env = {**os.environ, "MLFLOW_LOGGING_LEVEL": "WARNING"}
         fresh = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         forked = zygote.server().run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -49,11 +49,11 @@ def test_a_sigkill_reads_as_minus_nine_and_a_timeout_kills():
 
 
 def test_what_would_run_differently_starts_fresh():
-    cli = [sys.executable, "-m", "flows.cli", "run", str(TINY)]
+    cli = [sys.executable, "-m", "unirl.flows.cli", "run", str(TINY)]
     assert zygote.forks(cli, {})
     assert not zygote.forks([*cli, "--verbose"], {})  # MLflow would log at INFO: preloaded at WARNING
     assert not zygote.forks(cli, {"MLFLOW_LOGGING_LEVEL": "DEBUG"})
-    assert not zygote.forks([sys.executable, "-m", "flows.reward_server"], {})
+    assert not zygote.forks([sys.executable, "-m", "unirl.flows.reward_server"], {})
     assert not zygote.forks(["prefect", "server", "start"], {})
 
 

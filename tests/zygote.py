@@ -1,5 +1,5 @@
-"""The suite's fork server (stages/workers/forkserver.py): one warm interpreter per pytest worker
-that the suite's `python -m flows.cli ...` commands, and through UNIRL_FORKSERVER their worker
+"""The suite's fork server (tests/forkserver.py): one warm interpreter per pytest worker
+that the suite's `python -m unirl.flows.cli ...` commands, and through unirl's launch hook (UNIRL_LAUNCHER) their worker
 ranks, torchrun agents, rollout engines and producers, are forked from instead of started cold.
 
 A tiny `unirl run` spends about half of its flow process's CPU, and a worker rank nearly all of
@@ -15,7 +15,7 @@ value, and a command that would run with another (`--verbose`, its own MLFLOW_LO
 starts fresh, as do commands of other modules (`popen` falls back to `subprocess.Popen`).
 
 Where a test needs the processes of a run to be its flow process's children (the Prefect worker's
-runs in tests/e2e/test_deployment.py), its environment has no UNIRL_FORKSERVER and they start fresh.
+runs in tests/e2e/test_deployment.py), its environment has no UNIRL_LAUNCHER and they start fresh.
 """
 from __future__ import annotations
 
@@ -26,15 +26,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from stages.workers import forkserver
+from tests import forkserver
 
-MODULES = ("flows.cli",)  # `python -m` commands a test forks (the rest fork through UNIRL_FORKSERVER)
+MODULES = ("unirl.flows.cli",)  # `python -m` commands a test forks (the rest fork through the launch hook)
 
 
 def import_env() -> dict[str, str]:
     """The settings the preloaded libraries read at import, as `unirl` sets them before it imports
     them (flows/console.py `QUIET_ENV`)."""
-    from flows.console import QUIET_ENV
+    from unirl.flows.console import QUIET_ENV
 
     return {k: QUIET_ENV[k] for k in ("MLFLOW_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS")}
 
@@ -52,7 +52,7 @@ PRELOAD = (
 
 def preload() -> list[str]:
     """PRELOAD and what every model family's worker rank imports (`Family.modules`)."""
-    from stages.models.family import families
+    from unirl.stages.models.family import families
 
     names = list(PRELOAD)
     for kind in families.names():

@@ -1,14 +1,14 @@
 """Algorithms, one per file: the pure loss kernel (DESIGN.md section 5) and the registered class
 that trains with it (stages/algorithms/base.py describes the seam)."""
-from stages.algorithms.aggregate import AGG_MODES, LossOutput
-from stages.algorithms.base import Algorithm, BehaviourMismatchError, TrainContext, algorithms, get_algorithm
-from stages.algorithms.drpo import drpo_loss
-from stages.algorithms.flow_dppo import flow_dppo_loss
-from stages.algorithms.flow_grpo import flow_grpo_loss
-from stages.algorithms.grpo import grpo_loss
-from stages.algorithms.gspo import gspo_loss
-from stages.algorithms.kl import KL_ESTIMATORS, flow_kl, kl
-from stages.algorithms.nft import nft_loss
+from unirl.stages.algorithms.aggregate import AGG_MODES, LossOutput
+from unirl.stages.algorithms.base import Algorithm, BehaviourMismatchError, TrainContext, algorithms, get_algorithm
+from unirl.stages.algorithms.drpo import drpo_loss
+from unirl.stages.algorithms.flow_dppo import flow_dppo_loss
+from unirl.stages.algorithms.flow_grpo import flow_grpo_loss
+from unirl.stages.algorithms.grpo import grpo_loss
+from unirl.stages.algorithms.gspo import gspo_loss
+from unirl.stages.algorithms.kl import KL_ESTIMATORS, flow_kl, kl
+from unirl.stages.algorithms.nft import nft_loss
 
 __all__ = [
     "AGG_MODES", "Algorithm", "BehaviourMismatchError", "KL_ESTIMATORS", "LossOutput", "TrainContext", "algorithms",

@@ -22,10 +22,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from stages.config_base import Section
-from stages.registry import Registry
+from unirl.stages.config_base import Section
+from unirl.stages.registry import Registry
 
-algorithms: Registry[type["Algorithm"]] = Registry("algorithm", "stages.algorithms", "algorithm.name")
+algorithms: Registry[type["Algorithm"]] = Registry("algorithm", "unirl.stages.algorithms", "algorithm.name")
 
 
 class BehaviourMismatchError(RuntimeError):

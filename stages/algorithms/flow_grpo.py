@@ -12,10 +12,10 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from stages.algorithms.aggregate import LossOutput, loss_metrics
-from stages.algorithms.base import algorithms
-from stages.algorithms.flow_likelihood import FlowLikelihood
-from stages.config_base import Section
+from unirl.stages.algorithms.aggregate import LossOutput, loss_metrics
+from unirl.stages.algorithms.base import algorithms
+from unirl.stages.algorithms.flow_likelihood import FlowLikelihood
+from unirl.stages.config_base import Section
 
 
 def step_advantages(adv: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:

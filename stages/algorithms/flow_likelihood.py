@@ -14,9 +14,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from stages.algorithms.aggregate import LossOutput
-from stages.algorithms.base import Algorithm, TrainContext, check_behaviour
-from stages.algorithms.kl import flow_kl
+from unirl.stages.algorithms.aggregate import LossOutput
+from unirl.stages.algorithms.base import Algorithm, TrainContext, check_behaviour
+from unirl.stages.algorithms.kl import flow_kl
 
 
 def add(totals: dict[str, float], metrics: dict[str, float], weight: float) -> None:

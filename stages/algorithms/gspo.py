@@ -11,10 +11,10 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from stages.algorithms.aggregate import LossOutput, loss_metrics, prepare
-from stages.algorithms.base import algorithms
-from stages.algorithms.policy_gradient import TokenPolicyGradient
-from stages.config_base import Section
+from unirl.stages.algorithms.aggregate import LossOutput, loss_metrics, prepare
+from unirl.stages.algorithms.base import algorithms
+from unirl.stages.algorithms.policy_gradient import TokenPolicyGradient
+from unirl.stages.config_base import Section
 
 
 def gspo_loss(

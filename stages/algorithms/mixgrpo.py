@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from stages.algorithms.base import algorithms
-from stages.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
+from unirl.stages.algorithms.base import algorithms
+from unirl.stages.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
 
 
 class MixGRPOConfig(FlowGRPOConfig):

@@ -13,10 +13,10 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from stages.algorithms.aggregate import LossOutput
-from stages.algorithms.base import Algorithm, TrainContext, algorithms
-from stages.config_base import Section
-from stages.seeds import derive_seed
+from unirl.stages.algorithms.aggregate import LossOutput
+from unirl.stages.algorithms.base import Algorithm, TrainContext, algorithms
+from unirl.stages.config_base import Section
+from unirl.stages.seeds import derive_seed
 
 
 def nft_loss(

@@ -8,10 +8,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from stages.algorithms.aggregate import LossOutput
-from stages.algorithms.base import Algorithm, TrainContext, behaviour_mismatch, check_behaviour
-from stages.algorithms.correction import importance_weights, weighted_advantage
-from stages.algorithms.kl import kl
+from unirl.stages.algorithms.aggregate import LossOutput
+from unirl.stages.algorithms.base import Algorithm, TrainContext, behaviour_mismatch, check_behaviour
+from unirl.stages.algorithms.correction import importance_weights, weighted_advantage
+from unirl.stages.algorithms.kl import kl
 
 
 class TokenPolicyGradient(Algorithm):

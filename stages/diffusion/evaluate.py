@@ -1,10 +1,10 @@
 """Held-out toy-GenEval evaluation of a flow model's weights folder: sample every held-out prompt
 with the deterministic ODE sampler from fixed noise, decode, and score with the toy detector.
 
-    python -m stages.diffusion.evaluate WEIGHTS_DIR [--family sd3] [--prompts 64] [--samples 2] [--seed 0] [--steps 10]
+    python -m unirl.stages.diffusion.evaluate WEIGHTS_DIR [--family sd3] [--prompts 64] [--samples 2] [--seed 0] [--steps 10]
 
 prints one JSON line: strict (the GenEval score, in [0, 1]) and its components, overall and per
-prompt kind. The held-out prompts are `stages.geneval.sample_prompts(n, seed, "heldout")`, which
+prompt kind. The held-out prompts are `unirl.stages.geneval.sample_prompts(n, seed, "heldout")`, which
 no training stream ever yields.
 """
 from __future__ import annotations
@@ -18,15 +18,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from stages.diffusion.model import PromptCache, bind
-from stages.diffusion.sampling import make_plan, sample
-from stages.sde import initial_noise
+from unirl.stages.diffusion.model import PromptCache, bind
+from unirl.stages.diffusion.sampling import make_plan, sample
+from unirl.stages.sde import initial_noise
 
 EVAL_SEED = 20250
 
 
 def heldout_prompts(n: int, seed: int = EVAL_SEED) -> list[str]:
-    from stages.geneval import sample_prompts
+    from unirl.stages.geneval import sample_prompts
 
     return sample_prompts(n, seed, split="heldout")
 
@@ -52,7 +52,7 @@ def generate_images(family: Any, bundle: Any, prompts: list[str], sampler: Any, 
 
 def geneval_report(images: np.ndarray, prompts: list[str]) -> dict[str, float]:
     """Mean strict score and components, overall and per prompt kind (`strict/<kind>`)."""
-    from stages.geneval import parse_prompt, score
+    from unirl.stages.geneval import parse_prompt, score
 
     scores = [score(im, p) for im, p in zip(images, prompts)]
     report = {k: float(np.mean([getattr(s, k) for s in scores])) for k in ("strict", "object", "colour", "count", "position")}
@@ -73,10 +73,10 @@ def evaluate(family: Any, bundle: Any, sampler: Any, *, prompts: int = 64, sampl
 
 
 def main(argv: list[str] | None = None) -> int:
-    from stages.models.family import families
-    from stages.policies.flow import FlowSampler
+    from unirl.stages.models.family import families
+    from unirl.stages.policies.flow import FlowSampler
 
-    parser = argparse.ArgumentParser(prog="python -m stages.diffusion.evaluate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m unirl.stages.diffusion.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("weights", help="diffusers folder of a flow model (e.g. RUN/weights/v000040)")
     parser.add_argument("--family", default="sd3", help="model family of the folder (model.kind)")
     parser.add_argument("--prompts", type=int, default=64, help="held-out prompts")

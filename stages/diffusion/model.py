@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stages.diffusion.sampling import Velocity
+from unirl.stages.diffusion.sampling import Velocity
 
 
 @dataclass

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from stages.diffusion.sampling import Velocity
-from stages.sde import shift_sigmas
-from stages.seeds import derive_seed
+from unirl.stages.diffusion.sampling import Velocity
+from unirl.stages.sde import shift_sigmas
+from unirl.stages.seeds import derive_seed
 
 
 # ---------------------------------------------------------------- records
@@ -29,7 +29,7 @@ def geneval_records(n: int, *, seed: int, image_size: int, kinds: tuple[str, ...
     """`n` toy-GenEval training records {prompt, media_png}: prompts of the train split (never
     the held-out one) of `kinds` (default: all), each rendered with its own layout; `noise` of
     them show one object group in a colour the prompt does not say (make_examples)."""
-    from stages.geneval import make_examples
+    from unirl.stages.geneval import make_examples
 
     out = []
     for ex in make_examples(n, seed, split="train", size=image_size, kinds=kinds, noise=noise):
@@ -81,7 +81,7 @@ def to_pixels(images: np.ndarray | Tensor) -> Tensor:
 
 def reconstruction_loss(vae: Any, pixels: Tensor, kl_weight: float = 1e-6, codec: Any = None) -> Tensor:
     """L1 + L2 of decode(mean of encode(x)) against x, plus a small KL to keep latents bounded.
-    `codec` (stages.models.flow_vae): how its VAE reconstructs for training (default: decode)."""
+    `codec` (unirl.stages.models.flow_vae): how its VAE reconstructs for training (default: decode)."""
     if codec is not None:
         rec, posterior = codec.reconstruction(vae, pixels)
     else:
@@ -97,7 +97,7 @@ def warm_up_vae(
     log: Callable[[int, float], None] | None = None, codec: Any = None,
 ) -> dict[str, float]:
     """Train `vae` to reconstruct `images` (uint8 (N, H, W, 3), or clips (N, F, H, W, 3)): Adam with a
-    20-step warm-up and cosine decay. `codec` (stages.models.flow_vae): uint8 media -> the VAE's
+    20-step warm-up and cosine decay. `codec` (unirl.stages.models.flow_vae): uint8 media -> the VAE's
     input and its training reconstruction (default: `to_pixels`, decode). With several ranks each takes its share of every batch and `all_reduce`
     averages the gradients (a sum over ranks, divided here). Returns the final loss and time."""
     import time
@@ -136,7 +136,7 @@ def standardize_latents(vae: Any, images: np.ndarray, batch: int = 256) -> dict[
     (z - shift) * scale of `images` have mean 0 and std 1 (what flow matching from N(0, 1) noise
     assumes; SD3's constants fit only SD3's own VAE)."""
     device = next(vae.parameters()).device
-    from stages.models.flow_vae import ShiftScale
+    from unirl.stages.models.flow_vae import ShiftScale
 
     zs = [vae.encode(to_pixels(images[i:i + batch]).to(device)).latent_dist.mean.float().cpu()
           for i in range(0, len(images), batch)]

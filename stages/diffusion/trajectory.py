@@ -4,7 +4,7 @@ from tensors.
 Per sample: `sigmas` (T+1), `sde_indices` (K), `latents` = x at the stored steps flattened, with
 `latent_shape` = [N, C, h, w] (images) or [N, C, F, h, w] (video), `sde_logprobs` (K), `noise_seed` (the seed of the initial noise)
 and `media_png` (the decoded image). Which steps are stored follows from the rest
-(`stages.diffusion.sampling.stored_steps`): N == 1 keeps only the final x_T (likelihood-free
+(`unirl.stages.diffusion.sampling.stored_steps`): N == 1 keeps only the final x_T (likelihood-free
 losses such as NFT); otherwise x_i and x_{i+1} of every SDE step i, and x_T.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
-from stages.diffusion.sampling import Plan, stored_steps
-from stages.sample import ShardSchemaError, list_column
+from unirl.stages.diffusion.sampling import Plan, stored_steps
+from unirl.stages.sample import ShardSchemaError, list_column
 
 
 def latent_rows(traj_latents: Tensor, logprobs: Tensor, plan: Plan) -> list[dict[str, Any]]:

@@ -4,7 +4,7 @@ backed by transformers (text) and diffusers (flow models) through the policies' 
 code. Started by the `engine_server` rollout engine (stages/engines/engine_server.py) or by hand:
 
     UNIRL_ENGINE_TOKEN=... unirl engine-server RECIPE [key=value ...] [--weights DIR] [--port 30000]
-    python -m stages.engine_server --spec FILE     # as the rollout engine launches it
+    python -m unirl.stages.engine_server --spec FILE     # as the rollout engine launches it
 
 It binds loopback by default and requires a bearer token (the variable `--token-env` names).
 """
@@ -32,9 +32,9 @@ def serve(recipe: Any, weights: str, version: str, *, host: str, port: int, toke
     import torch
     import uvicorn
 
-    from stages.engine_server.app import create_app
-    from stages.engine_server.core import EngineCore
-    from stages.secrets import RedactingFilter
+    from unirl.stages.engine_server.app import create_app
+    from unirl.stages.engine_server.core import EngineCore
+    from unirl.stages.secrets import RedactingFilter
 
     torch.set_num_threads(max(1, threads))
     core = EngineCore(recipe, weights, version)
@@ -78,11 +78,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from stages.recipe import RecipeError, build_recipe, load_recipe
+    from unirl.stages.recipe import RecipeError, build_recipe, load_recipe
 
     args = _parser().parse_args(argv)
     if args.spec:
-        from stages.workers.group import die_with_parent
+        from unirl.stages.workers.group import die_with_parent
 
         die_with_parent()
         spec = json.loads(Path(args.spec).read_text())
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     weights = args.weights
     if weights is None:
-        from stages.models.family import get_family
+        from unirl.stages.models.family import get_family
 
         weights = str(get_family(recipe.model.kind).materialize(recipe.model, Path(tempfile.mkdtemp(prefix="unirl-engine-")) / "model"))
     try:

@@ -1,6 +1,6 @@
-"""`python -m stages.engine_server --spec FILE` (or a recipe): see stages/engine_server/__init__.py."""
+"""`python -m unirl.stages.engine_server --spec FILE` (or a recipe): see stages/engine_server/__init__.py."""
 import sys
 
-from stages.engine_server import main
+from unirl.stages.engine_server import main
 
 sys.exit(main())

@@ -26,7 +26,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from stages.engine_server.core import EngineCore, EngineRequestError
+from unirl.stages.engine_server.core import EngineCore, EngineRequestError
 
 log = logging.getLogger("unirl.engine_server")
 OPEN_ROUTES = {"/health", "/health_generate", "/model_info", "/get_model_info"}
@@ -34,9 +34,9 @@ OPEN_ROUTES = {"/health", "/health_generate", "/model_info", "/get_model_info"}
 
 def create_app(core: EngineCore, token: str | None, *, max_batch: int = 64, batch_wait_s: float = 0.005) -> FastAPI:
     """The app over `core`. `token` None: no auth (only when the operator turned it off)."""
-    from stages.engine_server.flow import FlowBackend
-    from stages.engine_server.text import TextBackend, parse_requests
-    from stages.engine_server.update_group import UpdateGroups
+    from unirl.stages.engine_server.flow import FlowBackend
+    from unirl.stages.engine_server.text import TextBackend, parse_requests
+    from unirl.stages.engine_server.update_group import UpdateGroups
 
     app = FastAPI(title="unirl engine server", docs_url=None, redoc_url=None, openapi_url=None)
     text = TextBackend(core, max_batch=max_batch, wait_s=batch_wait_s) if core.policy.segment == "text" else None
@@ -85,7 +85,7 @@ def create_app(core: EngineCore, token: str | None, *, max_batch: int = 64, batc
     def rollout_generate(body: dict[str, Any]) -> Response:
         import msgpack
 
-        from stages.engines.client import tensor_to_wire
+        from unirl.stages.engines.client import tensor_to_wire
 
         if flow is None:
             raise EngineRequestError("this engine serves a text model: POST /generate")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from stages.weights_checksum import tensors_checksum
+from unirl.stages.weights_checksum import tensors_checksum
 
 
 class EngineRequestError(ValueError):
@@ -29,7 +29,7 @@ def verify_folder(path: Path) -> str | None:
     own sha256, None without one. A file that does not match is an error naming it."""
     import hashlib
 
-    from stages.train.manifests import MANIFEST, verify_weights_dir
+    from unirl.stages.train.manifests import MANIFEST, verify_weights_dir
 
     manifest = path / MANIFEST
     if not manifest.is_file():
@@ -46,8 +46,8 @@ class EngineCore:
     serving policy version `version`."""
 
     def __init__(self, recipe: Any, weights_dir: str | Path, version: str, device: str = "cpu"):
-        from stages.models.family import get_family
-        from stages.policies import policies
+        from unirl.stages.models.family import get_family
+        from unirl.stages.policies import policies
 
         self.recipe = recipe
         self.family = get_family(recipe.model.kind)

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from stages.engine_server.core import EngineCore, EngineRequestError
-from stages.seeds import derive_seed
+from unirl.stages.engine_server.core import EngineCore, EngineRequestError
+from unirl.stages.seeds import derive_seed
 
 # SGLang's rollout_sde_type -> our SDE kernel (DESIGN.md section 5).
 SDE_KINDS = {"sde": "flow", "cps": "cps", "ode": "ode"}
@@ -84,8 +84,8 @@ class FlowBackend:
                     r.future.set_exception(exc)
 
     def _plan(self, body: dict[str, Any], policy: Any) -> Any:
-        from stages.diffusion.sampling import Plan
-        from stages.sde import dynamic_shift, shifted_sigmas, time_shift_sigmas
+        from unirl.stages.diffusion.sampling import Plan
+        from unirl.stages.sde import dynamic_shift, shifted_sigmas, time_shift_sigmas
 
         sampler = policy.sampler
         steps = int(body.get("num_inference_steps") or sampler.num_steps)
@@ -109,9 +109,9 @@ class FlowBackend:
         return Plan(sigmas, torch.tensor(indices, dtype=torch.long), kind, eta)
 
     def _sample(self, batch: list[FlowRequest]) -> None:
-        from stages.diffusion.sampling import sample
+        from unirl.stages.diffusion.sampling import sample
 
-        from stages.faults import fault_point
+        from unirl.stages.faults import fault_point
 
         core = self.core
         core.wait_running()

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from stages.engine_server.core import EngineCore, EngineRequestError
+from unirl.stages.engine_server.core import EngineCore, EngineRequestError
 
 
 @dataclass
@@ -117,8 +117,8 @@ class TextBackend:
                         r.future.set_exception(exc)
 
     def _run(self, batch: list[TextRequest]) -> None:
-        from stages.faults import fault_point
-        from stages.policies.text_sampling import sample
+        from unirl.stages.faults import fault_point
+        from unirl.stages.policies.text_sampling import sample
 
         fault_point("engine-generate", owner=False)  # the engine killed mid-generate (benchmarks/faults.py)
         core = self.core

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from stages.engine_server.core import EngineCore, EngineRequestError
-from stages.engines import update_group as ug
+from unirl.stages.engine_server.core import EngineCore, EngineRequestError
+from unirl.stages.engines import update_group as ug
 
 
 class UpdateGroups:

@@ -20,10 +20,10 @@ from typing import Annotated, Any, ClassVar, Union
 
 from pydantic import Field
 
-from stages.config_base import Section
-from stages.registry import Registry
+from unirl.stages.config_base import Section
+from unirl.stages.registry import Registry
 
-engines: Registry[type["RolloutEngine"]] = Registry("rollout engine", "stages.engines", "rollout.engine.name")
+engines: Registry[type["RolloutEngine"]] = Registry("rollout engine", "unirl.stages.engines", "rollout.engine.name")
 
 
 def engine_config() -> Any:

@@ -20,9 +20,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from stages.config_base import Section
-from stages.engines import RolloutEngine
-from stages.engines.client import EngineClient, EngineError
+from unirl.stages.config_base import Section
+from unirl.stages.engines import RolloutEngine
+from unirl.stages.engines.client import EngineClient, EngineError
 
 
 class EngineVersionError(EngineError):
@@ -68,7 +68,7 @@ class DedicatedEngine(RolloutEngine):
 
     @classmethod
     def check(cls, recipe: Any) -> None:
-        from stages.algorithms.base import algorithms
+        from unirl.stages.algorithms.base import algorithms
 
         e, r = recipe.rollout.engine, recipe.rollout
         stale = r.mode == "async" or e.sync.every > 1
@@ -101,7 +101,7 @@ class DedicatedEngine(RolloutEngine):
                              "model.lora or sync.weights: full")
 
     def __init__(self, recipe: Any, storage: Any, group: Any):
-        from stages.policies import policy_for
+        from unirl.stages.policies import policy_for
 
         self.recipe, self.storage, self.group = recipe, storage, group
         self.cfg = recipe.rollout.engine
@@ -116,8 +116,8 @@ class DedicatedEngine(RolloutEngine):
     def wire(self) -> Any:
         """The policy's requests and rows (text: the tokenizer of the run's initial weights, which
         exist only once the run has set up, so built on first use)."""
-        from stages.engines.flow_wire import FlowWire
-        from stages.engines.text_wire import TextWire
+        from unirl.stages.engines.flow_wire import FlowWire
+        from unirl.stages.engines.text_wire import TextWire
 
         if self._wire is None:
             self._wire = (TextWire(self.recipe, self.local(self.storage.weights_rel(0))) if self.segment == "text"
@@ -146,9 +146,9 @@ class DedicatedEngine(RolloutEngine):
     # -- sampling -----------------------------------------------------------------------------------
     def generate(self, requests: str, out_dir: str, iteration: int, policy_version: int, *,
                  greedy: bool = False, seed_tag: str = "") -> dict[str, Any]:
-        from stages.algorithms.base import algorithms
-        from stages.sample import read_shard, table_from_rows, write_shard
-        from stages.storage import join
+        from unirl.stages.algorithms.base import algorithms
+        from unirl.stages.sample import read_shard, table_from_rows, write_shard
+        from unirl.stages.storage import join
 
         start = time.perf_counter()
         client = self.ensure(policy_version)
@@ -193,7 +193,7 @@ class DedicatedEngine(RolloutEngine):
 
     def load_weights(self, weights_rel: str, version: int) -> dict[str, Any]:
         """Load published full weights and check what the engine reports back."""
-        from stages.train.manifests import MANIFEST
+        from unirl.stages.train.manifests import MANIFEST
 
         client = self.client(version)
         start = time.perf_counter()
@@ -220,7 +220,7 @@ class DedicatedEngine(RolloutEngine):
 
     def load_adapter(self, adapter_rel: str, version: int) -> dict[str, Any]:
         """Hot-load published LoRA adapters under the name vNNNNNN and unload the previous ones."""
-        from stages.train.manifests import MANIFEST
+        from unirl.stages.train.manifests import MANIFEST
 
         client = self.client(version)
         start = time.perf_counter()
@@ -244,8 +244,8 @@ class DedicatedEngine(RolloutEngine):
     def publish_for(self, trainer: Any, version: int) -> str:
         """What the engine loads for `version` (weights/vN, or adapters/vN with LoRA sync),
         published through the trainer unless it is already: every rank gathers, rank 0 writes."""
-        from stages.storage import join
-        from stages.train.manifests import MANIFEST
+        from unirl.stages.storage import join
+        from unirl.stages.train.manifests import MANIFEST
 
         lora = self.cfg.sync.weights == "lora" and version > 0
         rel = self.storage.adapters_rel(version) if lora else self.storage.weights_rel(version)
@@ -288,7 +288,7 @@ class DedicatedEngine(RolloutEngine):
         from concurrent.futures import ThreadPoolExecutor
         from urllib.parse import urlparse
 
-        from stages.workers.group import free_port
+        from unirl.stages.workers.group import free_port
 
         start = time.perf_counter()
         name = f"unirl-{self.storage.run}"

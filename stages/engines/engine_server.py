@@ -21,9 +21,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from stages.engines import engines
-from stages.engines.client import EngineClient, EngineUnreachable
-from stages.engines.dedicated import DedicatedConfig, DedicatedEngine
+from unirl.stages.engines import engines
+from unirl.stages.engines.client import EngineClient, EngineUnreachable
+from unirl.stages.engines.dedicated import DedicatedConfig, DedicatedEngine
 
 
 class EngineServerConfig(DedicatedConfig):
@@ -68,9 +68,9 @@ class EngineServer(DedicatedEngine):
         return self.cfg.url is not None or (self.proc is not None and self.proc.poll() is None)
 
     def _launch(self, version: int) -> None:
-        """Start `python -m stages.engine_server` serving weights/v{version} (or the initial weights
+        """Start `python -m unirl.stages.engine_server` serving weights/v{version} (or the initial weights
         and then the adapters of `version`)."""
-        from stages.workers.group import kill_tree, spawn
+        from unirl.stages.workers.group import kill_tree, spawn
 
         if self.proc is not None:
             if self.starts > self.cfg.restarts:
@@ -93,7 +93,7 @@ class EngineServer(DedicatedEngine):
         if self.starts:  # a fault injected into the engine (UNIRL_FAULTS=engine-generate) hits its first start only
             env.pop("UNIRL_FAULTS", None)
         with open(self.log_path, "ab") as logf:
-            self.proc = spawn([sys.executable, "-m", "stages.engine_server", "--spec", str(spec_path)], env=env,
+            self.proc = spawn([sys.executable, "-m", "unirl.stages.engine_server", "--spec", str(spec_path)], env=env,
                               stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.starts += 1
         deadline = time.monotonic() + self.cfg.startup_timeout_s
@@ -137,7 +137,7 @@ class EngineServer(DedicatedEngine):
 
     def close(self) -> None:
         """Stop a launched engine process (a server at `url` is left running)."""
-        from stages.workers.group import kill_tree
+        from unirl.stages.workers.group import kill_tree
 
         super().close()
         if self.proc is not None:

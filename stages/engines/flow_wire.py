@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from stages.engines.client import EngineClient, EngineError, tensor_from_wire
-from stages.seeds import derive_seed
+from unirl.stages.engines.client import EngineClient, EngineError, tensor_from_wire
+from unirl.stages.seeds import derive_seed
 
 # Our SDE kernel -> SGLang's rollout_sde_type (the dance kernel is ours: sent as an extra).
 SDE_TYPES = {"flow": "sde", "cps": "cps", "ode": "ode"}
@@ -45,11 +45,11 @@ class FlowWire:
 
     def rollout(self, client: EngineClient, samples: list[tuple[str, str, str, Any]], *, iteration: int, seed_tag: str,
                 greedy: bool, lora: str | None, transitions: bool) -> list[dict[str, Any]]:
-        from stages.diffusion.sampling import Plan, make_plan, stored_steps
-        from stages.diffusion.trajectory import latent_rows
-        from stages.media import to_png_bytes
-        from stages.seeds import derive_seed as seed_of
-        from stages.train.stack import micro_batches
+        from unirl.stages.diffusion.sampling import Plan, make_plan, stored_steps
+        from unirl.stages.diffusion.trajectory import latent_rows
+        from unirl.stages.media import to_png_bytes
+        from unirl.stages.seeds import derive_seed as seed_of
+        from unirl.stages.train.stack import micro_batches
 
         sampler, t = self.recipe.rollout.sampler, self.recipe.train
         # The SDE steps of the iteration (the sigmas are the engine's; the trainer checks them).

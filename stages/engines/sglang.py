@@ -18,9 +18,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from stages.engines import engines
-from stages.engines.client import EngineClient
-from stages.engines.dedicated import DedicatedConfig, DedicatedEngine
+from unirl.stages.engines import engines
+from unirl.stages.engines.client import EngineClient
+from unirl.stages.engines.dedicated import DedicatedConfig, DedicatedEngine
 
 
 class SGLangConfig(DedicatedConfig):
@@ -39,7 +39,7 @@ class SGLang(DedicatedEngine):
 
     @classmethod
     def check(cls, recipe: Any) -> None:
-        from stages.algorithms.base import algorithms
+        from unirl.stages.algorithms.base import algorithms
 
         super().check(recipe)
         # Text losses correct with importance weights; flow losses anchor on the recorded

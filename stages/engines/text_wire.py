@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stages.engines.client import EngineClient, EngineError, finish_reason
-from stages.seeds import derive_seed
+from unirl.stages.engines.client import EngineClient, EngineError, finish_reason
+from unirl.stages.seeds import derive_seed
 
 
 class TextWire:
@@ -20,14 +20,14 @@ class TextWire:
     reports_version = True  # meta_info.weight_version on every response, /model_info weight_version
 
     def __init__(self, recipe: Any, tokenizer_dir: Path):
-        from stages.models.tokenizer import load_tokenizer, uses_chat_template
+        from unirl.stages.models.tokenizer import load_tokenizer, uses_chat_template
 
         self.recipe = recipe
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.use_chat = uses_chat_template(self.tokenizer, recipe.model.chat_template)
 
     def encode(self, prompts: list[str]) -> list[list[int]]:
-        from stages.models.tokenizer import encode_prompt
+        from unirl.stages.models.tokenizer import encode_prompt
 
         encoded = {p: encode_prompt(self.tokenizer, p, self.use_chat) for p in dict.fromkeys(prompts)}
         return [encoded[p] for p in prompts]

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from stages.config_base import Section
-from stages.engines import RolloutEngine, engines
+from unirl.stages.config_base import Section
+from unirl.stages.engines import RolloutEngine, engines
 
 
 class TrainsideConfig(Section):

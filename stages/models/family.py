@@ -20,10 +20,10 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, ClassVar
 
-from stages.config_base import Section
-from stages.registry import Registry
+from unirl.stages.config_base import Section
+from unirl.stages.registry import Registry
 
-families: Registry[type["Family"]] = Registry("model family", "stages.models", "model.kind")
+families: Registry[type["Family"]] = Registry("model family", "unirl.stages.models", "model.kind")
 
 
 def get_family(kind: str) -> type["Family"]:

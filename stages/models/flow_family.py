@@ -32,9 +32,9 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field
 
-from stages.config_base import LoraConfig, Section
-from stages.models.family import Family
-from stages.models.flow_geometry import FlowGeometry
+from unirl.stages.config_base import LoraConfig, Section
+from unirl.stages.models.family import Family
+from unirl.stages.models.flow_geometry import FlowGeometry
 
 
 # ---------------------------------------------------------------------------- shared recipe sections
@@ -181,7 +181,7 @@ class FlowFamily(Family):
         the VAE, the `text` parts (encoders and tokenizers) and the transformers `experts` names
         (the first always, the others where the index lists them). The folder must be one this
         family loads (check_pipeline)."""
-        from stages.models.flow_folder import check_pipeline, listed, load_component
+        from unirl.stages.models.flow_folder import check_pipeline, listed, load_component
 
         root = Path(directory)
         index = check_pipeline(root, cls.name, cls.pipelines)
@@ -230,7 +230,7 @@ class FlowFamily(Family):
     @classmethod
     def dynamic_mu(cls, bundle: Any, tokens: int, num_steps: int) -> float:
         """mu of the resolution-dependent shift (`rollout.sampler.dynamic_shift`)."""
-        from stages.sde import dynamic_shift
+        from unirl.stages.sde import dynamic_shift
 
         return dynamic_shift(tokens)
 
@@ -251,7 +251,7 @@ class FlowFamily(Family):
     def native_media(cls, cfg: Any) -> tuple[int, int | None]:
         """(image side, frames or None) a model of `cfg` is made for, without loading weights."""
         if cfg.path:
-            from stages.models.flow_folder import folder_defaults
+            from unirl.stages.models.flow_folder import folder_defaults
 
             found = folder_defaults(Path(cfg.path), cls.pipeline_defaults)
             return int(found["image_size"]), found.get("num_frames")
@@ -321,7 +321,7 @@ class FlowFamily(Family):
     # -- media ----------------------------------------------------------------------------------
     @classmethod
     def codec(cls, bundle: Any) -> Any:
-        """The VAE's latent normalization (a `stages.models.flow_vae.LatentCodec`)."""
+        """The VAE's latent normalization (a `unirl.stages.models.flow_vae.LatentCodec`)."""
         raise NotImplementedError
 
     @classmethod
@@ -345,7 +345,7 @@ class FlowFamily(Family):
                     world: int) -> dict[str, float]:
         """Before flow-matching SFT: warm the VAE up on the SFT media (a tiny model's VAE is random)
         and set its normalization from their latents; a checkpoint's VAE is kept (`model.vae_warmup`)."""
-        from stages.diffusion import sft as S
+        from unirl.stages.diffusion import sft as S
 
         warm = cfg.vae_warmup
         steps = warm.resolved_steps(bool(cfg.path))
@@ -377,14 +377,14 @@ class FlowFamily(Family):
 
     @classmethod
     def add_lora(cls, bundle: Any, lora: Any) -> None:
-        from stages.models.flow_lora import add_lora
+        from unirl.stages.models.flow_lora import add_lora
 
         add_lora(cls.transformers(bundle.module), rank=lora.rank, alpha=lora.alpha,
                  target_modules=lora.target_modules or cls.lora_targets, what=cls.lora_what(bundle))
 
     @classmethod
     def reference(cls, bundle: Any) -> AbstractContextManager[Any]:
-        from stages.models.flow_lora import reference_policy
+        from unirl.stages.models.flow_lora import reference_policy
 
         return reference_policy(cls.transformers(bundle.module), cls.lora_what(bundle))
 
@@ -395,8 +395,8 @@ class FlowFamily(Family):
 
     @classmethod
     def export(cls, bundle: Any, local: Path, state: dict[str, Any], *, lora: Any) -> None:
-        from stages.models.flow_folder import write_folder
-        from stages.models.flow_lora import merge_lora
+        from unirl.stages.models.flow_folder import write_folder
+        from unirl.stages.models.flow_lora import merge_lora
 
         if lora is not None:
             state = merge_lora(state, rank=lora.rank, alpha=lora.alpha)
@@ -411,7 +411,7 @@ class FlowFamily(Family):
     @classmethod
     def materialize(cls, cfg: Any, scratch: Path) -> Path:
         if cfg.path:
-            from stages.models.flow_folder import check_pipeline
+            from unirl.stages.models.flow_folder import check_pipeline
 
             check_pipeline(Path(cfg.path), cls.name, cls.pipelines)
             return Path(cfg.path)
@@ -421,7 +421,7 @@ class FlowFamily(Family):
     def check(cls, recipe: Any) -> None:
         """A folder of another family, an image side the VAE and patch cannot take, a frame count
         the VAE cannot take: errors naming the field, before anything loads."""
-        from stages.models.flow_folder import check_pipeline
+        from unirl.stages.models.flow_folder import check_pipeline
 
         cfg, sampler = recipe.model, recipe.rollout.sampler
         if cfg.path and (Path(cfg.path) / "model_index.json").is_file():

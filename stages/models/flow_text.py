@@ -25,8 +25,8 @@ CHAT_TEMPLATE = (
 
 def toy_words() -> tuple[str, ...]:
     """The toy tasks' vocabulary (toy GenEval, toy video), one token each in the tiny tokenizer."""
-    from stages.geneval.dataset import WORDS
-    from stages.videotoy.dataset import WORDS as VIDEO_WORDS
+    from unirl.stages.geneval.dataset import WORDS
+    from unirl.stages.videotoy.dataset import WORDS as VIDEO_WORDS
 
     return tuple(dict.fromkeys((*WORDS, *VIDEO_WORDS)))
 
@@ -157,7 +157,7 @@ def tiny_clip_text(*, hidden: int, seed: int, max_length: int = 16) -> tuple[Any
     """A tiny CLIPTextModel and its tokenizer (HunyuanVideo 1.0's pooled text encoder)."""
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from stages.models.sd3_text import build_tiny_tokenizer as clip_tokenizer, tiny_clip_config
+    from unirl.stages.models.sd3_text import build_tiny_tokenizer as clip_tokenizer, tiny_clip_config
 
     tok = clip_tokenizer(toy_words(), model_max_length=max_length)
     cfg = CLIPTextConfig(vocab_size=len(tok), max_position_embeddings=max_length, bos_token_id=tok.bos_token_id,

@@ -22,10 +22,10 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from stages.models.family import families
-from stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyFlow
-from stages.models.flow_geometry import FlowGeometry
-from stages.models.flow_vae import PatchBatchNorm
+from unirl.stages.models.family import families
+from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyFlow
+from unirl.stages.models.flow_geometry import FlowGeometry
+from unirl.stages.models.flow_vae import PatchBatchNorm
 
 FLUX2_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                       "attn.add_v_proj", "attn.to_add_out", "attn.to_qkv_mlp_proj")
@@ -85,7 +85,7 @@ class Flux2Klein(FlowFamily):
 
     @classmethod
     def recipe_geometry(cls, cfg: Flux2KleinModelConfig) -> FlowGeometry | None:
-        from stages.models.flow_folder import config_of
+        from unirl.stages.models.flow_folder import config_of
 
         if cfg.path:
             if not (Path(cfg.path) / "vae" / "config.json").is_file():
@@ -100,8 +100,8 @@ class Flux2Klein(FlowFamily):
     def build_tiny(cls, directory: Path, tiny: TinyFlux2) -> Path:
         from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
 
-        from stages.models import flow_text as T
-        from stages.models.flow_folder import write_defaults, write_index
+        from unirl.stages.models import flow_text as T
+        from unirl.stages.models.flow_folder import write_defaults, write_index
 
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
@@ -131,7 +131,7 @@ class Flux2Klein(FlowFamily):
 
     @classmethod
     def load(cls, directory: Path, cfg: Flux2KleinModelConfig, device: Any) -> FlowBundle:
-        from stages.models.flow_folder import folder_defaults
+        from unirl.stages.models.flow_folder import folder_defaults
 
         parts = cls.load_parts(directory, cfg, device)
         (transformer,) = parts.transformers
@@ -157,7 +157,7 @@ class Flux2Klein(FlowFamily):
     @torch.no_grad()
     def encode_prompt(cls, bundle: FlowBundle, text: str) -> tuple[torch.Tensor, ...]:
         """(embeds (L, 3 * D),): the templated prompt's hidden states at the three layers, per token."""
-        from stages.models.flow_text import ids_and_mask
+        from unirl.stages.models.flow_text import ids_and_mask
 
         tok = bundle.text["tokenizer"]
         chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True,

@@ -24,10 +24,10 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field
 
-from stages.models.family import families
-from stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyVideo
-from stages.models.flow_geometry import FlowGeometry
-from stages.models.flow_vae import Scale
+from unirl.stages.models.family import families
+from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyVideo
+from unirl.stages.models.flow_geometry import FlowGeometry
+from unirl.stages.models.flow_vae import Scale
 
 HUNYUAN_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                         "attn.add_v_proj", "attn.to_add_out")
@@ -108,7 +108,7 @@ class HunyuanVideo(FlowFamily):
     @classmethod
     def native_media(cls, cfg: HunyuanVideoModelConfig) -> tuple[int, int | None]:
         if cfg.path:
-            from stages.models.flow_folder import folder_defaults, read_index
+            from unirl.stages.models.flow_folder import folder_defaults, read_index
 
             found = folder_defaults(Path(cfg.path), cls.version_defaults[version_of(read_index(Path(cfg.path)))])
             return int(found["image_size"]), found["num_frames"]
@@ -116,7 +116,7 @@ class HunyuanVideo(FlowFamily):
 
     @classmethod
     def recipe_geometry(cls, cfg: HunyuanVideoModelConfig) -> FlowGeometry | None:
-        from stages.models.flow_folder import config_of, read_index
+        from unirl.stages.models.flow_folder import config_of, read_index
 
         if cfg.path:
             if not (Path(cfg.path) / "vae" / "config.json").is_file():
@@ -137,8 +137,8 @@ class HunyuanVideo(FlowFamily):
         from diffusers import (AutoencoderKLHunyuanVideo, AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler,
                                HunyuanVideo15Transformer3DModel, HunyuanVideoTransformer3DModel)
 
-        from stages.models import flow_text as T
-        from stages.models.flow_folder import write_defaults, write_index
+        from unirl.stages.models import flow_text as T
+        from unirl.stages.models.flow_folder import write_defaults, write_index
 
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
@@ -187,7 +187,7 @@ class HunyuanVideo(FlowFamily):
 
     @classmethod
     def load(cls, directory: Path, cfg: HunyuanVideoModelConfig, device: Any) -> FlowBundle:
-        from stages.models.flow_folder import folder_defaults
+        from unirl.stages.models.flow_folder import folder_defaults
 
         parts = cls.load_parts(directory, cfg, device, text=("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"))
         root, index, vae, text, (transformer,) = parts.root, parts.index, parts.vae, parts.text, parts.transformers
@@ -217,7 +217,7 @@ class HunyuanVideo(FlowFamily):
     @torch.no_grad()
     def encode_prompt(cls, bundle: FlowBundle, text: str) -> tuple[torch.Tensor, ...]:
         """1.0: (embeds (L, D), mask (L,), pooled (P,)); 1.5: (embeds, mask, glyph embeds (L2, D2), glyph mask)."""
-        from stages.models.flow_text import ids_and_mask
+        from unirl.stages.models.flow_text import ids_and_mask
 
         s, t, device = bundle.settings, bundle.text, bundle.device
         one_five = s["version"] == "1.5"
@@ -234,7 +234,7 @@ class HunyuanVideo(FlowFamily):
     @classmethod
     def _glyphs(cls, bundle: FlowBundle, text: str) -> tuple[torch.Tensor, torch.Tensor]:
         """ByT5 embedding of the prompt's quoted text ('Text "..."', as the pipeline writes it), or zeros."""
-        from stages.models.flow_text import ids_and_mask
+        from unirl.stages.models.flow_text import ids_and_mask
 
         length, encoder = bundle.settings["glyph_length"], bundle.text["text_encoder_2"]
         quoted = list(dict.fromkeys(a or b for a, b in QUOTED.findall(text)))

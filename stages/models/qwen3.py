@@ -13,8 +13,8 @@ from typing import Any, Iterator, Literal
 
 from pydantic import Field
 
-from stages.config_base import LoraConfig, Section
-from stages.models.family import Family, families
+from unirl.stages.config_base import LoraConfig, Section
+from unirl.stages.models.family import Family, families
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 
@@ -85,7 +85,7 @@ def save_tiny_qwen3(directory: str | Path, tiny: Any) -> Path:
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from stages.models.tokenizer import build_char_tokenizer
+    from unirl.stages.models.tokenizer import build_char_tokenizer
 
     directory = Path(directory)
     tok = build_char_tokenizer(tiny.charset)
@@ -115,7 +115,7 @@ def load_qwen3(directory: str | Path, *, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stages.models.tokenizer import load_tokenizer
+    from unirl.stages.models.tokenizer import load_tokenizer
 
     d = check_model_dir(directory)
     model = AutoModelForCausalLM.from_pretrained(str(d), dtype=getattr(torch, dtype), attn_implementation="sdpa")
@@ -148,7 +148,7 @@ class Qwen3(Family):
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from stages.models.tokenizer import load_tokenizer
+        from unirl.stages.models.tokenizer import load_tokenizer
 
         d = check_model_dir(directory)
         if not cls.weight_files(d):

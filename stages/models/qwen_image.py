@@ -19,10 +19,10 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from stages.models.family import families
-from stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyFlow
-from stages.models.flow_geometry import FlowGeometry
-from stages.models.flow_vae import ChannelStats
+from unirl.stages.models.family import families
+from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyFlow
+from unirl.stages.models.flow_geometry import FlowGeometry
+from unirl.stages.models.flow_vae import ChannelStats
 
 QWEN_IMAGE_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                            "attn.add_v_proj", "attn.to_add_out")
@@ -69,7 +69,7 @@ class QwenImage(FlowFamily):
 
     @classmethod
     def recipe_geometry(cls, cfg: QwenImageModelConfig) -> FlowGeometry | None:
-        from stages.models.flow_folder import config_of
+        from unirl.stages.models.flow_folder import config_of
 
         if cfg.path:
             if not (Path(cfg.path) / "vae" / "config.json").is_file():
@@ -84,8 +84,8 @@ class QwenImage(FlowFamily):
     def build_tiny(cls, directory: Path, tiny: TinyFlow) -> Path:
         from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
-        from stages.models import flow_text as T
-        from stages.models.flow_folder import write_defaults, write_index
+        from unirl.stages.models import flow_text as T
+        from unirl.stages.models.flow_folder import write_defaults, write_index
 
         if tiny.patch_size != 2:
             raise ValueError(f"model.tiny.patch_size: Qwen-Image packs latents 2x2, got {tiny.patch_size}")
@@ -118,7 +118,7 @@ class QwenImage(FlowFamily):
 
     @classmethod
     def load(cls, directory: Path, cfg: QwenImageModelConfig, device: Any) -> FlowBundle:
-        from stages.models.flow_folder import folder_defaults
+        from unirl.stages.models.flow_folder import folder_defaults
 
         parts = cls.load_parts(directory, cfg, device)
         root, (transformer,) = parts.root, parts.transformers
@@ -140,7 +140,7 @@ class QwenImage(FlowFamily):
 
     @classmethod
     def dynamic_mu(cls, bundle: FlowBundle, tokens: int, num_steps: int) -> float:
-        from stages.sde import dynamic_shift
+        from unirl.stages.sde import dynamic_shift
 
         s = bundle.settings["scheduler"]
         return dynamic_shift(tokens, base_seq_len=s.get("base_image_seq_len", 256), max_seq_len=s.get("max_image_seq_len", 4096),
@@ -158,7 +158,7 @@ class QwenImage(FlowFamily):
     @torch.no_grad()
     def encode_prompt(cls, bundle: FlowBundle, text: str) -> tuple[torch.Tensor, ...]:
         """(embeds (L, D), mask (L,)): the last hidden state of the prompt's tokens in the template."""
-        from stages.models.flow_text import ids_and_mask, pad_rows
+        from unirl.stages.models.flow_text import ids_and_mask, pad_rows
 
         length, prefix = bundle.settings["text_length"], bundle.settings["prefix"]
         tok = bundle.text["tokenizer"]

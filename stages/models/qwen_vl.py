@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterator, Literal
 
 from pydantic import Field
 
-from stages.config_base import LoraConfig, Section
-from stages.models.family import Family
-from stages.models.tokenizer import CHARSET
+from unirl.stages.config_base import LoraConfig, Section
+from unirl.stages.models.family import Family
+from unirl.stages.models.tokenizer import CHARSET
 
 
 class TinyVLText(Section):
@@ -97,7 +97,7 @@ def mrope_section(head_dim: int, shares: tuple[int, int, int]) -> list[int]:
 
 
 def check_vl_dir(directory: str | Path) -> Path:
-    from stages.models.qwen3 import check_model_dir
+    from unirl.stages.models.qwen3 import check_model_dir
 
     d = check_model_dir(directory)
     if not (d / "preprocessor_config.json").is_file():
@@ -129,7 +129,7 @@ class QwenVL(Family):
     # -- recipe rules ---------------------------------------------------------------------------
     @classmethod
     def check(cls, recipe: Any) -> None:
-        from stages.sources import sources
+        from unirl.stages.sources import sources
 
         if not sources.get(recipe.data.name).gives_images(recipe.data):
             raise ValueError(f"data.name: model.kind {recipe.model.kind!r} answers questions about images, and "
@@ -148,7 +148,7 @@ class QwenVL(Family):
         """The seeded tiny model, its character tokenizer and its image processor in HF layout."""
         import torch
 
-        from stages.models.qwen_vl_prompts import QWEN_SPECIALS, build_vl_tokenizer
+        from unirl.stages.models.qwen_vl_prompts import QWEN_SPECIALS, build_vl_tokenizer
 
         directory = Path(directory)
         tok = build_vl_tokenizer(tiny.charset)
@@ -166,7 +166,7 @@ class QwenVL(Family):
 
     @classmethod
     def processor_for(cls, tiny: TinyVL) -> Any:
-        from stages.models.qwen_vl_prompts import image_processor
+        from unirl.stages.models.qwen_vl_prompts import image_processor
 
         v = tiny.vision
         return image_processor(v.patch_size, v.spatial_merge_size, 2, v.min_pixels, v.max_pixels)
@@ -175,7 +175,7 @@ class QwenVL(Family):
     def image_grids(cls, cfg: VLModelConfig, sizes: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
         """(t, h, w) patches of an image of each (width, height), as the model's image processor
         cuts it (the folder's settings, or the tiny model's)."""
-        from stages.models.qwen_vl_prompts import grid_of, load_image_processor
+        from unirl.stages.models.qwen_vl_prompts import grid_of, load_image_processor
 
         key = (cfg.path, cfg.tiny.vision.model_dump_json()) if not cfg.path else (cfg.path,)
         if key not in _PROCESSORS:
@@ -193,7 +193,7 @@ class QwenVL(Family):
 
     @classmethod
     def _bundle(cls, model: Any, directory: Path, cfg: VLModelConfig) -> VLBundle:
-        from stages.models.qwen_vl_prompts import load_image_processor, load_vl_tokenizer
+        from unirl.stages.models.qwen_vl_prompts import load_image_processor, load_vl_tokenizer
 
         model.config.use_cache = False
         if not cfg.train_vision:
@@ -210,7 +210,7 @@ class QwenVL(Family):
         from accelerate import init_empty_weights
         from transformers import AutoConfig
 
-        from stages.train.shards import SafetensorsRows
+        from unirl.stages.train.shards import SafetensorsRows
 
         d = check_vl_dir(directory)
         files = cls.weight_files(d)
@@ -302,6 +302,6 @@ class QwenVL(Family):
     # -- what the text policy asks of a family whose prompts carry images ------------------------
     @classmethod
     def image_prompts(cls, bundle: VLBundle, use_chat: bool, device: Any) -> Any:
-        from stages.models.qwen_vl_prompts import ImagePrompts
+        from unirl.stages.models.qwen_vl_prompts import ImagePrompts
 
         return ImagePrompts(bundle, use_chat, device)

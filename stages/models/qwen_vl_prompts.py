@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from stages.images import ImageError, decode
+from unirl.stages.images import ImageError, decode
 
 QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                  "<|image_pad|>", "<|video_pad|>")
@@ -65,7 +65,7 @@ def build_vl_tokenizer(charset: str):
 def load_vl_tokenizer(directory: Path):
     """The folder's tokenizer; its chat template from the tokenizer, else the processor's
     `chat_template.json` (how Qwen-VL checkpoints ship it)."""
-    from stages.models.tokenizer import load_tokenizer
+    from unirl.stages.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(directory)
     processor_template = Path(directory) / "chat_template.json"

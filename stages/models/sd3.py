@@ -1,6 +1,6 @@
 """The `sd3` family: Stable Diffusion 3 (an MMDiT transformer, a VAE and SD3's text encoders),
 loaded from one local diffusers-layout directory (stable-diffusion-3-medium-diffusers, or a tiny
-one `stages.models.sd3_tiny.build_tiny_sd3` writes), run as the flow-matching policy. The operations on a loaded bundle
+one `unirl.stages.models.sd3_tiny.build_tiny_sd3` writes), run as the flow-matching policy. The operations on a loaded bundle
 (velocity, latents <-> images, LoRA, export) are in stages/models/sd3_ops.py.
 
 Conventions (rectified flow, as SD3 is trained):
@@ -18,12 +18,12 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from stages.config_base import Section
-from stages.models.family import families
-from stages.models.flow_family import FlowFamily, FlowModelBase
-from stages.models.flow_geometry import FlowGeometry, check_image_side
-from stages.models.flow_vae import ShiftScale
-from stages.models.sd3_text import DEFAULT_T5_LENGTH
+from unirl.stages.config_base import Section
+from unirl.stages.models.family import families
+from unirl.stages.models.flow_family import FlowFamily, FlowModelBase
+from unirl.stages.models.flow_geometry import FlowGeometry, check_image_side
+from unirl.stages.models.flow_vae import ShiftScale
+from unirl.stages.models.sd3_text import DEFAULT_T5_LENGTH
 
 TIMESTEP_SCALE = 1000.0
 REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer")
@@ -280,7 +280,7 @@ class SD3(FlowFamily):
             if not (d / "model_index.json").is_file():
                 raise FileNotFoundError(f"model.path {d}: no model_index.json (expected a diffusers SD3 folder)")
             return super().materialize(cfg, scratch)
-        from stages.models.sd3_tiny import build_tiny_sd3
+        from unirl.stages.models.sd3_tiny import build_tiny_sd3
 
         return build_tiny_sd3(scratch, **cfg.tiny.build_kwargs())
 
@@ -308,7 +308,7 @@ class SD3(FlowFamily):
     @classmethod
     def encode_prompt(cls, bundle: SD3Bundle, text: str) -> tuple[torch.Tensor, ...]:
         """(embeds (L, D), pooled (P,)) of one prompt."""
-        from stages.models.sd3_text import encode_prompts
+        from unirl.stages.models.sd3_text import encode_prompts
 
         e = encode_prompts(bundle, [text])
         return e.embeds[0], e.pooled[0]

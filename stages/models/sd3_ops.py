@@ -1,6 +1,6 @@
 """Operations on a loaded SD3 bundle: velocity with or without classifier-free guidance, latents
 <-> images, LoRA whose disabled state is the reference policy, and writing a trained policy as a
-diffusers folder that `stages.models.sd3.load_sd3` (and diffusers' StableDiffusion3Pipeline) reads.
+diffusers folder that `unirl.stages.models.sd3.load_sd3` (and diffusers' StableDiffusion3Pipeline) reads.
 Each is SD3's entry to the flow-family code every family shares (stages/models/flow_family.py,
 flow_vae.py, flow_lora.py, flow_folder.py); conventions are in stages/models/sd3.py."""
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any, Iterator
 
 import torch
 
-from stages.models import flow_lora
-from stages.models.flow_folder import TRANSFORMER_FILE, write_folder
-from stages.models.flow_vae import ShiftScale, as_uint8_media
-from stages.models.sd3 import SD3, SD3_LORA_TARGETS, SD3Bundle, check_image_size
+from unirl.stages.models import flow_lora
+from unirl.stages.models.flow_folder import TRANSFORMER_FILE, write_folder
+from unirl.stages.models.flow_vae import ShiftScale, as_uint8_media
+from unirl.stages.models.sd3 import SD3, SD3_LORA_TARGETS, SD3Bundle, check_image_size
 
 __all__ = ["TRANSFORMER_FILE", "add_lora", "decode_latents", "encode_images", "merge_lora", "predict_velocity",
            "reference_policy", "write_sd3_folder"]
@@ -71,7 +71,7 @@ def encode_images(bundle: SD3Bundle, images: Any, *, sample: bool = False,
 def add_lora(bundle: SD3Bundle, *, rank: int, alpha: float,
              target_modules: tuple[str, ...] | list[str] = SD3_LORA_TARGETS, dropout: float = 0.0,
              adapter_name: str = "default") -> list[str]:
-    """LoRA on the transformer's layers named by `target_modules` (stages.models.flow_lora.add_lora)."""
+    """LoRA on the transformer's layers named by `target_modules` (unirl.stages.models.flow_lora.add_lora)."""
     return flow_lora.add_lora([bundle.transformer], rank=rank, alpha=alpha, target_modules=target_modules,
                               what=SD3.lora_what(bundle), dropout=dropout, adapter_name=adapter_name)
 

@@ -1,5 +1,5 @@
 """A tiny SD3 built in code from seeded random weights and saved in diffusers layout, so tests and
-smoke runs load it through `stages.models.sd3.load_sd3` exactly like a real checkpoint."""
+smoke runs load it through `unirl.stages.models.sd3.load_sd3` exactly like a real checkpoint."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from stages.models.flow_geometry import check_size
-from stages.models.sd3_text import build_text_encoder, build_tiny_tokenizer, tiny_clip_config, tiny_t5_config
+from unirl.stages.models.flow_geometry import check_size
+from unirl.stages.models.sd3_text import build_text_encoder, build_tiny_tokenizer, tiny_clip_config, tiny_t5_config
 
 
 def tiny_sd3_config(*, image_size: int = 32, latent_channels: int = 4, vae_channels: tuple[int, ...] = (32, 32),

@@ -16,7 +16,7 @@ load like any other weight: text positions count valid tokens (cumsum of the mas
 right padding leaves a sequence's outputs unchanged; image patches get a 2-D (row + column)
 embedding, which the text positions never index. sigma in [0, 1] is the flow-matching noise
 level: x_sigma = (1 - sigma) * x_0 + sigma * noise, and the velocity is noise - x_0, the
-convention of `stages.sde` (x_0 = x - sigma * v).
+convention of `unirl.stages.sde` (x_0 = x - sigma * v).
 
 What stands for which part of the real models:
   * Transfusion (Zhou et al. 2024): the whole recipe -- one transformer, causal over text and
@@ -292,10 +292,10 @@ def build_tiny_transfusion(path: str | Path, *, seed: int = 0, vocab_size: int =
 
 from pydantic import Field as _Field  # noqa: E402  (the family's recipe sections below)
 
-from stages.config_base import Section  # noqa: E402
-from stages.models.family import families  # noqa: E402
-from stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase  # noqa: E402
-from stages.models.flow_geometry import FlowGeometry, check_image_side  # noqa: E402
+from unirl.stages.config_base import Section  # noqa: E402
+from unirl.stages.models.family import families  # noqa: E402
+from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase  # noqa: E402
+from unirl.stages.models.flow_geometry import FlowGeometry, check_image_side  # noqa: E402
 
 PIPELINE = "UnirlTransfusionPipeline"
 CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 "
@@ -386,7 +386,7 @@ class Transfusion(FlowFamily):
 
     @classmethod
     def recipe_geometry(cls, cfg: TransfusionModelConfig) -> FlowGeometry | None:
-        from stages.models.flow_folder import config_of
+        from unirl.stages.models.flow_folder import config_of
 
         if cfg.path:
             if not (Path(cfg.path) / "vae" / "config.json").is_file():
@@ -405,15 +405,15 @@ class Transfusion(FlowFamily):
     def build_tiny(cls, directory: Path, tiny: TinyTransfusion) -> Path:
         from diffusers import AutoencoderKL
 
-        from stages.models.flow_folder import write_defaults, write_index
-        from stages.models.flow_text import seeded
-        from stages.models.tokenizer import build_char_tokenizer
+        from unirl.stages.models.flow_folder import write_defaults, write_index
+        from unirl.stages.models.flow_text import seeded
+        from unirl.stages.models.tokenizer import build_char_tokenizer
 
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
         if tiny.vocabulary == "words":
-            from stages.geneval.paraphrase import lexicon
-            from stages.models.flow_text import build_tiny_tokenizer, toy_words
+            from unirl.stages.geneval.paraphrase import lexicon
+            from unirl.stages.models.flow_text import build_tiny_tokenizer, toy_words
 
             tok = build_tiny_tokenizer((*toy_words(), *lexicon()), model_max_length=tiny.max_text_len)
         else:
@@ -434,13 +434,13 @@ class Transfusion(FlowFamily):
                                pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
         write_index(root, PIPELINE, {"vae": ("diffusers", "AutoencoderKL"),
                                      "tokenizer": ("transformers", "PreTrainedTokenizerFast"),
-                                     "transformer": ("stages.models.transfusion", "TransfusionModel")})
+                                     "transformer": ("unirl.stages.models.transfusion", "TransfusionModel")})
         write_defaults(root, **cls.tiny_defaults(tiny))
         return root
 
     @classmethod
     def load(cls, directory: Path, cfg: TransfusionModelConfig, device: Any) -> TransfusionBundle:
-        from stages.models.flow_folder import folder_defaults
+        from unirl.stages.models.flow_folder import folder_defaults
 
         parts = cls.load_parts(directory, cfg, device, text=("tokenizer",))
         (transformer,) = parts.transformers
@@ -453,7 +453,7 @@ class Transfusion(FlowFamily):
 
     @classmethod
     def codec(cls, bundle: Any) -> Any:
-        from stages.models.flow_vae import ShiftScale
+        from unirl.stages.models.flow_vae import ShiftScale
 
         return ShiftScale()
 
@@ -461,7 +461,7 @@ class Transfusion(FlowFamily):
     def encode_prompt(cls, bundle: Any, text: str) -> tuple[torch.Tensor, ...]:
         """(ids (L,), mask (L,)): the plan's characters, right-padded to the folder's text_length;
         the transformer reads them itself (no separate text encoder)."""
-        from stages.models.flow_text import ids_and_mask
+        from unirl.stages.models.flow_text import ids_and_mask
 
         ids, mask = ids_and_mask(bundle.tokenizer, text, int(bundle.settings["text_length"]), add_special_tokens=False)
         return ids[0], mask[0]
@@ -478,7 +478,7 @@ class Transfusion(FlowFamily):
         """The folder with the trained transformer (model.safetensors, as `from_pretrained` reads it)."""
         from safetensors.torch import save_file
 
-        from stages.models.flow_folder import write_folder
+        from unirl.stages.models.flow_folder import write_folder
 
         write_folder(local, base_dir=bundle.directory, vae=bundle.vae, parts={})
         tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}

@@ -21,10 +21,10 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from stages.models.family import families
-from stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyVideo
-from stages.models.flow_geometry import FlowGeometry
-from stages.models.flow_vae import ChannelStats
+from unirl.stages.models.family import families
+from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyVideo
+from unirl.stages.models.flow_geometry import FlowGeometry
+from unirl.stages.models.flow_vae import ChannelStats
 
 WAN_LORA_TARGETS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
                     "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0")
@@ -114,7 +114,7 @@ class Wan(FlowFamily):
 
     @classmethod
     def recipe_geometry(cls, cfg: WanModelConfig) -> FlowGeometry | None:
-        from stages.models.flow_folder import config_of
+        from unirl.stages.models.flow_folder import config_of
 
         if cfg.path:
             if not (Path(cfg.path) / "vae" / "config.json").is_file():
@@ -130,8 +130,8 @@ class Wan(FlowFamily):
     def build_tiny(cls, directory: Path, tiny: TinyWan) -> Path:
         from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 
-        from stages.models import flow_text as T
-        from stages.models.flow_folder import write_defaults, write_index
+        from unirl.stages.models import flow_text as T
+        from unirl.stages.models.flow_folder import write_defaults, write_index
 
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
@@ -160,7 +160,7 @@ class Wan(FlowFamily):
 
     @classmethod
     def load(cls, directory: Path, cfg: WanModelConfig, device: Any) -> FlowBundle:
-        from stages.models.flow_folder import folder_defaults
+        from unirl.stages.models.flow_folder import folder_defaults
 
         parts = cls.load_parts(directory, cfg, device, experts=("transformer", "transformer_2"))
         experts, index = parts.transformers, parts.index
@@ -193,7 +193,7 @@ class Wan(FlowFamily):
     @torch.no_grad()
     def encode_prompt(cls, bundle: FlowBundle, text: str) -> tuple[torch.Tensor, ...]:
         """(embeds (L, D),): the encoder's last hidden state over the prompt's tokens, zero rows after."""
-        from stages.models.flow_text import ids_and_mask
+        from unirl.stages.models.flow_text import ids_and_mask
 
         length = bundle.settings["text_length"]
         ids, mask = ids_and_mask(bundle.text["tokenizer"], text.strip(), length)

@@ -22,12 +22,12 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from stages.algorithms.correction import CorrectionConfig
-from stages.config_base import Section
-from stages.engines import engine_config
-from stages.registry import Registry
+from unirl.stages.algorithms.correction import CorrectionConfig
+from unirl.stages.config_base import Section
+from unirl.stages.engines import engine_config
+from unirl.stages.registry import Registry
 
-policies: Registry[type["Policy"]] = Registry("policy", "stages.policies", "rollout.kind")
+policies: Registry[type["Policy"]] = Registry("policy", "unirl.stages.policies", "rollout.kind")
 EngineConfig = engine_config()
 
 
@@ -62,7 +62,7 @@ class RolloutBase(Section):
 
 
 def engine_config_default() -> Section:
-    from stages.engines.trainside import TrainsideConfig
+    from unirl.stages.engines.trainside import TrainsideConfig
 
     return TrainsideConfig()
 

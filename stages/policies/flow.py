@@ -1,5 +1,5 @@
 """The flow-matching latent policy, for any family that supplies a velocity, a text encoder and a
-VAE (the flow-family operations of `stages.models.sd3.SD3` are the reference): prompts ->
+VAE (the flow-family operations of `unirl.stages.models.sd3.SD3` are the reference): prompts ->
 embeddings (stages/diffusion/model.py), sampled trajectories with the SDE steps' log-probs
 recorded at sampling time (stages/diffusion/sampling.py), the stored latent segment
 (stages/diffusion/trajectory.py), and the trainer's replay of a stored transition, which calls the
@@ -20,14 +20,14 @@ import pyarrow as pa
 import torch
 from pydantic import Field, model_validator
 
-from stages.config_base import Section
-from stages.policies import Policy, RolloutBase, policies
-from stages.seeds import derive_seed
+from unirl.stages.config_base import Section
+from unirl.stages.policies import Policy, RolloutBase, policies
+from unirl.stages.seeds import derive_seed
 
 
 class SDESteps(Section):
     """Which denoising steps are SDE steps (sampled with noise, stored and trained on); the others
-    are ODE (Euler) steps. See `stages.sde.select_sde_steps`."""
+    are ODE (Euler) steps. See `unirl.stages.sde.select_sde_steps`."""
 
     mode: Literal["all", "window", "mixgrpo"] | None = Field(
         None,
@@ -129,7 +129,7 @@ class FlowPolicy(Policy):
         """Resolve the sampler settings the algorithm implies (DanceGRPO's kernel, MixGRPO's
         window) where the recipe leaves them empty, refuse ones that contradict it, and refuse
         settings no flow sample can use."""
-        from stages.algorithms.base import algorithms
+        from unirl.stages.algorithms.base import algorithms
 
         sampler = recipe.rollout.sampler
         algo = algorithms.get(recipe.algorithm.name)
@@ -162,19 +162,19 @@ class FlowPolicy(Policy):
     @classmethod
     def log_preview(cls, recipe: Any, tracker: Any, storage: Any, iteration: int) -> str | None:
         """An image grid (an animated GIF grid for video) of the iteration's rollouts, with rewards."""
-        from stages.diffusion.grid import log_iteration_grid
+        from unirl.stages.diffusion.grid import log_iteration_grid
 
         return log_iteration_grid(tracker, storage, iteration)
 
     @classmethod
     def log_eval_preview(cls, recipe: Any, tracker: Any, storage: Any, version: int) -> str | None:
         """The grid of the held-out samples (greedy, ODE) of policy `version`."""
-        from stages.diffusion.grid import log_eval_grid
+        from unirl.stages.diffusion.grid import log_eval_grid
 
         return log_eval_grid(tracker, storage, version)
 
     def __init__(self, family: Any, bundle: Any, recipe: Any, device: torch.device):
-        from stages.diffusion.model import PromptCache
+        from unirl.stages.diffusion.model import PromptCache
 
         # Policy-gradient steps make many tiny gradients; Adam's squared averages of those turn
         # denormal, and CPU kernels that touch denormals run many times slower.
@@ -193,12 +193,12 @@ class FlowPolicy(Policy):
 
     def velocity(self, module: Any, prompts: list[str]) -> Any:
         """v(x, sigma) of `module` (the policy, the EMA old policy or the reference) for `prompts`."""
-        from stages.diffusion.model import bind
+        from unirl.stages.diffusion.model import bind
 
         return bind(self.family, self.bundle, self.encode(prompts), self.sampler.guidance_scale, module)
 
     def plan(self, iteration: int, *, deterministic: bool = False) -> Any:
-        from stages.diffusion.sampling import make_plan
+        from unirl.stages.diffusion.sampling import make_plan
 
         return make_plan(self.sampler, seed=self.recipe.seed, iteration=iteration,
                          latent_tokens=self.family.latent_tokens(self.bundle, self.shape), deterministic=deterministic,
@@ -210,10 +210,10 @@ class FlowPolicy(Policy):
         """Sample this rank's (sample id, group id, prompt, metadata) micro-batch by micro-batch.
         `transitions`: keep x_i and x_{i+1} of every SDE step (likelihood losses), else only x_T.
         greedy: the deterministic ODE sampler (evaluation)."""
-        from stages.diffusion.sampling import sample, stored_steps
-        from stages.diffusion.trajectory import latent_rows
-        from stages.media import media_columns
-        from stages.sde import initial_noise
+        from unirl.stages.diffusion.sampling import sample, stored_steps
+        from unirl.stages.diffusion.trajectory import latent_rows
+        from unirl.stages.media import media_columns
+        from unirl.stages.sde import initial_noise
 
         plan = self.plan(iteration, deterministic=greedy)
         store = stored_steps(plan.sde_indices.tolist(), plan.num_steps, transitions=transitions and not greedy)
@@ -247,7 +247,7 @@ class FlowPolicy(Policy):
     # -- replay ---------------------------------------------------------------------------------
     def batches(self, table: pa.Table, chunks: list[list[int]], advantages: Any, where: str) -> list[Any]:
         """Micro-batches (LatentBatch with advantages) of a rollout table, one per chunk of rows."""
-        from stages.diffusion.trajectory import read_latents
+        from unirl.stages.diffusion.trajectory import read_latents
 
         kind, eta = self.sampler.kernel, self.sampler.eta
         out = []
@@ -259,7 +259,7 @@ class FlowPolicy(Policy):
     def check_batch(self, batch: Any, iteration: int, algorithm: Any, where: str) -> None:
         """The stored rows were sampled with this iteration's sigmas (and SDE steps, when the loss
         replays them): the trainer must replay what the sampler did."""
-        from stages.sde import SigmaMismatchError, check_sigmas
+        from unirl.stages.sde import SigmaMismatchError, check_sigmas
 
         requested = self.plan(iteration)
         check_sigmas(requested.sigmas, batch.plan.sigmas)
@@ -272,8 +272,8 @@ class FlowPolicy(Policy):
 
     def template(self, batch: Any, stack: Any) -> Any:
         """A rank without any micro-batch still needs the plan and shapes: take the first rank's."""
-        from stages.diffusion.sampling import Plan
-        from stages.diffusion.trajectory import LatentBatch
+        from unirl.stages.diffusion.sampling import Plan
+        from unirl.stages.diffusion.trajectory import LatentBatch
 
         info = None if batch is None else {
             "shape": list(batch.latents.shape[1:]), "stored": batch.stored, "sigmas": batch.plan.sigmas.tolist(),
@@ -289,7 +289,7 @@ class FlowPolicy(Policy):
 
     def stand_in(self, template: Any) -> Any:
         """A one-sample batch of zeros shaped like `template` (weight 0: collectives only)."""
-        from stages.diffusion.trajectory import LatentBatch
+        from unirl.stages.diffusion.trajectory import LatentBatch
 
         return LatentBatch(["stand-in"], [""], torch.zeros_like(template.latents[:1]), torch.zeros_like(template.logprobs[:1]),
                            template.stored, template.plan, torch.zeros(1, device=self.device))
@@ -297,7 +297,7 @@ class FlowPolicy(Policy):
     def replay(self, module: Any, batch: Any, selection: int) -> Any:
         """The stored transition at SDE step `selection` scored under `module`: SDEStepOutput
         (log_prob (B,), mean, std); the same kernel call the sampler made."""
-        from stages.diffusion.sampling import replay_step
+        from unirl.stages.diffusion.sampling import replay_step
 
         x = batch.at(selection)
         sigma = batch.plan.sigmas[selection].expand(x.shape[0])
@@ -311,7 +311,7 @@ class FlowPolicy(Policy):
     def sft_spec(cls, recipe: Any) -> tuple[Any, Any]:
         """AdamW at `sft.lr` on the family's `flow_matching` schedule over `sft.steps`, and its EMA
         (what SFT publishes), whose decay starts short so early steps do not linger."""
-        from stages.train.stack import OptimizerSpec
+        from unirl.stages.train.stack import OptimizerSpec
 
         fm = recipe.model.flow_matching
         spec = OptimizerSpec(lr=recipe.sft.lr, schedule=fm.schedule, warmup=fm.warmup_steps, total=recipe.sft.steps,
@@ -321,7 +321,7 @@ class FlowPolicy(Policy):
     def sft_setup(self, table: pa.Table, where: str, stack: Any, seed: int) -> dict[str, Any]:
         """Decode the records' images (or clips), let the family prepare its VAE for them (a tiny
         model's is random), and encode every record to latents once."""
-        from stages.diffusion import sft as S
+        from unirl.stages.diffusion import sft as S
 
         if self.num_frames is not None:
             if "media_frames" not in table.schema.names:
@@ -353,7 +353,7 @@ class FlowPolicy(Policy):
     def sft_loss(self, module: Any, step: int, *, seed: int, batch_size: int, stack: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Flow matching on step `step`'s records (a function of (seed, step)), as this rank's share
         of the batch mean: (loss to backpropagate, its value to sum over ranks)."""
-        from stages.diffusion import sft as S
+        from unirl.stages.diffusion import sft as S
 
         idx = S.batch_indices(step, seed=seed, batch_size=batch_size, num_records=len(self._sft_prompts))
         mine = stack.my_share(idx) or idx[:1]
@@ -362,7 +362,7 @@ class FlowPolicy(Policy):
         g = torch.Generator().manual_seed(derive_seed(seed, "sft-noise", step, stack.rank))
         noise = torch.randn(x0.shape, generator=g).to(self.device)
         sigma = S.logit_normal_sigmas(mine, seed=seed, step=step, shift=self.recipe.model.flow_matching.sigma_shift).to(self.device)
-        from stages.diffusion.model import bind
+        from unirl.stages.diffusion.model import bind
 
         velocity = bind(self.family, self.bundle, self.prompts([self._sft_prompts[i] for i in mine], self.sampler), 1.0, module)
         loss = S.flow_matching_loss(velocity, x0, noise, sigma)

@@ -24,8 +24,8 @@ import pyarrow as pa
 import torch
 from pydantic import Field
 
-from stages.policies import Policy, RolloutBase, policies
-from stages.seeds import derive_seed
+from unirl.stages.policies import Policy, RolloutBase, policies
+from unirl.stages.seeds import derive_seed
 
 
 PREVIEW_ROWS = 16
@@ -60,7 +60,7 @@ def token_logp(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperatu
     """log softmax(logits / temperature) at the next token, fp32. Returns (B, T-1). `inputs`: the
     model's other inputs for these rows (a VLM's pixel values, grids and M-RoPE positions);
     `banned`: token ids the sampler never draws, at probability 0 as there (text_sampling.log_probs)."""
-    from stages.policies.text_sampling import log_probs
+    from unirl.stages.policies.text_sampling import log_probs
 
     logits = model(input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False, **(inputs or {})).logits[:, :-1]
     logp = log_probs(logits, temperature, banned)
@@ -135,7 +135,7 @@ class TextPolicy(Policy):
     def log_preview(cls, recipe: Any, tracker: Any, storage: Any, iteration: int) -> str | None:
         """A table of the iteration's first samples, one per group first: prompt, response, reward,
         advantage (MLflow `tables/samples/step-N.json`)."""
-        from stages.sample import read_rollouts, read_shard
+        from unirl.stages.sample import read_rollouts, read_shard
 
         gen = storage.stage_manifest(iteration, "generate")
         if gen is None:
@@ -170,7 +170,7 @@ class TextPolicy(Policy):
         return [(*s, by_group[s[1]]) for s in base]
 
     def __init__(self, family: Any, bundle: Any, recipe: Any, device: torch.device):
-        from stages.models.tokenizer import uses_chat_template
+        from unirl.stages.models.tokenizer import uses_chat_template
 
         self.family, self.bundle, self.recipe, self.device = family, bundle, recipe, device
         self.tokenizer = bundle.tokenizer
@@ -182,7 +182,7 @@ class TextPolicy(Policy):
     # -- conditions -----------------------------------------------------------------------------
     def encode(self, prompts: list[str]) -> list[list[int]]:
         """Token ids of each prompt, through the chat template when the recipe/tokenizer uses one."""
-        from stages.models.tokenizer import encode_prompt
+        from unirl.stages.models.tokenizer import encode_prompt
 
         encoded = {p: encode_prompt(self.tokenizer, p, self.use_chat) for p in dict.fromkeys(prompts)}
         return [encoded[p] for p in prompts]
@@ -206,7 +206,7 @@ class TextPolicy(Policy):
                 greedy: bool, stack: Any, transitions: bool) -> list[dict[str, Any]]:
         """One response per (sample id, group id, prompt, metadata, images) of this rank, all in one
         batch; a prompt's images (PNG bytes and grids) are copied into its rows."""
-        from stages.policies.text_sampling import sample
+        from unirl.stages.policies.text_sampling import sample
 
         c = self.cfg
         seeds = [derive_seed(self.recipe.seed, seed_tag, iteration, s[0]) for s in samples]
@@ -291,7 +291,7 @@ class TextPolicy(Policy):
     @classmethod
     def sft_spec(cls, recipe: Any) -> tuple[Any, Any]:
         """AdamW at `sft.lr`, constant, no EMA: the optimizer of the warm start."""
-        from stages.train.stack import OptimizerSpec
+        from unirl.stages.train.stack import OptimizerSpec
 
         return OptimizerSpec(lr=recipe.sft.lr, total=recipe.sft.steps, max_grad_norm=recipe.train.max_grad_norm), None
 

@@ -1,6 +1,6 @@
 """Rewards: the scorer interface (`base`), rule-based and model-based scorers, and the reward
 service (`server`, `client`)."""
-from stages.rewards.base import (
+from unirl.stages.rewards.base import (
     AGGREGATIONS,
     ScoreBatch,
     ScoreResult,

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
 
-from stages.rewards._hf import local_dir, micro_batches, pick_device, pick_dtype
+from unirl.stages.rewards._hf import local_dir, micro_batches, pick_device, pick_dtype
 
 
 class ClipEmbedder:

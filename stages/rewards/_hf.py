@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from stages.rewards.base import ScoreBatch
+from unirl.stages.rewards.base import ScoreBatch
 
 if TYPE_CHECKING:
     import torch

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from stages.rewards._hf import local_dir, need_images
-from stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
+from unirl.stages.rewards._hf import local_dir, need_images
+from unirl.stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
 
 _ACTIVATIONS = {
     "none": lambda x: x,
@@ -67,7 +67,7 @@ class AestheticScore:
         dtype: str = "float32",
         batch_size: int = 32,
     ) -> None:
-        from stages.rewards._clip import ClipEmbedder
+        from unirl.stages.rewards._clip import ClipEmbedder
 
         if activation not in _ACTIVATIONS:
             raise ValueError(f"scorer 'aesthetic': activation must be one of {sorted(_ACTIVATIONS)}")

@@ -178,11 +178,11 @@ def _load_builtin_scorers() -> None:
     import importlib
     import pkgutil
 
-    import stages.rewards as pkg
+    import unirl.stages.rewards as pkg
 
     for info in pkgutil.iter_modules(pkg.__path__):
         if info.name not in ("base", "server", "client", "wire") and not info.name.startswith("_"):
-            importlib.import_module(f"stages.rewards.{info.name}")
+            importlib.import_module(f"unirl.stages.rewards.{info.name}")
 
 
 def run_scorer(scorer: Scorer, batch: ScoreBatch) -> ScoreResult:

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from stages.rewards.base import ScoreBatch, ScorerError, ScoreResult
-from stages.rewards.wire import CONTENT_TYPE, WireError, encode_batch, result_from_json
+from unirl.stages.rewards.base import ScoreBatch, ScorerError, ScoreResult
+from unirl.stages.rewards.wire import CONTENT_TYPE, WireError, encode_batch, result_from_json
 
 log = logging.getLogger(__name__)
 

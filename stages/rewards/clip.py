@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from stages.rewards._hf import need_images
-from stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
+from unirl.stages.rewards._hf import need_images
+from unirl.stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
 
 
 @register_scorer("clip", reads=("image",))
@@ -20,7 +20,7 @@ class ClipScore:
 
     def __init__(self, model_path: str, *, w: float = 1.0,
                  processor_path: str | None = None, device: str = "auto", dtype: str = "float32", batch_size: int = 32) -> None:
-        from stages.rewards._clip import ClipEmbedder  # torch + transformers only when built
+        from unirl.stages.rewards._clip import ClipEmbedder  # torch + transformers only when built
 
         self.w = float(w)
         self.embedder = ClipEmbedder(model_path, scorer=self.name, processor_path=processor_path, device=device, dtype=dtype, batch_size=batch_size)

@@ -6,8 +6,8 @@ The weights must be in transformers CLIPModel layout (convert an open_clip HPS c
 """
 from __future__ import annotations
 
-from stages.rewards._hf import need_images
-from stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
+from unirl.stages.rewards._hf import need_images
+from unirl.stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
 
 
 @register_scorer("hps", reads=("image",))
@@ -19,7 +19,7 @@ class HumanPreferenceScore:
 
     def __init__(self, model_path: str, *, scale: float = 1.0,
                  processor_path: str | None = None, device: str = "auto", dtype: str = "float32", batch_size: int = 32) -> None:
-        from stages.rewards._clip import ClipEmbedder
+        from unirl.stages.rewards._clip import ClipEmbedder
 
         self.scale = float(scale)
         self.embedder = ClipEmbedder(model_path, scorer=self.name, processor_path=processor_path, device=device, dtype=dtype, batch_size=batch_size)

@@ -30,7 +30,7 @@ import threading
 
 import numpy as np
 
-from stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
+from unirl.stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
 
 MAX_ANSWER_CHARS = 1000
 TIMEOUT_S = 2  # math-verify's alarms take whole seconds

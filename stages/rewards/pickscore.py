@@ -9,8 +9,8 @@ PickScore_v1 ships without a processor: point processor_path at the CLIP-ViT-H-1
 """
 from __future__ import annotations
 
-from stages.rewards._hf import need_images
-from stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
+from unirl.stages.rewards._hf import need_images
+from unirl.stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
 
 
 @register_scorer("pickscore", reads=("image",))
@@ -22,7 +22,7 @@ class PickScore:
 
     def __init__(self, model_path: str, *, divisor: float = 1.0,
                  processor_path: str | None = None, device: str = "auto", dtype: str = "float32", batch_size: int = 32) -> None:
-        from stages.rewards._clip import ClipEmbedder
+        from unirl.stages.rewards._clip import ClipEmbedder
 
         if divisor <= 0:
             raise ValueError(f"scorer 'pickscore': divisor must be positive, got {divisor}")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.rewards.base import Scorer, register_scorer
+from unirl.stages.rewards.base import Scorer, register_scorer
 
 
-@register_scorer("remote", reads=None, schema="stages.rewards.client:RemoteScorer")
+@register_scorer("remote", reads=None, schema="unirl.stages.rewards.client:RemoteScorer")
 def build_remote(**params: Any) -> Scorer:
     """Keyword args of `RemoteScorer` (url, token, token_env, batch_size, attempts, ...)."""
-    from stages.rewards.client import RemoteScorer  # httpx only when a remote scorer is used
+    from unirl.stages.rewards.client import RemoteScorer  # httpx only when a remote scorer is used
 
     return RemoteScorer(**params)

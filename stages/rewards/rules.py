@@ -5,7 +5,7 @@ import re
 
 import numpy as np
 
-from stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
+from unirl.stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
 
 _INTEGER = re.compile(r"-?\d+")
 

@@ -1,6 +1,6 @@
 """The reward server: scorers loaded once, served over authenticated HTTP (FastAPI + uvicorn).
 
-    POST /v1/score   Arrow IPC stream body (see `stages.rewards.wire`) -> JSON totals + components
+    POST /v1/score   Arrow IPC stream body (see `unirl.stages.rewards.wire`) -> JSON totals + components
     GET  /healthz    {"status": "ok", "scorers": [...], "aggregation": ..., "in_flight": n}; no token
 
 Status codes of /v1/score, each with a JSON body {"error": "<what went wrong>"}:
@@ -30,8 +30,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from stages.rewards.base import ScoreBatch, Scorer, ScorerError, ScoreResult, aggregate, build_scorer, run_scorer
-from stages.rewards.wire import WireError, decode_batch, result_to_json
+from unirl.stages.rewards.base import ScoreBatch, Scorer, ScorerError, ScoreResult, aggregate, build_scorer, run_scorer
+from unirl.stages.rewards.wire import WireError, decode_batch, result_to_json
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ def serve(config: ServerConfig) -> None:
     log.info("reward server on http://%s:%d scorers=%s aggregation=%s",
              config.host, config.port, list(service.scorers), config.aggregation)
     # A client that puts its token in the URL by mistake must not leave it in the access log.
-    from stages.secrets import RedactingFilter
+    from unirl.stages.secrets import RedactingFilter
 
     logging.getLogger("uvicorn.access").addFilter(RedactingFilter())
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)

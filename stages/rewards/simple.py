@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
+from unirl.stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
 
 
 def _texts(batch: ScoreBatch, field: str, scorer: str) -> list[str]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from stages.rewards.base import ScoreBatch, ScoreResult, build_scorer, register_scorer, run_scorer
+from unirl.stages.rewards.base import ScoreBatch, ScoreResult, build_scorer, register_scorer, run_scorer
 
 
 def frame_indices(n: int, max_frames: int | None) -> list[int]:

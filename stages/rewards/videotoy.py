@@ -8,7 +8,7 @@ a mean over them lets RL trade motion for them). Components are logged either wa
 object, colour, count, direction, speed."""
 from __future__ import annotations
 
-from stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
+from unirl.stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
 
 VIDEOTOY_MODE_PARTS = {"strict": ("strict",), "mean": ("colour", "count", "direction", "speed"),
                        "motion": ("strict", "direction", "speed")}
@@ -22,7 +22,7 @@ class VideoToyScorer:
 
     @staticmethod
     def check_prompt(text: str) -> None:
-        from stages.videotoy import parse_prompt
+        from unirl.stages.videotoy import parse_prompt
 
         parse_prompt(text)
 
@@ -32,7 +32,7 @@ class VideoToyScorer:
         self.mode = mode
 
     def __call__(self, batch: ScoreBatch) -> ScoreResult:
-        from stages.videotoy import score
+        from unirl.stages.videotoy import score
 
         if batch.videos is None:
             raise ValueError("scorer 'videotoy' needs videos (ScoreBatch.videos) and the batch has none")

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from stages.rewards.base import ScoreBatch, ScoreResult
+from unirl.stages.rewards.base import ScoreBatch, ScoreResult
 
 CONTENT_TYPE = "application/vnd.apache.arrow.stream"
 REQUIRED = ("sample_id", "prompt")

@@ -5,8 +5,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from stages.config_base import Section
-from stages.sources import Source, sources
+from unirl.stages.config_base import Section
+from unirl.stages.sources import Source, sources
 
 
 class ArithmeticData(Section):
@@ -46,6 +46,6 @@ class ArithmeticSource(Source):
 
     @classmethod
     def build(cls, cfg: ArithmeticData) -> Any:
-        from stages.arithmetic import arithmetic_source
+        from unirl.stages.arithmetic import arithmetic_source
 
         return arithmetic_source(cfg)

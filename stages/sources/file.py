@@ -6,8 +6,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from stages.config_base import Section
-from stages.sources import Source, sources
+from unirl.stages.config_base import Section
+from unirl.stages.sources import Source, sources
 
 
 class FileData(Section):
@@ -51,7 +51,7 @@ class FileSource(Source):
 
     @classmethod
     def build(cls, cfg: FileData) -> Any:
-        from stages.data_files import file_prompt_source
+        from unirl.stages.data_files import file_prompt_source
 
         return file_prompt_source(cfg)
 
@@ -61,7 +61,7 @@ class FileSource(Source):
 
     @classmethod
     def check(cls, recipe: Any) -> None:
-        from stages.models.family import get_family
+        from unirl.stages.models.family import get_family
 
         if recipe.data.image_column is not None and not get_family(recipe.model.kind).takes_images:
             raise ValueError(f"data.image_column: model.kind {recipe.model.kind!r} cannot see images; use a "

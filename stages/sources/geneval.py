@@ -6,8 +6,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from stages.config_base import Section
-from stages.sources import ProceduralPrompts, Source, check_listed_prompts, sources
+from unirl.stages.config_base import Section
+from unirl.stages.sources import ProceduralPrompts, Source, check_listed_prompts, sources
 
 
 class GenEvalData(Section):
@@ -29,7 +29,7 @@ class GenEvalData(Section):
 
     @model_validator(mode="after")
     def _check_prompts(self) -> "GenEvalData":
-        from stages.geneval.dataset import parse_prompt, split_of  # numpy + PIL only
+        from unirl.stages.geneval.dataset import parse_prompt, split_of  # numpy + PIL only
 
         check_listed_prompts(self.prompts, parse_prompt, split_of)
         return self
@@ -43,7 +43,7 @@ class GenEvalSource(Source):
     @classmethod
     def build(cls, cfg: GenEvalData) -> ProceduralPrompts:
         """Prompts whose metadata carries the prompt for the detector."""
-        from stages.geneval.dataset import sample_prompts
+        from unirl.stages.geneval.dataset import sample_prompts
 
         kinds = tuple(cfg.kinds)
         return ProceduralPrompts(lambda n, seed, split: sample_prompts(n, seed, split, kinds=kinds),
@@ -52,15 +52,15 @@ class GenEvalSource(Source):
 
     @classmethod
     def image_size(cls, recipe: Any) -> int | None:
-        from stages.models.family import get_family
+        from unirl.stages.models.family import get_family
 
         return recipe.rollout.sampler.image_size or get_family(recipe.model.kind).image_size(recipe.model)
 
     @classmethod
     def check(cls, recipe: Any) -> None:
-        from stages.geneval.dataset import MIN_IMAGE_SIZE
+        from unirl.stages.geneval.dataset import MIN_IMAGE_SIZE
 
-        from stages.models.family import get_family
+        from unirl.stages.models.family import get_family
 
         family = get_family(recipe.model.kind)
         if "image" not in family.produces or family.takes_images or recipe.rollout.kind != "flow":
@@ -73,8 +73,8 @@ class GenEvalSource(Source):
     def sft_records(cls, recipe: Any) -> list[dict[str, Any]]:
         """`sft.examples` (prompt, media_png) records at the recipe's image size (the sampler's, else
         the model's own); `sft.noise` of them show one object group in another colour."""
-        from stages.diffusion.sft import geneval_records
-        from stages.models.family import get_family
+        from unirl.stages.diffusion.sft import geneval_records
+        from unirl.stages.models.family import get_family
 
         size = recipe.rollout.sampler.image_size or get_family(recipe.model.kind).native_image_size(recipe.model)
         return geneval_records(recipe.sft.examples, seed=recipe.sft.seed, image_size=int(size), kinds=tuple(recipe.data.kinds),

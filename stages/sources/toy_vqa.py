@@ -6,8 +6,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from stages.config_base import Section
-from stages.sources import Source, sources
+from unirl.stages.config_base import Section
+from unirl.stages.sources import Source, sources
 
 
 class ToyVQAData(Section):
@@ -30,7 +30,7 @@ class ToyVQASource(Source):
 
     @classmethod
     def build(cls, cfg: ToyVQAData) -> Any:
-        from stages.toy_vqa import ToyVQA
+        from unirl.stages.toy_vqa import ToyVQA
 
         return _built(tuple(cfg.kinds), cfg.image_size, cfg.heldout_size, cfg.seed, ToyVQA)
 
@@ -40,7 +40,7 @@ class ToyVQASource(Source):
 
     @classmethod
     def check(cls, recipe: Any) -> None:
-        from stages.models.family import get_family
+        from unirl.stages.models.family import get_family
 
         if not get_family(recipe.model.kind).takes_images:
             raise ValueError(f"data.name: toy_vqa prompts show an image, which model.kind {recipe.model.kind!r} cannot "

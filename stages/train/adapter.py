@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from stages.storage import join
-from stages.train.manifests import MANIFEST, write_weights_dir
-from stages.weights_checksum import tensors_checksum
+from unirl.stages.storage import join
+from unirl.stages.train.manifests import MANIFEST, write_weights_dir
+from unirl.stages.weights_checksum import tensors_checksum
 
 if TYPE_CHECKING:
-    from stages.storage import RunStorage
-    from stages.train.stack import TrainStack
+    from unirl.stages.storage import RunStorage
+    from unirl.stages.train.stack import TrainStack
 
 
 def publish_adapter(stack: "TrainStack", storage: "RunStorage", scratch: Path, version: int) -> dict[str, Any]:

@@ -25,13 +25,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from stages.faults import fault_point
-from stages.storage import join
-from stages.train.manifests import MANIFEST, checkpoint_problem, file_digests, write_weights_dir
+from unirl.stages.faults import fault_point
+from unirl.stages.storage import join
+from unirl.stages.train.manifests import MANIFEST, checkpoint_problem, file_digests, write_weights_dir
 
 if TYPE_CHECKING:
-    from stages.storage import RunStorage
-    from stages.train.stack import TrainStack
+    from unirl.stages.storage import RunStorage
+    from unirl.stages.train.stack import TrainStack
 
 
 
@@ -151,7 +151,7 @@ def publish(stack: "TrainStack", storage: "RunStorage", scratch: Path, version: 
         export(local, full, ema_full)
         info: dict[str, Any] = {"version": version}
         if stack.lora is None:
-            from stages.weights_checksum import tensors_checksum
+            from unirl.stages.weights_checksum import tensors_checksum
 
             info["weights_sha256"] = tensors_checksum(full.items())
         write_weights_dir(storage, local, rel, info)

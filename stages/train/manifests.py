@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from stages.storage import join
+from unirl.stages.storage import join
 
 MANIFEST = "manifest.json"
 

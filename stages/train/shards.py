@@ -21,7 +21,7 @@ from typing import Iterable
 
 import torch
 
-from stages.seeds import derive_seed
+from unirl.stages.seeds import derive_seed
 
 PEFT_PREFIX = "base_model.model."
 

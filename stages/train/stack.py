@@ -22,8 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from stages.seeds import derive_seed
-from stages.train.shards import fill, is_empty, lora_init
+from unirl.stages.seeds import derive_seed
+from unirl.stages.train.shards import fill, is_empty, lora_init
 
 
 def lr_factor(step: int, *, schedule: str, warmup: int, total: int, min_ratio: float) -> float:
@@ -172,13 +172,13 @@ class TrainStack:
 
     def all_gather_json(self, obj: Any) -> list[Any]:
         """Every rank's JSON-able `obj` (JSON bytes between ranks: nothing is unpickled)."""
-        from stages.workers.control import all_gather_json
+        from unirl.stages.workers.control import all_gather_json
 
         return [obj] if self.world == 1 else all_gather_json(obj, device=self.device)
 
     def broadcast_json(self, obj: Any) -> Any:
         """Rank 0's JSON-able `obj` on every rank."""
-        from stages.workers.control import broadcast_json
+        from unirl.stages.workers.control import broadcast_json
 
         return obj if self.world == 1 else broadcast_json(obj, rank=self.rank, device=self.device)
 

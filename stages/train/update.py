@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stages.algorithms.base import TrainContext
+from unirl.stages.algorithms.base import TrainContext
 
 
 def _extreme(key: str) -> str | None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stages.geneval.dataset import BACKGROUND, COLOURS
+from unirl.stages.geneval.dataset import BACKGROUND, COLOURS
 
 COUNTS = {"a": 1, "two": 2}
 DIRECTIONS: dict[str, tuple[int, int]] = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}

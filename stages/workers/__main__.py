@@ -1,4 +1,4 @@
-"""Entry point of one worker rank: `torchrun --nproc-per-node N -m stages.workers --spec FILE`.
+"""Entry point of one worker rank: `torchrun --nproc-per-node N -m unirl.stages.workers --spec FILE`.
 
 Rank 0 listens for JSON commands (token in UNIRL_CONTROL_TOKEN), relays each to every rank, runs
 it everywhere, and answers. Any exception ends the group after rank 0 has answered with the
@@ -26,13 +26,13 @@ from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    from stages import startup
+    from unirl.stages import startup
 
     startup.importing()  # until the preloads are in (stages/startup.py)
-    from stages.workers.group import die_with_parent
+    from unirl.stages.workers.group import die_with_parent
 
     die_with_parent()  # the torchrun agent's death takes every rank with it
-    parser = argparse.ArgumentParser(prog="python -m stages.workers")
+    parser = argparse.ArgumentParser(prog="python -m unirl.stages.workers")
     parser.add_argument("--spec", required=True, help="JSON file: recipe, run storage, initial weights, checkpoint")
     parser.add_argument("--preload", default="", help="modules to import while waiting for the spec (comma-separated)")
     args = parser.parse_args(argv)
@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from stages.workers.control import broadcast_json
-    from stages.workers.forkserver import parent_pid
-    from stages.workers.worker import make_worker
+    from unirl.stages.workers.control import broadcast_json
+    from unirl.stages.workers.processes import parent_pid
+    from unirl.stages.workers.worker import make_worker
 
     for module in filter(None, args.preload.split(",")):
         importlib.import_module(module)
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     records = None
     if group:
-        from stages.storage import RunStorage
+        from unirl.stages.storage import RunStorage
 
         records = RunStorage(spec["root"], spec["run"], spec.get("options"))
     try:
@@ -113,7 +113,7 @@ def announce_ready(spec: dict, records: Any, worker: Any, ranks: list[dict], wor
     """Rank 0: open the control channel and say where it is, with every rank's node, host and pid.
     One node: on loopback, in the local ready file. Several: on every interface (the flow may be
     on another host), in the group's ready.json in run storage, at the address the flow reaches."""
-    from stages.workers.control import ControlServer
+    from unirl.stages.workers.control import ControlServer
 
     info = {"pid": os.getpid(), "version": worker.version, "world_size": world, "ranks": ranks}
     if records is None:
@@ -123,7 +123,7 @@ def announce_ready(spec: dict, records: Any, worker: Any, ranks: list[dict], wor
         tmp.write_text(json.dumps({**info, "host": "127.0.0.1", "port": server.port}))
         tmp.replace(ready)
         return server
-    from stages.workers.rendezvous import advertised_host, bind_address, group_rel
+    from unirl.stages.workers.rendezvous import advertised_host, bind_address, group_rel
 
     server = ControlServer(os.environ["UNIRL_CONTROL_TOKEN"], host=bind_address())
     host = advertised_host(spec["endpoint"])
@@ -135,7 +135,7 @@ def leave(records: Any, group: str | None, rank: int, status: str, error: str = 
     """Several nodes: this rank's last word in the group's records (never raises: it is on the way out)."""
     if records is None:
         return
-    from stages.workers.rendezvous import write_exit
+    from unirl.stages.workers.rendezvous import write_exit
 
     try:
         write_exit(records, group, rank, status, error)
@@ -154,8 +154,8 @@ def wait_for_spec(path: Path) -> dict:
     spec = json.loads(path.read_text())
     if "group" not in spec:
         return spec
-    from stages.storage import RunStorage
-    from stages.workers.rendezvous import group_rel
+    from unirl.stages.storage import RunStorage
+    from unirl.stages.workers.rendezvous import group_rel
 
     storage = RunStorage(spec["root"], spec["run"], spec.get("options"))
     rel = group_rel(spec["group"], "spec.json")

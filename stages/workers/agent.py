@@ -2,7 +2,7 @@
 `node-agent` Prefect flow (flows/nodes.py) on each host other than the flow's.
 
 The agent joins the run's newest group announced in run storage (or the one it is told), runs
-`torchrun <the group's rendezvous> -m stages.workers` with this node's ranks, streams torchrun's
+`torchrun <the group's rendezvous> -m unirl.stages.workers` with this node's ranks, streams torchrun's
 output, and leaves its record in the group: joined, then its exit code and the failure torchrun
 named. A group that never forms, or that the flow has given up on, ends it.
 """
@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from stages.storage import RunStorage
-from stages.workers import rendezvous as rdzv
-from stages.workers.forkserver import torchrun_entry
-from stages.workers.group import first_failure, kill_tree, spawn, threads_per_rank
+from unirl.stages.storage import RunStorage
+from unirl.stages.workers import rendezvous as rdzv
+from unirl.stages.workers.group import first_failure, kill_tree, spawn, threads_per_rank
+from unirl.stages.workers.processes import rank_entry
 
 
 def open_group(storage: RunStorage, timeout_s: float, shared_mount: bool = False) -> str:
@@ -68,10 +68,10 @@ def serve_node(storage: RunStorage, recipe: Any, *, group: str = "", log: Callab
     scratch = Path(tempfile.mkdtemp(prefix=f"unirl-{storage.run}-node-"))
     pointer = scratch / "node.json"
     pointer.write_text(json.dumps(rdzv.node_pointer(storage, plan, scratch, threads)))
-    from stages.models.family import get_family
+    from unirl.stages.models.family import get_family
 
     cmd = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args(),
-           *torchrun_entry(["--spec", str(pointer), "--preload", ",".join(get_family(recipe.model.kind).modules)])]
+           *rank_entry(["--spec", str(pointer), "--preload", ",".join(get_family(recipe.model.kind).modules)])]
     env = {**os.environ, "UNIRL_CONTROL_TOKEN": token, "OMP_NUM_THREADS": str(threads), "UNIRL_NODE_WRAPPER_PID": str(os.getpid())}
     log(f"[unirl] node agent for run {storage.run}, group {group}: {plan.nproc_per_node} rank(s), rendezvous "
         f"{plan.endpoint} (id {plan.rdzv_id})")

@@ -1,4 +1,4 @@
-"""The client side of the worker group: launch `torchrun -m stages.workers` (one rank: the rank
+"""The client side of the worker group: launch `torchrun -m unirl.stages.workers` (one rank: the rank
 process itself, without the agent), send it commands, notice when it died (naming the rank that
 failed first, and at several nodes the node), and bring it back at the right policy version.
 
@@ -28,12 +28,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from stages.recipe import Recipe
-from stages.storage import RunStorage, iter_dir, join
-from stages.workers import rendezvous as rdzv
-from stages.workers.control import recv_json, send_json
-from stages.workers.forkserver import torchrun_entry
-from stages.workers.processes import die_with_parent, first_failure, free_port, kill_tree, spawn, threads_per_rank  # noqa: F401 (re-exported)
+from unirl.stages.recipe import Recipe
+from unirl.stages.storage import RunStorage, iter_dir, join
+from unirl.stages.workers import rendezvous as rdzv
+from unirl.stages.workers.control import recv_json, send_json
+from unirl.stages.workers.processes import die_with_parent, first_failure, free_port, kill_tree, rank_entry, spawn, threads_per_rank  # noqa: F401 (re-exported)
 
 
 class WorkerError(RuntimeError):
@@ -113,20 +112,20 @@ class WorkerGroup:
         if t.nproc_per_node == 1:
             # One rank needs no torchrun agent (an extra interpreter importing torch, ~2 s a start):
             # the rank itself, with the rendezvous variables torchrun would set.
-            cmd = [sys.executable, "-m", "stages.workers", "--spec", str(spec_path), *preload]
+            cmd = [sys.executable, "-m", "unirl.stages.workers", "--spec", str(spec_path), *preload]
             env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(free_port()))
         else:
             cmd = [
                 sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(t.nproc_per_node),
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
-                *torchrun_entry(["--spec", str(spec_path), *preload]),
+                *rank_entry(["--spec", str(spec_path), *preload]),
             ]
         self._launch(cmd, env)
 
     def _preload(self) -> list[str]:
         """Modules the ranks import while they wait for the spec: the model family's."""
-        from stages.models.family import get_family
+        from unirl.stages.models.family import get_family
 
         return list(get_family(self.recipe.model.kind).modules)
 
@@ -153,7 +152,7 @@ class WorkerGroup:
             pointer = self.scratch / "node.json"
             pointer.write_text(json.dumps(rdzv.node_pointer(self.storage, plan, self.scratch, self._threads)))
             cmd = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args(),
-                   *torchrun_entry(["--spec", str(pointer), *preload])]
+                   *rank_entry(["--spec", str(pointer), *preload])]
             self._launch(cmd, {**env, "UNIRL_CONTROL_TOKEN": self.token})
             rdzv.write_agent(self.storage, plan.group, self.proc.pid, state="joining")
         others = list(range(first, t.nnodes))
@@ -331,7 +330,7 @@ class WorkerGroup:
         if self.alive() and self.version == version:
             return
         if not self.alive() or self.version is None or self.version > version:
-            from stages.train.manifests import usable_checkpoint
+            from unirl.stages.train.manifests import usable_checkpoint
 
             self.start(usable_checkpoint(self.storage, version, self.log))
         while self.version < version:
@@ -373,14 +372,14 @@ class SharedGroup(WorkerGroup):
         self.held: dict[str, int] = {}
 
     def _preload(self) -> list[str]:
-        from stages.models.family import get_family
+        from unirl.stages.models.family import get_family
 
         return sorted({m for member in self.members.values() for m in get_family(member.recipe.model.kind).modules})
 
     def restart(self, name: str, checkpoint: int | None, version: int) -> None:
         """(Re)start the group: member `name` at `checkpoint` (it wants `version`), every other at
         its usable checkpoint at or below the version it last held (or `version`, if it never ran)."""
-        from stages.train.manifests import usable_checkpoint
+        from unirl.stages.train.manifests import usable_checkpoint
 
         loads, said = {}, []
         for other, member in self.members.items():

@@ -2,14 +2,52 @@
 child dies with its parent (`spawn`), ending a whole torchrun tree, and reading torchrun's failure report."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
 from typing import Any
+
+LAUNCHER_ENV = "UNIRL_LAUNCHER"
+LAUNCHER_MODULE = "unirl_launcher"
+
+
+def launcher() -> ModuleType | None:
+    """The launch hook: the Python file named by UNIRL_LAUNCHER (loaded once per process as module
+    `unirl_launcher`), or None, when unirl's processes start as fresh interpreters. The file gives
+    `launch(cmd, **popen_kwargs)`, a `subprocess.Popen`-like handle or None to start `cmd` as usual;
+    `rank_entry(args)`, what torchrun runs as each rank; `parent_pid()`, the process that asked for
+    this one. Only the test suite sets it (docs/contributing.md)."""
+    path = os.environ.get(LAUNCHER_ENV)
+    if not path:
+        return None
+    module = sys.modules.get(LAUNCHER_MODULE)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(LAUNCHER_MODULE, path)
+        if spec is None or spec.loader is None:
+            raise RuntimeError(f"{LAUNCHER_ENV}={path}: not a Python file; unset it to start processes as usual")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[LAUNCHER_MODULE] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+def rank_entry(args: list[str]) -> list[str]:
+    """What torchrun runs as each rank (after its own options): `-m unirl.stages.workers ARGS`."""
+    hook = launcher()
+    return hook.rank_entry(args) if hook is not None else ["-m", "unirl.stages.workers", *args]
+
+
+def parent_pid() -> int:
+    """The process that started this one (a rank's: torchrun's agent)."""
+    hook = launcher()
+    return hook.parent_pid() if hook is not None else os.getppid()
 
 
 def threads_per_rank(nproc: int) -> int:
@@ -72,13 +110,11 @@ def spawn(cmd: list[str], **kwargs: Any) -> subprocess.Popen:
     forked from one thread that lives as long as this process. Linux sends PR_SET_PDEATHSIG's
     signal when the thread that forked a child ends, not its process: a worker group, rollout
     engine or producer forked from a short-lived thread (an iteration's flow run started ahead, a
-    Prefect task's thread) would be SIGKILLed the moment that thread finished. With a fork server
-    in UNIRL_FORKSERVER, the command is forked from it where it can be (stages/workers/forkserver.py)."""
-    server = os.environ.get("UNIRL_FORKSERVER")
-    if server:  # a warm interpreter forks it (stages/workers/forkserver.py); it dies with this process
-        from stages.workers import forkserver
-
-        proc = forkserver.popen(server, cmd, start_new_session=True, watch=True, **kwargs)
+    Prefect task's thread) would be SIGKILLed the moment that thread finished. A launch hook
+    (`launcher`) may start it instead."""
+    hook = launcher()
+    if hook is not None:
+        proc = hook.launch(cmd, start_new_session=True, **kwargs)
         if proc is not None:
             return proc
     global _spawner

@@ -28,8 +28,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from stages.multinode import DEFAULT_RDZV_PORT, RDZV_ENV, SECRET_ENV
-from stages.storage import RunStorage, join
+from unirl.stages.multinode import DEFAULT_RDZV_PORT, RDZV_ENV, SECRET_ENV
+from unirl.stages.storage import RunStorage, join
 
 CURRENT = "workers/current.json"
 HOST_ENV = "UNIRL_CONTROL_HOST"  # the address rank 0 advertises (Kubernetes: the pod IP)
@@ -84,7 +84,7 @@ class GroupPlan:
     fingerprint: str
 
     def torchrun_args(self) -> list[str]:
-        """The agent's rendezvous options (`python -m torch.distributed.run ARGS -m stages.workers ...`).
+        """The agent's rendezvous options (`python -m torch.distributed.run ARGS -m unirl.stages.workers ...`).
         No restarts: a failed group is relaunched by the flow from its latest checkpoint."""
         nodes = str(self.nnodes) if self.min_nnodes == self.nnodes else f"{self.min_nnodes}:{self.nnodes}"
         return [

@@ -15,20 +15,20 @@ from typing import Any
 import pyarrow.compute as pc
 import torch
 
-from stages.algorithms.base import get_algorithm
-from stages.faults import fault_point
-from stages.images import IMAGE_COLUMNS
-from stages.models.family import get_family
-from stages.policies import policies
-from stages.recipe import Recipe
-from stages.run import schedule_steps
-from stages.sample import join_on_sample_id, read_rollouts, read_shard, table_from_rows, write_shard
-from stages.storage import RunStorage, join
-from stages.train import checkpoint
-from stages.train.stack import OptimizerSpec, TrainStack, load_bundle, rank_of, world_size
-from stages.train.update import UpdatePart, joint_update, sft_steps
-from stages.unified import JointSFT, split_by_kind, stage_recipe
-from stages.pipeline import SIDES
+from unirl.stages.algorithms.base import get_algorithm
+from unirl.stages.faults import fault_point
+from unirl.stages.images import IMAGE_COLUMNS
+from unirl.stages.models.family import get_family
+from unirl.stages.policies import policies
+from unirl.stages.recipe import Recipe
+from unirl.stages.run import schedule_steps
+from unirl.stages.sample import join_on_sample_id, read_rollouts, read_shard, table_from_rows, write_shard
+from unirl.stages.storage import RunStorage, join
+from unirl.stages.train import checkpoint
+from unirl.stages.train.stack import OptimizerSpec, TrainStack, load_bundle, rank_of, world_size
+from unirl.stages.train.update import UpdatePart, joint_update, sft_steps
+from unirl.stages.unified import JointSFT, split_by_kind, stage_recipe
+from unirl.stages.pipeline import SIDES
 
 COMMANDS = ("ping", "generate", "train", "sft", "save", "publish", "publish_adapter", "weight_specs",
             "join_update_group", "broadcast_weights")
@@ -115,7 +115,7 @@ class Worker:
     def _tolerance(recipe: Recipe, policy_cls: Any) -> float:
         """The behaviour tolerance of the first update: the recipe's, else its engine's, else the
         policy's default at the compute dtype."""
-        from stages.engines import engines
+        from unirl.stages.engines import engines
 
         tolerance = recipe.rollout.behaviour_tolerance
         if tolerance is None:
@@ -229,7 +229,7 @@ class Worker:
 
     def publish_adapter(self) -> dict[str, Any]:
         """adapters/v{version}: the LoRA adapters alone (PEFT layout), for an engine's LoRA sync."""
-        from stages.train.adapter import publish_adapter
+        from unirl.stages.train.adapter import publish_adapter
 
         return publish_adapter(self.stack, self.storage, self.scratch, self.version)
 
@@ -242,7 +242,7 @@ class Worker:
 
     def weight_specs(self) -> dict[str, Any]:
         """Names, dtypes and shapes of what `broadcast_weights` sends, in its order, and the backend."""
-        from stages.engines.update_group import dtype_name
+        from unirl.stages.engines.update_group import dtype_name
 
         full = self._full_state()
         names = sorted(full)
@@ -252,7 +252,7 @@ class Worker:
     def join_update_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                           backend: str) -> dict[str, Any]:
         """Rank 0 joins the engine's update group as its rank 0 (blocks until the engine has)."""
-        from stages.engines.update_group import init_group
+        from unirl.stages.engines.update_group import init_group
 
         if self.rank == 0:
             self._update_groups = getattr(self, "_update_groups", {})
@@ -264,8 +264,8 @@ class Worker:
     def broadcast_weights(self, group_name: str) -> dict[str, Any]:
         """Every rank gathers the full weights; rank 0 broadcasts them (sorted by name) to the
         engine, and returns their checksum."""
-        from stages.engines.update_group import broadcast
-        from stages.weights_checksum import tensors_checksum
+        from unirl.stages.engines.update_group import broadcast
+        from unirl.stages.weights_checksum import tensors_checksum
 
         start = time.perf_counter()
         full = self._full_state()

@@ -34,11 +34,11 @@ def killed_and_resumed(recipe: Path, name: str, root: Path, env: dict[str, str],
     to the end: (run folder, the resumed `unirl run`'s completed process)."""
     import psutil
 
-    from flows.hooks import worker_processes
+    from unirl.flows.hooks import worker_processes
     from tests.e2e.test_rl_flow import STOP_AT_SYNC, wait_stopped
 
     args = ["run", str(recipe), "--run-name", name, f"storage.root={root}", *overrides]
-    proc = zygote.popen([sys.executable, "-m", "flows.cli", *args], env={**env, "UNIRL_FAULTS": STOP_AT_SYNC},
+    proc = zygote.popen([sys.executable, "-m", "unirl.flows.cli", *args], env={**env, "UNIRL_FAULTS": STOP_AT_SYNC},
                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run = root / name
     wait_stopped(proc)

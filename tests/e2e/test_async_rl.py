@@ -20,10 +20,10 @@ ASYNC = ["run", str(TINY), "iterations=3", "reward.scorers=[{name: integer_forma
 
 
 def test_a_killed_producer_is_restarted_and_loses_nothing(tmp_path, unirl_env):
-    from stages.engines import engines
-    from stages.recipe import load_recipe
-    from stages.sample import read_rollouts
-    from stages.storage import RunStorage
+    from unirl.stages.engines import engines
+    from unirl.stages.recipe import load_recipe
+    from unirl.stages.sample import read_rollouts
+    from unirl.stages.storage import RunStorage
 
     root = tmp_path / "runs"
     out = run_unirl([*ASYNC, f"storage.root={root}"], {**unirl_env, "UNIRL_FAULTS": "produce@1"})

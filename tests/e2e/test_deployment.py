@@ -18,7 +18,7 @@ import psutil
 import pytest
 import yaml
 
-from flows.hooks import worker_processes
+from unirl.flows.hooks import worker_processes
 from tests.conftest import TINY
 from tests.prefect_server import PrefectServer
 

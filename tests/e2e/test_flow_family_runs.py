@@ -19,8 +19,8 @@ import pytest
 import yaml
 from PIL import Image
 
-from flows.hooks import worker_processes
-from stages.models.family import families
+from unirl.flows.hooks import worker_processes
+from unirl.stages.models.family import families
 from tests import zygote
 from tests.conftest import REPO, run_unirl
 from tests.tiny import CASES, merged
@@ -103,7 +103,7 @@ def test_wan_through_unirl_run_and_resumed_after_sigkill_identically(wan_referen
     args = ["run", str(recipe), f"storage.root={root}"]
     from tests.e2e.test_rl_flow import STOP_AT_SYNC, wait_stopped
 
-    proc = zygote.popen([sys.executable, "-m", "flows.cli", *args], env={**unirl_env, "UNIRL_FAULTS": STOP_AT_SYNC},
+    proc = zygote.popen([sys.executable, "-m", "unirl.flows.cli", *args], env={**unirl_env, "UNIRL_FAULTS": STOP_AT_SYNC},
                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run = root / "e2e-wan"
     wait_stopped(proc)  # iteration 1 trained, not yet committed

@@ -26,7 +26,7 @@ import pyarrow.ipc as ipc
 import pytest
 import s3fs
 
-from tests import zygote
+from tests import forkserver, zygote
 from tests.conftest import REPO, TINY, run_unirl
 from tests.moto_s3 import moto_endpoint
 from tests.e2e.test_rl_flow import SIGNAL
@@ -98,7 +98,7 @@ def node_pool(prefect_server, s3):
     prefect_server.cli("work-pool", "create", "mn-nodes", "--type", "process", env=env)
     # The node's flow run starts fresh under the worker; its torchrun agent and ranks are forked
     # warm (tests/zygote.py), as the flow host's are.
-    env = {**env, **zygote.import_env(), "UNIRL_FORKSERVER": zygote.server().path}
+    env = {**env, **zygote.import_env(), **forkserver.env(zygote.server().path)}
     prefect_server.cli("--no-prompt", "deploy", "--name", "node-agent/tiny-2node", "--pool", "mn-nodes", env=env, timeout=300)
     workers: list[subprocess.Popen] = []
 
@@ -146,7 +146,7 @@ def test_two_nodes_through_prefect_equal_one_node_and_a_lost_node_is_named_and_r
 
 def group_iterations(group, storage, recipe, iterations: range, train: bool = True) -> None:
     """What a flow run's stages do with the group, iteration by iteration (tests/stages/test_matrix.py)."""
-    from stages import iteration as it
+    from unirl.stages import iteration as it
 
     for i in iterations:
         requests = it.write_requests(storage, recipe, i)["files"][0]
@@ -165,10 +165,10 @@ def test_sd3_on_two_nodes_started_by_hand_equals_one_node_and_resumes_on_fewer_n
     iterations and the final weights equal one node's with two ranks. Then an elastic group
     (train.min_nnodes=1) whose second node never comes starts on one node from the 2-node
     checkpoint and samples what the reference samples next."""
-    from stages.recipe import build_recipe
-    from stages.run import initial_weights
-    from stages.storage import RunStorage
-    from stages.workers.group import WorkerGroup
+    from unirl.stages.recipe import build_recipe
+    from unirl.stages.run import initial_weights
+    from unirl.stages.storage import RunStorage
+    from unirl.stages.workers.group import WorkerGroup
     from tests.tiny import TINY as TINY_RECIPES, merged
 
     fs, s3_env = s3
@@ -201,7 +201,7 @@ def test_sd3_on_two_nodes_started_by_hand_equals_one_node_and_resumes_on_fewer_n
     path = tmp_path / "sd3-nodes.yaml"
     path.write_text(two.to_yaml())
     group.prewarm()
-    agent = zygote.popen([sys.executable, "-m", "flows.cli", "agent", str(path), "--run-name", "mn"], cwd=REPO,
+    agent = zygote.popen([sys.executable, "-m", "unirl.flows.cli", "agent", str(path), "--run-name", "mn"], cwd=REPO,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         group.start(None)

@@ -1,4 +1,4 @@
-"""The reward server as users run it: real `python -m flows.reward_server` processes on loopback,
+"""The reward server as users run it: real `python -m unirl.flows.reward_server` processes on loopback,
 spoken to over HTTP by httpx and by RemoteScorer."""
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ import pyarrow.ipc as ipc
 import pytest
 import yaml
 
-from flows.reward_server import main
-from stages.rewards import ScoreBatch, aggregate, build_scorer, run_scorer
-from stages.rewards.client import RemoteScorer, RemoteScorerError
-from stages.rewards.server import ScoringService, load_config
-from stages.tiny_models import random_images, save_tiny_clip
-from stages.rewards.wire import encode_batch
-from stages.sample import metadata
+from unirl.flows.reward_server import main
+from unirl.stages.rewards import ScoreBatch, aggregate, build_scorer, run_scorer
+from unirl.stages.rewards.client import RemoteScorer, RemoteScorerError
+from unirl.stages.rewards.server import ScoringService, load_config
+from unirl.stages.tiny_models import random_images, save_tiny_clip
+from unirl.stages.rewards.wire import encode_batch
+from unirl.stages.sample import metadata
 from tests.conftest import TINY, run_unirl
 
 pytestmark = pytest.mark.slow
@@ -55,7 +55,7 @@ EXPECTED = {
 PLUGIN = '''
 import math, time
 import numpy as np
-from stages.rewards.base import ScoreResult, register_scorer
+from unirl.stages.rewards.base import ScoreResult, register_scorer
 
 @register_scorer("faulty", reads=("text",))
 class Faulty:
@@ -91,12 +91,12 @@ def free_port() -> int:
 
 
 def launch(name: str, config: dict, root: Path, env: dict[str, str], via_cli: bool = False) -> Server:
-    """Start a server process; `via_cli` goes through `unirl reward-server` (flows.cli)."""
+    """Start a server process; `via_cli` goes through `unirl reward-server` (unirl.flows.cli)."""
     port = free_port()
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump({"port": port, "log_level": "warning", **config}))
     log = root / f"{name}.log"
-    command = ["flows.cli", "reward-server"] if via_cli else ["flows.reward_server"]
+    command = ["unirl.flows.cli", "reward-server"] if via_cli else ["unirl.flows.reward_server"]
     with log.open("w") as out:  # the child keeps its own copy of the file descriptor
         proc = subprocess.Popen([sys.executable, "-m", *command, "--config", str(path)],
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -275,7 +275,7 @@ def test_failing_scorer_is_named_and_surfaced_after_retries(servers, caplog):
     assert response.json() == {"error": "scorer 'faulty' failed: RuntimeError: boom", "scorer": "faulty"}
     calls.write_text("")
     remote = RemoteScorer(servers["faulty"].url, attempts=3, backoff_s=0.05)
-    with caplog.at_level(logging.WARNING, logger="stages.rewards.client"):
+    with caplog.at_level(logging.WARNING, logger="unirl.stages.rewards.client"):
         with pytest.raises(RemoteScorerError,
                            match=r"failed after 3 attempt\(s\).*HTTP 500: scorer 'faulty' failed: RuntimeError: boom"):
             remote(faulty_batch(mode="fail"))
@@ -329,7 +329,7 @@ def test_token_is_never_logged(servers, caplog):
 def test_token_from_a_prefect_secret_block(servers, monkeypatch):
     from prefect.blocks.system import Secret
 
-    from tasks.reward_token import reward_token_from_secret
+    from unirl.tasks.reward_token import reward_token_from_secret
 
     class FakeSecret:
         def get(self) -> str:

@@ -17,8 +17,8 @@ import pyarrow.ipc as ipc
 import pytest
 from mlflow.tracking import MlflowClient
 
-from flows.hooks import worker_processes
-from stages.advantage import group_advantages
+from unirl.flows.hooks import worker_processes
+from unirl.stages.advantage import group_advantages
 from tests import zygote
 from tests.conftest import REPO, TINY, run_unirl
 
@@ -185,7 +185,7 @@ def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, eph
     # holds a version that no checkpoint has, so the resumed run must restore and replay, not
     # retrain. The kill below is ours, from outside, as a user's would be.
     proc = zygote.popen(
-        [sys.executable, "-m", "flows.cli", *args], env={**unirl_env, "UNIRL_FAULTS": STOP_AT_SYNC}, cwd=REPO,
+        [sys.executable, "-m", "unirl.flows.cli", *args], env={**unirl_env, "UNIRL_FAULTS": STOP_AT_SYNC}, cwd=REPO,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     run = root / "tiny"

@@ -14,7 +14,7 @@ import psutil
 import pyarrow.ipc as ipc
 import pytest
 
-from flows.hooks import worker_processes
+from unirl.flows.hooks import worker_processes
 from tests import zygote
 from tests.conftest import REPO, run_unirl
 from tests.e2e.test_rl_flow import STOP_AT_SYNC, assert_no_pickles, wait_stopped
@@ -64,7 +64,7 @@ def test_sigkill_mid_run_resumes_to_the_uninterrupted_metrics(reference, tmp_pat
     ref_root, env, _ = reference
     root = tmp_path / "runs"
     args = ["run", RECIPE, *SMALL, "eval.enabled=false", f"storage.root={root}", "--run-name", "ref"]
-    proc = zygote.popen([sys.executable, "-m", "flows.cli", *args], env={**env, "UNIRL_FAULTS": STOP_AT_SYNC}, cwd=REPO,
+    proc = zygote.popen([sys.executable, "-m", "unirl.flows.cli", *args], env={**env, "UNIRL_FAULTS": STOP_AT_SYNC}, cwd=REPO,
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run = root / "ref"
     wait_stopped(proc)  # iteration 1 trained, not committed

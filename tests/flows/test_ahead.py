@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from flows.ahead import Ahead, wait_turn
+from unirl.flows.ahead import Ahead, wait_turn
 
 
 def recorder():

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-import flows.artifacts as artifacts
-from flows.artifacts import RunArtifacts, artifact_key, iteration_row, mlflow_link, summary_markdown
-from stages.recipe import load_recipe
-from stages.storage import RunStorage, iter_dir, join
+import unirl.flows.artifacts as artifacts
+from unirl.flows.artifacts import RunArtifacts, artifact_key, iteration_row, mlflow_link, summary_markdown
+from unirl.stages.recipe import load_recipe
+from unirl.stages.storage import RunStorage, iter_dir, join
 from tests.conftest import TINY
 
 

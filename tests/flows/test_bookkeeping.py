@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from flows.bookkeeping import Bookkeeping
+from unirl.flows.bookkeeping import Bookkeeping
 
 WHO = contextvars.ContextVar("who", default="nobody")
 

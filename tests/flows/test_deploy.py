@@ -10,27 +10,29 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prefect import Flow
+from prefect.flows import load_flow_from_entrypoint
 
-from flows.deploy import k8s_gpu_template, main, recipe_deployments, render, update
-from flows.hooks import run_storage_url, stop_workers, worker_processes
-from stages.recipe import Recipe, load_recipe
+from unirl.flows.deploy import k8s_gpu_template, main, recipe_deployments, render, update
+from unirl.flows.hooks import run_storage_url, stop_workers, worker_processes
+from unirl.stages.recipe import Recipe, load_recipe
 from tests.conftest import REPO, TINY
 
 
 def test_prefect_yaml_is_generated_from_the_recipes() -> None:
-    assert main(["check"]) == 0, "prefect.yaml is stale: run `python -m flows.deploy write`"
+    assert main(["check"]) == 0, "prefect.yaml is stale: run `python -m unirl.flows.deploy write`"
 
 
 def test_every_shipped_recipe_is_a_schema_enforced_deployment() -> None:
     config = yaml.safe_load((REPO / "prefect.yaml").read_text())
-    deployments = {d["name"]: d for d in config["deployments"] if d["entrypoint"] != "flows/nodes.py:node_agent"}
-    agents = {d["name"]: d for d in config["deployments"] if d["entrypoint"] == "flows/nodes.py:node_agent"}
+    deployments = {d["name"]: d for d in config["deployments"] if d["entrypoint"] != "unirl.flows.nodes:node_agent"}
+    agents = {d["name"]: d for d in config["deployments"] if d["entrypoint"] == "unirl.flows.nodes:node_agent"}
     recipes = sorted((REPO / "recipes").glob("*/*.yaml"))
     assert recipes
     for path in recipes:
         recipe = load_recipe(path)
         dep = deployments[recipe.name]
-        assert dep["entrypoint"] == "flows/rl.py:rl_train"
+        assert dep["entrypoint"] == "unirl.flows.rl:rl_train"
         assert dep["enforce_parameter_schema"] is True
         assert dep["work_pool"]["name"] == "cpu"
         assert Recipe.model_validate(dep["parameters"]["recipe"]) == recipe
@@ -40,8 +42,8 @@ def test_every_shipped_recipe_is_a_schema_enforced_deployment() -> None:
             assert agents[recipe.name]["parameters"]["recipe"] == dep["parameters"]["recipe"]
             assert recipe.train.agents.deployment == f"node-agent/{recipe.name}"
             assert "concurrency_limit" not in agents[recipe.name]  # one run per other node, at once
-    for dep in config["deployments"]:
-        assert (REPO / dep["entrypoint"].split(":")[0]).is_file(), dep["entrypoint"]
+    for dep in config["deployments"]:  # a worker loads the flow from the installed package, whatever its directory
+        assert isinstance(load_flow_from_entrypoint(dep["entrypoint"], use_placeholder_flow=False), Flow), dep["entrypoint"]
     nightly = deployments["tiny-nightly"]
     assert nightly["schedules"][0]["cron"] == "0 3 * * *"
     assert nightly["parameters"]["recipe"] == deployments["tiny"]["parameters"]["recipe"]
@@ -83,13 +85,13 @@ def test_k8s_template_requests_gpus() -> None:
 
 def test_stop_workers_kills_a_runs_processes_and_only_those(tmp_path: Path) -> None:
     """What the on_cancellation hook does from the worker's process: find the run's
-    `-m stages.workers --spec FILE` processes (a relative root is relative to their cwd)."""
+    `-m unirl.stages.workers --spec FILE` processes (a relative root is relative to their cwd)."""
     procs = []
     for run in ("mine", "other"):
         spec = tmp_path / f"{run}.json"
         spec.write_text(json.dumps({"root": "runs", "run": run, "options": {}}))
         procs.append(subprocess.Popen(
-            [sys.executable, "-c", "import time; time.sleep(120)", "-m", "stages.workers", "--spec", str(spec)],
+            [sys.executable, "-c", "import time; time.sleep(120)", "-m", "unirl.stages.workers", "--spec", str(spec)],
             cwd=tmp_path, start_new_session=True,
         ))
     try:

@@ -1,7 +1,7 @@
 """The lean settings unirl gives Prefect's ephemeral API server (flows/ephemeral.py)."""
 from __future__ import annotations
 
-from flows.ephemeral import LEAN_SERVER_ENV
+from unirl.flows.ephemeral import LEAN_SERVER_ENV
 
 
 def test_the_task_run_recorder_flush_interval_is_a_whole_number_of_seconds():

@@ -19,9 +19,9 @@ from prefect.client.orchestration import PrefectClient
 from prefect.client.schemas.objects import FlowRun
 from prefect_kubernetes.worker import KubernetesWorker, KubernetesWorkerJobConfiguration
 
-from flows.k8s_nodes import NODE_LABEL, RDZV_LABEL, flow_template, node_template, rdzv_service
-from stages.multinode import RDZV_ENV, SECRET_ENV
-from stages.workers.rendezvous import HOST_ENV
+from unirl.flows.k8s_nodes import NODE_LABEL, RDZV_LABEL, flow_template, node_template, rdzv_service
+from unirl.stages.multinode import RDZV_ENV, SECRET_ENV
+from unirl.stages.workers.rendezvous import HOST_ENV
 from tests.conftest import REPO
 
 K8S = kubernetes_validate.latest_version()
@@ -99,7 +99,7 @@ def test_the_flow_pod_gets_the_same_secrets_and_no_gpus() -> None:
 
 def test_the_cli_writes_the_templates_of_docs_deploy_md() -> None:
     default = json.dumps(KubernetesWorker.get_default_base_job_template())
-    run = [sys.executable, "-m", "flows.deploy"]
+    run = [sys.executable, "-m", "unirl.flows.deploy"]
     nodes = json.loads(subprocess.run([*run, "k8s-node-template", "--gpus", "8"], input=default, capture_output=True, text=True,
                                       cwd=REPO, check=True).stdout)
     assert nodes["variables"]["properties"]["gpus"]["default"] == 8 and "node_index" in nodes["variables"]["properties"]
@@ -107,4 +107,4 @@ def test_the_cli_writes_the_templates_of_docs_deploy_md() -> None:
                                     text=True, cwd=REPO, check=True).stdout)
     assert svc == rdzv_service("unirl-rdzv", "ml")
     docs = (REPO / "docs" / "deploy.md").read_text()
-    assert "python -m flows.deploy k8s-node-template --gpus 8 < default.json" in docs and "k8s-rdzv-service" in docs
+    assert "python -m unirl.flows.deploy k8s-node-template --gpus 8 < default.json" in docs and "k8s-rdzv-service" in docs

@@ -1,7 +1,7 @@
 """The per-iteration progress line `unirl run` prints."""
 from __future__ import annotations
 
-from flows.console import iteration_line as progress_line
+from unirl.flows.console import iteration_line as progress_line
 
 BASE = {"rollout/reward_mean": 0.25, "rollout/reward_std": 0.5, "train/loss": -0.0123, "train/grad_norm": 0.75,
         "time/iteration_s": 2.04}
@@ -20,7 +20,7 @@ def test_progress_line_leaves_out_what_a_likelihood_free_loss_lacks():
 
 
 def test_a_long_error_keeps_its_first_and_last_lines():
-    from flows.console import error_text
+    from unirl.flows.console import error_text
 
     exc = RuntimeError("\n".join(f"line {i}" for i in range(100)))
     text = error_text(exc).splitlines()

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-import flows.retrain as retrain_mod
-from flows.retrain import RetrainError, generations, local_weights, plan
-from stages.recipe import load_recipe
-from stages.run import open_run
-from stages.storage import RunStorage
-from stages.train.manifests import write_weights_dir
+import unirl.flows.retrain as retrain_mod
+from unirl.flows.retrain import RetrainError, generations, local_weights, plan
+from unirl.stages.recipe import load_recipe
+from unirl.stages.run import open_run
+from unirl.stages.storage import RunStorage
+from unirl.stages.train.manifests import write_weights_dir
 from tests.conftest import TINY
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from tasks.common import on_server, staged
-from tasks.generate import generate
-from tasks.score import score
+from unirl.tasks.common import on_server, staged
+from unirl.tasks.generate import generate
+from unirl.tasks.score import score
 
 
 def test_ephemeral_api_runs_tasks_untagged_and_a_server_keeps_the_tags() -> None:

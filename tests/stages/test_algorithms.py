@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from stages.algorithms import LossOutput, drpo_loss, grpo_loss, gspo_loss, kl
+from unirl.stages.algorithms import LossOutput, drpo_loss, grpo_loss, gspo_loss, kl
 
 METRIC_KEYS = {
     "clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean", "ratio_max", "ratio_min",

@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from stages.arithmetic import Arithmetic, arithmetic_source, evaluate, render
+from unirl.stages.arithmetic import Arithmetic, arithmetic_source, evaluate, render
 
 
 def test_precedence_by_hand():
@@ -88,7 +88,7 @@ def test_bad_settings_are_named(kwargs, message):
 
 
 def test_built_from_a_recipe_section():
-    from stages.sources.arithmetic import ArithmeticData
+    from unirl.stages.sources.arithmetic import ArithmeticData
 
     src = arithmetic_source(ArithmeticData(digits=2, heldout_size=3, seed=9))
     assert len(src.heldout()) == len(src.heldout("test")) == 3 and src.operands == 2 and src.template == "{expr}="

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from stages.async_rollout import ProducerError, admit, behaviour_version, collect
-from stages.sample import table_from_rows, write_shard
-from stages.storage import RunStorage
+from unirl.stages.async_rollout import ProducerError, admit, behaviour_version, collect
+from unirl.stages.sample import table_from_rows, write_shard
+from unirl.stages.storage import RunStorage
 
 
 def rows(versions: dict[str, list[int]]) -> list[dict]:
@@ -31,7 +31,7 @@ def test_groups_with_a_stale_row_are_dropped_and_counted(tmp_path):
 
 
 def test_collect_admits_a_committed_batch_and_refuses_an_all_stale_one(tmp_path):
-    from stages.recipe import build_recipe
+    from unirl.stages.recipe import build_recipe
 
     storage = RunStorage(str(tmp_path), "run")
     recipe = build_recipe({"rollout": {"max_staleness": 1}})

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from stages.algorithms.correction import CorrectionConfig, importance_weights, weighted_advantage
-from stages.algorithms.grpo import grpo_loss
-from stages.recipe import RecipeError, build_recipe
+from unirl.stages.algorithms.correction import CorrectionConfig, importance_weights, weighted_advantage
+from unirl.stages.algorithms.grpo import grpo_loss
+from unirl.stages.recipe import RecipeError, build_recipe
 from tests.tiny import TINY, merged
 
 # proximal o, behaviour b over two sequences of three tokens, the last token of row 1 padding
@@ -74,11 +74,11 @@ def test_recipe_rules():
 def test_stale_rows_are_corrected_and_measured_fresh_rows_still_checked(tmp_path, tiny_weights):
     """Through the seam: a batch whose rows an older policy sampled trains with the correction and
     reports the mismatch; the same rows stamped as fresh fail the on-policy check."""
-    from stages import iteration as it
-    from stages.algorithms import BehaviourMismatchError
-    from stages.sample import read_shard, table_from_rows, write_shard
-    from stages.storage import RunStorage
-    from stages.workers.worker import Worker
+    from unirl.stages import iteration as it
+    from unirl.stages.algorithms import BehaviourMismatchError
+    from unirl.stages.sample import read_shard, table_from_rows, write_shard
+    from unirl.stages.storage import RunStorage
+    from unirl.stages.workers.worker import Worker
 
     recipe = build_recipe(merged(TINY["qwen3"], {"storage": {"root": str(tmp_path)},
                                                  "rollout": {"correction": {"mode": "mask", "cap": 1.5}}}))

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages.data_files import DataFileError, FilePrompts, file_prompt_source, read_records
+from unirl.stages.data_files import DataFileError, FilePrompts, file_prompt_source, read_records
 
 
 def write_jsonl(path: Path, rows: list, blank_after: int | None = None) -> Path:
@@ -116,7 +116,7 @@ def test_test_path_is_never_trained_on_nor_in_dev(tmp_path):
         FilePrompts(path=train, heldout_path=dev_file, test_path=test)
     with pytest.raises(ValueError, match="either test_fraction or test_path"):
         FilePrompts(path=train, test_path=test, test_fraction=0.1)
-    from stages.sources.file import FileData
+    from unirl.stages.sources.file import FileData
 
     with pytest.raises(ValueError, match="data.test_fraction: set either test_fraction or test_path"):
         FileData(path=str(train), test_path=str(test), test_fraction=0.1)

@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 import torch
 
-from stages.algorithms import BehaviourMismatchError, TrainContext, flow_grpo_loss, nft_loss
-from stages.algorithms.flow_dppo import FlowDPPO, FlowDPPOConfig
-from stages.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
-from stages.algorithms.flow_likelihood import transition_means
-from stages.algorithms.nft import NFT, NFTConfig, nft_points
-from stages.diffusion.sampling import make_plan, replay_step, sample, stored_steps
-from stages.diffusion.trajectory import LatentBatch
-from stages.models.sd3_ops import merge_lora
-from stages.policies.flow import FlowSampler
+from unirl.stages.algorithms import BehaviourMismatchError, TrainContext, flow_grpo_loss, nft_loss
+from unirl.stages.algorithms.flow_dppo import FlowDPPO, FlowDPPOConfig
+from unirl.stages.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
+from unirl.stages.algorithms.flow_likelihood import transition_means
+from unirl.stages.algorithms.nft import NFT, NFTConfig, nft_points
+from unirl.stages.diffusion.sampling import make_plan, replay_step, sample, stored_steps
+from unirl.stages.diffusion.trajectory import LatentBatch
+from unirl.stages.models.sd3_ops import merge_lora
+from unirl.stages.policies.flow import FlowSampler
 
 SHAPE = (2, 4, 4)
 

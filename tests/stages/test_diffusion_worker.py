@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
-from stages import iteration as it
-from stages.recipe import Recipe
-from stages.run import initial_weights
-from stages.sample import read_rollouts, table_from_rows, write_shard
-from stages.sde import SigmaMismatchError
-from stages.storage import RunStorage
+from unirl.stages import iteration as it
+from unirl.stages.recipe import Recipe
+from unirl.stages.run import initial_weights
+from unirl.stages.sample import read_rollouts, table_from_rows, write_shard
+from unirl.stages.sde import SigmaMismatchError
+from unirl.stages.storage import RunStorage
 
 RUN = "run"
 
@@ -59,7 +59,7 @@ def recipe(root, **over) -> Recipe:
 
 
 def worker(r: Recipe, tmp_path, checkpoint=None, init=None, mode="rl"):
-    from stages.workers.worker import Worker
+    from unirl.stages.workers.worker import Worker
 
     storage = RunStorage(r.storage.root, RUN)
     init = init or initial_weights(storage, r)
@@ -77,7 +77,7 @@ def one_iteration(w, storage, r, i=0):
 
 
 def test_flow_grpo_generate_train_checkpoint_publish(mesh, tmp_path):
-    from stages.models.sd3 import load_sd3
+    from unirl.stages.models.sd3 import load_sd3
 
     r = recipe(tmp_path, **{"rollout.sampler.sde_steps": {"mode": "window", "window_size": 2, "num_sde_steps": 2},
                             "reward.scorers": [{"name": "brightness"}]})  # varies on a random model: the step moves weights
@@ -156,7 +156,7 @@ def test_nft_samples_with_the_ema_old_policy(mesh, tmp_path):
 
 
 def test_bad_prompt_and_sigma_mismatch_fail_before_compute(mesh, tmp_path):
-    from stages.data import Prompt
+    from unirl.stages.data import Prompt
 
     r = recipe(tmp_path)
     w, storage = worker(r, tmp_path)
@@ -170,10 +170,10 @@ def test_bad_prompt_and_sigma_mismatch_fail_before_compute(mesh, tmp_path):
 
 
 def test_sft_warms_up_the_vae_then_flow_matching(mesh, tmp_path):
-    from stages.diffusion.sft import geneval_records
+    from unirl.stages.diffusion.sft import geneval_records
 
-    from stages.run import materialize_model
-    from stages.train.manifests import write_weights_dir
+    from unirl.stages.run import materialize_model
+    from unirl.stages.train.manifests import write_weights_dir
 
     r = recipe(tmp_path, **{"model.vae_warmup": {"steps": 3, "batch_size": 4}, "sft": {"steps": 3, "lr": 1e-3}})
     storage = RunStorage(r.storage.root, RUN)
@@ -187,7 +187,7 @@ def test_sft_warms_up_the_vae_then_flow_matching(mesh, tmp_path):
     folder = storage.local_path(w.publish()["path"])
     vae = json.loads((folder / "vae" / "config.json").read_text())
     assert vae["scaling_factor"] == pytest.approx(first["vae_scaling_factor"])
-    from stages.models.sd3 import load_sd3
+    from unirl.stages.models.sd3 import load_sd3
 
     published = load_sd3(folder).transformer.state_dict()
     for name, shadow in w.stack.ema.shadow.items():  # SFT publishes the EMA of its weights
@@ -196,8 +196,8 @@ def test_sft_warms_up_the_vae_then_flow_matching(mesh, tmp_path):
 
 
 def test_in_process_loop_does_the_same_math_as_the_worker(mesh, tmp_path):
-    """The benchmark's floor (stages.loop) samples the same images and takes the same step."""
-    from stages.loop import InProcessLoop
+    """The benchmark's floor (unirl.stages.loop) samples the same images and takes the same step."""
+    from unirl.stages.loop import InProcessLoop
 
     r = recipe(tmp_path, **{"reward.scorers": [{"name": "brightness"}], "rollout.sampler.sde_steps": {"mode": "window",
                             "window_size": 2, "num_sde_steps": 1}})
@@ -215,9 +215,9 @@ def test_in_process_loop_does_the_same_math_as_the_worker(mesh, tmp_path):
 
 
 def sft_worker(tmp_path, **over):
-    from stages.diffusion.sft import geneval_records
-    from stages.run import materialize_model
-    from stages.train.manifests import write_weights_dir
+    from unirl.stages.diffusion.sft import geneval_records
+    from unirl.stages.run import materialize_model
+    from unirl.stages.train.manifests import write_weights_dir
 
     r = recipe(tmp_path, **{"model.vae_warmup": {"steps": 1, "batch_size": 4}, **over})
     storage = RunStorage(r.storage.root, RUN)
@@ -243,7 +243,7 @@ def test_lora_sft_publishes_its_ema_merged(mesh, tmp_path):
     """Regression: LoRA + flow-matching SFT merged the adapters of the raw weights and dropped the EMA."""
     from safetensors.torch import load_file
 
-    from stages.models.sd3_ops import TRANSFORMER_FILE, merge_lora
+    from unirl.stages.models.sd3_ops import TRANSFORMER_FILE, merge_lora
 
     w, storage = sft_worker(tmp_path, **{"sft": {"steps": 3, "lr": 1e-2}, "model.lora": {"rank": 2, "alpha": 4},
                                          "model.flow_matching": {"schedule": "constant", "warmup_steps": 0, "ema": 0.5}})

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from stages import iteration as it
-from stages.recipe import load_recipe
-from stages.sample import read_shard, table_from_rows, write_shard
-from stages.storage import RunStorage
+from unirl.stages import iteration as it
+from unirl.stages.recipe import load_recipe
+from unirl.stages.sample import read_shard, table_from_rows, write_shard
+from unirl.stages.storage import RunStorage
 from tests.conftest import TINY
 
 

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from stages.models.family import families
+from unirl.stages.models.family import families
 from tests.tiny import CASES
 
 def diffusers_ships(kind: str) -> bool:
@@ -84,8 +84,8 @@ def test_conditioning_is_fixed_per_prompt_and_the_timestep_follows_the_familys_c
 
 @pytest.mark.parametrize("case", FLOW_CASES)
 def test_guidance_is_cfg_in_one_batched_forward_or_the_distilled_models_input(case, tiny_weights):
-    from stages.diffusion.model import PromptCache
-    from stages.policies.flow import FlowSampler
+    from unirl.stages.diffusion.model import PromptCache
+    from unirl.stages.policies.flow import FlowSampler
 
     fam, bundle = loaded(case, tiny_weights)
     x, cond = inputs(fam, bundle)
@@ -111,7 +111,7 @@ def test_guidance_is_cfg_in_one_batched_forward_or_the_distilled_models_input(ca
 
 
 def test_qwen_images_true_cfg_keeps_each_tokens_conditional_norm(tiny_weights):
-    from stages.models.qwen_image import pack
+    from unirl.stages.models.qwen_image import pack
 
     fam, bundle = loaded("qwen_image", tiny_weights)
     uncond, cond = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8)
@@ -141,7 +141,7 @@ def test_wan22_switches_experts_at_the_boundary_timestep(tiny_weights):
 def test_flux2s_resolution_dependent_shift_is_the_pipelines():
     from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 
-    from stages.models.flux2_klein import empirical_mu
+    from unirl.stages.models.flux2_klein import empirical_mu
 
     for tokens, steps in ((16, 10), (1024, 4), (4096, 50), (5000, 28)):
         assert empirical_mu(tokens, steps) == pytest.approx(compute_empirical_mu(tokens, steps), rel=1e-9)
@@ -149,7 +149,7 @@ def test_flux2s_resolution_dependent_shift_is_the_pipelines():
 
 @pytest.mark.parametrize("case", FLOW_CASES)
 def test_lora_starts_at_the_base_its_reference_disables_it_and_export_loads_back(case, tiny_weights, tmp_path):
-    from stages.config_base import LoraConfig
+    from unirl.stages.config_base import LoraConfig
 
     fam, bundle = loaded(case, tiny_weights)
     x, cond = inputs(fam, bundle)

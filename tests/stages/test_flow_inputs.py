@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from stages.recipe import RecipeError, build_recipe
+from unirl.stages.recipe import RecipeError, build_recipe
 from tests import zygote
 from tests.conftest import REPO
 from tests.tiny import CASES, merged
@@ -59,7 +59,7 @@ def test_an_image_side_the_vae_and_patch_cannot_take_names_the_field(tiny_weight
 
 
 def test_unirl_validate_reports_it_before_anything_loads(tmp_path, tiny_weights):
-    out = zygote.run([sys.executable, "-m", "flows.cli", "validate", str(REPO / "recipes/video/wan.yaml"),
+    out = zygote.run([sys.executable, "-m", "unirl.flows.cli", "validate", str(REPO / "recipes/video/wan.yaml"),
                       "rollout.sampler.num_frames=4", f"model.path={tiny_weights('hunyuan_video')}"],
                      cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 2
@@ -67,11 +67,11 @@ def test_unirl_validate_reports_it_before_anything_loads(tmp_path, tiny_weights)
 
 
 def test_a_video_familys_rollouts_store_frames_that_scorers_and_previews_read(tmp_path, tiny_weights):
-    from stages import iteration as it
-    from stages.diffusion.grid import rollout_grid
-    from stages.sample import read_rollouts
-    from stages.storage import RunStorage
-    from stages.workers.worker import Worker
+    from unirl.stages import iteration as it
+    from unirl.stages.diffusion.grid import rollout_grid
+    from unirl.stages.sample import read_rollouts
+    from unirl.stages.storage import RunStorage
+    from unirl.stages.workers.worker import Worker
 
     recipe = build_recipe(merged(CASES["wan"], {"algorithm": {"name": "flow_grpo"}, "storage": {"root": str(tmp_path)},
                                                 "reward": {"scorers": [{"name": "videotoy", "params": {"mode": "mean"}}]}}))
@@ -92,7 +92,7 @@ def test_a_video_familys_rollouts_store_frames_that_scorers_and_previews_read(tm
     assert {"rollout/reward/videotoy/direction", "rollout/reward/videotoy/colour"} <= set(scored["metrics"])
     grid = rollout_grid(storage, gen["files"], scored["files"][0])
     assert isinstance(grid, list) and len(grid) == 5 and grid[0].size == grid[4].size
-    from stages.media import to_gif
+    from unirl.stages.media import to_gif
 
     gif = Image.open(io.BytesIO(to_gif(grid)))
     assert gif.n_frames == 5

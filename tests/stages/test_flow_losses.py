@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from stages.algorithms.aggregate import LossOutput
-from stages.algorithms.flow_dppo import flow_dppo_loss
-from stages.algorithms.flow_grpo import flow_grpo_loss
-from stages.algorithms.kl import flow_kl
-from stages.algorithms.nft import nft_loss
+from unirl.stages.algorithms.aggregate import LossOutput
+from unirl.stages.algorithms.flow_dppo import flow_dppo_loss
+from unirl.stages.algorithms.flow_grpo import flow_grpo_loss
+from unirl.stages.algorithms.kl import flow_kl
+from unirl.stages.algorithms.nft import nft_loss
 
 
 def close(actual, expected, atol=1e-6):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFilter
 
-from stages.geneval import (
+from unirl.stages.geneval import (
     COLOURS,
     KINDS,
     RELATIONS,
@@ -22,7 +22,7 @@ from stages.geneval import (
     score,
     split_of,
 )
-from stages.geneval.detector import connected_components, shape_features, shape_of
+from unirl.stages.geneval.detector import connected_components, shape_features, shape_of
 
 
 def test_every_grammar_prompt_parses_back_to_itself():
@@ -77,7 +77,7 @@ def test_dev_and_test_partition_the_heldout_prompts_of_every_kind():
 
 
 def test_the_source_gives_disjoint_dev_and_test_splits_never_trained_on():
-    from stages.sources.geneval import GenEvalData, GenEvalSource
+    from unirl.stages.sources.geneval import GenEvalData, GenEvalSource
 
     a, b = (GenEvalSource.build(GenEvalData(heldout_size=32, seed=5)) for _ in range(2))
     dev, test = a.heldout("dev"), a.heldout("test")
@@ -96,7 +96,7 @@ def test_the_source_gives_disjoint_dev_and_test_splits_never_trained_on():
 
 
 def test_single_prompts_have_dev_and_test_splits_and_listed_training_prompts_must_be_train_prompts():
-    from stages.sources.geneval import GenEvalData, GenEvalSource
+    from unirl.stages.sources.geneval import GenEvalData, GenEvalSource
 
     single = GenEvalSource.build(GenEvalData(kinds=["single"], heldout_size=16))
     assert {p.text for p in single.heldout("dev")} == {"a blue square", "a yellow triangle"}
@@ -120,7 +120,7 @@ def test_render_is_seeded_and_sized():
 
 
 def test_caption_noise_draws_one_object_group_in_another_colour():
-    from stages.geneval.dataset import parse_prompt
+    from unirl.stages.geneval.dataset import parse_prompt
 
     noisy = make_examples(40, seed=3, size=32, noise=1.0)
     assert [e.prompt for e in noisy] == [e.prompt for e in make_examples(40, seed=3, size=32)]  # the captions stay

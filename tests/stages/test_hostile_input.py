@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from stages.recipe import RecipeError, load_recipe
-from stages.storage import RunStorage
+from unirl.stages.recipe import RecipeError, load_recipe
+from unirl.stages.storage import RunStorage
 from tests import zygote
 from tests.conftest import REPO, TINY
 
@@ -26,7 +26,7 @@ def test_run_names_that_would_leave_the_root_are_refused(name, tmp_path):
 
 
 def test_the_cli_refuses_a_run_name_before_anything_starts(tmp_path):
-    out = zygote.run([sys.executable, "-m", "flows.cli", "run", str(TINY), f"storage.root={tmp_path}", "--run-name", "../../etc"],
+    out = zygote.run([sys.executable, "-m", "unirl.flows.cli", "run", str(TINY), f"storage.root={tmp_path}", "--run-name", "../../etc"],
                      cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 2 and "--run-name: '../../etc' is not a plain run name" in out.stderr
     assert not any(tmp_path.iterdir())
@@ -43,7 +43,7 @@ def test_run_relative_paths_cannot_leave_the_run_folder(rel, tmp_path):
 
 
 def test_a_manifest_pointing_outside_the_run_is_refused(tmp_path):
-    from stages import iteration as it
+    from unirl.stages import iteration as it
 
     (tmp_path / "secret.txt").write_text("do not read")
     storage = RunStorage(str(tmp_path / "runs"), "run")
@@ -69,7 +69,7 @@ def test_literal_credentials_in_a_recipe_are_refused(override, field):
 
 
 def test_urls_shown_to_people_lose_their_credentials():
-    from stages.secrets import redact_text, redact_url
+    from unirl.stages.secrets import redact_text, redact_url
 
     assert redact_url("https://bob:hunter2@mlflow.example.com/x?api_key=k1&page=2") == \
         "https://bob:***@mlflow.example.com/x?api_key=***&page=2"
@@ -80,8 +80,8 @@ def test_urls_shown_to_people_lose_their_credentials():
 def test_token_checks_are_constant_time(monkeypatch):
     """The reward server and the worker group's control channel compare tokens with
     hmac.compare_digest, never `==` (whose time leaks how much of a guess is right)."""
-    from stages.rewards import server
-    from stages.workers import control
+    from unirl.stages.rewards import server
+    from unirl.stages.workers import control
 
     calls = []
     real = hmac.compare_digest

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from stages.rewards.base import ScoreBatch, ScorerError, aggregate, build_scorer, run_scorer, scorer_names
-from stages.rewards.math import answers_equal, extract_final_answer
+from unirl.stages.rewards.base import ScoreBatch, ScorerError, aggregate, build_scorer, run_scorer, scorer_names
+from unirl.stages.rewards.math import answers_equal, extract_final_answer
 
 
 def score(name: str, texts: list[str], answers: list[str], **params) -> tuple[list[float], dict]:
@@ -131,7 +131,7 @@ def test_scores_in_a_thread_as_the_reward_server_does():
 
 
 def test_a_comparison_past_the_deadline_is_wrong_and_its_worker_replaced(monkeypatch):
-    from stages.rewards import math as math_rewards
+    from unirl.stages.rewards import math as math_rewards
 
     checker = math_rewards.Checker(workers=1)
     kills = []

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.models import check_model_dir, load_qwen3, save_tiny_qwen3
-from stages.models.tokenizer import build_char_tokenizer, encode_prompt, uses_chat_template
-from stages.models.qwen3 import TinyQwen3
+from unirl.stages.models import check_model_dir, load_qwen3, save_tiny_qwen3
+from unirl.stages.models.tokenizer import build_char_tokenizer, encode_prompt, uses_chat_template
+from unirl.stages.models.qwen3 import TinyQwen3
 
 
 def test_tiny_model_saves_and_loads_by_path_deterministically(tmp_path):
@@ -28,7 +28,7 @@ def test_chat_template_wraps_prompts_when_present(tmp_path):
     assert encode_prompt(tok, "1+2=", False) == tok("1+2=", add_special_tokens=False).input_ids
     tok.chat_template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
     tok.save_pretrained(tmp_path)
-    from stages.models import load_tokenizer
+    from unirl.stages.models import load_tokenizer
 
     loaded = load_tokenizer(tmp_path)
     assert uses_chat_template(loaded, None)

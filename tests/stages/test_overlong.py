@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from stages.rewards.overlong import apply_overlong, soft_overlong_penalty
+from unirl.stages.rewards.overlong import apply_overlong, soft_overlong_penalty
 
 
 def test_soft_penalty_at_the_boundaries_by_hand():

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from stages.recipe import Recipe, RecipeError, load_recipe
+from unirl.stages.recipe import Recipe, RecipeError, load_recipe
 from tests import zygote
 from tests.conftest import REPO, TINY
 
@@ -81,7 +81,7 @@ def test_recipe_schema_carries_descriptions():
 
 
 def test_cli_validate_exit_codes():
-    cmd = [sys.executable, "-m", "flows.cli", "validate", str(TINY)]
+    cmd = [sys.executable, "-m", "unirl.flows.cli", "validate", str(TINY)]
     ok = zygote.run(cmd + ["iterations=2"], cwd=REPO, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "iterations: 2" in ok.stdout
@@ -96,7 +96,7 @@ def test_eval_scorer_params_are_checked_at_validate_time_and_reach_the_evaluatio
     before anything runs, not at the first evaluation after SFT."""
     import numpy as np
 
-    from stages.rewards.base import ScoreBatch, build_scorer
+    from unirl.stages.rewards.base import ScoreBatch, build_scorer
 
     with pytest.raises(RecipeError) as caught:
         load_recipe(TINY, ["eval.scorer=keyword"])

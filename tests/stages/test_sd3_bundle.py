@@ -10,12 +10,12 @@ import pytest
 import torch
 from PIL import Image
 
-from stages.geneval import WORDS, all_prompts
-from stages.media import to_pil, to_png_bytes
-from stages.models.sd3 import TIMESTEP_SCALE, latent_shape, load_sd3
-from stages.models.sd3_tiny import build_tiny_sd3
-from stages.models.sd3_ops import add_lora, decode_latents, encode_images, predict_velocity, reference_policy
-from stages.models.sd3_text import encode_prompts
+from unirl.stages.geneval import WORDS, all_prompts
+from unirl.stages.media import to_pil, to_png_bytes
+from unirl.stages.models.sd3 import TIMESTEP_SCALE, latent_shape, load_sd3
+from unirl.stages.models.sd3_tiny import build_tiny_sd3
+from unirl.stages.models.sd3_ops import add_lora, decode_latents, encode_images, predict_velocity, reference_policy
+from unirl.stages.models.sd3_text import encode_prompts
 
 PROMPTS = ["two red circles", "a blue square on the left of a green triangle"]
 
@@ -238,12 +238,12 @@ def test_tiny_tokenizer_is_the_same_in_every_process():
     import subprocess
     import sys
 
-    code = ("from stages.models.sd3_text import build_tiny_tokenizer; import json; "
+    code = ("from unirl.stages.models.sd3_text import build_tiny_tokenizer; import json; "
             "print(json.dumps(build_tiny_tokenizer().get_vocab(), sort_keys=True))")
     vocabs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2, 3)}
     assert len(vocabs) == 1
-    from stages.models.sd3_text import build_tiny_tokenizer
+    from unirl.stages.models.sd3_text import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     for word in WORDS:

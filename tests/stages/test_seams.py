@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.algorithms import BehaviourMismatchError
-from stages.algorithms.base import algorithms
-from stages.models.family import families
-from stages.recipe import build_recipe
+from unirl.stages.algorithms import BehaviourMismatchError
+from unirl.stages.algorithms.base import algorithms
+from unirl.stages.models.family import families
+from unirl.stages.recipe import build_recipe
 from tests import zygote
 from tests.conftest import REPO
 from tests.conftest import recipe_errors as errors
@@ -61,7 +61,7 @@ def test_several_updates_for_an_algorithm_that_cannot_are_refused(monkeypatch):
 
 
 def test_nft_without_ema_fails_validate_in_the_cli(tmp_path):
-    bad = zygote.run([sys.executable, "-m", "flows.cli", "validate", str(REPO / "recipes/diffusion/nft.yaml"), "train.ema=null"],
+    bad = zygote.run([sys.executable, "-m", "unirl.flows.cli", "validate", str(REPO / "recipes/diffusion/nft.yaml"), "train.ema=null"],
                      cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2
     assert "train.ema: algorithm `nft` samples with and regresses against an EMA old policy" in bad.stderr
@@ -89,9 +89,9 @@ def test_two_scorers_with_one_key_are_refused_and_distinct_keys_are_scored_apart
                    "give one of them another `key`")
     recipe = build_recipe(qwen3(reward={"scorers": [{**two[0], "key": "short"}, {**two[1], "key": "long"}]},
                                 storage={"root": str(tmp_path)}))
-    from stages import iteration as it
-    from stages.sample import read_shard, table_from_rows, write_shard
-    from stages.storage import RunStorage
+    from unirl.stages import iteration as it
+    from unirl.stages.sample import read_shard, table_from_rows, write_shard
+    from unirl.stages.storage import RunStorage
 
     storage = RunStorage(str(tmp_path), "run")
     rows = [{"sample_id": "g/0", "group_id": "g", "iteration": 0, "policy_version": 0, "parts": ["text"], "metadata": {},
@@ -106,10 +106,10 @@ def test_two_scorers_with_one_key_are_refused_and_distinct_keys_are_scored_apart
 
 def test_soft_overlong_and_file_sft_records_from_the_recipe(tmp_path):
     """The recipe's overlong ramp reaches scoring, and `sft.source: file` reaches the SFT records."""
-    from stages import iteration as it
-    from stages.sample import read_shard, table_from_rows, write_shard
-    from stages.sft import write_sft_data
-    from stages.storage import RunStorage
+    from unirl.stages import iteration as it
+    from unirl.stages.sample import read_shard, table_from_rows, write_shard
+    from unirl.stages.sft import write_sft_data
+    from unirl.stages.storage import RunStorage
 
     records = tmp_path / "sft.jsonl"
     records.write_text('{"prompt": "1+2=", "response": "3"}\n{"prompt": "2+2=", "response": "4"}\n')
@@ -132,8 +132,8 @@ def test_soft_overlong_and_file_sft_records_from_the_recipe(tmp_path):
 
 
 def worker_for(family: str, algo: str, tmp_path: Path, weights: Path):
-    from stages.storage import RunStorage
-    from stages.workers.worker import Worker
+    from unirl.stages.storage import RunStorage
+    from unirl.stages.workers.worker import Worker
 
     recipe = build_recipe(merged(TINY[family], {"algorithm": {"name": algo}, "storage": {"root": str(tmp_path)}}))
     spec = {"recipe": recipe.model_dump(mode="json"), "root": str(tmp_path), "run": "run", "weights_dir": str(weights),
@@ -144,7 +144,7 @@ def worker_for(family: str, algo: str, tmp_path: Path, weights: Path):
 @pytest.mark.parametrize("family,algo,param", [("qwen3", "grpo", "lm_head.weight"),
                                                ("sd3", "flow_grpo", "proj_out.weight")])
 def test_perturbing_one_weight_between_generate_and_train_raises(family, algo, param, tmp_path, tiny_weights):
-    from stages import iteration as it
+    from unirl.stages import iteration as it
 
     w, recipe, storage = worker_for(family, algo, tmp_path, tiny_weights(family))
     requests = it.write_requests(storage, recipe, 0)["files"][0]
@@ -167,7 +167,7 @@ def test_a_grpo_clone_that_replays_against_itself_would_not_notice(tmp_path, tin
     """The check compares the sampler's record with the trainer's replay: the recorded log-probs
     really reach it (a check against the replay itself, the old `old_logp = logp.detach()` ratio
     test, stays at ratio 1 with the weight perturbed)."""
-    from stages import iteration as it
+    from unirl.stages import iteration as it
 
     w, recipe, storage = worker_for("qwen3", "grpo", tmp_path, tiny_weights("qwen3"))
     requests = it.write_requests(storage, recipe, 0)["files"][0]

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from stages.config_base import LoraConfig
-from stages.models.qwen3 import Qwen3, Qwen3ModelConfig, save_tiny_qwen3
-from stages.train.shards import checkpoint_key, fill, lora_value
-from stages.train.stack import OptimizerSpec, TrainStack, load_bundle
+from unirl.stages.config_base import LoraConfig
+from unirl.stages.models.qwen3 import Qwen3, Qwen3ModelConfig, save_tiny_qwen3
+from unirl.stages.train.shards import checkpoint_key, fill, lora_value
+from unirl.stages.train.stack import OptimizerSpec, TrainStack, load_bundle
 
 HERE = Path(__file__).parent
 CFG = Qwen3ModelConfig(tiny={"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64})

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from stages.recipe import build_recipe
-from stages.run import cached_tiny, materialize_model
+from unirl.stages.recipe import build_recipe
+from unirl.stages.run import cached_tiny, materialize_model
 from tests.tiny import TINY, merged
 
 

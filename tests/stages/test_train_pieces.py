@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from stages.policies.text import token_batch
-from stages.train.stack import EMA, lr_factor
-from stages.policies.text_sampling import inverse_cdf, top_p_filter
-from stages.seeds import derive_seed
+from unirl.stages.policies.text import token_batch
+from unirl.stages.train.stack import EMA, lr_factor
+from unirl.stages.policies.text_sampling import inverse_cdf, top_p_filter
+from unirl.stages.seeds import derive_seed
 
 
 def test_token_batch_masks_exactly_the_response_labels():
@@ -81,7 +81,7 @@ def test_derive_seed_is_the_same_in_interpreters_with_other_hash_salts():
     import sys
     from pathlib import Path
 
-    script = f"from stages.seeds import derive_seed; print([derive_seed(*p, sep=s) for p, s, _ in {[(p, s, 0) for p, s, _ in SEEDS]!r}])"
+    script = f"from unirl.stages.seeds import derive_seed; print([derive_seed(*p, sep=s) for p, s, _ in {[(p, s, 0) for p, s, _ in SEEDS]!r}])"
     repo = Path(__file__).resolve().parents[2]
     printed = {subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, check=True,
                               env={**os.environ, "PYTHONHASHSEED": salt}).stdout.strip() for salt in ("1", "2")}

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from stages.recipe import build_recipe
+from unirl.stages.recipe import build_recipe
 from tests.tiny import TINY, merged
 
 
 def stack_of(tmp_path, weights, **over):
-    from stages.workers.worker import Worker
+    from unirl.stages.workers.worker import Worker
 
     recipe = build_recipe(merged(TINY["qwen3"], {"storage": {"root": str(tmp_path)}}, over))
     spec = {"recipe": recipe.model_dump(mode="json"), "root": str(tmp_path), "run": "run", "weights_dir": str(weights),

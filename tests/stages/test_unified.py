@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from stages.recipe import build_recipe
+from unirl.stages.recipe import build_recipe
 from tests.conftest import recipe_errors as errors
-from stages.train.stack import OptimizerSpec, TrainStack
-from stages.train.update import UpdatePart, joint_update
-from stages.unified import stage_recipe
+from unirl.stages.train.stack import OptimizerSpec, TrainStack
+from unirl.stages.train.update import UpdatePart, joint_update
+from unirl.stages.unified import stage_recipe
 
 TINY = {"image_size": 16, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64,
         "vae_channels": [8], "text_length": 12}
@@ -55,9 +55,9 @@ def test_bad_unified_recipes_fail_naming_the_field():
 
 
 def test_one_set_of_weights_writes_and_draws_and_loads_by_path(tmp_path):
-    from stages.models.family import get_family
-    from stages.policies.flow import FlowPolicy
-    from stages.policies.text import TextPolicy, token_batch, token_logp
+    from unirl.stages.models.family import get_family
+    from unirl.stages.policies.flow import FlowPolicy
+    from unirl.stages.policies.text import TextPolicy, token_batch, token_logp
 
     recipe = build_recipe(UNIFIED)
     family = get_family("transfusion")

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from stages.geneval.dataset import BACKGROUND, COLOURS
-from stages.rewards.base import ScoreBatch, build_scorer, run_scorer
-from stages.videotoy import all_prompts, make_clips, parse_prompt, render, sample_prompts, score, split_of
-from stages.videotoy.dataset import ClipSpec
+from unirl.stages.geneval.dataset import BACKGROUND, COLOURS
+from unirl.stages.rewards.base import ScoreBatch, build_scorer, run_scorer
+from unirl.stages.videotoy import all_prompts, make_clips, parse_prompt, render, sample_prompts, score, split_of
+from unirl.stages.videotoy.dataset import ClipSpec
 
 
 def clip_of(paths: list[list[tuple[int, int]]], colour: str = "red", side: int = 4, size: int = 16) -> np.ndarray:
@@ -102,8 +102,8 @@ def test_the_videotoy_scorer_modes_read_videos():
 
 
 def test_the_source_and_its_sft_records_carry_the_teachers_slip(tmp_path):
-    from stages.recipe import build_recipe
-    from stages.sources import sources
+    from unirl.stages.recipe import build_recipe
+    from unirl.stages.sources import sources
     from tests.tiny import TINY, merged
 
     recipe = build_recipe(merged(TINY["wan"], {"algorithm": {"name": "flow_grpo"}, "data": {"heldout_size": 16},
@@ -138,7 +138,7 @@ def test_the_source_and_its_sft_records_carry_the_teachers_slip(tmp_path):
 
 
 def test_a_source_or_size_that_cannot_make_toy_clips_is_a_validate_error(tmp_path):
-    from stages.recipe import RecipeError, build_recipe
+    from unirl.stages.recipe import RecipeError, build_recipe
     from tests.tiny import TINY, merged
 
     def errors(base: str = "wan", **over) -> list[str]:

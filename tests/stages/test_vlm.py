@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from stages import iteration as it
-from stages.images import ImageError
-from stages.models.family import families
-from stages.policies.text_sampling import next_positions
-from stages.recipe import RecipeError, build_recipe
-from stages.sample import read_rollouts, read_shard, table_from_rows, write_shard
-from stages.storage import RunStorage
-from stages.workers.worker import Worker
+from unirl.stages import iteration as it
+from unirl.stages.images import ImageError
+from unirl.stages.models.family import families
+from unirl.stages.policies.text_sampling import next_positions
+from unirl.stages.recipe import RecipeError, build_recipe
+from unirl.stages.sample import read_rollouts, read_shard, table_from_rows, write_shard
+from unirl.stages.storage import RunStorage
+from unirl.stages.workers.worker import Worker
 from tests.tiny import TINY, merged
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
@@ -226,7 +226,7 @@ def test_recipes_pair_image_sources_with_families_that_see_images(tmp_path):
     assert err.startswith("sft.source: a vision-language warm start reads its images with the prompts")
     recipe = build_recipe(merged(TINY["qwen3_vl"], {"sft": {"examples": 8, "noise": 0.5, "seed": 1},
                                                     "storage": {"root": str(tmp_path)}}))
-    from stages.sft import write_sft_data
+    from unirl.stages.sft import write_sft_data
 
     storage = RunStorage(str(tmp_path), "run")
     records = read_shard(storage, write_sft_data(storage, recipe)["files"][0], "sft")
@@ -239,7 +239,7 @@ def test_a_sharded_load_fills_a_qwen3_vl_folder_and_leaves_the_older_layout_to_a
     """At 2+ ranks a family builds its module on the meta device and each rank reads its rows from
     the safetensors (stages/train/shards.py); here one rank reads every row. Qwen2.5-VL's
     `save_pretrained` writes transformers' older names, which only the whole load renames."""
-    from stages.train.shards import fill
+    from unirl.stages.train.shards import fill
 
     for family, sharded in (("qwen3_vl", True), ("qwen2_5_vl", False)):
         fam = families.get(family)

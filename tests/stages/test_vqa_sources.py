@@ -12,12 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from stages.data_files import DataFileError, FilePrompts
-from stages.geneval.detector import detect
-from stages.images import decode, png_bytes
-from stages.geneval.dataset import render
-from stages.seeds import derive_seed
-from stages.toy_vqa import HELDOUT_SEEDS, TEST_SEEDS, ToyVQA
+from unirl.stages.data_files import DataFileError, FilePrompts
+from unirl.stages.geneval.detector import detect
+from unirl.stages.images import decode, png_bytes
+from unirl.stages.geneval.dataset import render
+from unirl.stages.seeds import derive_seed
+from unirl.stages.toy_vqa import HELDOUT_SEEDS, TEST_SEEDS, ToyVQA
 
 
 def test_toy_vqa_answers_are_what_the_detector_sees_in_the_prompts_image():

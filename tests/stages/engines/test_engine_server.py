@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from stages.engines.client import EngineClient, EngineError
+from unirl.stages.engines.client import EngineClient, EngineError
 from tests import zygote
 from tests.engine_helpers import TOKEN, engine_server
 from tests.tiny import TINY
@@ -19,7 +19,7 @@ from tests.tiny import TINY
 
 @pytest.fixture(scope="module")
 def served(tiny_weights):
-    from stages.recipe import build_recipe
+    from unirl.stages.recipe import build_recipe
 
     with engine_server(build_recipe(TINY["qwen3"]), tiny_weights("qwen3"), batch_wait_s=0.3, max_batch=8) as (url, core):
         yield url, core
@@ -58,14 +58,14 @@ def test_concurrent_requests_are_batched_and_answers_do_not_depend_on_the_batch(
 def core_batches(url: str) -> int:
     import gc
 
-    from stages.engine_server.text import TextBackend
+    from unirl.stages.engine_server.text import TextBackend
 
     return sum(o.batches for o in gc.get_objects() if isinstance(o, TextBackend) and o.core.policy is not None)
 
 
 def test_weights_load_under_a_version_and_a_corrupt_copy_is_refused(served, tiny_weights, tmp_path):
-    from stages.storage import RunStorage
-    from stages.train.manifests import write_weights_dir
+    from unirl.stages.storage import RunStorage
+    from unirl.stages.train.manifests import write_weights_dir
 
     url, core = served
     client = EngineClient(url, TOKEN)
@@ -134,9 +134,9 @@ def test_the_cli_refuses_to_serve_without_a_token(tmp_path):
     from tests.conftest import REPO
 
     env = {k: v for k, v in __import__("os").environ.items() if k != "UNIRL_ENGINE_TOKEN"}
-    out = zygote.run([sys.executable, "-m", "flows.cli", "engine-server", str(REPO / "recipes/ar/tiny.yaml")],
+    out = zygote.run([sys.executable, "-m", "unirl.flows.cli", "engine-server", str(REPO / "recipes/ar/tiny.yaml")],
                      cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "$UNIRL_ENGINE_TOKEN is empty" in out.stderr
-    out = zygote.run([sys.executable, "-m", "flows.cli", "engine-server", str(REPO / "recipes/ar/tiny.yaml"), "--no-auth",
+    out = zygote.run([sys.executable, "-m", "unirl.flows.cli", "engine-server", str(REPO / "recipes/ar/tiny.yaml"), "--no-auth",
                       "--host", "0.0.0.0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "serve loopback only without a token" in out.stderr

@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
-from stages import iteration as it
-from stages.engines.dedicated import EngineVersionError
-from stages.recipe import build_recipe
-from stages.sample import read_rollouts
-from stages.storage import RunStorage
+from unirl.stages import iteration as it
+from unirl.stages.engines.dedicated import EngineVersionError
+from unirl.stages.recipe import build_recipe
+from unirl.stages.sample import read_rollouts
+from unirl.stages.storage import RunStorage
 from tests.tiny import TINY, merged
 
 pytestmark = pytest.mark.usefixtures("forked_children")  # engine servers forked warm (tests/zygote.py)
@@ -35,8 +35,8 @@ class LocalTrainer:
 
 
 def setup(tmp_path, **engine):
-    from stages.run import initial_weights
-    from stages.workers.worker import Worker
+    from unirl.stages.run import initial_weights
+    from unirl.stages.workers.worker import Worker
 
     extra = engine.pop("recipe", {})
     recipe = build_recipe(merged(TINY["qwen3"], {"storage": {"root": str(tmp_path)}, "reward": {"scorers": [{"name": "integer_format"}]},
@@ -45,7 +45,7 @@ def setup(tmp_path, **engine):
     initial_weights(storage, recipe)
     spec = {"recipe": recipe.model_dump(mode="json"), "root": str(tmp_path), "run": "run",
             "weights_dir": str(storage.local_path(storage.weights_rel(0))), "scratch": str(tmp_path / "scratch")}
-    from stages.engines import engines
+    from unirl.stages.engines import engines
 
     return recipe, storage, Worker(spec, None, torch.device("cpu")), engines.get("engine_server")(recipe, storage, None)
 
@@ -122,7 +122,7 @@ def test_weights_broadcast_over_an_update_group(tmp_path):
 
 
 def test_an_engine_unreachable_at_start_names_its_url(tmp_path):
-    from stages.engines.client import EngineUnreachable
+    from unirl.stages.engines.client import EngineUnreachable
 
     recipe, storage, worker, engine = setup(tmp_path, url="http://127.0.0.1:9")
     with pytest.raises(EngineUnreachable, match=r"rollout engine at http://127.0.0.1:9 is unreachable .* rollout.engine.url"):
@@ -130,9 +130,9 @@ def test_an_engine_unreachable_at_start_names_its_url(tmp_path):
 
 
 def test_sglang_recipes_and_an_unreachable_server(tmp_path):
-    from stages.engines import engines
-    from stages.engines.client import EngineUnreachable
-    from stages.recipe import RecipeError
+    from unirl.stages.engines import engines
+    from unirl.stages.engines.client import EngineUnreachable
+    from unirl.stages.recipe import RecipeError
 
     sglang = {"name": "sglang", "url": "http://127.0.0.1:9", "token_env": "NO_SUCH_TOKEN_VAR"}
     with pytest.raises(RecipeError, match="rollout.correction: SGLang's kernels and precision differ"):
@@ -157,9 +157,9 @@ def test_sglang_recipes_and_an_unreachable_server(tmp_path):
 def test_flow_rollouts_through_the_engine_replay_bit_for_bit(tmp_path):
     """sd3 on the engine server: trajectories and per-step log-probs from the engine; the trainer's
     first update replays them exactly (tolerance 0), and they are trainside's own samples."""
-    from stages.engines import engines
-    from stages.run import initial_weights
-    from stages.workers.worker import Worker
+    from unirl.stages.engines import engines
+    from unirl.stages.run import initial_weights
+    from unirl.stages.workers.worker import Worker
 
     recipe = build_recipe(merged(TINY["sd3"], {"algorithm": {"name": "flow_grpo"}, "storage": {"root": str(tmp_path)},
                                                "rollout": {"engine": {"name": "engine_server"}}}))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.engines import client as C
+from unirl.stages.engines import client as C
 from tests.engine_helpers import TOKEN, engine_server
 from tests.sglang_source import SGLangSource, SourceUnavailable, compatible, wheel
 from tests.tiny import TINY, merged
@@ -85,8 +85,8 @@ def test_what_the_client_reads_is_what_sglang_answers(sglang):
     assert set(sglang.finish_types) - {"abort"} == set(C.FINISH_TYPES), sglang.finish_types
     keys, saved = sglang.tensor_wire
     assert keys == {"__tensor__", "data", "shape", "dtype"} and saved == {"t"}
-    from stages.engine_server.flow import SDE_KINDS
-    from stages.engines.flow_wire import SDE_TYPES
+    from unirl.stages.engine_server.flow import SDE_KINDS
+    from unirl.stages.engines.flow_wire import SDE_TYPES
 
     assert set(SDE_TYPES.values()) <= sglang.sde_types and set(SDE_KINDS) <= sglang.sde_types
 
@@ -110,7 +110,7 @@ def test_text_requests_and_answers_match_sglang(sglang, tiny_weights, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from stages.recipe import build_recipe
+    from unirl.stages.recipe import build_recipe
 
     recipe = build_recipe(TINY["qwen3"])
     weights = tiny_weights("qwen3")
@@ -157,8 +157,8 @@ def test_text_requests_and_answers_match_sglang(sglang, tiny_weights, tmp_path):
 
 
 def test_flow_requests_and_answers_match_sglang_diffusion(sglang, tiny_weights, tmp_path):
-    from stages.engines.flow_wire import FlowWire
-    from stages.recipe import build_recipe
+    from unirl.stages.engines.flow_wire import FlowWire
+    from unirl.stages.recipe import build_recipe
 
     recipe = build_recipe(merged(TINY["sd3"], {"algorithm": {"name": "flow_grpo"}}))
     with engine_server(recipe, tiny_weights("sd3")) as (url, core):

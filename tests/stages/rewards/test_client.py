@@ -6,10 +6,10 @@ import httpx
 import numpy as np
 import pytest
 
-from stages.rewards import ScoreBatch, build_scorer
-from stages.rewards import client as client_module
-from stages.rewards.client import RemoteScorer, RemoteScorerError
-from stages.rewards.wire import decode_batch
+from unirl.stages.rewards import ScoreBatch, build_scorer
+from unirl.stages.rewards import client as client_module
+from unirl.stages.rewards.client import RemoteScorer, RemoteScorerError
+from unirl.stages.rewards.wire import decode_batch
 
 TOKEN = "s3cr3t-token-value"
 
@@ -65,7 +65,7 @@ def test_retries_transient_failures_then_succeeds(failure):
 
 def test_error_after_last_try_names_the_servers_message(caplog):
     server = FakeServer([500] * 5)
-    with caplog.at_level(logging.WARNING, logger="stages.rewards.client"):
+    with caplog.at_level(logging.WARNING, logger="unirl.stages.rewards.client"):
         with pytest.raises(RemoteScorerError, match=r"failed after 3 attempt\(s\).*HTTP 500: scorer 'boom' failed"):
             remote(server, attempts=3)(batch(2))
     assert len(server.requests) == 3

@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from stages.rewards import ScoreBatch
-from stages.rewards.server import ConfigError, ScoringService, load_config, resolve_token
+from unirl.stages.rewards import ScoreBatch
+from unirl.stages.rewards.server import ConfigError, ScoringService, load_config, resolve_token
 
 
 def write(tmp_path, text, name="server.yaml"):

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from stages.rewards import ScoreBatch, build_scorer, run_scorer, scorer_names
+from unirl.stages.rewards import ScoreBatch, build_scorer, run_scorer, scorer_names
 
 
 def batch() -> ScoreBatch:

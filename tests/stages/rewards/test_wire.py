@@ -4,9 +4,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from stages.rewards import ScoreBatch, ScoreResult
-from stages.tiny_models import random_images
-from stages.rewards.wire import WireError, decode_batch, encode_batch, result_from_json, result_to_json
+from unirl.stages.rewards import ScoreBatch, ScoreResult
+from unirl.stages.tiny_models import random_images
+from unirl.stages.rewards.wire import WireError, decode_batch, encode_batch, result_from_json, result_to_json
 
 
 def stream(table: pa.Table) -> bytes:

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from stages.workers.group import first_failure, threads_per_rank
+from unirl.stages.workers.group import first_failure, threads_per_rank
 
 
 def test_ranks_split_the_cores_and_obey_a_user_omp_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -25,9 +25,9 @@ def test_a_group_that_is_not_ready_in_time_is_killed_and_the_timeout_reported(tm
     control port that never opened) and no torchrun process is left behind."""
     from pathlib import Path
 
-    from stages.recipe import load_recipe
-    from stages.storage import RunStorage
-    from stages.workers.group import WorkerGroup, WorkerGroupDied
+    from unirl.stages.recipe import load_recipe
+    from unirl.stages.storage import RunStorage
+    from unirl.stages.workers.group import WorkerGroup, WorkerGroupDied
 
     recipe = load_recipe(Path(__file__).parents[3] / "recipes" / "ar" / "tiny.yaml",
                          ["sft=null", f"storage.root={tmp_path}", "train.startup_timeout_s=0.2"])
@@ -37,7 +37,7 @@ def test_a_group_that_is_not_ready_in_time_is_killed_and_the_timeout_reported(tm
     assert group.proc is None and not group.alive()
 
 
-REPORT = """stages.workers FAILED
+REPORT = """unirl.stages.workers FAILED
 -------------------------------------------------------
 Failures:
 [1]:
@@ -92,11 +92,11 @@ def test_a_child_spawned_from_a_thread_that_ends_lives_on_and_dies_with_the_proc
 
     import psutil
 
-    from stages.workers.processes import spawn
+    from unirl.stages.workers.processes import spawn
     from tests.conftest import REPO
 
     code = ("import subprocess, sys, threading, time\n"
-            "from stages.workers.processes import spawn\n"
+            "from unirl.stages.workers.processes import spawn\n"
             "box = []\n"
             "t = threading.Thread(target=lambda: box.append(spawn([sys.executable, '-c', 'import time; time.sleep(60)'])))\n"
             "t.start(); t.join(); time.sleep(1.0)\n"

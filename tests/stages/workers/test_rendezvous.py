@@ -9,11 +9,11 @@ import uuid
 
 import pytest
 
-from stages.recipe import RecipeError, load_recipe
-from stages.storage import RunStorage
-from stages.workers import rendezvous as rdzv
-from stages.workers.agent import open_group, serve_node
-from stages.workers.control import ControlServer, recv_json, send_json
+from unirl.stages.recipe import RecipeError, load_recipe
+from unirl.stages.storage import RunStorage
+from unirl.stages.workers import rendezvous as rdzv
+from unirl.stages.workers.agent import open_group, serve_node
+from unirl.stages.workers.control import ControlServer, recv_json, send_json
 from tests.conftest import TINY
 
 
@@ -28,7 +28,7 @@ def errors(*overrides: str) -> list[str]:
 
 
 def test_old_recipes_with_nproc_keep_working_and_a_conflict_says_what_to_write() -> None:
-    from stages.recipe import build_recipe
+    from unirl.stages.recipe import build_recipe
 
     assert recipe("train.nproc=2").train.nproc_per_node == 2  # an override of the old name beats the file's new one
     assert recipe("train.nproc=2").train.world_size == 2
@@ -213,7 +213,7 @@ def test_an_agent_joins_only_an_open_group_of_the_same_recipe(monkeypatch: pytes
 
 
 def test_a_rank_reads_its_spec_from_run_storage_with_its_own_node_settings(tmp_path) -> None:
-    from stages.workers.__main__ import wait_for_spec
+    from unirl.stages.workers.__main__ import wait_for_spec
 
     storage = RunStorage(str(tmp_path / "runs"), "r")
     r = recipe(f"storage.root={tmp_path / 'runs'}", "storage.shared=true", "train.nnodes=2",

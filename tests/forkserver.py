@@ -1,15 +1,16 @@
-"""A warm interpreter that forks unirl's processes instead of starting each one fresh.
+"""The test suite's fork server: a warm interpreter that forks unirl's processes instead of
+starting each one fresh. Test machinery only: unirl reaches it through its one launch hook
+(`UNIRL_LAUNCHER`, unirl.stages.workers.processes `launcher`), which the suite points at this file.
 
 A worker rank spends about 5 CPU-s importing torch, transformers, diffusers, peft and
-torch.distributed.checkpoint before it does anything (benchmarks/README.md, "Start-up"). A program
-that starts many short runs on one machine (the test suite starts a few hundred processes) can keep
-one fork server that has imported those once, and set `UNIRL_FORKSERVER` to its socket:
-`stages.workers.processes.spawn` then asks it to fork the `python -m MODULE ...` commands in
-`FORKABLE` (worker ranks, rollout engines, the async producer, torchrun's ranks through
-`python -m stages.workers.forkserver --exec SOCKET -m MODULE ...`) and gets back a handle with
-`subprocess.Popen`'s surface. A command the server cannot run as a fresh interpreter would (a
-setting its preloaded libraries read at import differs) or a server that cannot be reached starts
-fresh, as without it.
+torch.distributed.checkpoint before it does anything (benchmarks/README.md, "Start-up"), and the
+suite starts a few hundred processes. With `UNIRL_LAUNCHER` set to this file and `UNIRL_FORKSERVER`
+to a server's socket, unirl's `spawn` asks the server (`launch`) to fork the `python -m MODULE ...`
+commands in `FORKABLE` (worker ranks, rollout engines, the async producer, torchrun's ranks through
+`python tests/forkserver.py --exec SOCKET python -m MODULE ...`, `rank_entry`) and gets back a
+handle with `subprocess.Popen`'s surface. A command the server cannot run as a fresh interpreter
+would (a setting its preloaded libraries read at import differs) or a server that cannot be
+reached starts fresh, as without it.
 
 What the forked child keeps from a fresh start:
 * the command's stdin/stdout/stderr (passed over the socket), working directory, environment and
@@ -20,13 +21,14 @@ What the forked child keeps from a fresh start:
 * it dies with the process that asked for it (a pidfd watched by a thread: the server is its
   parent, so PR_SET_PDEATHSIG alone would tie it to the server);
 * its command line in /proc reads as the command's (written over the server's padded argv), so
-  `ps` and `flows.hooks.worker_processes` see `python -m stages.workers --spec ...`;
-* its exit status reads as Popen's (`-9` after SIGKILL).
+  `ps` and `unirl.flows.hooks.worker_processes` see `python -m unirl.stages.workers --spec ...`;
+* its exit status reads as Popen's (`-9` after SIGKILL);
+* its parent as unirl asks for it (`parent_pid`): the process that asked, not the server.
 What is preloaded is third-party only: unirl's own modules (and Prefect, which reads its settings
 from the environment when imported) are imported by the child under the command's environment.
 
-    python -m stages.workers.forkserver SOCKET [--preload m1,m2] [--pad N]   # the server
-    python -m stages.workers.forkserver --exec SOCKET python -m MODULE ...   # one command, forked by it
+    python tests/forkserver.py SOCKET [--preload m1,m2] [--pad N]   # the server
+    python tests/forkserver.py --exec SOCKET python -m MODULE ...   # one command, forked by it
 """
 from __future__ import annotations
 
@@ -42,18 +44,44 @@ import time
 from typing import Any
 
 # `python -m` commands a server forks.
-FORKABLE = ("flows.cli", "stages.workers", "stages.engine_server", "flows.producer", "torch.distributed.run")
+FORKABLE = ("unirl.flows.cli", "unirl.stages.workers", "unirl.stages.engine_server", "unirl.flows.producer", "torch.distributed.run")
 # Read by a preloaded library at import: a command must run with the server's value, or start fresh.
 IMPORT_ENV = ("MLFLOW_LOGGING_LEVEL", "MLFLOW_CONFIGURE_LOGGING", "TRANSFORMERS_VERBOSITY", "HF_HUB_OFFLINE",
               "HF_HOME", "TORCH_LOGS")
 PAD = 4096  # bytes of argv the server keeps for its children's command lines
 PARENT: int | None = None  # in a forked child: the pid of the process that would have been its parent
+SOCKET_ENV = "UNIRL_FORKSERVER"  # the server's socket, beside UNIRL_LAUNCHER=<this file>
+HOOK = "unirl_launcher"  # the module name unirl loads its launch hook under (processes.launcher)
+
+
+def env(socket_path: str) -> dict[str, str]:
+    """The environment that makes unirl's processes fork from the server at `socket_path`."""
+    return {"UNIRL_LAUNCHER": os.path.abspath(__file__), SOCKET_ENV: socket_path}
+
+
+# -- the launch hook (unirl.stages.workers.processes `launcher`) --------------------------------------
 
 
 def parent_pid() -> int:
     """This process's parent as its command sees it: for a forked child, the process that asked
     for it (a proxy's parent, for a rank torchrun started through `proxy`), not the server."""
     return PARENT if PARENT is not None else os.getppid()
+
+
+def launch(cmd: list[str], **kwargs: Any) -> Forked | None:
+    """unirl's `spawn`: `cmd` forked by the server in UNIRL_FORKSERVER, dying with this process;
+    None (start it fresh) when it cannot be."""
+    server = os.environ.get(SOCKET_ENV)
+    return popen(server, cmd, watch=True, **kwargs) if server else None
+
+
+def rank_entry(args: list[str]) -> list[str]:
+    """What `torchrun` runs as each rank: this file's proxy (`proxy`) for a rank forked from the
+    server in UNIRL_FORKSERVER."""
+    server = os.environ.get(SOCKET_ENV)
+    if not server:
+        return ["-m", "unirl.stages.workers", *args]
+    return [os.path.abspath(__file__), "--exec", server, sys.executable, "-m", "unirl.stages.workers", *args]
 
 
 # -- the server ---------------------------------------------------------------------------------------
@@ -147,9 +175,8 @@ def run_child(command: dict[str, Any]) -> int:
 
     if command.get("new_session"):
         os.setsid()
-    from stages.workers import forkserver  # the server runs as __main__: the command asks the module
-
-    forkserver.PARENT = command.get("parent") or command["caller"]
+    global PARENT
+    PARENT = command.get("parent") or command["caller"]
     if command.get("watch"):
         die_with(command["caller"])
     set_cmdline([sys.executable, "-m", command["module"], *command["args"]])
@@ -230,7 +257,7 @@ def start(path: str, preload: list[str], env: dict[str, str], cwd: str) -> subpr
     """Launch a server on `path` with `preload` imported; returns once it accepts commands. It
     runs until its stdin is closed."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "stages.workers.forkserver", path, "--preload", ",".join(preload), "--pad", " " * PAD],
+        [sys.executable, os.path.abspath(__file__), path, "--preload", ",".join(preload), "--pad", " " * PAD],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=cwd,
     )
     line = proc.stdout.readline()
@@ -385,7 +412,7 @@ def proxy(path: str, cmd: list[str]) -> int:
     forks it with this process's stdio and environment, this process passes the signals it gets
     on and exits as the command does (a command killed by a signal, by the same signal). Killed
     itself, it takes the command with it."""
-    from stages.workers.processes import die_with_parent
+    from unirl.stages.workers.processes import die_with_parent
 
     die_with_parent()  # the rank's parent is torchrun's agent: its death takes this proxy, and with it the rank
     proc = popen(path, cmd, start_new_session=True, watch=True, parent=os.getppid(), modules=None)
@@ -401,22 +428,16 @@ def proxy(path: str, cmd: list[str]) -> int:
     return code
 
 
-def torchrun_entry(args: list[str]) -> list[str]:
-    """What `torchrun` runs as each rank: `-m stages.workers ARGS`, or, with a fork server in
-    UNIRL_FORKSERVER, its proxy (`proxy`) for a rank forked from the server."""
-    server = os.environ.get("UNIRL_FORKSERVER")
-    if server:
-        return ["-m", "stages.workers.forkserver", "--exec", server, sys.executable, "-m", "stages.workers", *args]
-    return ["-m", "stages.workers", *args]
-
-
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     argv = sys.argv[1:] if argv is None else argv
+    # The children run unirl, which loads its launch hook as HOOK: let it find this module, whose
+    # PARENT a forked child sets, rather than load a second copy of the file.
+    sys.modules.setdefault(HOOK, sys.modules[__name__])
     if argv[:1] == ["--exec"]:
         return proxy(argv[1], argv[2:])
-    parser = argparse.ArgumentParser(prog="python -m stages.workers.forkserver")
+    parser = argparse.ArgumentParser(prog="python tests/forkserver.py")
     parser.add_argument("socket")
     parser.add_argument("--preload", default="", help="modules to import before serving (comma-separated)")
     parser.add_argument("--pad", default="", help="room in argv for the children's command lines")

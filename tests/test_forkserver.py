@@ -1,8 +1,8 @@
-"""The fork server (stages/workers/forkserver.py) gives a forked process what a fresh start gives
+"""The suite's fork server (tests/forkserver.py) gives a forked process what a fresh start gives
 the code that launched it: a command line `ps` shows, death with the process that asked for it
 (as PR_SET_PDEATHSIG), a Popen exit status, and through the proxy torchrun runs, a rank whose exit
 and signals are the proxy's; a command whose import-time settings differ from the server's is
-refused, so it starts fresh."""
+refused, so it starts fresh. unirl reaches it only through its launch hook (UNIRL_LAUNCHER)."""
 from __future__ import annotations
 
 import os
@@ -14,17 +14,17 @@ import time
 import psutil
 import pytest
 
-from stages.workers import forkserver
+from tests import forkserver
 from tests.conftest import REPO, isolated_env
 
-PROBE = "tests.stages.workers.test_forkserver"
+PROBE = "tests.test_forkserver"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("forkserver")
-    env = {**isolated_env(tmp, forked=False), "TRANSFORMERS_VERBOSITY": "error"}
     path = str(tmp / "socket")
+    env = {**isolated_env(tmp, forked=False), "TRANSFORMERS_VERBOSITY": "error", **forkserver.env(path)}
     proc = forkserver.start(path, ["json"], env, str(REPO))
     yield path, env
     proc.stdin.close()
@@ -39,7 +39,7 @@ def test_a_forked_child_shows_its_command_and_its_parent(server):
     path, env = server
     proc = forkserver.popen(path, probe("parent"), env=env, modules=None, stdout=subprocess.PIPE, text=True)
     assert proc is not None
-    assert proc.stdout.readline().strip() == str(os.getpid())  # parent_pid(): the caller, not the server
+    assert proc.stdout.readline().strip() == str(os.getpid())  # unirl's parent_pid(): the caller, not the server
     cmdline = [a for a in psutil.Process(proc.pid).cmdline() if a]
     assert cmdline == probe("parent")
     proc.kill()
@@ -49,7 +49,7 @@ def test_a_forked_child_shows_its_command_and_its_parent(server):
 def test_a_watched_child_dies_with_the_process_that_asked_for_it(server):
     path, env = server
     caller = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from stages.workers import forkserver\n"
+        [sys.executable, "-c", "import sys, time; from tests import forkserver\n"
          f"p = forkserver.popen({path!r}, {probe('sleep')!r}, modules=None, watch=True)\n"
          "print(p.pid, flush=True); time.sleep(600)"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, text=True,
@@ -78,12 +78,12 @@ def test_a_setting_read_at_import_that_differs_is_refused(server):
     path, env = server
     assert forkserver.popen(path, probe("parent"), env={**env, "TRANSFORMERS_VERBOSITY": "info"}, modules=None) is None
     assert forkserver.popen(path, probe("parent"), env=env) is None  # not one of the commands unirl forks
-    assert forkserver.popen(str(REPO / "no-such-socket"), [sys.executable, "-m", "stages.workers"], env=env) is None
+    assert forkserver.popen(str(REPO / "no-such-socket"), [sys.executable, "-m", "unirl.stages.workers"], env=env) is None
 
 
 def test_the_proxy_exits_as_its_command_and_passes_signals_on(server):
     path, env = server
-    exec_ = [sys.executable, "-m", "stages.workers.forkserver", "--exec", path]
+    exec_ = [sys.executable, forkserver.__file__, "--exec", path]
     killed = subprocess.run([*exec_, *probe("kill-self")], cwd=REPO, env=env, timeout=60)
     assert killed.returncode == -signal.SIGKILL
     proxy = subprocess.Popen([*exec_, *probe("sleep")], cwd=REPO, env=env)
@@ -98,7 +98,9 @@ def test_the_proxy_exits_as_its_command_and_passes_signals_on(server):
 if __name__ == "__main__":
     what = sys.argv[1]
     if what == "parent":
-        print(forkserver.parent_pid(), flush=True)
+        from unirl.stages.workers.processes import parent_pid
+
+        print(parent_pid(), flush=True)
         time.sleep(600)
     elif what == "sleep":
         time.sleep(600)
