@@ -1,7 +1,8 @@
 """Seconds per iteration of trainside rollout, a dedicated engine in sync RL, and the same engine in
 async RL (max_staleness 1), side by side in one run, with the trainer and the engine each pinned
 to one core: `unirl run` and its worker group under `taskset -c 0`, the engine server launched on
-core 1 (`rollout.engine.cpus=[1]`, one thread; the async producer, the engine's client, runs there too). The geometry makes generation and training take
+core 1 (`rollout.engine.cpus=[1]`, one thread; the async producer, the engine's client, runs there
+too). The geometry makes generation and training take
 similar time, so sync pays gen + train per iteration and async about the larger of the two.
 
     python benchmarks/async_rl.py                     # 10 iterations each, steady-state medians

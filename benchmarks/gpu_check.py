@@ -39,9 +39,10 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SD3_RECIPE = REPO / "recipes" / "diffusion" / "quickstart.yaml"
@@ -106,9 +107,9 @@ def sync(device: str) -> None:
 
 
 def check_env(device: str) -> dict[str, Any]:
-    import torch
-
     from importlib.metadata import PackageNotFoundError, version
+
+    import torch
 
     out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                            "cuda_available": torch.cuda.is_available(), "torch_cuda": torch.version.cuda,

@@ -31,8 +31,9 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -130,7 +131,8 @@ def instrument(timeline: Timeline) -> None:
         return wrapped
 
     rl.rl_iteration.fn = around(rl.rl_iteration.fn, "body>", "body<")
-    for t in (unirl.tasks.generate.generate, unirl.tasks.score.score, unirl.tasks.advantage.advantage, unirl.tasks.train.train, unirl.tasks.sync.sync):
+    tasks = unirl.tasks
+    for t in (tasks.generate.generate, tasks.score.score, tasks.advantage.advantage, tasks.train.train, tasks.sync.sync):
         t.fn = around(t.fn, f"task>{t.name}", f"task<{t.name}")
     wait_turn = rl.wait_turn
 

@@ -48,7 +48,8 @@ def main() -> int:
         rows.append((scale, base * scale, total, {s: statistics.median(m[f"time/{s}_s"] for m in steady) for s in STAGES}, total - staged))
     print(f"{'batch':>6s} {'prompts':>8s} {'s/iter':>8s} {'vs 1x':>6s} " + " ".join(f"{s:>9s}" for s in STAGES) + f" {'overhead':>9s}")
     for scale, prompts, total, stages, overhead in rows:
-        print(f"{scale:>5d}x {prompts:>8d} {total:8.2f} {total / rows[0][2]:6.2f} " + " ".join(f"{stages[s]:9.2f}" for s in STAGES) + f" {overhead:9.2f}")
+        per_stage = " ".join(f"{stages[s]:9.2f}" for s in STAGES)
+        print(f"{scale:>5d}x {prompts:>8d} {total:8.2f} {total / rows[0][2]:6.2f} {per_stage} {overhead:9.2f}")
     return 0
 
 

@@ -15,9 +15,9 @@ see the `rl-train` flow run).
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
-
+from typing import Any
 
 
 class Bookkeeping:

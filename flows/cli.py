@@ -19,7 +19,6 @@ startup.importing()  # until the command's imports are done (stages/startup.py)
 
 from unirl.stages.recipe import RecipeError, load_recipe  # noqa: E402
 
-
 # What every run, SFT and evaluation imports once it has started (stages/tracking.py), imported
 # with the collector still off.
 RUN_IMPORTS = ("mlflow.tracking",)

@@ -9,7 +9,6 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from unirl.flows.console import say
-
 from unirl.stages.evaluation import PREFIX, eval_dir, has_split
 from unirl.stages.recipe import Recipe
 from unirl.stages.run import open_run

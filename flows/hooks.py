@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from unirl.stages.recipe import Recipe
 from unirl.stages.storage import RunStorage

@@ -34,7 +34,6 @@ from unirl.tasks.score import score
 from unirl.tasks.sync import sync
 from unirl.tasks.train import train
 
-
 # Each part's task under its own name in the flow run. Made once: `staged` keeps its untagged copy
 # of a task by the task's identity, which a task made per call would not keep.
 NAMED = {f"{task.name}-{side}": task.with_options(name=f"{task.name}-{side}")

@@ -19,7 +19,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import yaml
 from prefect import flow, get_run_logger
@@ -143,7 +143,7 @@ def _stop_lineage_workers(flow: Any, flow_run: Any, state: Any) -> None:
 @flow(name="retrain", flow_run_name="{lineage}/retrain",
       on_cancellation=[_stop_lineage_workers], on_crashed=[_stop_lineage_workers])
 def retrain(
-    recipe: Recipe, lineage: str, iterations: Annotated[Optional[int], Field(ge=1)] = None
+    recipe: Recipe, lineage: str, iterations: Annotated[int | None, Field(ge=1)] = None
 ) -> dict[str, Any]:
     """Train the next generation of `lineage` from its latest published weights, or resume
     the newest generation if it did not finish.

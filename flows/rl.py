@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 from prefect import flow, get_run_logger
 from prefect.settings import temporary_settings
@@ -19,23 +19,22 @@ from unirl.flows.ahead import Ahead, hand_over, wait_turn
 from unirl.flows.artifacts import RunArtifacts
 from unirl.flows.bookkeeping import Bookkeeping
 from unirl.flows.console import Progress, log_to_run_folder, say
+from unirl.flows.evaluate import eval_artifact, report_test, summary, test_split
 from unirl.flows.hooks import stop_worker_group
+from unirl.flows.sft import run_sft
 from unirl.stages.data import build_prompt_source
 from unirl.stages.evaluation import eval_dir
 from unirl.stages.faults import fault_point
+from unirl.stages.lease import RunLease
 from unirl.stages.policies import policy_for
 from unirl.stages.recipe import Recipe
-from unirl.stages.lease import RunLease
 from unirl.stages.run import initial_weights, open_run, update_run_info
 from unirl.stages.storage import iter_dir, join
-from unirl.stages.train.manifests import MANIFEST
 from unirl.stages.tracking import Tracker
+from unirl.stages.train.manifests import MANIFEST
 from unirl.stages.workers.group import close_group
-from unirl.tasks.common import close_engine
-from unirl.flows.evaluate import eval_artifact, report_test, summary, test_split
-from unirl.flows.sft import run_sft
 from unirl.tasks.advantage import advantage
-from unirl.tasks.common import engine_of, group_of, run_tags, staged, start_producer, stop_producer, storage_of
+from unirl.tasks.common import close_engine, engine_of, group_of, run_tags, staged, start_producer, stop_producer, storage_of
 from unirl.tasks.evaluate import evaluate
 from unirl.tasks.generate import generate
 from unirl.tasks.score import score
@@ -92,7 +91,7 @@ def rl_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any
 @flow(name="rl-train", flow_run_name="{recipe.name}/{run_name}",
       on_cancellation=[stop_worker_group], on_crashed=[stop_worker_group])
 def rl_train(
-    recipe: Recipe, run_name: str = "", iterations: Annotated[Optional[int], Field(ge=1)] = None
+    recipe: Recipe, run_name: str = "", iterations: Annotated[int | None, Field(ge=1)] = None
 ) -> dict[str, Any]:
     """Run (or resume) `recipe` as run `run_name` (default: the recipe's name).
 

@@ -19,15 +19,14 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from unirl.flows.console import say
-
 from unirl.stages.faults import fault_point
 from unirl.stages.recipe import Recipe
 from unirl.stages.run import materialize_model, open_run, update_run_info
 from unirl.stages.sft import write_sft_data
-from unirl.stages.unified import write_sft_data as unified_sft_data
 from unirl.stages.storage import RunStorage, join
 from unirl.stages.tracking import Tracker
 from unirl.stages.train.manifests import MANIFEST, write_weights_dir
+from unirl.stages.unified import write_sft_data as unified_sft_data
 from unirl.stages.workers.group import WorkerGroup
 from unirl.tasks.common import announce, node_launcher
 

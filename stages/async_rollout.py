@@ -16,7 +16,8 @@ dropped and counted (`rollout/stale_groups_dropped`).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc

@@ -15,7 +15,6 @@ from unirl.stages.rewards.base import build_scorer, run_scorer
 from unirl.stages.sample import read_rollouts, scoring_view, table_from_rows, write_shard
 from unirl.stages.storage import RunStorage, join
 
-
 SPLITS = ("dev", "test")
 PREFIX = {"dev": "eval", "test": "test"}  # metric keys: eval/accuracy, test/accuracy
 

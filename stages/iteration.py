@@ -6,7 +6,8 @@ requests.arrow -> (worker group) rollouts/part-*.arrow -> rewards.arrow -> advan
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

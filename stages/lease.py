@@ -15,8 +15,9 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any
 
 LEASE = "lease.json"
 HEARTBEAT_S = 10.0
@@ -81,7 +82,7 @@ class RunLease:
     def _write(self) -> None:
         self.storage.write_json(LEASE, {"owner": self.owner, "heartbeat": time.time()})
 
-    def acquire(self) -> "RunLease":
+    def acquire(self) -> RunLease:
         owner = self.held_by_other()
         if owner is None:
             self._write()
@@ -114,7 +115,7 @@ class RunLease:
         except Exception:  # noqa: BLE001 - a lease that outlives us is stale at the next start
             pass
 
-    def __enter__(self) -> "RunLease":
+    def __enter__(self) -> RunLease:
         return self.acquire()
 
     def __exit__(self, *exc: Any) -> None:

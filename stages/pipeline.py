@@ -25,8 +25,7 @@ import numpy as np
 
 from unirl.stages.advantage import group_advantages
 from unirl.stages.recipe import Recipe, format_errors
-from unirl.stages.sample import (composed_table, namespaced, read_rollouts, read_shard, table_from_rows,
-                           write_shard)
+from unirl.stages.sample import composed_table, namespaced, read_rollouts, read_shard, table_from_rows, write_shard
 from unirl.stages.storage import RunStorage, iter_dir, join
 
 SIDES = ("ar", "diffusion")

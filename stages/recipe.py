@@ -29,7 +29,7 @@ from unirl.stages.sources import sources
 def _union(registry: Any, attr: str, tag: str) -> Any:
     """The discriminated union of every registered entry's recipe section."""
     members = tuple(getattr(cls, attr) for _, cls in registry.items())
-    return Annotated[Union[members], Field(discriminator=tag)] if len(members) > 1 else members[0]
+    return Annotated[Union[members], Field(discriminator=tag)] if len(members) > 1 else members[0]  # noqa: UP007 - a runtime tuple
 
 
 ModelConfig = _union(families, "config", "kind")
@@ -330,7 +330,7 @@ class Recipe(Section):
         return _fill_rollout_kind(data)
 
     @model_validator(mode="after")
-    def _check_combination(self) -> "Recipe":
+    def _check_combination(self) -> Recipe:
         """Every rule that needs two sections at once, so `unirl validate` finds what the run would
         otherwise meet inside the worker group; all problems are reported together."""
         if self.pe is not None:
@@ -460,7 +460,7 @@ def check_run_name(name: str, field: str) -> str:
     return name
 
 
-def credential_errors(recipe: "Recipe") -> list[str]:
+def credential_errors(recipe: Recipe) -> list[str]:
     """A credential written into a recipe would end up in recipe.yaml, MLflow params and the
     Prefect UI: refuse it, naming the field and where it belongs instead."""
     from unirl.stages.secrets import literal_secrets, redact_url

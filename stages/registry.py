@@ -15,7 +15,8 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
-from typing import Any, Callable, Generic, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 

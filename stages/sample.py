@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import io
 import json
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa

@@ -11,8 +11,9 @@ inputs give bit-identical log-probs, which is what makes the first on-policy rat
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor

@@ -43,9 +43,8 @@ def file_records(path: str) -> list[dict[str, Any]]:
 
 
 def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
-    from unirl.stages.sources import sources
-
     from unirl.stages.iteration import with_image_grids
+    from unirl.stages.sources import sources
 
     sft = recipe.sft
     records = file_records(sft.path) if sft.source == "file" else sources.get(recipe.data.name).sft_records(recipe)

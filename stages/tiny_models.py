@@ -58,7 +58,7 @@ def save_tiny_ocr(path: str | Path, *, seed: int = 0) -> Path:
     emits characters rather than repeating the start token."""
     import torch
     from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast, TrOCRConfig, ViTConfig, VisionEncoderDecoderConfig, VisionEncoderDecoderModel
+    from transformers import PreTrainedTokenizerFast, TrOCRConfig, VisionEncoderDecoderConfig, VisionEncoderDecoderModel, ViTConfig
     from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
 
     path = Path(path)

@@ -5,7 +5,8 @@ bytes followed by the tensor's raw bytes: SGLang diffusion's `compute_weights_ch
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 def tensors_checksum(named: Iterable[tuple[str, Any]]) -> str:

@@ -2,14 +2,14 @@
 other nodes of a multi-node group start (`node_launcher`)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from prefect import get_run_logger, tags
 from prefect.settings import get_current_settings
 
 from unirl.flows.console import say
-
 from unirl.stages.engines import RolloutEngine, engines
 from unirl.stages.recipe import Recipe
 from unirl.stages.storage import RunStorage

@@ -29,8 +29,9 @@ TINY = REPO / "recipes" / "ar" / "tiny.yaml"
 # pytest workers take a file at a time (`--dist loadfile`), so these start first and the short
 # files fill in around them instead of one long file running alone at the end.
 LONGEST_FIRST = [
-    "e2e/test_deployment.py", "e2e/test_learning_gate.py", "e2e/test_multinode.py", "e2e/test_faults_ranks.py", "e2e/test_rl_flow.py", "stages/test_matrix.py",
-    "e2e/test_flow_family_runs.py", "e2e/test_pe_flow.py", "e2e/test_unified_flow.py", "e2e/test_faults_outages.py", "e2e/test_faults_kills.py", "e2e/test_ar_algorithms.py",
+    "e2e/test_deployment.py", "e2e/test_learning_gate.py", "e2e/test_multinode.py", "e2e/test_faults_ranks.py", "e2e/test_rl_flow.py",
+    "stages/test_matrix.py", "e2e/test_flow_family_runs.py", "e2e/test_pe_flow.py", "e2e/test_unified_flow.py",
+    "e2e/test_faults_outages.py", "e2e/test_faults_kills.py", "e2e/test_ar_algorithms.py",
     "stages/engines/test_engine_sync.py", "e2e/test_diffusion_flow.py", "e2e/test_vlm_flow.py", "e2e/test_reward_server.py",
     "e2e/test_async_rl.py", "e2e/test_rl_s3.py", "stages/test_sharded_load.py", "stages/test_sd3_bundle.py", "test_zygote.py",
 ]
@@ -159,8 +160,8 @@ def tiny_weights(tmp_path_factory):
     """`tiny_weights(case)`: the tiny model of a family (or a family's variant, "wan2.2") of
     tests/tiny.py, built once per session and saved in its checkpoint layout, so tests load it by
     path like real weights."""
-    from unirl.stages.models.family import families
     from tests.tiny import CASES
+    from unirl.stages.models.family import families
 
     built: dict[str, Path] = {}
 

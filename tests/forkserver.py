@@ -319,7 +319,7 @@ class Forked:
         self.wait(timeout)
         return out, err
 
-    def __enter__(self) -> "Forked":
+    def __enter__(self) -> Forked:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -336,7 +336,7 @@ def _line(conn: socket.socket, buffer: bytes, timeout: float | None, args: Any) 
         conn.settimeout(left)
         try:
             chunk = conn.recv(4096)
-        except (socket.timeout, BlockingIOError):
+        except (TimeoutError, BlockingIOError):
             raise subprocess.TimeoutExpired(args, timeout) from None
         if not chunk:
             raise RuntimeError(f"the fork server went away while {args} ran")

@@ -64,7 +64,7 @@ class PrefectServer:
         self.procs.append(proc)
         return proc
 
-    def serve(self, timeout: float = 180) -> "PrefectServer":
+    def serve(self, timeout: float = 180) -> PrefectServer:
         port = self.url.split(":")[-1].split("/")[0]
         self.server = self.start("server", "server", "start", "--host", "127.0.0.1", "--port", port)
         import httpx

@@ -25,7 +25,7 @@ import torch
 from unirl.stages.config_base import Section
 from unirl.stages.registry import Registry
 
-algorithms: Registry[type["Algorithm"]] = Registry("algorithm", "unirl.stages.algorithms", "algorithm.name")
+algorithms: Registry[type[Algorithm]] = Registry("algorithm", "unirl.stages.algorithms", "algorithm.name")
 
 
 class BehaviourMismatchError(RuntimeError):

@@ -50,7 +50,7 @@ class CorrectionConfig(Section):
         None, description="mode mask: [lo, hi] of importance weights that are kept (empty: [1/cap, cap]).")
 
     @model_validator(mode="after")
-    def _check(self) -> "CorrectionConfig":
+    def _check(self) -> CorrectionConfig:
         if self.band is not None and not 0 <= self.band[0] < 1 < self.band[1]:
             raise ValueError(f"rollout.correction.band: need 0 <= lo < 1 < hi, got {list(self.band)}")
         if self.objective == "behaviour" and self.mode == "truncate":

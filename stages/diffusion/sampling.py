@@ -14,14 +14,15 @@ depend on the batch or the rank that made it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from unirl.stages.seeds import derive_seed
 from unirl.stages.sde import SDEStepOutput, dynamic_shift, sde_step, select_sde_steps, shifted_sigmas, time_shift_sigmas
+from unirl.stages.seeds import derive_seed
 
 # v = velocity(x (B, *latent), sigma (B,)) -> (B, *latent) float32; the prompts are bound inside.
 Velocity = Callable[[Tensor, Tensor], Tensor]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import io
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,7 +20,6 @@ from torch import Tensor
 from unirl.stages.diffusion.sampling import Velocity
 from unirl.stages.sde import shift_sigmas
 from unirl.stages.seeds import derive_seed
-
 
 # ---------------------------------------------------------------- records
 

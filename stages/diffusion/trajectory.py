@@ -64,7 +64,7 @@ class LatentBatch:
         """What the update's metrics are weighted by: samples."""
         return float(len(self.sample_ids))
 
-    def to(self, device: torch.device | str) -> "LatentBatch":
+    def to(self, device: torch.device | str) -> LatentBatch:
         """The same rows with latents and log-probs on `device` (the plan stays on the CPU: its
         sigmas enter the kernels as scalars)."""
         return dataclasses.replace(self, latents=self.latents.to(device), logprobs=self.logprobs.to(device),

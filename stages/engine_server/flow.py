@@ -110,7 +110,6 @@ class FlowBackend:
 
     def _sample(self, batch: list[FlowRequest]) -> None:
         from unirl.stages.diffusion.sampling import sample
-
         from unirl.stages.faults import fault_point
 
         core = self.core

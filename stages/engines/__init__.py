@@ -23,13 +23,13 @@ from pydantic import Field
 from unirl.stages.config_base import Section
 from unirl.stages.registry import Registry
 
-engines: Registry[type["RolloutEngine"]] = Registry("rollout engine", "unirl.stages.engines", "rollout.engine.name")
+engines: Registry[type[RolloutEngine]] = Registry("rollout engine", "unirl.stages.engines", "rollout.engine.name")
 
 
 def engine_config() -> Any:
     """The `rollout.engine` section: a union of every registered engine's config, by `name`."""
     members = tuple(cls.config for _, cls in engines.items())
-    return Annotated[Union[members], Field(discriminator="name")] if len(members) > 1 else members[0]
+    return Annotated[Union[members], Field(discriminator="name")] if len(members) > 1 else members[0]  # noqa: UP007 - a runtime tuple
 
 
 class RolloutEngine:

@@ -1,7 +1,8 @@
 """Flow-model rollouts through SGLang diffusion's /rollout/generate: one `RolloutRequest` per
 sample (its prompt, the seed of its initial noise derived as trainside derives it, the
 iteration's SDE steps and noise level), and each `RolloutResponse` (the denoising trajectory at
-the steps training needs, per-step log-probs, the image) mapped onto the latent segment of a row. RolloutResponse carries no weight version: the engine stamps the rows with the
+the steps training needs, per-step log-probs, the image) mapped onto the latent segment of a row.
+RolloutResponse carries no weight version: the engine stamps the rows with the
 version /model_info reports around the batch.
 
 Exact replay (engine_server): the trainer replays a micro-batch's velocity in one batch, and CPU

@@ -153,7 +153,7 @@ def _hash(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _heldout() -> frozenset[str]:
     """Every held-out prompt: per kind, those whose hash falls in HELDOUT_PERCENT%, topped up to
     MIN_HELDOUT_PER_KIND with the next ones in (hash % 100, hash) order."""
@@ -165,7 +165,7 @@ def _heldout() -> frozenset[str]:
     return frozenset(held)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _heldout_halves() -> dict[str, str]:
     """Held-out prompt -> `dev` or `test` (see the module docstring)."""
     halves = {}
@@ -184,7 +184,7 @@ def all_prompts(kind: str | None = None, split: str | None = None) -> list[str]:
     return list(_prompts(kind, split))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _prompts(kind: str | None, split: str | None) -> tuple[str, ...]:
     """all_prompts, computed once per (kind, split): every iteration samples from these pools
     (parsing and hashing all 696 prompts took ~13 ms each time)."""

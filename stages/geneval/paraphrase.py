@@ -48,7 +48,7 @@ def plural(noun: str) -> str:
     return noun + ("es" if noun.endswith("x") else "s")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def paraphrases(intent: str) -> tuple[str, ...]:
     """Every paraphrase of a single- or count-kind canonical prompt, in a fixed order (the
     canonical text itself is not among them)."""

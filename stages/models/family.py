@@ -23,10 +23,10 @@ from typing import Any, ClassVar
 from unirl.stages.config_base import Section
 from unirl.stages.registry import Registry
 
-families: Registry[type["Family"]] = Registry("model family", "unirl.stages.models", "model.kind")
+families: Registry[type[Family]] = Registry("model family", "unirl.stages.models", "model.kind")
 
 
-def get_family(kind: str) -> type["Family"]:
+def get_family(kind: str) -> type[Family]:
     return families.get(kind)
 
 

@@ -36,7 +36,6 @@ from unirl.stages.config_base import LoraConfig, Section
 from unirl.stages.models.family import Family
 from unirl.stages.models.flow_geometry import FlowGeometry
 
-
 # ---------------------------------------------------------------------------- shared recipe sections
 
 

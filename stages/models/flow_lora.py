@@ -5,8 +5,9 @@ A family's trainable module is one diffusers transformer, or several (Wan 2.2's 
 function here takes the list of those transformers (`Family.transformers(module)`)."""
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 

@@ -7,7 +7,8 @@ bits in whatever batch it later appears (stages/diffusion/model.py caches it).""
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -157,7 +158,8 @@ def tiny_clip_text(*, hidden: int, seed: int, max_length: int = 16) -> tuple[Any
     """A tiny CLIPTextModel and its tokenizer (HunyuanVideo 1.0's pooled text encoder)."""
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from unirl.stages.models.sd3_text import build_tiny_tokenizer as clip_tokenizer, tiny_clip_config
+    from unirl.stages.models.sd3_text import build_tiny_tokenizer as clip_tokenizer
+    from unirl.stages.models.sd3_text import tiny_clip_config
 
     tok = clip_tokenizer(toy_words(), model_max_length=max_length)
     cfg = CLIPTextConfig(vocab_size=len(tok), max_position_embeddings=max_length, bos_token_id=tok.bos_token_id,

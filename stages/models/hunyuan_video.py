@@ -134,8 +134,13 @@ class HunyuanVideo(FlowFamily):
     # -- the folder -----------------------------------------------------------------------------
     @classmethod
     def build_tiny(cls, directory: Path, tiny: TinyHunyuan) -> Path:
-        from diffusers import (AutoencoderKLHunyuanVideo, AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler,
-                               HunyuanVideo15Transformer3DModel, HunyuanVideoTransformer3DModel)
+        from diffusers import (
+            AutoencoderKLHunyuanVideo,
+            AutoencoderKLHunyuanVideo15,
+            FlowMatchEulerDiscreteScheduler,
+            HunyuanVideo15Transformer3DModel,
+            HunyuanVideoTransformer3DModel,
+        )
 
         from unirl.stages.models import flow_text as T
         from unirl.stages.models.flow_folder import write_defaults, write_index

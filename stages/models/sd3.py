@@ -61,7 +61,7 @@ class TinySD3(Section):
         return 2 ** (len(self.vae_channels) - 1)
 
     @model_validator(mode="after")
-    def _check_sizes(self) -> "TinySD3":
+    def _check_sizes(self) -> TinySD3:
         bad = [c for c in self.vae_channels if c % 8]
         if bad:
             raise ValueError(f"model.tiny.vae_channels: {bad} are not multiples of 8 (the VAE's GroupNorm has 8 groups)")

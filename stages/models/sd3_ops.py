@@ -5,9 +5,10 @@ Each is SD3's entry to the flow-family code every family shares (stages/models/f
 flow_vae.py, flow_lora.py, flow_folder.py); conventions are in stages/models/sd3.py."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

@@ -327,7 +327,7 @@ class TinyTransfusion(Section):
         return 2 ** (len(self.vae_channels) - 1)
 
     @model_validator(mode="after")
-    def _check_sizes(self) -> "TinyTransfusion":
+    def _check_sizes(self) -> TinyTransfusion:
         bad = [c for c in self.vae_channels if c % 8]
         if bad:
             raise ValueError(f"model.tiny.vae_channels: {bad} are not multiples of 8 (the VAE's GroupNorm has 8 groups)")

@@ -27,7 +27,7 @@ from unirl.stages.config_base import Section
 from unirl.stages.engines import engine_config
 from unirl.stages.registry import Registry
 
-policies: Registry[type["Policy"]] = Registry("policy", "unirl.stages.policies", "rollout.kind")
+policies: Registry[type[Policy]] = Registry("policy", "unirl.stages.policies", "rollout.kind")
 EngineConfig = engine_config()
 
 

@@ -79,7 +79,7 @@ class FlowSampler(Section):
         return self.sde_kind or "flow"
 
     @model_validator(mode="after")
-    def _check_window(self) -> "FlowSampler":
+    def _check_window(self) -> FlowSampler:
         sel, t = self.sde_steps, self.num_steps
         lo, hi = sel.window
         if not 0 <= lo < hi <= 1:

@@ -27,7 +27,6 @@ from pydantic import Field
 from unirl.stages.policies import Policy, RolloutBase, policies
 from unirl.stages.seeds import derive_seed
 
-
 PREVIEW_ROWS = 16
 
 
@@ -253,7 +252,9 @@ class TextPolicy(Policy):
         cols = {n: table.column(n).to_pylist() for n in names}
         out = []
         for rows in chunks:
-            take = lambda name: [cols[name][r] for r in rows]  # noqa: E731
+            def take(name: str, rows: list[int] = rows) -> list:
+                return [cols[name][r] for r in rows]
+
             t = token_batch(take("prompt_ids"), take("response_ids"), self.tokenizer.pad_token_id, self.device)
             adv = torch.tensor([float(advantages[r]) for r in rows], dtype=torch.float32, device=self.device)
             shown = [] if self.images is None else [

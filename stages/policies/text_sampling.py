@@ -7,8 +7,8 @@ parameters collectively), stopping only when all ranks' samples are finished.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist

@@ -3,9 +3,9 @@ service (`server`, `client`)."""
 from unirl.stages.rewards.base import (
     AGGREGATIONS,
     ScoreBatch,
-    ScoreResult,
     Scorer,
     ScorerError,
+    ScoreResult,
     aggregate,
     build_scorer,
     register_scorer,

@@ -3,8 +3,9 @@ micro-batching and the batch fields a scorer needs. Imports torch only inside fu
 scorer registry can import every scorer module without loading torch."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from unirl.stages.rewards.base import ScoreBatch
 

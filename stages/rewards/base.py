@@ -6,8 +6,9 @@ metadata) and returns a `ScoreResult`: one finite float per sample plus optional
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -51,7 +52,7 @@ class ScoreResult:
     components: dict[str, np.ndarray] = field(default_factory=dict)
 
     @classmethod
-    def mean_of(cls, results: list[dict[str, float]], parts: tuple[str, ...]) -> "ScoreResult":
+    def mean_of(cls, results: list[dict[str, float]], parts: tuple[str, ...]) -> ScoreResult:
         """Per-sample component dicts (a detector's scores) -> every component logged, and the score
         the mean of `parts` (a scorer mode's components)."""
         if not results:

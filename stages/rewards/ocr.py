@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from unirl.stages.rewards._hf import local_dir, micro_batches, need_images, pick_device, pick_dtype
-from unirl.stages.rewards.base import ScoreBatch, ScoreResult, ScorerError, register_scorer
+from unirl.stages.rewards.base import ScoreBatch, ScorerError, ScoreResult, register_scorer
 
 _QUOTED = re.compile(r'"([^"]*)"|“([^”]*)”')
 

@@ -11,7 +11,7 @@ soft: DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the rew
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from unirl.stages.rewards._hf import local_dir, micro_batches, pick_device, pick_dtype
-from unirl.stages.rewards.base import ScoreBatch, ScoreResult, ScorerError, register_scorer
+from unirl.stages.rewards.base import ScoreBatch, ScorerError, ScoreResult, register_scorer
 
 DEFAULT_QUESTION = (
     "Rate how well the image matches the prompt and how good it looks, on a scale from "

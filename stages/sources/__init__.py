@@ -6,14 +6,15 @@ demonstrations of a warm start (`sft.source: synthetic`)."""
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from unirl.stages.config_base import Section
 from unirl.stages.data import Prompt, check_split
 from unirl.stages.registry import Registry
 from unirl.stages.seeds import derive_seed
 
-sources: Registry[type["Source"]] = Registry("prompt source", "unirl.stages.sources", "data.name")
+sources: Registry[type[Source]] = Registry("prompt source", "unirl.stages.sources", "data.name")
 
 
 class Source:

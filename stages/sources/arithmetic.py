@@ -23,7 +23,7 @@ class ArithmeticData(Section):
     seed: int = Field(1234, description="Seed of the prompt stream and the dev and test splits.")
 
     @model_validator(mode="after")
-    def _check_space(self) -> "ArithmeticData":
+    def _check_space(self) -> ArithmeticData:
         if "{expr}" not in self.template:
             raise ValueError(f"data.template: {self.template!r} has no {{expr}} placeholder")
         lo = (0 if self.digits == 1 else 10 ** (self.digits - 1)) if self.min_value is None else self.min_value

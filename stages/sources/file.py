@@ -36,7 +36,7 @@ class FileData(Section):
     seed: int = Field(1234, description="Seed of the per-epoch shuffles and of the dev and test draws.")
 
     @model_validator(mode="after")
-    def _one_heldout(self) -> "FileData":
+    def _one_heldout(self) -> FileData:
         if self.heldout_path is not None and self.heldout_fraction > 0:
             raise ValueError("data.heldout_fraction: set either heldout_fraction or heldout_path, not both")
         if self.test_path is not None and self.test_fraction > 0:

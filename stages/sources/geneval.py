@@ -28,7 +28,7 @@ class GenEvalData(Section):
     )
 
     @model_validator(mode="after")
-    def _check_prompts(self) -> "GenEvalData":
+    def _check_prompts(self) -> GenEvalData:
         from unirl.stages.geneval.dataset import parse_prompt, split_of  # numpy + PIL only
 
         check_listed_prompts(self.prompts, parse_prompt, split_of)
@@ -59,7 +59,6 @@ class GenEvalSource(Source):
     @classmethod
     def check(cls, recipe: Any) -> None:
         from unirl.stages.geneval.dataset import MIN_IMAGE_SIZE
-
         from unirl.stages.models.family import get_family
 
         family = get_family(recipe.model.kind)

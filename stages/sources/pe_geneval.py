@@ -29,7 +29,7 @@ class PEGenEvalData(Section):
         "toy-GenEval train split's (those a drawer warm-started on `data.name: geneval` has seen).")
 
     @model_validator(mode="after")
-    def _check_size(self) -> "PEGenEvalData":
+    def _check_size(self) -> PEGenEvalData:
         held = len(heldout_pool(tuple(self.kinds)))
         if 2 * self.heldout_size > held:
             raise ValueError(f"data.heldout_size: kinds {', '.join(self.kinds)} have {held} held-out phrasings, too few for "

@@ -26,7 +26,7 @@ class VideoToyData(Section):
     )
 
     @model_validator(mode="after")
-    def _check_prompts(self) -> "VideoToyData":
+    def _check_prompts(self) -> VideoToyData:
         from unirl.stages.videotoy import parse_prompt, split_of
 
         check_listed_prompts(self.prompts, parse_prompt, split_of)

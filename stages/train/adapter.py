@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from unirl.stages.train.stack import TrainStack
 
 
-def publish_adapter(stack: "TrainStack", storage: "RunStorage", scratch: Path, version: int) -> dict[str, Any]:
+def publish_adapter(stack: TrainStack, storage: RunStorage, scratch: Path, version: int) -> dict[str, Any]:
     """Every rank gathers the full state (a rank-0-only gather deadlocks under FSDP2); rank 0
     writes the adapter folder (idempotent: a published version is kept)."""
     from peft import PeftModel, get_peft_model_state_dict

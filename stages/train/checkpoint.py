@@ -11,10 +11,10 @@ from (seed, iteration, sample id), so no RNG state needs saving to resume bit-fo
 from __future__ import annotations
 
 import dataclasses
-
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -60,7 +60,7 @@ def _unflatten(tensors: dict[str, torch.Tensor], model_sd: dict, optim_sd: dict,
     optim_sd["param_groups"] = extra["param_groups"]
 
 
-def _local_state_dir(storage: "RunStorage", scratch: Path, rel: str) -> Path:
+def _local_state_dir(storage: RunStorage, scratch: Path, rel: str) -> Path:
     """DCP's safetensors writer needs a local folder: object stores get a per-rank staging copy."""
     if storage.local:
         return storage.local_path(rel)
@@ -69,7 +69,7 @@ def _local_state_dir(storage: "RunStorage", scratch: Path, rel: str) -> Path:
     return staged
 
 
-def save(stack: "TrainStack", storage: "RunStorage", scratch: Path, version: int) -> dict[str, Any]:
+def save(stack: TrainStack, storage: RunStorage, scratch: Path, version: int) -> dict[str, Any]:
     """Write checkpoint `version` of the stack (idempotent: an existing committed one is kept)."""
     start = time.perf_counter()
     rel = storage.checkpoint_rel(version)
@@ -102,7 +102,7 @@ def save(stack: "TrainStack", storage: "RunStorage", scratch: Path, version: int
     return {"version": version, "path": rel, "seconds": time.perf_counter() - start, "existing": False}
 
 
-def load(stack: "TrainStack", storage: "RunStorage", scratch: Path, version: int) -> int:
+def load(stack: TrainStack, storage: RunStorage, scratch: Path, version: int) -> int:
     """Restore model, optimizer, EMA and schedule position from checkpoint `version` (any world
     size); returns it."""
     rel = storage.checkpoint_rel(version)
@@ -127,11 +127,11 @@ def load(stack: "TrainStack", storage: "RunStorage", scratch: Path, version: int
     return int(extra["version"])
 
 
-def _ema_tensors(stack: "TrainStack") -> dict[str, torch.Tensor]:
+def _ema_tensors(stack: TrainStack) -> dict[str, torch.Tensor]:
     return {} if stack.ema is None else {f"ema.{n}": v for n, v in stack.ema.shadow.items()}
 
 
-def publish(stack: "TrainStack", storage: "RunStorage", scratch: Path, version: int,
+def publish(stack: TrainStack, storage: RunStorage, scratch: Path, version: int,
             export: Callable[[Path, dict[str, torch.Tensor], dict[str, torch.Tensor] | None], None]) -> dict[str, Any]:
     """Write `weights/v{version:06d}/`: `export(folder, full state, full EMA state or None)` on
     rank 0, then manifest.json with the sha256 of every file and, without LoRA (whose export

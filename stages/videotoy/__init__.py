@@ -3,8 +3,18 @@ prompt giving their count, colour, direction and speed ("two blue squares moving
 deterministic per-frame detector, and a score of how well a clip follows its prompt. Numpy and PIL
 only, no model: the reward can be checked by hand, and the held-out split is a fixed property of
 each prompt's text."""
-from unirl.stages.videotoy.dataset import (COLOURS, DIRECTIONS, SPEEDS, ClipSpec, all_prompts, make_clips, parse_prompt,
-                                     render, sample_prompts, split_of)
+from unirl.stages.videotoy.dataset import (
+                                     COLOURS,
+                                     DIRECTIONS,
+                                     SPEEDS,
+                                     ClipSpec,
+                                     all_prompts,
+                                     make_clips,
+                                     parse_prompt,
+                                     render,
+                                     sample_prompts,
+                                     split_of,
+)
 from unirl.stages.videotoy.detector import ClipScore, score
 
 __all__ = ["COLOURS", "DIRECTIONS", "SPEEDS", "ClipScore", "ClipSpec", "all_prompts", "make_clips", "parse_prompt", "render",

@@ -71,7 +71,7 @@ def split_of(text: str) -> str:
     return "heldout" if int.from_bytes(digest[:4], "big") % 100 < HELDOUT_PERCENT else "train"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _prompts(split: str | None) -> tuple[str, ...]:
     if split in ("dev", "test"):
         order = sorted(_prompts("heldout"), key=lambda t: hashlib.sha256(f"dev/test {t}".encode()).digest())

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from unirl.stages.geneval.detector import COLOUR_NAMES, classify_pixels, connected_components
-from unirl.stages.videotoy.dataset import DIRECTIONS, SPEED_PX, ClipSpec, parse_prompt
+from unirl.stages.videotoy.dataset import DIRECTIONS, ClipSpec, parse_prompt
 
 # Bands of speed along the axis, in pixels per frame at a 16-pixel side: between the two speeds'
 # midpoint, half the slow speed above a standstill, and half again the fast speed.

@@ -17,8 +17,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from unirl.stages.storage import RunStorage
 from unirl.stages.workers import rendezvous as rdzv

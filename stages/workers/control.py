@@ -56,7 +56,7 @@ class ControlServer:
         while True:
             try:
                 conn, _ = self.sock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 return dict(NOOP)
             conn.settimeout(60)
             try:

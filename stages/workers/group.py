@@ -25,8 +25,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from unirl.stages.recipe import Recipe
 from unirl.stages.storage import RunStorage, iter_dir, join
@@ -293,7 +294,7 @@ class WorkerGroup:
                 try:
                     reply = recv_json(sock)
                     break
-                except socket.timeout:
+                except TimeoutError:
                     if not self.alive():
                         raise self.died(f"during {cmd!r}") from None
                     if deadline is not None and time.monotonic() > deadline:

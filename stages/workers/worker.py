@@ -19,6 +19,7 @@ from unirl.stages.algorithms.base import get_algorithm
 from unirl.stages.faults import fault_point
 from unirl.stages.images import IMAGE_COLUMNS
 from unirl.stages.models.family import get_family
+from unirl.stages.pipeline import SIDES
 from unirl.stages.policies import policies
 from unirl.stages.recipe import Recipe
 from unirl.stages.run import schedule_steps
@@ -28,7 +29,6 @@ from unirl.stages.train import checkpoint
 from unirl.stages.train.stack import OptimizerSpec, TrainStack, load_bundle, rank_of, world_size
 from unirl.stages.train.update import UpdatePart, joint_update, sft_steps
 from unirl.stages.unified import JointSFT, split_by_kind, stage_recipe
-from unirl.stages.pipeline import SIDES
 
 COMMANDS = ("ping", "generate", "train", "sft", "save", "publish", "publish_adapter", "weight_specs",
             "join_update_group", "broadcast_weights")

@@ -6,8 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -34,8 +35,8 @@ def killed_and_resumed(recipe: Path, name: str, root: Path, env: dict[str, str],
     to the end: (run folder, the resumed `unirl run`'s completed process)."""
     import psutil
 
-    from unirl.flows.hooks import worker_processes
     from tests.e2e.test_rl_flow import STOP_AT_SYNC, wait_stopped
+    from unirl.flows.hooks import worker_processes
 
     args = ["run", str(recipe), "--run-name", name, f"storage.root={root}", *overrides]
     proc = zygote.popen([sys.executable, "-m", "unirl.flows.cli", *args], env={**env, "UNIRL_FAULTS": STOP_AT_SYNC},

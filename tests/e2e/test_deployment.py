@@ -18,9 +18,9 @@ import psutil
 import pytest
 import yaml
 
-from unirl.flows.hooks import worker_processes
 from tests.conftest import TINY
 from tests.prefect_server import PrefectServer
+from unirl.flows.hooks import worker_processes
 
 pytestmark = pytest.mark.slow
 

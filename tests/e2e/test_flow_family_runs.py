@@ -19,11 +19,11 @@ import pytest
 import yaml
 from PIL import Image
 
-from unirl.flows.hooks import worker_processes
-from unirl.stages.models.family import families
 from tests import zygote
 from tests.conftest import REPO, run_unirl
 from tests.tiny import CASES, merged
+from unirl.flows.hooks import worker_processes
+from unirl.stages.models.family import families
 
 pytestmark = pytest.mark.slow
 

@@ -28,8 +28,8 @@ import s3fs
 
 from tests import forkserver, zygote
 from tests.conftest import REPO, TINY, run_unirl
-from tests.moto_s3 import moto_endpoint
 from tests.e2e.test_rl_flow import SIGNAL
+from tests.moto_s3 import moto_endpoint
 
 pytestmark = pytest.mark.slow
 
@@ -165,11 +165,12 @@ def test_sd3_on_two_nodes_started_by_hand_equals_one_node_and_resumes_on_fewer_n
     iterations and the final weights equal one node's with two ranks. Then an elastic group
     (train.min_nnodes=1) whose second node never comes starts on one node from the 2-node
     checkpoint and samples what the reference samples next."""
+    from tests.tiny import TINY as TINY_RECIPES
+    from tests.tiny import merged
     from unirl.stages.recipe import build_recipe
     from unirl.stages.run import initial_weights
     from unirl.stages.storage import RunStorage
     from unirl.stages.workers.group import WorkerGroup
-    from tests.tiny import TINY as TINY_RECIPES, merged
 
     fs, s3_env = s3
     for key, value in {**s3_env, **SECRET}.items():

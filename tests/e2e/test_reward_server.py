@@ -8,10 +8,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import httpx
 import numpy as np
@@ -20,14 +20,14 @@ import pyarrow.ipc as ipc
 import pytest
 import yaml
 
+from tests.conftest import TINY, run_unirl
 from unirl.flows.reward_server import main
 from unirl.stages.rewards import ScoreBatch, aggregate, build_scorer, run_scorer
 from unirl.stages.rewards.client import RemoteScorer, RemoteScorerError
 from unirl.stages.rewards.server import ScoringService, load_config
-from unirl.stages.tiny_models import random_images, save_tiny_clip
 from unirl.stages.rewards.wire import encode_batch
 from unirl.stages.sample import metadata
-from tests.conftest import TINY, run_unirl
+from unirl.stages.tiny_models import random_images, save_tiny_clip
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +81,7 @@ class Server:
     config: Path
     log: Path
     proc: subprocess.Popen
-    relaunch: Callable[[], "Server"]  # the same server on a new port
+    relaunch: Callable[[], Server]  # the same server on a new port
 
 
 def free_port() -> int:

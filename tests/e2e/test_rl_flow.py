@@ -17,10 +17,10 @@ import pyarrow.ipc as ipc
 import pytest
 from mlflow.tracking import MlflowClient
 
-from unirl.flows.hooks import worker_processes
-from unirl.stages.advantage import group_advantages
 from tests import zygote
 from tests.conftest import REPO, TINY, run_unirl
+from unirl.flows.hooks import worker_processes
+from unirl.stages.advantage import group_advantages
 
 pytestmark = pytest.mark.slow
 

@@ -14,10 +14,10 @@ import psutil
 import pyarrow.ipc as ipc
 import pytest
 
-from unirl.flows.hooks import worker_processes
 from tests import zygote
 from tests.conftest import REPO, run_unirl
 from tests.e2e.test_rl_flow import STOP_AT_SYNC, assert_no_pickles, wait_stopped
+from unirl.flows.hooks import worker_processes
 
 pytestmark = pytest.mark.slow
 

@@ -13,10 +13,10 @@ import yaml
 from prefect import Flow
 from prefect.flows import load_flow_from_entrypoint
 
+from tests.conftest import REPO, TINY
 from unirl.flows.deploy import k8s_gpu_template, main, recipe_deployments, render, update
 from unirl.flows.hooks import run_storage_url, stop_workers, worker_processes
 from unirl.stages.recipe import Recipe, load_recipe
-from tests.conftest import REPO, TINY
 
 
 def test_prefect_yaml_is_generated_from_the_recipes() -> None:

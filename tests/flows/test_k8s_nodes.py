@@ -19,10 +19,10 @@ from prefect.client.orchestration import PrefectClient
 from prefect.client.schemas.objects import FlowRun
 from prefect_kubernetes.worker import KubernetesWorker, KubernetesWorkerJobConfiguration
 
+from tests.conftest import REPO
 from unirl.flows.k8s_nodes import NODE_LABEL, RDZV_LABEL, flow_template, node_template, rdzv_service
 from unirl.stages.multinode import RDZV_ENV, SECRET_ENV
 from unirl.stages.workers.rendezvous import HOST_ENV
-from tests.conftest import REPO
 
 K8S = kubernetes_validate.latest_version()
 

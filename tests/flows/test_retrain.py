@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 
 import unirl.flows.retrain as retrain_mod
+from tests.conftest import TINY
 from unirl.flows.retrain import RetrainError, generations, local_weights, plan
 from unirl.stages.recipe import load_recipe
 from unirl.stages.run import open_run
 from unirl.stages.storage import RunStorage
 from unirl.stages.train.manifests import write_weights_dir
-from tests.conftest import TINY
 
 
 def make_run(root: str, name: str, *, iterations: int, done: int, weights: tuple[int, ...], model_path: str | None = None) -> RunStorage:

@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
+from tests.tiny import TINY, merged
 from unirl.stages.algorithms.correction import CorrectionConfig, importance_weights, weighted_advantage
 from unirl.stages.algorithms.grpo import grpo_loss
 from unirl.stages.recipe import RecipeError, build_recipe
-from tests.tiny import TINY, merged
 
 # proximal o, behaviour b over two sequences of three tokens, the last token of row 1 padding
-O = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, 0.0]])
+O = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, 0.0]])  # noqa: E741 - the contract's names
 B = torch.tensor([[-1.0, -3.0, -0.2], [-1.0, -1.0, 5.0]])
 M = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from unirl.stages.recipe import RecipeError, build_recipe, load_recipe
 from unirl.stages.algorithms.nft import NFTConfig
+from unirl.stages.recipe import RecipeError, build_recipe, load_recipe
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "diffusion"
 

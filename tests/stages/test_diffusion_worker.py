@@ -171,7 +171,6 @@ def test_bad_prompt_and_sigma_mismatch_fail_before_compute(mesh, tmp_path):
 
 def test_sft_warms_up_the_vae_then_flow_matching(mesh, tmp_path):
     from unirl.stages.diffusion.sft import geneval_records
-
     from unirl.stages.run import materialize_model
     from unirl.stages.train.manifests import write_weights_dir
 

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import TINY
 from unirl.stages import iteration as it
 from unirl.stages.recipe import load_recipe
 from unirl.stages.sample import read_shard, table_from_rows, write_shard
 from unirl.stages.storage import RunStorage
-from tests.conftest import TINY
 
 
 def rewards_file(storage, name, groups):

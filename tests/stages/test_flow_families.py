@@ -10,8 +10,9 @@ import json
 import pytest
 import torch
 
-from unirl.stages.models.family import families
 from tests.tiny import CASES
+from unirl.stages.models.family import families
+
 
 def diffusers_ships(kind: str) -> bool:
     """The family's pipeline is a diffusers class (the unified `transfusion` family is ours:

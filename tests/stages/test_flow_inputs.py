@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from unirl.stages.recipe import RecipeError, build_recipe
 from tests import zygote
 from tests.conftest import REPO
 from tests.tiny import CASES, merged
+from unirl.stages.recipe import RecipeError, build_recipe
 
 
 def errors(case: str, **over) -> list[str]:

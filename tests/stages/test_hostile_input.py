@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from unirl.stages.recipe import RecipeError, load_recipe
-from unirl.stages.storage import RunStorage
 from tests import zygote
 from tests.conftest import REPO, TINY
+from unirl.stages.recipe import RecipeError, load_recipe
+from unirl.stages.storage import RunStorage
 
 ESCAPES = ["../x", "..", "/etc", "a/b", ".hidden", "x/../../y", "s3://other/run", "x%2F..", "-rf", "a b", "x\x00"]
 

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from tests.tiny import CASES, EXTRA, TINY, merged
 from unirl.stages.algorithms.base import algorithms
 from unirl.stages.models.family import families
 from unirl.stages.policies import policies
 from unirl.stages.recipe import build_recipe
-from tests.tiny import CASES, EXTRA, TINY, merged
 
 
 def kind_of(case: str) -> str:

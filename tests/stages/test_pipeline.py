@@ -6,11 +6,10 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
+from tests.conftest import recipe_errors as errors
 from unirl.stages import pipeline
 from unirl.stages.recipe import build_recipe
-from tests.conftest import recipe_errors as errors
-from unirl.stages.sample import (ShardSchemaError, part_view, read_rollouts, read_shard, scoring_view, table_from_rows,
-                           write_shard)
+from unirl.stages.sample import ShardSchemaError, part_view, read_rollouts, read_shard, scoring_view, table_from_rows, write_shard
 from unirl.stages.storage import RunStorage
 
 AR = {"model": {"kind": "qwen3", "tiny": {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64,

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from unirl.stages.recipe import Recipe, RecipeError, load_recipe
 from tests import zygote
 from tests.conftest import REPO, TINY
+from unirl.stages.recipe import Recipe, RecipeError, load_recipe
 
 
 def errors_of(overrides: list[str], path=TINY) -> list[str]:

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from unirl.stages.algorithms import BehaviourMismatchError
-from unirl.stages.algorithms.base import algorithms
-from unirl.stages.models.family import families
-from unirl.stages.recipe import build_recipe
 from tests import zygote
 from tests.conftest import REPO
 from tests.conftest import recipe_errors as errors
 from tests.tiny import TINY, merged
+from unirl.stages.algorithms import BehaviourMismatchError
+from unirl.stages.algorithms.base import algorithms
+from unirl.stages.models.family import families
+from unirl.stages.recipe import build_recipe
 
 SOURCES = [p for d in ("stages", "flows", "tasks") for p in (REPO / d).rglob("*.py")]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from tests.tiny import TINY, merged
 from unirl.stages.recipe import build_recipe
 from unirl.stages.run import cached_tiny, materialize_model
-from tests.tiny import TINY, merged
 
 
 def digest(folder: Path) -> dict[str, str]:

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from unirl.stages.policies.text import token_batch
-from unirl.stages.train.stack import EMA, lr_factor
 from unirl.stages.policies.text_sampling import inverse_cdf, top_p_filter
 from unirl.stages.seeds import derive_seed
+from unirl.stages.train.stack import EMA, lr_factor
 
 
 def test_token_batch_masks_exactly_the_response_labels():

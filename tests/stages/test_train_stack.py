@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from unirl.stages.recipe import build_recipe
 from tests.tiny import TINY, merged
+from unirl.stages.recipe import build_recipe
 
 
 def stack_of(tmp_path, weights, **over):

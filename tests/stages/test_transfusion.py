@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from unirl.stages.models.transfusion import (TransfusionModel, build_tiny_transfusion, joint_attention_mask, patchify,
-                                       unpatchify)
+from unirl.stages.models.transfusion import TransfusionModel, build_tiny_transfusion, joint_attention_mask, patchify, unpatchify
 
 B, L, C, S = 2, 10, 4, 8
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from unirl.stages.recipe import build_recipe
 from tests.conftest import recipe_errors as errors
+from unirl.stages.recipe import build_recipe
 from unirl.stages.train.stack import OptimizerSpec, TrainStack
 from unirl.stages.train.update import UpdatePart, joint_update
 from unirl.stages.unified import stage_recipe

@@ -102,9 +102,9 @@ def test_the_videotoy_scorer_modes_read_videos():
 
 
 def test_the_source_and_its_sft_records_carry_the_teachers_slip(tmp_path):
+    from tests.tiny import TINY, merged
     from unirl.stages.recipe import build_recipe
     from unirl.stages.sources import sources
-    from tests.tiny import TINY, merged
 
     recipe = build_recipe(merged(TINY["wan"], {"algorithm": {"name": "flow_grpo"}, "data": {"heldout_size": 16},
                                                "sft": {"examples": 40, "noise": 0.5, "seed": 3}, "storage": {"root": str(tmp_path)}}))
@@ -138,8 +138,8 @@ def test_the_source_and_its_sft_records_carry_the_teachers_slip(tmp_path):
 
 
 def test_a_source_or_size_that_cannot_make_toy_clips_is_a_validate_error(tmp_path):
-    from unirl.stages.recipe import RecipeError, build_recipe
     from tests.tiny import TINY, merged
+    from unirl.stages.recipe import RecipeError, build_recipe
 
     def errors(base: str = "wan", **over) -> list[str]:
         with pytest.raises(RecipeError) as info:

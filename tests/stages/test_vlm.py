@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.tiny import TINY, merged
 from unirl.stages import iteration as it
 from unirl.stages.images import ImageError
 from unirl.stages.models.family import families
@@ -19,7 +20,6 @@ from unirl.stages.recipe import RecipeError, build_recipe
 from unirl.stages.sample import read_rollouts, read_shard, table_from_rows, write_shard
 from unirl.stages.storage import RunStorage
 from unirl.stages.workers.worker import Worker
-from tests.tiny import TINY, merged
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 

@@ -13,9 +13,9 @@ import pytest
 from PIL import Image
 
 from unirl.stages.data_files import DataFileError, FilePrompts
+from unirl.stages.geneval.dataset import render
 from unirl.stages.geneval.detector import detect
 from unirl.stages.images import decode, png_bytes
-from unirl.stages.geneval.dataset import render
 from unirl.stages.seeds import derive_seed
 from unirl.stages.toy_vqa import HELDOUT_SEEDS, TEST_SEEDS, ToyVQA
 

@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from unirl.stages.engines.client import EngineClient, EngineError
 from tests import zygote
 from tests.engine_helpers import TOKEN, engine_server
 from tests.tiny import TINY
+from unirl.stages.engines.client import EngineClient, EngineError
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,12 @@ import os
 import pytest
 import torch
 
+from tests.tiny import TINY, merged
 from unirl.stages import iteration as it
 from unirl.stages.engines.dedicated import EngineVersionError
 from unirl.stages.recipe import build_recipe
 from unirl.stages.sample import read_rollouts
 from unirl.stages.storage import RunStorage
-from tests.tiny import TINY, merged
 
 pytestmark = pytest.mark.usefixtures("forked_children")  # engine servers forked warm (tests/zygote.py)
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unirl.stages.engines import client as C
 from tests.engine_helpers import TOKEN, engine_server
 from tests.sglang_source import SGLangSource, SourceUnavailable, compatible, wheel
 from tests.tiny import TINY, merged
+from unirl.stages.engines import client as C
 
 # Routes whose answer is a msgspec/pydantic class of the source rather than a dict literal.
 RESPONSE_CLASS = {"/load_lora_adapter": ("srt", "LoRAUpdateOutput"), "/unload_lora_adapter": ("srt", "LoRAUpdateOutput"),

@@ -92,8 +92,8 @@ def test_a_child_spawned_from_a_thread_that_ends_lives_on_and_dies_with_the_proc
 
     import psutil
 
-    from unirl.stages.workers.processes import spawn
     from tests.conftest import REPO
+    from unirl.stages.workers.processes import spawn
 
     code = ("import subprocess, sys, threading, time\n"
             "from unirl.stages.workers.processes import spawn\n"

@@ -9,12 +9,12 @@ import uuid
 
 import pytest
 
+from tests.conftest import TINY
 from unirl.stages.recipe import RecipeError, load_recipe
 from unirl.stages.storage import RunStorage
 from unirl.stages.workers import rendezvous as rdzv
 from unirl.stages.workers.agent import open_group, serve_node
 from unirl.stages.workers.control import ControlServer, recv_json, send_json
-from tests.conftest import TINY
 
 
 def recipe(*overrides: str):
