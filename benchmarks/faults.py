@@ -5,7 +5,7 @@ weights' sha256).
     python benchmarks/faults.py                  # every row, each fault in a fresh run folder
     python benchmarks/faults.py --rows kill      # only the SIGKILL rows
 
-Faults are real: SIGKILL of `unirl run` at a point named in UNIRL_FAULTS (stages/faults.py: the
+Faults are real: SIGKILL of `unirl run` at a point named in UNIRL_FAULTS (stages/runtime/faults.py: the
 stage's work done, its output not committed), a worker rank killed, moto's S3 server stopped
 and started again, a full tmpfs, a checkpoint file corrupted or its commit marker removed, a
 reward server that comes up late, the same run started twice, a node of a two-node group lost

@@ -35,11 +35,11 @@ def components(recipe_path: str, overrides: list[str], work: Path, name: str, ve
     (`greedy/<component>`, `sampled/<component>`): which part of the prompt a model gets wrong."""
     import numpy as np
 
-    from unirl.stages.iteration import SCORED_COLUMNS, reads_images, score_batch
     from unirl.stages.recipe import load_recipe
     from unirl.stages.rewards.base import build_scorer, run_scorer
-    from unirl.stages.sample import read_rollouts, scoring_view
-    from unirl.stages.storage import RunStorage
+    from unirl.stages.runtime.iteration import SCORED_COLUMNS, reads_images, score_batch
+    from unirl.stages.runtime.sample import read_rollouts, scoring_view
+    from unirl.stages.runtime.storage import RunStorage
 
     recipe = load_recipe(recipe_path, overrides)
     scorer_name, params = recipe.eval_scorer()

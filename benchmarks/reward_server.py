@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     images = None
     if args.clip:
-        from unirl.stages.tiny_models import random_images, save_tiny_clip
+        from unirl.stages.rewards.tiny_models import random_images, save_tiny_clip
 
         scorers.append({"name": "clip", "params": {"model_path": str(save_tiny_clip(tmp / "clip")), "device": "cpu"}})
         images = random_images(args.samples, size=(32, 32))

@@ -6,7 +6,7 @@ Each round starts a fresh interpreter per case and mode and measures the CPU sec
 (`time.process_time`) to import what that process imports before it works: the flow process
 (`unirl.flows.rl`, `mlflow.tracking`) and a worker rank of the qwen3 and of the sd3 family (the worker
 and the modules the family has the rank preload: transformers, diffusers, peft). "on" is
-Python's default, "off" is what stages/startup.py does (the collector off until the imports are
+Python's default, "off" is what stages/runtime/startup.py does (the collector off until the imports are
 done). Medians over the rounds; the modes alternate within a round, so a
 busy machine slows both alike.
 """

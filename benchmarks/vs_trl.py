@@ -66,8 +66,8 @@ def run_trl(sft_dir: Path, recipe, iterations: int, out: Path) -> tuple[list[flo
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from unirl.stages.data import build_prompt_source
     from unirl.stages.models import load_tokenizer
+    from unirl.stages.runtime.data import build_prompt_source
 
     r, a, t = recipe.rollout, recipe.algorithm, recipe.train
     source = build_prompt_source(recipe.data)
@@ -116,9 +116,9 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", help="recipe overrides for both, e.g. rollout.group_size=8")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    from unirl.stages.data import build_prompt_source
     from unirl.stages.models import load_qwen3
     from unirl.stages.recipe import load_recipe
+    from unirl.stages.runtime.data import build_prompt_source
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="unirl-vs-trl-"))
     env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_LOGGING_LEVEL": "WARNING"}

@@ -46,8 +46,8 @@ class LocalTrainer:
 def measure(size: str, weights: str, versions: int, root: Path) -> tuple[float, float, int]:
     from unirl.stages.engines import engines
     from unirl.stages.recipe import build_recipe
-    from unirl.stages.run import initial_weights
-    from unirl.stages.storage import RunStorage
+    from unirl.stages.runtime.run import initial_weights
+    from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.workers.worker import Worker
 
     lora = {"lora": {"rank": 8}} if weights == "lora" else {}

@@ -28,7 +28,7 @@ from prefect.artifacts import (
 )
 
 from unirl.stages.recipe import Recipe
-from unirl.stages.storage import RunStorage, iter_dir, join
+from unirl.stages.runtime.storage import RunStorage, iter_dir, join
 
 # (column, metric key): the columns of the iterations table, in order.
 COLUMNS: tuple[tuple[str, str], ...] = (

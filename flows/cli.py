@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from unirl.stages import startup
+from unirl.stages.runtime import startup
 
-startup.importing()  # until the command's imports are done (stages/startup.py)
+startup.importing()  # until the command's imports are done (stages/runtime/startup.py)
 
 from unirl.stages.recipe import RecipeError, load_recipe  # noqa: E402
 
-# What every run, SFT and evaluation imports once it has started (stages/tracking.py), imported
+# What every run, SFT and evaluation imports once it has started (stages/runtime/tracking.py), imported
 # with the collector still off.
 RUN_IMPORTS = ("mlflow.tracking",)
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         startup.imports_done()
         return node_agent(recipe, args.run_name or recipe.name, args.group)
     if args.command in ("run", "sft"):
-        from unirl.stages.run import check_inputs
+        from unirl.stages.runtime.run import check_inputs
 
         try:
             check_inputs(recipe)  # a bad model folder or data file, before Prefect, MLflow or a model start
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def node_agent(recipe, run_name: str, group: str) -> int:
-    from unirl.stages.storage import RunStorage
+    from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.workers.agent import serve_node
     from unirl.stages.workers.rendezvous import NodeSetupError
 

@@ -9,11 +9,11 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from unirl.flows.console import say
-from unirl.stages.evaluation import PREFIX, eval_dir, has_split
 from unirl.stages.recipe import Recipe
-from unirl.stages.run import open_run
-from unirl.stages.storage import join
-from unirl.stages.tracking import Tracker
+from unirl.stages.runtime.evaluation import PREFIX, eval_dir, has_split
+from unirl.stages.runtime.run import open_run
+from unirl.stages.runtime.storage import join
+from unirl.stages.runtime.tracking import Tracker
 from unirl.stages.workers.group import close_group
 from unirl.tasks.common import close_engine, staged, storage_of
 from unirl.tasks.evaluate import evaluate

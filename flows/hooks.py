@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from unirl.stages.recipe import Recipe
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime.storage import RunStorage
 from unirl.stages.workers.group import close_group
 from unirl.tasks.common import close_engine, stop_producer
 

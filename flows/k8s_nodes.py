@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from unirl.stages.multinode import DEFAULT_RDZV_PORT, RDZV_ENV, SECRET_ENV
+from unirl.stages.runtime.multinode import DEFAULT_RDZV_PORT, RDZV_ENV, SECRET_ENV
 from unirl.stages.workers.rendezvous import HOST_ENV
 
 RDZV_LABEL = "unirl.dev/rdzv"

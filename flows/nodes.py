@@ -13,7 +13,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from unirl.stages.recipe import Recipe
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime.storage import RunStorage
 from unirl.stages.workers.agent import serve_node
 
 

@@ -4,7 +4,7 @@ hands over here), one `pe-iteration` flow run per iteration whose task runs are 
     generate-ar -> generate-diffusion -> compose -> score -> advantage
         -> train-ar, train-diffusion (the parts that train) -> sync-ar, sync-diffusion
 
-Each part is a one-model run of its own under `{run}/parts/<side>` (stages/pipeline.py): its warm
+Each part is a one-model run of its own under `{run}/parts/<side>` (stages/compose/pipeline.py): its warm
 start, checkpoints and weights versions, and its worker group (`pe.placement: separate`) or its
 member of one group that holds both (`shared`). The pipeline run's folder holds the composed
 rollouts, the rewards, the held-out results and `_SUCCESS` per iteration; a run resumes after
@@ -21,11 +21,11 @@ from prefect.settings import temporary_settings
 from unirl.flows.console import Progress, log_to_run_folder, say
 from unirl.flows.evaluate import report_test, summary, test_split
 from unirl.flows.sft import run_sft
-from unirl.stages import pipeline
+from unirl.stages.compose import pipeline
 from unirl.stages.recipe import Recipe
-from unirl.stages.run import initial_weights, open_run, update_run_info
-from unirl.stages.storage import iter_dir, join
-from unirl.stages.tracking import Tracker
+from unirl.stages.runtime.run import initial_weights, open_run, update_run_info
+from unirl.stages.runtime.storage import iter_dir, join
+from unirl.stages.runtime.tracking import Tracker
 from unirl.stages.train.manifests import MANIFEST
 from unirl.stages.workers.group import SharedGroup, close_group, share_group
 from unirl.tasks.common import announce, close_engine, run_tags, staged, storage_of
@@ -182,7 +182,7 @@ def held_out(recipe: Recipe, run_name: str, version: int, tracker: Tracker, labe
 def rewrite_table(storage: Any, composed: list[str], rewards: str, grid: str) -> dict[str, list[Any]]:
     """Every composed row of an iteration as a table row: the user's prompt, the rewrite beside it,
     the reward of its image, and the grid artifact that shows the first images."""
-    from unirl.stages.sample import read_rollouts, read_shard, scoring_view
+    from unirl.stages.runtime.sample import read_rollouts, read_shard, scoring_view
 
     table = scoring_view(read_rollouts(storage, composed, columns=["sample_id", "prompt", "text"]))
     shard = read_shard(storage, rewards, "rewards")

@@ -28,7 +28,7 @@ from pydantic import Field
 from unirl.flows.hooks import stop_matching_workers
 from unirl.flows.rl import rl_train
 from unirl.stages.recipe import Recipe
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime.storage import RunStorage
 from unirl.stages.train.manifests import MANIFEST, verify_weights_dir
 
 

@@ -22,15 +22,15 @@ from unirl.flows.console import Progress, log_to_run_folder, say
 from unirl.flows.evaluate import eval_artifact, report_test, summary, test_split
 from unirl.flows.hooks import stop_worker_group
 from unirl.flows.sft import run_sft
-from unirl.stages.data import build_prompt_source
-from unirl.stages.evaluation import eval_dir
-from unirl.stages.faults import fault_point
-from unirl.stages.lease import RunLease
 from unirl.stages.policies import policy_for
 from unirl.stages.recipe import Recipe
-from unirl.stages.run import initial_weights, open_run, update_run_info
-from unirl.stages.storage import iter_dir, join
-from unirl.stages.tracking import Tracker
+from unirl.stages.runtime.data import build_prompt_source
+from unirl.stages.runtime.evaluation import eval_dir
+from unirl.stages.runtime.faults import fault_point
+from unirl.stages.runtime.lease import RunLease
+from unirl.stages.runtime.run import initial_weights, open_run, update_run_info
+from unirl.stages.runtime.storage import iter_dir, join
+from unirl.stages.runtime.tracking import Tracker
 from unirl.stages.train.manifests import MANIFEST
 from unirl.stages.workers.group import close_group
 from unirl.tasks.advantage import advantage

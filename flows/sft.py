@@ -19,14 +19,14 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from unirl.flows.console import say
-from unirl.stages.faults import fault_point
+from unirl.stages.compose.unified import write_sft_data as unified_sft_data
 from unirl.stages.recipe import Recipe
-from unirl.stages.run import materialize_model, open_run, update_run_info
-from unirl.stages.sft import write_sft_data
-from unirl.stages.storage import RunStorage, join
-from unirl.stages.tracking import Tracker
+from unirl.stages.runtime.faults import fault_point
+from unirl.stages.runtime.run import materialize_model, open_run, update_run_info
+from unirl.stages.runtime.storage import RunStorage, join
+from unirl.stages.runtime.tracking import Tracker
 from unirl.stages.train.manifests import MANIFEST, write_weights_dir
-from unirl.stages.unified import write_sft_data as unified_sft_data
+from unirl.stages.train.sft import write_sft_data
 from unirl.stages.workers.group import WorkerGroup
 from unirl.tasks.common import announce, node_launcher
 
@@ -83,7 +83,7 @@ def sft(recipe: Recipe, run_name: str = "") -> dict[str, Any]:
     if recipe.sft is None:
         raise ValueError("the recipe has no `sft` section; add one (see recipes/ar/quickstart.yaml)")
     run_name = run_name or recipe.name
-    from unirl.stages.lease import RunLease
+    from unirl.stages.runtime.lease import RunLease
 
     with RunLease(RunStorage(recipe.storage.root, run_name, recipe.storage.options), log=lambda m: say(f"[unirl] {m}")):
         storage, info = open_run(recipe, run_name)

@@ -5,7 +5,7 @@ stage's:
     generate-ar (plans) -> generate-diffusion (images) -> compose -> score -> advantage
         -> train (the joint step: both stages' losses, one optimizer step) -> sync
 
-One run, one worker group and one line of weights versions (stages/unified.py); the warm start is
+One run, one worker group and one line of weights versions (stages/compose/unified.py); the warm start is
 the joint SFT of both stages. A run resumes after its last finished iteration, and every task
 returns its committed output instead of redoing it.
 """
@@ -19,10 +19,10 @@ from prefect import flow
 from unirl.flows.console import say
 from unirl.flows.pe import run_stages
 from unirl.flows.sft import run_sft
-from unirl.stages import pipeline
+from unirl.stages.compose import pipeline
 from unirl.stages.recipe import Recipe
-from unirl.stages.run import initial_weights
-from unirl.stages.tracking import Tracker
+from unirl.stages.runtime.run import initial_weights
+from unirl.stages.runtime.tracking import Tracker
 from unirl.tasks.common import staged
 from unirl.tasks.score import score
 from unirl.tasks.sync import sync

@@ -19,10 +19,10 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from unirl.stages.algorithms.base import algorithms
-from unirl.stages.config_base import EMAConfig, Section
 from unirl.stages.models.family import families
-from unirl.stages.multinode import AgentsConfig, RendezvousConfig, multinode_errors
 from unirl.stages.policies import policies
+from unirl.stages.runtime.config_base import EMAConfig, Section
+from unirl.stages.runtime.multinode import AgentsConfig, RendezvousConfig, multinode_errors
 from unirl.stages.sources import sources
 
 
@@ -216,7 +216,7 @@ def _fill_rollout_kind(data: Any) -> Any:
 
 class PipelinePart(Section):
     """One part of a prompt-enhancer pipeline: its own model family, sampling, algorithm,
-    optimizer and warm start, trained by its own worker group (stages/pipeline.py)."""
+    optimizer and warm start, trained by its own worker group (stages/compose/pipeline.py)."""
 
     model: ModelConfig = Field(description="The part's model (its family decides its policy: text or flow).")
     rollout: RolloutConfig | None = Field(
@@ -252,7 +252,7 @@ class PipelineConfig(Section):
 
 
 class UnifiedStage(Section):
-    """One stage of a unified model (stages/unified.py): how it samples, its policy loss, the records
+    """One stage of a unified model (stages/compose/unified.py): how it samples, its policy loss, the records
     of its share of the joint warm start and the weight of its loss in the joint step."""
 
     rollout: RolloutConfig | None = Field(
@@ -334,14 +334,14 @@ class Recipe(Section):
         """Every rule that needs two sections at once, so `unirl validate` finds what the run would
         otherwise meet inside the worker group; all problems are reported together."""
         if self.pe is not None:
-            from unirl.stages.pipeline import pipeline_errors
+            from unirl.stages.compose.pipeline import pipeline_errors
 
             errors = pipeline_errors(self)
             if errors:
                 raise ValueError("\n".join(errors))
             return self
         if self.unified is not None:
-            from unirl.stages.unified import unified_errors
+            from unirl.stages.compose.unified import unified_errors
 
             errors = unified_errors(self)
             if errors:
@@ -463,7 +463,7 @@ def check_run_name(name: str, field: str) -> str:
 def credential_errors(recipe: Recipe) -> list[str]:
     """A credential written into a recipe would end up in recipe.yaml, MLflow params and the
     Prefect UI: refuse it, naming the field and where it belongs instead."""
-    from unirl.stages.secrets import literal_secrets, redact_url
+    from unirl.stages.runtime.secrets import literal_secrets, redact_url
 
     where = "set it in the environment (AWS_* variables, a remote scorer's token_env, MLFLOW_TRACKING_* ...) or a Prefect Secret block"
     data = recipe.model_dump(mode="json")

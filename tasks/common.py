@@ -12,7 +12,7 @@ from prefect.settings import get_current_settings
 from unirl.flows.console import say
 from unirl.stages.engines import RolloutEngine, engines
 from unirl.stages.recipe import Recipe
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime.storage import RunStorage
 from unirl.stages.workers.group import NodeLauncher, WorkerGroup, get_group
 from unirl.stages.workers.rendezvous import GroupPlan, NodeSetupError
 
@@ -105,7 +105,7 @@ _PRODUCERS: dict[str, Any] = {}
 def start_producer(recipe: Recipe, run_name: str, storage: RunStorage) -> None:
     """Start the async run's producer process (its own `rl-producer` flow run on this Prefect
     API); it dies with this process."""
-    from unirl.stages.producer_process import ProducerProcess
+    from unirl.stages.runtime.producer_process import ProducerProcess
 
     url = get_current_settings().api.url
     if url is None:  # the ephemeral API of `unirl run`: the producer reports to the same server

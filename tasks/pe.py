@@ -1,4 +1,4 @@
-"""The prompt-enhancer pipeline's own tasks (stages/pipeline.py): each part's generate (the ar part
+"""The prompt-enhancer pipeline's own tasks (stages/compose/pipeline.py): each part's generate (the ar part
 from the user's prompts, the diffusion part from the rewrites), compose, and the per-part
 advantages. Score, train and sync are the one-model tasks, run on the pipeline (score) or a
 part's recipe and run (train, sync), each under its part's name in the flow run."""
@@ -9,10 +9,10 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from unirl.stages import iteration as it
-from unirl.stages import pipeline
+from unirl.stages.compose import pipeline
 from unirl.stages.recipe import Recipe
-from unirl.stages.storage import iter_dir, join
+from unirl.stages.runtime import iteration as it
+from unirl.stages.runtime.storage import iter_dir, join
 from unirl.tasks.common import engine_of, say_retry, storage_of
 
 
@@ -69,7 +69,7 @@ def evaluate_pipeline(recipe: Recipe, run_name: str, version: int, split: str = 
     part's is 0): `greedy` is the greedy rewrite drawn by the ODE sampler, `sampled` is `eval.k`
     sampled rewrites per prompt, one sampled image each; both scored on the composed rows
     (eval/vNNNNNN/<name>/composed.arrow) by the eval scorer, against the user's intent."""
-    from unirl.stages.evaluation import eval_dir
+    from unirl.stages.runtime.evaluation import eval_dir
 
     storage = storage_of(recipe, run_name)
     rel = join(eval_dir(version, split), "metrics.json")
@@ -95,7 +95,7 @@ def evaluate_composed(recipe: Recipe, storage: Any, version: int, ar: Recipe, st
     both composed (eval/vNNNNNN/<name>/composed.arrow) and scored by the eval scorer against the
     user's intent. `draw(side, requests, folder, greedy)` samples a stage's requests into files
     of `stores[side]`; `ar` is the text stage's recipe (its held-out prompts)."""
-    from unirl.stages.evaluation import eval_dir, eval_metrics, write_eval_requests
+    from unirl.stages.runtime.evaluation import eval_dir, eval_metrics, write_eval_requests
 
     outputs = {}
     for name, size, greedy in (("greedy", 1, True), ("sampled", recipe.eval.k, False)):

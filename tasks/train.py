@@ -10,9 +10,9 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from unirl.stages import iteration as it
 from unirl.stages.recipe import Recipe
-from unirl.stages.storage import iter_dir, join
+from unirl.stages.runtime import iteration as it
+from unirl.stages.runtime.storage import iter_dir, join
 from unirl.tasks.common import engine_of, group_of, say_retry, storage_of
 
 

@@ -1,4 +1,4 @@
-"""A unified model's own tasks (stages/unified.py): each stage's generate on the one worker group
+"""A unified model's own tasks (stages/compose/unified.py): each stage's generate on the one worker group
 (plans from the user's prompts, images from the plans), compose, both stages' advantages in one
 file, and held-out evaluation. Score, train and sync are the one-model tasks on the unified
 recipe: its train step is the joint one."""
@@ -9,12 +9,12 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from unirl.stages import iteration as it
-from unirl.stages import pipeline
+from unirl.stages.compose import pipeline
+from unirl.stages.compose.unified import stage_recipe
 from unirl.stages.recipe import Recipe
-from unirl.stages.sample import table_from_rows, write_shard
-from unirl.stages.storage import iter_dir, join
-from unirl.stages.unified import stage_recipe
+from unirl.stages.runtime import iteration as it
+from unirl.stages.runtime.sample import table_from_rows, write_shard
+from unirl.stages.runtime.storage import iter_dir, join
 from unirl.tasks.common import group_of, say_retry, storage_of
 from unirl.tasks.pe import evaluate_composed
 
@@ -75,7 +75,7 @@ def advantages(recipe: Recipe, run_name: str, iteration: int, composed: list[str
 def evaluate_unified(recipe: Recipe, run_name: str, version: int, split: str = "dev") -> dict[str, Any]:
     """Held-out results at `version`: the greedy plan drawn by the ODE sampler, and `eval.k`
     sampled plans with one sampled image each, scored against the user's intent."""
-    from unirl.stages.evaluation import eval_dir
+    from unirl.stages.runtime.evaluation import eval_dir
 
     storage = storage_of(recipe, run_name)
     rel = join(eval_dir(version, split), "metrics.json")

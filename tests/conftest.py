@@ -16,11 +16,11 @@ REPO = Path(__file__).resolve().parents[1]
 # An environment with PYTHONDONTWRITEBYTECODE would have every process compile every module anew.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
-# Every process the suite starts records the recipe fields its run code reads (stages/config_base.py);
+# Every process the suite starts records the recipe fields its run code reads (stages/runtime/config_base.py);
 # `pytest_sessionfinish` below fails the whole suite on a field no run read (tests/recipe_fields.py).
 os.environ.setdefault("UNIRL_FIELD_TRACE", tempfile.mkdtemp(prefix="unirl-field-trace-"))
 # Tiny models are built once per `model:` section for the whole session, in every process the
-# suite starts (stages/run.py `materialize_model`); a run's weights v000000 are copied from there.
+# suite starts (stages/runtime/run.py `materialize_model`); a run's weights v000000 are copied from there.
 os.environ.setdefault("UNIRL_TINY_CACHE", tempfile.mkdtemp(prefix="unirl-tiny-cache-"))
 TINY = REPO / "recipes" / "ar" / "tiny.yaml"
 

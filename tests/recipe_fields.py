@@ -2,7 +2,7 @@
 only validators and tests read (the run behaves the same whatever it holds).
 
 Every process of the test session (each pytest worker, each `unirl` run, each worker rank)
-records the recipe fields its run code reads (stages/config_base.py, on while UNIRL_FIELD_TRACE
+records the recipe fields its run code reads (stages/runtime/config_base.py, on while UNIRL_FIELD_TRACE
 is set, which tests/conftest.py does): code in flows/, tasks/ and stages/, not under validation
 (pydantic's validators, `check(cls, recipe)`, `*_errors`), not tests/ (tests/test_recipe_fields.py
 says so). When the whole suite has run, tests/conftest.py's `pytest_sessionfinish` (in the
@@ -22,8 +22,8 @@ TAGS = {"kind", "name"}
 
 def section_fields() -> set[str]:
     """"Section.field" of every recipe section reachable from Recipe."""
-    from unirl.stages.config_base import field_key
     from unirl.stages.recipe import Recipe, _union_members
+    from unirl.stages.runtime.config_base import field_key
 
     seen, out, todo = set(), set(), [Recipe]
     while todo:
@@ -43,7 +43,7 @@ def dump_reads(trace: Path) -> None:
     """Write what this process read so far (a pytest worker, before it exits)."""
     import os
 
-    from unirl.stages.config_base import FIELDS_READ
+    from unirl.stages.runtime.config_base import FIELDS_READ
 
     trace.mkdir(parents=True, exist_ok=True)
     (trace / f"pytest-{os.getpid()}.json").write_text(json.dumps(sorted(FIELDS_READ)))
@@ -51,7 +51,7 @@ def dump_reads(trace: Path) -> None:
 
 def unread_fields(trace: Path) -> list[str]:
     """Recipe fields no process of the session read."""
-    from unirl.stages.config_base import FIELDS_READ
+    from unirl.stages.runtime.config_base import FIELDS_READ
 
     read = set(FIELDS_READ)
     for path in trace.glob("*.json"):

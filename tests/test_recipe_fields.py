@@ -1,11 +1,11 @@
-"""The recipe-field trace (stages/config_base.py) counts the run's reads, not the checks': a field
+"""The recipe-field trace (stages/runtime/config_base.py) counts the run's reads, not the checks': a field
 only validators or tests read must come out unread (tests/recipe_fields.py)."""
 from __future__ import annotations
 
 from pydantic import BaseModel
 
-from unirl.stages.config_base import FIELDS_READ, Section
 from unirl.stages.recipe import build_recipe
+from unirl.stages.runtime.config_base import FIELDS_READ, Section
 
 FIELD = "EvalConfig.scorer"  # read by the validators (Recipe.scorer_errors) and by Recipe.eval_scorer
 

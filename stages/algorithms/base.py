@@ -22,8 +22,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from unirl.stages.config_base import Section
-from unirl.stages.registry import Registry
+from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.registry import Registry
 
 algorithms: Registry[type[Algorithm]] = Registry("algorithm", "unirl.stages.algorithms", "algorithm.name")
 

@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from unirl.stages.config_base import Section
+from unirl.stages.runtime.config_base import Section
 
 # exp() of a log-ratio beyond this is inf in float32; the weights are capped or masked anyway.
 LOG_RATIO_LIMIT = 80.0

@@ -18,7 +18,7 @@ from pydantic import Field
 from unirl.stages.algorithms.aggregate import LossOutput, aggregate, loss_metrics, prepare
 from unirl.stages.algorithms.base import algorithms
 from unirl.stages.algorithms.policy_gradient import TokenPolicyGradient
-from unirl.stages.config_base import Section
+from unirl.stages.runtime.config_base import Section
 
 LOG_RATIO_LIMIT = 20.0
 

@@ -18,7 +18,7 @@ from unirl.stages.algorithms.aggregate import LossOutput, loss_metrics
 from unirl.stages.algorithms.base import TrainContext, algorithms
 from unirl.stages.algorithms.flow_grpo import check_step_logps, step_advantages
 from unirl.stages.algorithms.flow_likelihood import FlowLikelihood, transition_means
-from unirl.stages.config_base import Section
+from unirl.stages.runtime.config_base import Section
 
 
 def flow_dppo_loss(

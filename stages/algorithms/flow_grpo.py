@@ -15,7 +15,7 @@ from pydantic import Field
 from unirl.stages.algorithms.aggregate import LossOutput, loss_metrics
 from unirl.stages.algorithms.base import algorithms
 from unirl.stages.algorithms.flow_likelihood import FlowLikelihood
-from unirl.stages.config_base import Section
+from unirl.stages.runtime.config_base import Section
 
 
 def step_advantages(adv: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:

@@ -14,7 +14,7 @@ from pydantic import Field
 from unirl.stages.algorithms.aggregate import LossOutput, aggregate, loss_metrics, prepare
 from unirl.stages.algorithms.base import algorithms
 from unirl.stages.algorithms.policy_gradient import TokenPolicyGradient
-from unirl.stages.config_base import Section
+from unirl.stages.runtime.config_base import Section
 
 
 def grpo_loss(

@@ -15,8 +15,8 @@ from pydantic import Field
 
 from unirl.stages.algorithms.aggregate import LossOutput
 from unirl.stages.algorithms.base import Algorithm, TrainContext, algorithms
-from unirl.stages.config_base import Section
-from unirl.stages.seeds import derive_seed
+from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.seeds import derive_seed
 
 
 def nft_loss(

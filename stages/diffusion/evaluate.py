@@ -4,7 +4,7 @@ with the deterministic ODE sampler from fixed noise, decode, and score with the 
     python -m unirl.stages.diffusion.evaluate WEIGHTS_DIR [--family sd3] [--prompts 64] [--samples 2] [--seed 0] [--steps 10]
 
 prints one JSON line: strict (the GenEval score, in [0, 1]) and its components, overall and per
-prompt kind. The held-out prompts are `unirl.stages.geneval.sample_prompts(n, seed, "heldout")`, which
+prompt kind. The held-out prompts are `unirl.stages.toys.geneval.sample_prompts(n, seed, "heldout")`, which
 no training stream ever yields.
 """
 from __future__ import annotations
@@ -20,13 +20,13 @@ import torch
 
 from unirl.stages.diffusion.model import PromptCache, bind
 from unirl.stages.diffusion.sampling import make_plan, sample
-from unirl.stages.sde import initial_noise
+from unirl.stages.diffusion.sde import initial_noise
 
 EVAL_SEED = 20250
 
 
 def heldout_prompts(n: int, seed: int = EVAL_SEED) -> list[str]:
-    from unirl.stages.geneval import sample_prompts
+    from unirl.stages.toys.geneval import sample_prompts
 
     return sample_prompts(n, seed, split="heldout")
 
@@ -52,7 +52,7 @@ def generate_images(family: Any, bundle: Any, prompts: list[str], sampler: Any, 
 
 def geneval_report(images: np.ndarray, prompts: list[str]) -> dict[str, float]:
     """Mean strict score and components, overall and per prompt kind (`strict/<kind>`)."""
-    from unirl.stages.geneval import parse_prompt, score
+    from unirl.stages.toys.geneval import parse_prompt, score
 
     scores = [score(im, p) for im, p in zip(images, prompts)]
     report = {k: float(np.mean([getattr(s, k) for s in scores])) for k in ("strict", "object", "colour", "count", "position")}

@@ -9,8 +9,8 @@ import io
 import textwrap
 from typing import Any
 
-from unirl.stages.sample import read_rollouts, read_shard, scoring_view
-from unirl.stages.storage import RunStorage, join
+from unirl.stages.runtime.sample import read_rollouts, read_shard, scoring_view
+from unirl.stages.runtime.storage import RunStorage, join
 
 
 def image_grid(pngs: list[bytes], captions: list[str], *, columns: int = 4, cell: int = 128) -> Any:
@@ -77,7 +77,7 @@ def rollout_grid(storage: RunStorage, rollouts: list[str], rewards: str | None =
 def log_grid(tracker: Any, step: int, grid: Any, key: str) -> str:
     """Log a grid (a PIL image, or a list of frames: an animated GIF) to MLflow under `key`."""
     if isinstance(grid, list):
-        from unirl.stages.media import to_gif
+        from unirl.stages.runtime.media import to_gif
 
         return tracker.log_bytes(step, to_gif(grid), key, "gif")
     return tracker.log_image(step, grid, key)
@@ -94,7 +94,7 @@ def log_iteration_grid(tracker: Any, storage: RunStorage, iteration: int) -> str
 
 def log_eval_grid(tracker: Any, storage: RunStorage, version: int) -> str | None:
     """Log the held-out greedy samples of policy `version` (eval/vNNNNNN/greedy) to MLflow."""
-    from unirl.stages.evaluation import eval_dir
+    from unirl.stages.runtime.evaluation import eval_dir
 
     folder = join(eval_dir(version), "greedy")
     names = [f for f in storage.files(folder) if f.endswith(".arrow")]

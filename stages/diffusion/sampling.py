@@ -1,14 +1,14 @@
 """The sampling plan of an iteration and the sampling loop over a velocity model.
 
 A plan is the sigma schedule (T+1 values from 1 to 0) and the SDE steps of the iteration
-(`unirl.stages.sde.select_sde_steps`); every other step is an ODE (Euler) step. The loop stores x only
+(`unirl.stages.diffusion.sde.select_sde_steps`); every other step is an ODE (Euler) step. The loop stores x only
 at the steps training needs (`stored_steps`) and records, for each SDE step, the log-probability
-that `unirl.stages.sde.sde_step` gives the sampled transition. Training replays those transitions with
+that `unirl.stages.diffusion.sde.sde_step` gives the sampled transition. Training replays those transitions with
 `replay_step`, which calls the same kernel on the same inputs, so with the same weights and the
 same batch the replayed log-prob equals the recorded one bit for bit: the first on-policy ratio
 is exactly 1.
 
-Randomness: the initial noise comes from `unirl.stages.sde.initial_noise` (per group or per sample) and
+Randomness: the initial noise comes from `unirl.stages.diffusion.sde.initial_noise` (per group or per sample) and
 every sample draws its SDE noise from its own generator (`noise_seed`), so a sample does not
 depend on the batch or the rank that made it.
 """
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from unirl.stages.sde import SDEStepOutput, dynamic_shift, sde_step, select_sde_steps, shifted_sigmas, time_shift_sigmas
-from unirl.stages.seeds import derive_seed
+from unirl.stages.diffusion.sde import SDEStepOutput, dynamic_shift, sde_step, select_sde_steps, shifted_sigmas, time_shift_sigmas
+from unirl.stages.runtime.seeds import derive_seed
 
 # v = velocity(x (B, *latent), sigma (B,)) -> (B, *latent) float32; the prompts are bound inside.
 Velocity = Callable[[Tensor, Tensor], Tensor]
@@ -55,7 +55,7 @@ def make_plan(sampler: Any, *, seed: int, iteration: int, latent_tokens: int, de
               mu: Callable[[int, int], float] | None = None) -> Plan:
     """The plan of `iteration` from a `DiffusionSampler` section. `latent_tokens` (transformer
     tokens of one image or clip) sets the shift when `sampler.dynamic_shift`, through the family's
-    `mu(tokens, num_steps)` (default `unirl.stages.sde.dynamic_shift`). The `window` draw uses a generator
+    `mu(tokens, num_steps)` (default `unirl.stages.diffusion.sde.dynamic_shift`). The `window` draw uses a generator
     seeded from (seed, iteration). `deterministic`: an ODE plan (evaluation)."""
     t = sampler.num_steps
     if sampler.dynamic_shift:

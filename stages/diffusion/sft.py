@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from unirl.stages.diffusion.sampling import Velocity
-from unirl.stages.sde import shift_sigmas
-from unirl.stages.seeds import derive_seed
+from unirl.stages.diffusion.sde import shift_sigmas
+from unirl.stages.runtime.seeds import derive_seed
 
 # ---------------------------------------------------------------- records
 
@@ -29,7 +29,7 @@ def geneval_records(n: int, *, seed: int, image_size: int, kinds: tuple[str, ...
     """`n` toy-GenEval training records {prompt, media_png}: prompts of the train split (never
     the held-out one) of `kinds` (default: all), each rendered with its own layout; `noise` of
     them show one object group in a colour the prompt does not say (make_examples)."""
-    from unirl.stages.geneval import make_examples
+    from unirl.stages.toys.geneval import make_examples
 
     out = []
     for ex in make_examples(n, seed, split="train", size=image_size, kinds=kinds, noise=noise):

@@ -1,4 +1,4 @@
-"""The latent segment of a rollout row (stages/sample.py `SEGMENT_COLUMNS["latent"]`) to and
+"""The latent segment of a rollout row (stages/runtime/sample.py `SEGMENT_COLUMNS["latent"]`) to and
 from tensors.
 
 Per sample: `sigmas` (T+1), `sde_indices` (K), `latents` = x at the stored steps flattened, with
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from unirl.stages.diffusion.sampling import Plan, stored_steps
-from unirl.stages.sample import ShardSchemaError, list_column
+from unirl.stages.runtime.sample import ShardSchemaError, list_column
 
 
 def latent_rows(traj_latents: Tensor, logprobs: Tensor, plan: Plan) -> list[dict[str, Any]]:

@@ -34,7 +34,7 @@ def serve(recipe: Any, weights: str, version: str, *, host: str, port: int, toke
 
     from unirl.stages.engine_server.app import create_app
     from unirl.stages.engine_server.core import EngineCore
-    from unirl.stages.secrets import RedactingFilter
+    from unirl.stages.runtime.secrets import RedactingFilter
 
     torch.set_num_threads(max(1, threads))
     core = EngineCore(recipe, weights, version)

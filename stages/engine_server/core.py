@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from unirl.stages.weights_checksum import tensors_checksum
+from unirl.stages.runtime.weights_checksum import tensors_checksum
 
 
 class EngineRequestError(ValueError):
@@ -140,7 +140,7 @@ class EngineCore:
             self.policy.prompts._cache.clear()  # conditioning of the old weights' text encoders
 
     def checksum(self, module_names: list[str] | None) -> dict[str, str]:
-        """sha256 of what is loaded (stages/weights_checksum.py): "model" (the served module's
+        """sha256 of what is loaded (stages/runtime/weights_checksum.py): "model" (the served module's
         weights, under the names of the published files) or a LoRA adapter's name."""
         out = {}
         with self.lock:

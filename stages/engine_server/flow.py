@@ -1,7 +1,7 @@
 """Flow-model rollouts of the engine server: SGLang diffusion's POST /rollout/generate
 (`RolloutRequest` -> a list of `RolloutResponse`, msgpack, tensors as safetensors bytes), sampled
 with the flow policy's own pieces: its prompt conditioning and velocity (stages/policies/flow.py),
-the sampling loop and SDE kernels (stages/diffusion/sampling.py, stages/sde.py), the family's
+the sampling loop and SDE kernels (stages/diffusion/sampling.py, stages/diffusion/sde.py), the family's
 decoder.
 
 Replaying a stored transition gives the recorded log-prob bit for bit only when the velocity saw
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from unirl.stages.engine_server.core import EngineCore, EngineRequestError
-from unirl.stages.seeds import derive_seed
+from unirl.stages.runtime.seeds import derive_seed
 
 # SGLang's rollout_sde_type -> our SDE kernel (DESIGN.md section 5).
 SDE_KINDS = {"sde": "flow", "cps": "cps", "ode": "ode"}
@@ -85,7 +85,7 @@ class FlowBackend:
 
     def _plan(self, body: dict[str, Any], policy: Any) -> Any:
         from unirl.stages.diffusion.sampling import Plan
-        from unirl.stages.sde import dynamic_shift, shifted_sigmas, time_shift_sigmas
+        from unirl.stages.diffusion.sde import dynamic_shift, shifted_sigmas, time_shift_sigmas
 
         sampler = policy.sampler
         steps = int(body.get("num_inference_steps") or sampler.num_steps)
@@ -110,7 +110,7 @@ class FlowBackend:
 
     def _sample(self, batch: list[FlowRequest]) -> None:
         from unirl.stages.diffusion.sampling import sample
-        from unirl.stages.faults import fault_point
+        from unirl.stages.runtime.faults import fault_point
 
         core = self.core
         core.wait_running()

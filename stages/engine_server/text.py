@@ -117,8 +117,8 @@ class TextBackend:
                         r.future.set_exception(exc)
 
     def _run(self, batch: list[TextRequest]) -> None:
-        from unirl.stages.faults import fault_point
         from unirl.stages.policies.text_sampling import sample
+        from unirl.stages.runtime.faults import fault_point
 
         fault_point("engine-generate", owner=False)  # the engine killed mid-generate (benchmarks/faults.py)
         core = self.core

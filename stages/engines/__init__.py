@@ -20,8 +20,8 @@ from typing import Annotated, Any, ClassVar, Union
 
 from pydantic import Field
 
-from unirl.stages.config_base import Section
-from unirl.stages.registry import Registry
+from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.registry import Registry
 
 engines: Registry[type[RolloutEngine]] = Registry("rollout engine", "unirl.stages.engines", "rollout.engine.name")
 

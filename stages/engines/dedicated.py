@@ -20,9 +20,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from unirl.stages.config_base import Section
 from unirl.stages.engines import RolloutEngine
 from unirl.stages.engines.client import EngineClient, EngineError
+from unirl.stages.runtime.config_base import Section
 
 
 class EngineVersionError(EngineError):
@@ -147,8 +147,8 @@ class DedicatedEngine(RolloutEngine):
     def generate(self, requests: str, out_dir: str, iteration: int, policy_version: int, *,
                  greedy: bool = False, seed_tag: str = "") -> dict[str, Any]:
         from unirl.stages.algorithms.base import algorithms
-        from unirl.stages.sample import read_shard, table_from_rows, write_shard
-        from unirl.stages.storage import join
+        from unirl.stages.runtime.sample import read_shard, table_from_rows, write_shard
+        from unirl.stages.runtime.storage import join
 
         start = time.perf_counter()
         client = self.ensure(policy_version)
@@ -244,7 +244,7 @@ class DedicatedEngine(RolloutEngine):
     def publish_for(self, trainer: Any, version: int) -> str:
         """What the engine loads for `version` (weights/vN, or adapters/vN with LoRA sync),
         published through the trainer unless it is already: every rank gathers, rank 0 writes."""
-        from unirl.stages.storage import join
+        from unirl.stages.runtime.storage import join
         from unirl.stages.train.manifests import MANIFEST
 
         lora = self.cfg.sync.weights == "lora" and version > 0

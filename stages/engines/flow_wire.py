@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from unirl.stages.engines.client import EngineClient, EngineError, tensor_from_wire
-from unirl.stages.seeds import derive_seed
+from unirl.stages.runtime.seeds import derive_seed
 
 # Our SDE kernel -> SGLang's rollout_sde_type (the dance kernel is ours: sent as an extra).
 SDE_TYPES = {"flow": "sde", "cps": "cps", "ode": "ode"}
@@ -48,8 +48,8 @@ class FlowWire:
                 greedy: bool, lora: str | None, transitions: bool) -> list[dict[str, Any]]:
         from unirl.stages.diffusion.sampling import Plan, make_plan, stored_steps
         from unirl.stages.diffusion.trajectory import latent_rows
-        from unirl.stages.media import to_png_bytes
-        from unirl.stages.seeds import derive_seed as seed_of
+        from unirl.stages.runtime.media import to_png_bytes
+        from unirl.stages.runtime.seeds import derive_seed as seed_of
         from unirl.stages.train.stack import micro_batches
 
         sampler, t = self.recipe.rollout.sampler, self.recipe.train

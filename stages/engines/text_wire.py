@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from unirl.stages.engines.client import EngineClient, EngineError, finish_reason
-from unirl.stages.seeds import derive_seed
+from unirl.stages.runtime.seeds import derive_seed
 
 
 class TextWire:

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from unirl.stages.config_base import Section
 from unirl.stages.engines import RolloutEngine, engines
+from unirl.stages.runtime.config_base import Section
 
 
 class TrainsideConfig(Section):

@@ -20,8 +20,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, ClassVar
 
-from unirl.stages.config_base import Section
-from unirl.stages.registry import Registry
+from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.registry import Registry
 
 families: Registry[type[Family]] = Registry("model family", "unirl.stages.models", "model.kind")
 
@@ -42,7 +42,7 @@ class Family:
     produces: ClassVar[tuple[str, ...]]
     lora_targets: ClassVar[tuple[str, ...]] = ()
     # Whether its prompts carry images (vision-language models): requests and rollouts then hold
-    # each prompt's PNG bytes and patch grids (stages/images.py).
+    # each prompt's PNG bytes and patch grids (stages/runtime/images.py).
     takes_images: ClassVar[bool] = False
     # Modules `load` imports (the model classes: seconds each on a small machine); a worker group
     # launched ahead of its spec imports them while it waits (WorkerGroup.prewarm).

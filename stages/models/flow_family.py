@@ -32,9 +32,9 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field
 
-from unirl.stages.config_base import LoraConfig, Section
 from unirl.stages.models.family import Family
 from unirl.stages.models.flow_geometry import FlowGeometry
+from unirl.stages.runtime.config_base import LoraConfig, Section
 
 # ---------------------------------------------------------------------------- shared recipe sections
 
@@ -229,7 +229,7 @@ class FlowFamily(Family):
     @classmethod
     def dynamic_mu(cls, bundle: Any, tokens: int, num_steps: int) -> float:
         """mu of the resolution-dependent shift (`rollout.sampler.dynamic_shift`)."""
-        from unirl.stages.sde import dynamic_shift
+        from unirl.stages.diffusion.sde import dynamic_shift
 
         return dynamic_shift(tokens)
 

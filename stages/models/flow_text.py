@@ -26,8 +26,8 @@ CHAT_TEMPLATE = (
 
 def toy_words() -> tuple[str, ...]:
     """The toy tasks' vocabulary (toy GenEval, toy video), one token each in the tiny tokenizer."""
-    from unirl.stages.geneval.dataset import WORDS
-    from unirl.stages.videotoy.dataset import WORDS as VIDEO_WORDS
+    from unirl.stages.toys.geneval.dataset import WORDS
+    from unirl.stages.toys.videotoy.dataset import WORDS as VIDEO_WORDS
 
     return tuple(dict.fromkeys((*WORDS, *VIDEO_WORDS)))
 

@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from unirl.stages.config_base import LoraConfig, Section
 from unirl.stages.models.family import Family, families
+from unirl.stages.runtime.config_base import LoraConfig, Section
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 

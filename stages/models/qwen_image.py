@@ -140,7 +140,7 @@ class QwenImage(FlowFamily):
 
     @classmethod
     def dynamic_mu(cls, bundle: FlowBundle, tokens: int, num_steps: int) -> float:
-        from unirl.stages.sde import dynamic_shift
+        from unirl.stages.diffusion.sde import dynamic_shift
 
         s = bundle.settings["scheduler"]
         return dynamic_shift(tokens, base_seq_len=s.get("base_image_seq_len", 256), max_seq_len=s.get("max_image_seq_len", 4096),

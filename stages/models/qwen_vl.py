@@ -1,7 +1,7 @@
 """What the Qwen-VL families (`qwen2_5_vl`, `qwen3_vl`) share: a vision-language model
 (transformers' *ForConditionalGeneration: a vision tower whose merged patch features replace the
 image placeholder tokens of the prompt, then a decoder-only language model) run as the
-autoregressive `text` policy, its prompts conditioned on images (stages/images.py).
+autoregressive `text` policy, its prompts conditioned on images (stages/runtime/images.py).
 
 Each family file supplies its model class and how its tiny seeded config is built; this base
 loads a local Hugging Face folder (config.json, safetensors, tokenizer, preprocessor_config.json)
@@ -21,9 +21,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from unirl.stages.config_base import LoraConfig, Section
 from unirl.stages.models.family import Family
 from unirl.stages.models.tokenizer import CHARSET
+from unirl.stages.runtime.config_base import LoraConfig, Section
 
 
 class TinyVLText(Section):

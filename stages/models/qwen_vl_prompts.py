@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from unirl.stages.images import ImageError, decode
+from unirl.stages.runtime.images import ImageError, decode
 
 QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                  "<|image_pad|>", "<|video_pad|>")

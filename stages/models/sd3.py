@@ -18,12 +18,12 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from unirl.stages.config_base import Section
 from unirl.stages.models.family import families
 from unirl.stages.models.flow_family import FlowFamily, FlowModelBase
 from unirl.stages.models.flow_geometry import FlowGeometry, check_image_side
 from unirl.stages.models.flow_vae import ShiftScale
 from unirl.stages.models.sd3_text import DEFAULT_T5_LENGTH
+from unirl.stages.runtime.config_base import Section
 
 TIMESTEP_SCALE = 1000.0
 REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer")

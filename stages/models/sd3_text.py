@@ -70,7 +70,7 @@ def build_tiny_tokenizer(words: tuple[str, ...] | None = None, model_max_length:
     from transformers import CLIPTokenizer
 
     if words is None:
-        from unirl.stages.geneval.dataset import WORDS as words
+        from unirl.stages.toys.geneval.dataset import WORDS as words
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab, merges = learn_bpe(list(words), alphabet)
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)

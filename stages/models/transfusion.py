@@ -16,7 +16,7 @@ load like any other weight: text positions count valid tokens (cumsum of the mas
 right padding leaves a sequence's outputs unchanged; image patches get a 2-D (row + column)
 embedding, which the text positions never index. sigma in [0, 1] is the flow-matching noise
 level: x_sigma = (1 - sigma) * x_0 + sigma * noise, and the velocity is noise - x_0, the
-convention of `unirl.stages.sde` (x_0 = x - sigma * v).
+convention of `unirl.stages.diffusion.sde` (x_0 = x - sigma * v).
 
 What stands for which part of the real models:
   * Transfusion (Zhou et al. 2024): the whole recipe -- one transformer, causal over text and
@@ -292,10 +292,10 @@ def build_tiny_transfusion(path: str | Path, *, seed: int = 0, vocab_size: int =
 
 from pydantic import Field as _Field  # noqa: E402  (the family's recipe sections below)
 
-from unirl.stages.config_base import Section  # noqa: E402
 from unirl.stages.models.family import families  # noqa: E402
 from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase  # noqa: E402
 from unirl.stages.models.flow_geometry import FlowGeometry, check_image_side  # noqa: E402
+from unirl.stages.runtime.config_base import Section  # noqa: E402
 
 PIPELINE = "UnirlTransfusionPipeline"
 CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 "
@@ -412,8 +412,8 @@ class Transfusion(FlowFamily):
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
         if tiny.vocabulary == "words":
-            from unirl.stages.geneval.paraphrase import lexicon
             from unirl.stages.models.flow_text import build_tiny_tokenizer, toy_words
+            from unirl.stages.toys.geneval.paraphrase import lexicon
 
             tok = build_tiny_tokenizer((*toy_words(), *lexicon()), model_max_length=tiny.max_text_len)
         else:

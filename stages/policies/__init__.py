@@ -23,9 +23,9 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from unirl.stages.algorithms.correction import CorrectionConfig
-from unirl.stages.config_base import Section
 from unirl.stages.engines import engine_config
-from unirl.stages.registry import Registry
+from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.registry import Registry
 
 policies: Registry[type[Policy]] = Registry("policy", "unirl.stages.policies", "rollout.kind")
 EngineConfig = engine_config()
@@ -69,7 +69,7 @@ def engine_config_default() -> Section:
 
 class Policy:
     kind: ClassVar[str]
-    # The segment kind of the rows it writes (stages/sample.py SEGMENT_COLUMNS) and what the
+    # The segment kind of the rows it writes (stages/runtime/sample.py SEGMENT_COLUMNS) and what the
     # metrics of an update are weighted by ("tokens", "samples").
     segment: ClassVar[str]
     weight_name: ClassVar[str]

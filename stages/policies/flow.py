@@ -20,14 +20,14 @@ import pyarrow as pa
 import torch
 from pydantic import Field, model_validator
 
-from unirl.stages.config_base import Section
 from unirl.stages.policies import Policy, RolloutBase, policies
-from unirl.stages.seeds import derive_seed
+from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.seeds import derive_seed
 
 
 class SDESteps(Section):
     """Which denoising steps are SDE steps (sampled with noise, stored and trained on); the others
-    are ODE (Euler) steps. See `unirl.stages.sde.select_sde_steps`."""
+    are ODE (Euler) steps. See `unirl.stages.diffusion.sde.select_sde_steps`."""
 
     mode: Literal["all", "window", "mixgrpo"] | None = Field(
         None,
@@ -211,9 +211,9 @@ class FlowPolicy(Policy):
         `transitions`: keep x_i and x_{i+1} of every SDE step (likelihood losses), else only x_T.
         greedy: the deterministic ODE sampler (evaluation)."""
         from unirl.stages.diffusion.sampling import sample, stored_steps
+        from unirl.stages.diffusion.sde import initial_noise
         from unirl.stages.diffusion.trajectory import latent_rows
-        from unirl.stages.media import media_columns
-        from unirl.stages.sde import initial_noise
+        from unirl.stages.runtime.media import media_columns
 
         plan = self.plan(iteration, deterministic=greedy)
         store = stored_steps(plan.sde_indices.tolist(), plan.num_steps, transitions=transitions and not greedy)
@@ -259,7 +259,7 @@ class FlowPolicy(Policy):
     def check_batch(self, batch: Any, iteration: int, algorithm: Any, where: str) -> None:
         """The stored rows were sampled with this iteration's sigmas (and SDE steps, when the loss
         replays them): the trainer must replay what the sampler did."""
-        from unirl.stages.sde import SigmaMismatchError, check_sigmas
+        from unirl.stages.diffusion.sde import SigmaMismatchError, check_sigmas
 
         requested = self.plan(iteration)
         check_sigmas(requested.sigmas, batch.plan.sigmas)

@@ -13,7 +13,7 @@ Prompts with images (a family that `takes_images`: the Qwen-VL families). The fa
 `image_prompts` turns a prompt's text and stored images into token ids (image placeholders
 expanded) and a batch into the model's extra inputs (pixel values, patch grids) and its M-RoPE
 positions (3, B, T); sampling passes them to the prefill, the replay to its full forward, both
-decoded from the shard's PNG bytes (stages/images.py). Text-only families take neither.
+decoded from the shard's PNG bytes (stages/runtime/images.py). Text-only families take neither.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch
 from pydantic import Field
 
 from unirl.stages.policies import Policy, RolloutBase, policies
-from unirl.stages.seeds import derive_seed
+from unirl.stages.runtime.seeds import derive_seed
 
 PREVIEW_ROWS = 16
 
@@ -134,7 +134,7 @@ class TextPolicy(Policy):
     def log_preview(cls, recipe: Any, tracker: Any, storage: Any, iteration: int) -> str | None:
         """A table of the iteration's first samples, one per group first: prompt, response, reward,
         advantage (MLflow `tables/samples/step-N.json`)."""
-        from unirl.stages.sample import read_rollouts, read_shard
+        from unirl.stages.runtime.sample import read_rollouts, read_shard
 
         gen = storage.stage_manifest(iteration, "generate")
         if gen is None:

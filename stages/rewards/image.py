@@ -38,7 +38,7 @@ def _rgb(image: Any) -> np.ndarray:
 
 @register_scorer("geneval", reads=("image",))
 class GenEvalScorer:
-    """Toy GenEval (unirl.stages.geneval): the image against its sample's intent, the prompt's
+    """Toy GenEval (unirl.stages.toys.geneval): the image against its sample's intent, the prompt's
     `geneval_prompt` metadata where it has one (a pipeline's user prompt said in other words,
     stages/sources/pe_geneval.py), else the prompt itself.
     mode "strict": 1 when object, colour, count and position all hold, else 0 (GenEval's score);
@@ -51,7 +51,7 @@ class GenEvalScorer:
 
     @staticmethod
     def check_prompt(text: str) -> None:
-        from unirl.stages.geneval import parse_prompt
+        from unirl.stages.toys.geneval import parse_prompt
 
         parse_prompt(text)
 
@@ -61,7 +61,7 @@ class GenEvalScorer:
         self.mode = mode
 
     def __call__(self, batch: ScoreBatch) -> ScoreResult:
-        from unirl.stages.geneval import score
+        from unirl.stages.toys.geneval import score
 
         images = _images(batch, self.name)
         metadata = batch.metadata or [{}] * len(images)

@@ -293,7 +293,7 @@ def serve(config: ServerConfig) -> None:
     log.info("reward server on http://%s:%d scorers=%s aggregation=%s",
              config.host, config.port, list(service.scorers), config.aggregation)
     # A client that puts its token in the URL by mistake must not leave it in the access log.
-    from unirl.stages.secrets import RedactingFilter
+    from unirl.stages.runtime.secrets import RedactingFilter
 
     logging.getLogger("uvicorn.access").addFilter(RedactingFilter())
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)

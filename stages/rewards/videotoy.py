@@ -1,4 +1,4 @@
-"""`videotoy`: the toy video reward (stages/videotoy/detector.py), a clip against its prompt.
+"""`videotoy`: the toy video reward (stages/toys/videotoy/detector.py), a clip against its prompt.
 
 mode "strict": 1 when the clip shows the prompt's number of squares of its colour in every frame,
 moving the stated way at the stated speed, else 0; mode "mean": the mean of colour, count,
@@ -22,7 +22,7 @@ class VideoToyScorer:
 
     @staticmethod
     def check_prompt(text: str) -> None:
-        from unirl.stages.videotoy import parse_prompt
+        from unirl.stages.toys.videotoy import parse_prompt
 
         parse_prompt(text)
 
@@ -32,7 +32,7 @@ class VideoToyScorer:
         self.mode = mode
 
     def __call__(self, batch: ScoreBatch) -> ScoreResult:
-        from unirl.stages.videotoy import score
+        from unirl.stages.toys.videotoy import score
 
         if batch.videos is None:
             raise ValueError("scorer 'videotoy' needs videos (ScoreBatch.videos) and the batch has none")

@@ -1,5 +1,5 @@
 """The prompt-source seam: one file per data source, registering a `Source` with its recipe
-section (`data: {name: ...}`). A source yields `unirl.stages.data.Prompt`s deterministically from
+section (`data: {name: ...}`). A source yields `unirl.stages.runtime.data.Prompt`s deterministically from
 (seed, iteration), so the data position of a run is its iteration number, plus two fixed held-out
 splits that training never yields, `dev` and `test`, disjoint from each other, and the synthetic
 demonstrations of a warm start (`sft.source: synthetic`)."""
@@ -9,10 +9,10 @@ import random
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from unirl.stages.config_base import Section
-from unirl.stages.data import Prompt, check_split
-from unirl.stages.registry import Registry
-from unirl.stages.seeds import derive_seed
+from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.data import Prompt, check_split
+from unirl.stages.runtime.registry import Registry
+from unirl.stages.runtime.seeds import derive_seed
 
 sources: Registry[type[Source]] = Registry("prompt source", "unirl.stages.sources", "data.name")
 

@@ -1,11 +1,11 @@
-"""`data.name: arithmetic`: synthetic arithmetic prompts (stages/arithmetic.py)."""
+"""`data.name: arithmetic`: synthetic arithmetic prompts (stages/toys/arithmetic.py)."""
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from unirl.stages.config_base import Section
+from unirl.stages.runtime.config_base import Section
 from unirl.stages.sources import Source, sources
 
 
@@ -46,6 +46,6 @@ class ArithmeticSource(Source):
 
     @classmethod
     def build(cls, cfg: ArithmeticData) -> Any:
-        from unirl.stages.arithmetic import arithmetic_source
+        from unirl.stages.toys.arithmetic import arithmetic_source
 
         return arithmetic_source(cfg)

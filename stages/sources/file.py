@@ -1,12 +1,12 @@
 """`data.name: file`: prompts and reference answers from a local JSONL or Parquet file, with the
-prompts' images for vision-language models (stages/data_files.py)."""
+prompts' images for vision-language models (stages/sources/data_files.py)."""
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from unirl.stages.config_base import Section
+from unirl.stages.runtime.config_base import Section
 from unirl.stages.sources import Source, sources
 
 
@@ -51,7 +51,7 @@ class FileSource(Source):
 
     @classmethod
     def build(cls, cfg: FileData) -> Any:
-        from unirl.stages.data_files import file_prompt_source
+        from unirl.stages.sources.data_files import file_prompt_source
 
         return file_prompt_source(cfg)
 

@@ -1,12 +1,12 @@
 """`data.name: geneval`: procedural toy-GenEval prompts (objects, colours, counts, positions;
-stages/geneval/), for image models; synthetic SFT records are (prompt, rendered scene)."""
+stages/toys/geneval/), for image models; synthetic SFT records are (prompt, rendered scene)."""
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from unirl.stages.config_base import Section
+from unirl.stages.runtime.config_base import Section
 from unirl.stages.sources import ProceduralPrompts, Source, check_listed_prompts, sources
 
 
@@ -29,7 +29,7 @@ class GenEvalData(Section):
 
     @model_validator(mode="after")
     def _check_prompts(self) -> GenEvalData:
-        from unirl.stages.geneval.dataset import parse_prompt, split_of  # numpy + PIL only
+        from unirl.stages.toys.geneval.dataset import parse_prompt, split_of  # numpy + PIL only
 
         check_listed_prompts(self.prompts, parse_prompt, split_of)
         return self
@@ -43,7 +43,7 @@ class GenEvalSource(Source):
     @classmethod
     def build(cls, cfg: GenEvalData) -> ProceduralPrompts:
         """Prompts whose metadata carries the prompt for the detector."""
-        from unirl.stages.geneval.dataset import sample_prompts
+        from unirl.stages.toys.geneval.dataset import sample_prompts
 
         kinds = tuple(cfg.kinds)
         return ProceduralPrompts(lambda n, seed, split: sample_prompts(n, seed, split, kinds=kinds),
@@ -58,8 +58,8 @@ class GenEvalSource(Source):
 
     @classmethod
     def check(cls, recipe: Any) -> None:
-        from unirl.stages.geneval.dataset import MIN_IMAGE_SIZE
         from unirl.stages.models.family import get_family
+        from unirl.stages.toys.geneval.dataset import MIN_IMAGE_SIZE
 
         family = get_family(recipe.model.kind)
         if "image" not in family.produces or family.takes_images or recipe.rollout.kind != "flow":

@@ -1,5 +1,5 @@
 """`data.name: pe_geneval`: toy-GenEval intents said in words the drawer never saw
-(stages/geneval/paraphrase.py), for prompt-enhancer pipelines (docs/pipelines.md). Each prompt's
+(stages/toys/geneval/paraphrase.py), for prompt-enhancer pipelines (docs/pipelines.md). Each prompt's
 metadata carries its intent (`geneval_prompt`, what the `geneval` scorer scores the image against)
 and the canonical prompt as the rewriter's `answer`."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from unirl.stages.config_base import Section
-from unirl.stages.data import Prompt, check_split
-from unirl.stages.seeds import derive_seed
+from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.data import Prompt, check_split
+from unirl.stages.runtime.seeds import derive_seed
 from unirl.stages.sources import Source, sources
 
 
@@ -39,13 +39,13 @@ class PEGenEvalData(Section):
 
 def heldout_pool(kinds: tuple[str, ...]) -> list[tuple[str, str]]:
     """(paraphrase, intent) pairs never trained on, of the train-split intents of `kinds`."""
-    from unirl.stages.geneval.paraphrase import paraphrase_pool
+    from unirl.stages.toys.geneval.paraphrase import paraphrase_pool
 
     return paraphrase_pool(intents_of(kinds), "heldout")
 
 
 def intents_of(kinds: tuple[str, ...]) -> tuple[str, ...]:
-    from unirl.stages.geneval.dataset import all_prompts
+    from unirl.stages.toys.geneval.dataset import all_prompts
 
     return tuple(t for kind in kinds for t in all_prompts(kind, "train"))
 
@@ -55,7 +55,7 @@ class PEPrompts:
     distinct held-out paraphrases: dev as the single held-out set was drawn, test among the rest."""
 
     def __init__(self, cfg: PEGenEvalData):
-        from unirl.stages.geneval.paraphrase import paraphrase_pool
+        from unirl.stages.toys.geneval.paraphrase import paraphrase_pool
 
         self.seed = cfg.seed
         self.train = paraphrase_pool(intents_of(tuple(cfg.kinds)), "train")
@@ -91,7 +91,7 @@ class PEGenEvalSource(Source):
     def check(cls, recipe: Any) -> None:
         """A tiny character-level rewriter must have every character of the prompts and rewrites
         (others read as <unk>); a drawer's warm start cannot learn from text records."""
-        from unirl.stages.geneval.paraphrase import PE_CHARSET
+        from unirl.stages.toys.geneval.paraphrase import PE_CHARSET
 
         if recipe.sft is not None and recipe.sft.source == "synthetic" and recipe.rollout.kind != "text":
             raise ValueError("data.name: pe_geneval's synthetic records are (paraphrase, canonical prompt) text; a "
@@ -106,7 +106,7 @@ class PEGenEvalSource(Source):
     def sft_records(cls, recipe: Any) -> list[dict[str, Any]]:
         """`sft.examples` (paraphrase, canonical prompt) records of the train paraphrases; `sft.noise`
         of them carry an imperfect teacher's slip that only the image reveals: the wrong colour."""
-        from unirl.stages.geneval.paraphrase import wrong_colour
+        from unirl.stages.toys.geneval.paraphrase import wrong_colour
 
         prompts = cls.build(recipe.data).batch(0, recipe.sft.examples)
         rng = random.Random(f"sft-noise-{recipe.sft.seed}")

@@ -1,12 +1,12 @@
 """`data.name: toy_vqa`: one-word questions about rendered toy-GenEval scenes (colour, shape,
-count, left/right; stages/toy_vqa.py), each prompt carrying its image, for vision-language models."""
+count, left/right; stages/toys/toy_vqa.py), each prompt carrying its image, for vision-language models."""
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from unirl.stages.config_base import Section
+from unirl.stages.runtime.config_base import Section
 from unirl.stages.sources import Source, sources
 
 
@@ -30,7 +30,7 @@ class ToyVQASource(Source):
 
     @classmethod
     def build(cls, cfg: ToyVQAData) -> Any:
-        from unirl.stages.toy_vqa import ToyVQA
+        from unirl.stages.toys.toy_vqa import ToyVQA
 
         return _built(tuple(cfg.kinds), cfg.image_size, cfg.heldout_size, cfg.seed, ToyVQA)
 

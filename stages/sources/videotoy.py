@@ -1,5 +1,5 @@
 """`data.name: videotoy`: procedural toy video prompts (count, colour, direction and speed of
-moving squares; stages/videotoy/), for video models; synthetic SFT records are (prompt, rendered
+moving squares; stages/toys/videotoy/), for video models; synthetic SFT records are (prompt, rendered
 clip), `sft.noise` of them moving the opposite way (an imperfect teacher's slip RL can correct)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from unirl.stages.config_base import Section
+from unirl.stages.runtime.config_base import Section
 from unirl.stages.sources import ProceduralPrompts, Source, check_listed_prompts, sources
 
 
@@ -27,7 +27,7 @@ class VideoToyData(Section):
 
     @model_validator(mode="after")
     def _check_prompts(self) -> VideoToyData:
-        from unirl.stages.videotoy import parse_prompt, split_of
+        from unirl.stages.toys.videotoy import parse_prompt, split_of
 
         check_listed_prompts(self.prompts, parse_prompt, split_of)
         return self
@@ -41,7 +41,7 @@ class VideoToySource(Source):
     @classmethod
     def build(cls, cfg: VideoToyData) -> ProceduralPrompts:
         """Prompts without metadata: the scorer parses the prompt itself."""
-        from unirl.stages.videotoy import sample_prompts
+        from unirl.stages.toys.videotoy import sample_prompts
 
         return ProceduralPrompts(sample_prompts, heldout_size=cfg.heldout_size, seed=cfg.seed, prompts=cfg.prompts)
 
@@ -57,7 +57,7 @@ class VideoToySource(Source):
     @classmethod
     def check(cls, recipe: Any) -> None:
         from unirl.stages.models.family import get_family
-        from unirl.stages.videotoy.dataset import MIN_FRAMES, MIN_SIZE, SPEED_PX, object_side
+        from unirl.stages.toys.videotoy.dataset import MIN_FRAMES, MIN_SIZE, SPEED_PX, object_side
 
         if "video" not in get_family(recipe.model.kind).produces:
             raise ValueError(f"data.name: toy video prompts need a video model; model.kind {recipe.model.kind!r} makes "
@@ -77,8 +77,8 @@ class VideoToySource(Source):
     def sft_records(cls, recipe: Any) -> list[dict[str, Any]]:
         """`sft.examples` (prompt, media_frames) records at the recipe's frame side and count;
         `sft.noise` of them move the opposite way."""
-        from unirl.stages.media import to_png_bytes
-        from unirl.stages.videotoy import make_clips
+        from unirl.stages.runtime.media import to_png_bytes
+        from unirl.stages.toys.videotoy import make_clips
 
         side, frames = cls.media(recipe)
         clips = make_clips(recipe.sft.examples, recipe.sft.seed, size=int(side), frames=int(frames),

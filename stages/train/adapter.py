@@ -1,7 +1,7 @@
 """Publishing the LoRA adapters alone, for an engine's LoRA weight sync: `adapters/v{version:06d}/`
 holds adapter_model.safetensors and adapter_config.json (the PEFT layout every engine loads:
 SGLang's /load_lora_adapter, the engine server's), then manifest.json with the sha256 of every
-file and `weights_sha256`, the checksum of the adapter tensors (stages/weights_checksum.py).
+file and `weights_sha256`, the checksum of the adapter tensors (stages/runtime/weights_checksum.py).
 A few MB instead of the whole model per version."""
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from unirl.stages.storage import join
+from unirl.stages.runtime.storage import join
+from unirl.stages.runtime.weights_checksum import tensors_checksum
 from unirl.stages.train.manifests import MANIFEST, write_weights_dir
-from unirl.stages.weights_checksum import tensors_checksum
 
 if TYPE_CHECKING:
-    from unirl.stages.storage import RunStorage
+    from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.train.stack import TrainStack
 
 

@@ -25,12 +25,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from unirl.stages.faults import fault_point
-from unirl.stages.storage import join
+from unirl.stages.runtime.faults import fault_point
+from unirl.stages.runtime.storage import join
 from unirl.stages.train.manifests import MANIFEST, checkpoint_problem, file_digests, write_weights_dir
 
 if TYPE_CHECKING:
-    from unirl.stages.storage import RunStorage
+    from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.train.stack import TrainStack
 
 
@@ -136,7 +136,7 @@ def publish(stack: TrainStack, storage: RunStorage, scratch: Path, version: int,
     """Write `weights/v{version:06d}/`: `export(folder, full state, full EMA state or None)` on
     rank 0, then manifest.json with the sha256 of every file and, without LoRA (whose export
     merges the adapters into other names), `weights_sha256`: the checksum of the module's tensors,
-    which an engine that loaded the folder reports back (stages/weights_checksum.py). The manifest
+    which an engine that loaded the folder reports back (stages/runtime/weights_checksum.py). The manifest
     is written last: a version without it is incomplete. Every rank takes part in gathering the
     full states (a rank-0-only gather deadlocks under FSDP2)."""
     start = time.perf_counter()
@@ -151,7 +151,7 @@ def publish(stack: TrainStack, storage: RunStorage, scratch: Path, version: int,
         export(local, full, ema_full)
         info: dict[str, Any] = {"version": version}
         if stack.lora is None:
-            from unirl.stages.weights_checksum import tensors_checksum
+            from unirl.stages.runtime.weights_checksum import tensors_checksum
 
             info["weights_sha256"] = tensors_checksum(full.items())
         write_weights_dir(storage, local, rel, info)

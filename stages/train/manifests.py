@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from unirl.stages.storage import join
+from unirl.stages.runtime.storage import join
 
 MANIFEST = "manifest.json"
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from unirl.stages.seeds import derive_seed
+from unirl.stages.runtime.seeds import derive_seed
 
 PEFT_PREFIX = "base_model.model."
 

@@ -8,7 +8,7 @@ policy or algorithm, in a worker group or in one process.
 * micro-batch geometry across ranks (every rank issues the same collectives in the same order);
 * metric reduction across ranks; checkpoint and publish (stages/train/checkpoint.py).
 
-Collectives are no-ops without a process group, so the in-process loop (stages/loop.py) runs
+Collectives are no-ops without a process group, so the in-process loop (stages/runtime/loop.py) runs
 this same code in one process.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from unirl.stages.seeds import derive_seed
+from unirl.stages.runtime.seeds import derive_seed
 from unirl.stages.train.shards import fill, is_empty, lora_init
 
 

@@ -53,7 +53,7 @@ def joint_update(stack: Any, parts: list[UpdatePart], *, iteration: int, seed: i
     """One optimizer step per mini-batch k, into which every part's micro-batches of mini-batch k
     accumulate their gradients: a part's loss is its algorithm's (each micro-batch's share of it
     is its units over the part's total across ranks) times the part's weight. A unified model
-    trains its text and image stages this way on one set of weights (stages/unified.py).
+    trains its text and image stages this way on one set of weights (stages/compose/unified.py).
     Returns each part's metrics under its prefix, and the step's."""
     updates = {len(p.counts) for p in parts}
     if len(updates) != 1:

@@ -26,9 +26,9 @@ from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    from unirl.stages import startup
+    from unirl.stages.runtime import startup
 
-    startup.importing()  # until the preloads are in (stages/startup.py)
+    startup.importing()  # until the preloads are in (stages/runtime/startup.py)
     from unirl.stages.workers.group import die_with_parent
 
     die_with_parent()  # the torchrun agent's death takes every rank with it
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     records = None
     if group:
-        from unirl.stages.storage import RunStorage
+        from unirl.stages.runtime.storage import RunStorage
 
         records = RunStorage(spec["root"], spec["run"], spec.get("options"))
     try:
@@ -154,7 +154,7 @@ def wait_for_spec(path: Path) -> dict:
     spec = json.loads(path.read_text())
     if "group" not in spec:
         return spec
-    from unirl.stages.storage import RunStorage
+    from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.workers.rendezvous import group_rel
 
     storage = RunStorage(spec["root"], spec["run"], spec.get("options"))

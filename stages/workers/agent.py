@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime.storage import RunStorage
 from unirl.stages.workers import rendezvous as rdzv
 from unirl.stages.workers.group import first_failure, kill_tree, spawn, threads_per_rank
 from unirl.stages.workers.processes import rank_entry

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from unirl.stages.recipe import Recipe
-from unirl.stages.storage import RunStorage, iter_dir, join
+from unirl.stages.runtime.storage import RunStorage, iter_dir, join
 from unirl.stages.workers import rendezvous as rdzv
 from unirl.stages.workers.control import recv_json, send_json
 from unirl.stages.workers.processes import die_with_parent, first_failure, free_port, kill_tree, rank_entry, spawn, threads_per_rank  # noqa: F401 (re-exported)

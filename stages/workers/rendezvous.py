@@ -28,8 +28,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from unirl.stages.multinode import DEFAULT_RDZV_PORT, RDZV_ENV, SECRET_ENV
-from unirl.stages.storage import RunStorage, join
+from unirl.stages.runtime.multinode import DEFAULT_RDZV_PORT, RDZV_ENV, SECRET_ENV
+from unirl.stages.runtime.storage import RunStorage, join
 
 CURRENT = "workers/current.json"
 HOST_ENV = "UNIRL_CONTROL_HOST"  # the address rank 0 advertises (Kubernetes: the pod IP)

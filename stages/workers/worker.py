@@ -3,7 +3,7 @@ its policy, the recipe's algorithm and the train stack around the trainable modu
 commands ping / generate / train / sft / save / publish.
 
 Data moves only through run storage: commands carry relative paths, never tensors. The same
-class runs in one process without a process group (stages/loop.py).
+class runs in one process without a process group (stages/runtime/loop.py).
 """
 from __future__ import annotations
 
@@ -16,19 +16,19 @@ import pyarrow.compute as pc
 import torch
 
 from unirl.stages.algorithms.base import get_algorithm
-from unirl.stages.faults import fault_point
-from unirl.stages.images import IMAGE_COLUMNS
+from unirl.stages.compose.pipeline import SIDES
+from unirl.stages.compose.unified import JointSFT, split_by_kind, stage_recipe
 from unirl.stages.models.family import get_family
-from unirl.stages.pipeline import SIDES
 from unirl.stages.policies import policies
 from unirl.stages.recipe import Recipe
-from unirl.stages.run import schedule_steps
-from unirl.stages.sample import join_on_sample_id, read_rollouts, read_shard, table_from_rows, write_shard
-from unirl.stages.storage import RunStorage, join
+from unirl.stages.runtime.faults import fault_point
+from unirl.stages.runtime.images import IMAGE_COLUMNS
+from unirl.stages.runtime.run import schedule_steps
+from unirl.stages.runtime.sample import join_on_sample_id, read_rollouts, read_shard, table_from_rows, write_shard
+from unirl.stages.runtime.storage import RunStorage, join
 from unirl.stages.train import checkpoint
 from unirl.stages.train.stack import OptimizerSpec, TrainStack, load_bundle, rank_of, world_size
 from unirl.stages.train.update import UpdatePart, joint_update, sft_steps
-from unirl.stages.unified import JointSFT, split_by_kind, stage_recipe
 
 COMMANDS = ("ping", "generate", "train", "sft", "save", "publish", "publish_adapter", "weight_specs",
             "join_update_group", "broadcast_weights")
@@ -72,7 +72,7 @@ class Worker:
         sharded = self.world > 1 and recipe.train.sharded_load
         bundle = load_bundle(self.family, self.base_dir, recipe.model, device, sharded=sharded)
         # Each policy the group runs, by stage: one ("", the recipe's) or a unified model's two on
-        # the same bundle ("ar", "diffusion"; stages/unified.py).
+        # the same bundle ("ar", "diffusion"; stages/compose/unified.py).
         self.stages: dict[str, Stage] = {}
         parts = {"": recipe} if recipe.unified is None else {side: stage_recipe(recipe, side) for side in SIDES}
         for side, part in parts.items():
@@ -265,7 +265,7 @@ class Worker:
         """Every rank gathers the full weights; rank 0 broadcasts them (sorted by name) to the
         engine, and returns their checksum."""
         from unirl.stages.engines.update_group import broadcast
-        from unirl.stages.weights_checksum import tensors_checksum
+        from unirl.stages.runtime.weights_checksum import tensors_checksum
 
         start = time.perf_counter()
         full = self._full_state()

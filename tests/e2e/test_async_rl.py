@@ -22,8 +22,8 @@ ASYNC = ["run", str(TINY), "iterations=3", "reward.scorers=[{name: integer_forma
 def test_a_killed_producer_is_restarted_and_loses_nothing(tmp_path, unirl_env):
     from unirl.stages.engines import engines
     from unirl.stages.recipe import load_recipe
-    from unirl.stages.sample import read_rollouts
-    from unirl.stages.storage import RunStorage
+    from unirl.stages.runtime.sample import read_rollouts
+    from unirl.stages.runtime.storage import RunStorage
 
     root = tmp_path / "runs"
     out = run_unirl([*ASYNC, f"storage.root={root}"], {**unirl_env, "UNIRL_FAULTS": "produce@1"})

@@ -25,9 +25,9 @@ from unirl.flows.reward_server import main
 from unirl.stages.rewards import ScoreBatch, aggregate, build_scorer, run_scorer
 from unirl.stages.rewards.client import RemoteScorer, RemoteScorerError
 from unirl.stages.rewards.server import ScoringService, load_config
+from unirl.stages.rewards.tiny_models import random_images, save_tiny_clip
 from unirl.stages.rewards.wire import encode_batch
-from unirl.stages.sample import metadata
-from unirl.stages.tiny_models import random_images, save_tiny_clip
+from unirl.stages.runtime.sample import metadata
 
 pytestmark = pytest.mark.slow
 

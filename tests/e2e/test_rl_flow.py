@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 from tests import zygote
 from tests.conftest import REPO, TINY, run_unirl
 from unirl.flows.hooks import worker_processes
-from unirl.stages.advantage import group_advantages
+from unirl.stages.algorithms.advantage import group_advantages
 
 pytestmark = pytest.mark.slow
 
@@ -163,7 +163,7 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 
 # A run started with UNIRL_FAULTS=STOP_AT_SYNC stops itself (SIGSTOP) once iteration 1 trained and
-# synced, before it commits (stages/faults.py): a test's SIGKILL then lands there for certain.
+# synced, before it commits (stages/runtime/faults.py): a test's SIGKILL then lands there for certain.
 STOP_AT_SYNC = "sync@1:stop"
 
 

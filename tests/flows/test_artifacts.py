@@ -12,7 +12,7 @@ import unirl.flows.artifacts as artifacts
 from tests.conftest import TINY
 from unirl.flows.artifacts import RunArtifacts, artifact_key, iteration_row, mlflow_link, summary_markdown
 from unirl.stages.recipe import load_recipe
-from unirl.stages.storage import RunStorage, iter_dir, join
+from unirl.stages.runtime.storage import RunStorage, iter_dir, join
 
 
 def summary(i: int, reward: float) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from prefect_kubernetes.worker import KubernetesWorker, KubernetesWorkerJobConfi
 
 from tests.conftest import REPO
 from unirl.flows.k8s_nodes import NODE_LABEL, RDZV_LABEL, flow_template, node_template, rdzv_service
-from unirl.stages.multinode import RDZV_ENV, SECRET_ENV
+from unirl.stages.runtime.multinode import RDZV_ENV, SECRET_ENV
 from unirl.stages.workers.rendezvous import HOST_ENV
 
 K8S = kubernetes_validate.latest_version()

@@ -12,8 +12,8 @@ import unirl.flows.retrain as retrain_mod
 from tests.conftest import TINY
 from unirl.flows.retrain import RetrainError, generations, local_weights, plan
 from unirl.stages.recipe import load_recipe
-from unirl.stages.run import open_run
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime.run import open_run
+from unirl.stages.runtime.storage import RunStorage
 from unirl.stages.train.manifests import write_weights_dir
 
 

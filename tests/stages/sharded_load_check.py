@@ -19,8 +19,8 @@ def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def main(work: Path) -> None:
-    from unirl.stages.config_base import LoraConfig
     from unirl.stages.models.qwen3 import Qwen3, Qwen3ModelConfig, save_tiny_qwen3
+    from unirl.stages.runtime.config_base import LoraConfig
     from unirl.stages.train.shards import lora_value
     from unirl.stages.train.stack import OptimizerSpec, TrainStack, load_bundle
 

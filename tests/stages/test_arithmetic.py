@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from unirl.stages.arithmetic import Arithmetic, arithmetic_source, evaluate, render
+from unirl.stages.toys.arithmetic import Arithmetic, arithmetic_source, evaluate, render
 
 
 def test_precedence_by_hand():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from unirl.stages.async_rollout import ProducerError, admit, behaviour_version, collect
-from unirl.stages.sample import table_from_rows, write_shard
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime.async_rollout import ProducerError, admit, behaviour_version, collect
+from unirl.stages.runtime.sample import table_from_rows, write_shard
+from unirl.stages.runtime.storage import RunStorage
 
 
 def rows(versions: dict[str, list[int]]) -> list[dict]:

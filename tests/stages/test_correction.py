@@ -74,10 +74,10 @@ def test_recipe_rules():
 def test_stale_rows_are_corrected_and_measured_fresh_rows_still_checked(tmp_path, tiny_weights):
     """Through the seam: a batch whose rows an older policy sampled trains with the correction and
     reports the mismatch; the same rows stamped as fresh fail the on-policy check."""
-    from unirl.stages import iteration as it
     from unirl.stages.algorithms import BehaviourMismatchError
-    from unirl.stages.sample import read_shard, table_from_rows, write_shard
-    from unirl.stages.storage import RunStorage
+    from unirl.stages.runtime import iteration as it
+    from unirl.stages.runtime.sample import read_shard, table_from_rows, write_shard
+    from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.workers.worker import Worker
 
     recipe = build_recipe(merged(TINY["qwen3"], {"storage": {"root": str(tmp_path)},

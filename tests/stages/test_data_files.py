@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from unirl.stages.data_files import DataFileError, FilePrompts, file_prompt_source, read_records
+from unirl.stages.sources.data_files import DataFileError, FilePrompts, file_prompt_source, read_records
 
 
 def write_jsonl(path: Path, rows: list, blank_after: int | None = None) -> Path:

@@ -7,10 +7,10 @@ import torch
 
 from unirl.stages.diffusion.model import PromptCache, bind
 from unirl.stages.diffusion.sampling import make_plan, replay_step, sample, stored_steps
+from unirl.stages.diffusion.sde import sde_step, shifted_sigmas
 from unirl.stages.models.sd3 import SD3, load_sd3
 from unirl.stages.models.sd3_tiny import build_tiny_sd3
 from unirl.stages.policies.flow import FlowSampler
-from unirl.stages.sde import sde_step, shifted_sigmas
 
 PROMPTS = ["two red circles", "a blue square on the left of a green triangle", "a yellow triangle"]
 
@@ -129,8 +129,8 @@ def test_sampling_noise_follows_the_kernel(bundle):
 
 def test_trajectory_round_trips_through_a_shard_and_bad_rows_are_named(tmp_path):
     from unirl.stages.diffusion.trajectory import latent_rows, read_latents
-    from unirl.stages.sample import ShardSchemaError, read_shard, table_from_rows, write_shard
-    from unirl.stages.storage import RunStorage
+    from unirl.stages.runtime.sample import ShardSchemaError, read_shard, table_from_rows, write_shard
+    from unirl.stages.runtime.storage import RunStorage
 
     s = sampler(num_steps=4, sde_steps={"mode": "window", "window_size": 2, "num_sde_steps": 2})
     plan = make_plan(s, seed=0, iteration=2, latent_tokens=4)

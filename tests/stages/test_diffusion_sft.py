@@ -11,7 +11,7 @@ from PIL import Image
 
 from unirl.stages.diffusion import sft as S
 from unirl.stages.diffusion.grid import image_grid
-from unirl.stages.geneval import split_of
+from unirl.stages.toys.geneval import split_of
 
 
 def test_records_come_from_the_train_split_and_decode():

@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
-from unirl.stages import iteration as it
+from unirl.stages.diffusion.sde import SigmaMismatchError
 from unirl.stages.recipe import Recipe
-from unirl.stages.run import initial_weights
-from unirl.stages.sample import read_rollouts, table_from_rows, write_shard
-from unirl.stages.sde import SigmaMismatchError
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime import iteration as it
+from unirl.stages.runtime.run import initial_weights
+from unirl.stages.runtime.sample import read_rollouts, table_from_rows, write_shard
+from unirl.stages.runtime.storage import RunStorage
 
 RUN = "run"
 
@@ -156,7 +156,7 @@ def test_nft_samples_with_the_ema_old_policy(mesh, tmp_path):
 
 
 def test_bad_prompt_and_sigma_mismatch_fail_before_compute(mesh, tmp_path):
-    from unirl.stages.data import Prompt
+    from unirl.stages.runtime.data import Prompt
 
     r = recipe(tmp_path)
     w, storage = worker(r, tmp_path)
@@ -171,7 +171,7 @@ def test_bad_prompt_and_sigma_mismatch_fail_before_compute(mesh, tmp_path):
 
 def test_sft_warms_up_the_vae_then_flow_matching(mesh, tmp_path):
     from unirl.stages.diffusion.sft import geneval_records
-    from unirl.stages.run import materialize_model
+    from unirl.stages.runtime.run import materialize_model
     from unirl.stages.train.manifests import write_weights_dir
 
     r = recipe(tmp_path, **{"model.vae_warmup": {"steps": 3, "batch_size": 4}, "sft": {"steps": 3, "lr": 1e-3}})
@@ -195,8 +195,8 @@ def test_sft_warms_up_the_vae_then_flow_matching(mesh, tmp_path):
 
 
 def test_in_process_loop_does_the_same_math_as_the_worker(mesh, tmp_path):
-    """The benchmark's floor (unirl.stages.loop) samples the same images and takes the same step."""
-    from unirl.stages.loop import InProcessLoop
+    """The benchmark's floor (unirl.stages.runtime.loop) samples the same images and takes the same step."""
+    from unirl.stages.runtime.loop import InProcessLoop
 
     r = recipe(tmp_path, **{"reward.scorers": [{"name": "brightness"}], "rollout.sampler.sde_steps": {"mode": "window",
                             "window_size": 2, "num_sde_steps": 1}})
@@ -215,7 +215,7 @@ def test_in_process_loop_does_the_same_math_as_the_worker(mesh, tmp_path):
 
 def sft_worker(tmp_path, **over):
     from unirl.stages.diffusion.sft import geneval_records
-    from unirl.stages.run import materialize_model
+    from unirl.stages.runtime.run import materialize_model
     from unirl.stages.train.manifests import write_weights_dir
 
     r = recipe(tmp_path, **{"model.vae_warmup": {"steps": 1, "batch_size": 4}, **over})

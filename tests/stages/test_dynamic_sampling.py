@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import TINY
-from unirl.stages import iteration as it
 from unirl.stages.recipe import load_recipe
-from unirl.stages.sample import read_shard, table_from_rows, write_shard
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime import iteration as it
+from unirl.stages.runtime.sample import read_shard, table_from_rows, write_shard
+from unirl.stages.runtime.storage import RunStorage
 
 
 def rewards_file(storage, name, groups):

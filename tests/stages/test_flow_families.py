@@ -150,7 +150,7 @@ def test_flux2s_resolution_dependent_shift_is_the_pipelines():
 
 @pytest.mark.parametrize("case", FLOW_CASES)
 def test_lora_starts_at_the_base_its_reference_disables_it_and_export_loads_back(case, tiny_weights, tmp_path):
-    from unirl.stages.config_base import LoraConfig
+    from unirl.stages.runtime.config_base import LoraConfig
 
     fam, bundle = loaded(case, tiny_weights)
     x, cond = inputs(fam, bundle)

@@ -67,10 +67,10 @@ def test_unirl_validate_reports_it_before_anything_loads(tmp_path, tiny_weights)
 
 
 def test_a_video_familys_rollouts_store_frames_that_scorers_and_previews_read(tmp_path, tiny_weights):
-    from unirl.stages import iteration as it
     from unirl.stages.diffusion.grid import rollout_grid
-    from unirl.stages.sample import read_rollouts
-    from unirl.stages.storage import RunStorage
+    from unirl.stages.runtime import iteration as it
+    from unirl.stages.runtime.sample import read_rollouts
+    from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.workers.worker import Worker
 
     recipe = build_recipe(merged(CASES["wan"], {"algorithm": {"name": "flow_grpo"}, "storage": {"root": str(tmp_path)},
@@ -92,7 +92,7 @@ def test_a_video_familys_rollouts_store_frames_that_scorers_and_previews_read(tm
     assert {"rollout/reward/videotoy/direction", "rollout/reward/videotoy/colour"} <= set(scored["metrics"])
     grid = rollout_grid(storage, gen["files"], scored["files"][0])
     assert isinstance(grid, list) and len(grid) == 5 and grid[0].size == grid[4].size
-    from unirl.stages.media import to_gif
+    from unirl.stages.runtime.media import to_gif
 
     gif = Image.open(io.BytesIO(to_gif(grid)))
     assert gif.n_frames == 5

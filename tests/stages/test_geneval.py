@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFilter
 
-from unirl.stages.geneval import (
+from unirl.stages.toys.geneval import (
     COLOURS,
     KINDS,
     RELATIONS,
@@ -22,7 +22,7 @@ from unirl.stages.geneval import (
     score,
     split_of,
 )
-from unirl.stages.geneval.detector import connected_components, shape_features, shape_of
+from unirl.stages.toys.geneval.detector import connected_components, shape_features, shape_of
 
 
 def test_every_grammar_prompt_parses_back_to_itself():
@@ -120,7 +120,7 @@ def test_render_is_seeded_and_sized():
 
 
 def test_caption_noise_draws_one_object_group_in_another_colour():
-    from unirl.stages.geneval.dataset import parse_prompt
+    from unirl.stages.toys.geneval.dataset import parse_prompt
 
     noisy = make_examples(40, seed=3, size=32, noise=1.0)
     assert [e.prompt for e in noisy] == [e.prompt for e in make_examples(40, seed=3, size=32)]  # the captions stay

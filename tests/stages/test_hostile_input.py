@@ -12,7 +12,7 @@ import pytest
 from tests import zygote
 from tests.conftest import REPO, TINY
 from unirl.stages.recipe import RecipeError, load_recipe
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime.storage import RunStorage
 
 ESCAPES = ["../x", "..", "/etc", "a/b", ".hidden", "x/../../y", "s3://other/run", "x%2F..", "-rf", "a b", "x\x00"]
 
@@ -43,7 +43,7 @@ def test_run_relative_paths_cannot_leave_the_run_folder(rel, tmp_path):
 
 
 def test_a_manifest_pointing_outside_the_run_is_refused(tmp_path):
-    from unirl.stages import iteration as it
+    from unirl.stages.runtime import iteration as it
 
     (tmp_path / "secret.txt").write_text("do not read")
     storage = RunStorage(str(tmp_path / "runs"), "run")
@@ -69,7 +69,7 @@ def test_literal_credentials_in_a_recipe_are_refused(override, field):
 
 
 def test_urls_shown_to_people_lose_their_credentials():
-    from unirl.stages.secrets import redact_text, redact_url
+    from unirl.stages.runtime.secrets import redact_text, redact_url
 
     assert redact_url("https://bob:hunter2@mlflow.example.com/x?api_key=k1&page=2") == \
         "https://bob:***@mlflow.example.com/x?api_key=***&page=2"

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from unirl.stages.geneval import render
 from unirl.stages.rewards import ScoreBatch, ScorerError, build_scorer, run_scorer, scorer_names
+from unirl.stages.toys.geneval import render
 
 
 def _batch(images, prompts=None):

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from unirl.stages.lease import LEASE, RunBusyError, RunLease
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime.lease import LEASE, RunBusyError, RunLease
+from unirl.stages.runtime.storage import RunStorage
 
 
 def other_process_lease(storage: RunStorage, **owner) -> None:

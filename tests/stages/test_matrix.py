@@ -54,7 +54,7 @@ def test_every_family_has_a_tiny_recipe_and_every_algorithm_a_family():
 
 @pytest.mark.parametrize("family,algo", pairs(), ids=lambda x: x)
 def test_one_iteration(family, algo, tiny_weights, tmp_path):
-    from unirl.stages.loop import InProcessLoop
+    from unirl.stages.runtime.loop import InProcessLoop
 
     recipe = recipe_of(family, algo, tmp_path)
     loop = InProcessLoop(recipe, str(tiny_weights(family)))
@@ -91,10 +91,10 @@ def test_world_size_two_matches_the_update_in_one_process(family, algo, tmp_path
     differently; flow log-probs divide by the small late-step std, which turns that rounding into
     ~0.1% of the gradient norm. A wrong gradient reduction across ranks (a
     missing world-size factor, a rank's micro-batch counted twice) is off by tens of percent."""
-    from unirl.stages import iteration as it
-    from unirl.stages.run import initial_weights
-    from unirl.stages.sample import read_rollouts
-    from unirl.stages.storage import RunStorage
+    from unirl.stages.runtime import iteration as it
+    from unirl.stages.runtime.run import initial_weights
+    from unirl.stages.runtime.sample import read_rollouts
+    from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.workers.group import WorkerGroup
 
     runs = {}

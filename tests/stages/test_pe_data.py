@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from unirl.stages.geneval.dataset import COLOURS, SHAPES, all_prompts, parse_prompt, render
-from unirl.stages.geneval.paraphrase import PE_CHARSET, paraphrases, split_of, wrong_colour
 from unirl.stages.recipe import build_recipe
 from unirl.stages.rewards.base import ScoreBatch
 from unirl.stages.rewards.image import GenEvalScorer
 from unirl.stages.sources.pe_geneval import PEGenEvalData, PEGenEvalSource, PEPrompts
+from unirl.stages.toys.geneval.dataset import COLOURS, SHAPES, all_prompts, parse_prompt, render
+from unirl.stages.toys.geneval.paraphrase import PE_CHARSET, paraphrases, split_of, wrong_colour
 
 
 def test_paraphrases_keep_the_intent_in_other_words():
@@ -72,7 +72,7 @@ def test_the_imperfect_teacher_writes_the_wrong_colour_and_nothing_else():
         "pe": {"ar": {"model": {"kind": "qwen3", "tiny": {"charset": PE_CHARSET}}, "algorithm": {"name": "grpo"},
                       "sft": {"examples": 2000, "noise": 0.3}},
                "diffusion": {"model": {"kind": "sd3"}, "algorithm": {"name": "flow_grpo"}}}})
-    from unirl.stages.pipeline import part_recipe
+    from unirl.stages.compose.pipeline import part_recipe
 
     records = PEGenEvalSource.sft_records(part_recipe(recipe, "ar", "r"))
     prompts = {p.text: p.metadata["answer"] for p in PEPrompts(recipe.data).batch(0, 2000)}

@@ -7,10 +7,10 @@ import pyarrow.ipc as ipc
 import pytest
 
 from tests.conftest import recipe_errors as errors
-from unirl.stages import pipeline
+from unirl.stages.compose import pipeline
 from unirl.stages.recipe import build_recipe
-from unirl.stages.sample import ShardSchemaError, part_view, read_rollouts, read_shard, scoring_view, table_from_rows, write_shard
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime.sample import ShardSchemaError, part_view, read_rollouts, read_shard, scoring_view, table_from_rows, write_shard
+from unirl.stages.runtime.storage import RunStorage
 
 AR = {"model": {"kind": "qwen3", "tiny": {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64,
                                           "charset": "abcdefghijklmnopqrstuvwxyz "}},

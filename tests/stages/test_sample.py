@@ -6,8 +6,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from unirl.stages.sample import ShardSchemaError, list_column, read_rollouts, read_shard, table_from_rows, write_shard
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime.sample import ShardSchemaError, list_column, read_rollouts, read_shard, table_from_rows, write_shard
+from unirl.stages.runtime.storage import RunStorage
 
 
 def rollout_rows(n=3):

@@ -10,12 +10,12 @@ import pytest
 import torch
 from PIL import Image
 
-from unirl.stages.geneval import WORDS, all_prompts
-from unirl.stages.media import to_pil, to_png_bytes
 from unirl.stages.models.sd3 import TIMESTEP_SCALE, latent_shape, load_sd3
 from unirl.stages.models.sd3_ops import add_lora, decode_latents, encode_images, predict_velocity, reference_policy
 from unirl.stages.models.sd3_text import encode_prompts
 from unirl.stages.models.sd3_tiny import build_tiny_sd3
+from unirl.stages.runtime.media import to_pil, to_png_bytes
+from unirl.stages.toys.geneval import WORDS, all_prompts
 
 PROMPTS = ["two red circles", "a blue square on the left of a green triangle"]
 

@@ -1,4 +1,4 @@
-"""unirl.stages.sde against hand-computed values from DESIGN.md section 5 (Math contract)."""
+"""unirl.stages.diffusion.sde against hand-computed values from DESIGN.md section 5 (Math contract)."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from unirl.stages.sde import (
+from unirl.stages.diffusion.sde import (
     SigmaMismatchError,
     check_sigmas,
     dynamic_shift,

@@ -89,9 +89,9 @@ def test_two_scorers_with_one_key_are_refused_and_distinct_keys_are_scored_apart
                    "give one of them another `key`")
     recipe = build_recipe(qwen3(reward={"scorers": [{**two[0], "key": "short"}, {**two[1], "key": "long"}]},
                                 storage={"root": str(tmp_path)}))
-    from unirl.stages import iteration as it
-    from unirl.stages.sample import read_shard, table_from_rows, write_shard
-    from unirl.stages.storage import RunStorage
+    from unirl.stages.runtime import iteration as it
+    from unirl.stages.runtime.sample import read_shard, table_from_rows, write_shard
+    from unirl.stages.runtime.storage import RunStorage
 
     storage = RunStorage(str(tmp_path), "run")
     rows = [{"sample_id": "g/0", "group_id": "g", "iteration": 0, "policy_version": 0, "parts": ["text"], "metadata": {},
@@ -106,10 +106,10 @@ def test_two_scorers_with_one_key_are_refused_and_distinct_keys_are_scored_apart
 
 def test_soft_overlong_and_file_sft_records_from_the_recipe(tmp_path):
     """The recipe's overlong ramp reaches scoring, and `sft.source: file` reaches the SFT records."""
-    from unirl.stages import iteration as it
-    from unirl.stages.sample import read_shard, table_from_rows, write_shard
-    from unirl.stages.sft import write_sft_data
-    from unirl.stages.storage import RunStorage
+    from unirl.stages.runtime import iteration as it
+    from unirl.stages.runtime.sample import read_shard, table_from_rows, write_shard
+    from unirl.stages.runtime.storage import RunStorage
+    from unirl.stages.train.sft import write_sft_data
 
     records = tmp_path / "sft.jsonl"
     records.write_text('{"prompt": "1+2=", "response": "3"}\n{"prompt": "2+2=", "response": "4"}\n')
@@ -132,7 +132,7 @@ def test_soft_overlong_and_file_sft_records_from_the_recipe(tmp_path):
 
 
 def worker_for(family: str, algo: str, tmp_path: Path, weights: Path):
-    from unirl.stages.storage import RunStorage
+    from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.workers.worker import Worker
 
     recipe = build_recipe(merged(TINY[family], {"algorithm": {"name": algo}, "storage": {"root": str(tmp_path)}}))
@@ -144,7 +144,7 @@ def worker_for(family: str, algo: str, tmp_path: Path, weights: Path):
 @pytest.mark.parametrize("family,algo,param", [("qwen3", "grpo", "lm_head.weight"),
                                                ("sd3", "flow_grpo", "proj_out.weight")])
 def test_perturbing_one_weight_between_generate_and_train_raises(family, algo, param, tmp_path, tiny_weights):
-    from unirl.stages import iteration as it
+    from unirl.stages.runtime import iteration as it
 
     w, recipe, storage = worker_for(family, algo, tmp_path, tiny_weights(family))
     requests = it.write_requests(storage, recipe, 0)["files"][0]
@@ -167,7 +167,7 @@ def test_a_grpo_clone_that_replays_against_itself_would_not_notice(tmp_path, tin
     """The check compares the sampler's record with the trainer's replay: the recorded log-probs
     really reach it (a check against the replay itself, the old `old_logp = logp.detach()` ratio
     test, stays at ratio 1 with the weight perturbed)."""
-    from unirl.stages import iteration as it
+    from unirl.stages.runtime import iteration as it
 
     w, recipe, storage = worker_for("qwen3", "grpo", tmp_path, tiny_weights("qwen3"))
     requests = it.write_requests(storage, recipe, 0)["files"][0]
@@ -185,14 +185,14 @@ def test_a_grpo_clone_that_replays_against_itself_would_not_notice(tmp_path, tin
 
 
 def test_no_family_or_algorithm_name_is_compared_outside_its_own_file():
-    """stages/sde.py is left out: its SDE kernels ("cps") and step-selection modes ("mixgrpo") are
+    """stages/diffusion/sde.py is left out: its SDE kernels ("cps") and step-selection modes ("mixgrpo") are
     names of its own that two algorithms happen to share."""
     names = families.names() + algorithms.names()
     pattern = re.compile(r"""(==|!=)\s*["'](%s)["']|["'](%s)["']\s*(==|!=)|\bin\s*[\(\[\{][^)\]\}]*["'](%s)["']"""
                          % (("|".join(names),) * 3))
     found = []
     for path in SOURCES:
-        if path == REPO / "stages" / "sde.py":
+        if path == REPO / "stages" / "diffusion" / "sde.py":
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if pattern.search(line):

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from unirl.stages.config_base import LoraConfig
 from unirl.stages.models.qwen3 import Qwen3, Qwen3ModelConfig, save_tiny_qwen3
+from unirl.stages.runtime.config_base import LoraConfig
 from unirl.stages.train.shards import checkpoint_key, fill, lora_value
 from unirl.stages.train.stack import OptimizerSpec, TrainStack, load_bundle
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime.storage import RunStorage
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -81,7 +81,7 @@ def as_s3fs_raises(error):
 
 
 def test_a_missing_path_naming_503_is_not_an_outage():
-    from unirl.stages.storage import transient
+    from unirl.stages.runtime.storage import transient
 
     assert not transient(FileNotFoundError("bucket/run/iter-000503/rollouts"))
     assert not transient(FileNotFoundError("bucket/r503/weights/v000503/manifest.json"))
@@ -96,7 +96,7 @@ def test_a_missing_path_naming_503_is_not_an_outage():
 
 @pytest.mark.parametrize("code", ["SlowDown", "ServiceUnavailable", "RequestTimeout", "Throttling", "InternalError", "503"])
 def test_an_overloaded_store_is_transient_also_as_s3fs_raises_it(code):
-    from unirl.stages.storage import transient
+    from unirl.stages.runtime.storage import transient
 
     assert transient(client_error(code))
     assert transient(as_s3fs_raises(client_error(code)))
@@ -104,14 +104,14 @@ def test_an_overloaded_store_is_transient_also_as_s3fs_raises_it(code):
 
 @pytest.mark.parametrize("status", [429, 500, 502, 503, 504])
 def test_a_5xx_or_429_status_is_transient_whatever_the_code(status):
-    from unirl.stages.storage import transient
+    from unirl.stages.runtime.storage import transient
 
     assert transient(client_error("SomethingNew", status=status))
     assert not transient(client_error("SomethingNew", status=400))
 
 
 def test_connection_and_timeout_errors_are_transient():
-    from unirl.stages.storage import transient
+    from unirl.stages.runtime.storage import transient
 
     assert transient(ConnectionRefusedError("127.0.0.1:9000"))
     assert transient(TimeoutError())
@@ -141,7 +141,7 @@ def test_io_retries_an_outage_with_doubling_waits_and_says_so(monkeypatch, capsy
 
 
 def test_io_gives_up_after_retry_s_with_the_original_error(monkeypatch):
-    from unirl.stages import storage as storage_mod
+    from unirl.stages.runtime import storage as storage_mod
 
     monkeypatch.setattr(storage_mod, "RETRY_S", 0.0)
     s = RunStorage(f"memory://giveup-{os.getpid()}", "r1")
@@ -168,7 +168,7 @@ def test_missing_paths_on_s3_under_names_with_503_fail_at_once(moto_endpoint, mo
 
     import s3fs
 
-    from unirl.stages import storage as storage_mod
+    from unirl.stages.runtime import storage as storage_mod
 
     monkeypatch.setattr(storage_mod, "RETRY_S", 30.0)  # long enough that one wrong retry shows
     options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": moto_endpoint}}

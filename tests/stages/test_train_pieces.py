@@ -8,7 +8,7 @@ import torch
 
 from unirl.stages.policies.text import token_batch
 from unirl.stages.policies.text_sampling import inverse_cdf, top_p_filter
-from unirl.stages.seeds import derive_seed
+from unirl.stages.runtime.seeds import derive_seed
 from unirl.stages.train.stack import EMA, lr_factor
 
 
@@ -81,7 +81,8 @@ def test_derive_seed_is_the_same_in_interpreters_with_other_hash_salts():
     import sys
     from pathlib import Path
 
-    script = f"from unirl.stages.seeds import derive_seed; print([derive_seed(*p, sep=s) for p, s, _ in {[(p, s, 0) for p, s, _ in SEEDS]!r}])"
+    cases = [(p, s, 0) for p, s, _ in SEEDS]
+    script = f"from unirl.stages.runtime.seeds import derive_seed; print([derive_seed(*p, sep=s) for p, s, _ in {cases!r}])"
     repo = Path(__file__).resolve().parents[2]
     printed = {subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, check=True,
                               env={**os.environ, "PYTHONHASHSEED": salt}).stdout.strip() for salt in ("1", "2")}

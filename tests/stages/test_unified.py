@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from tests.conftest import recipe_errors as errors
+from unirl.stages.compose.unified import stage_recipe
 from unirl.stages.recipe import build_recipe
 from unirl.stages.train.stack import OptimizerSpec, TrainStack
 from unirl.stages.train.update import UpdatePart, joint_update
-from unirl.stages.unified import stage_recipe
 
 TINY = {"image_size": 16, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64,
         "vae_channels": [8], "text_length": 12}

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from unirl.stages.geneval.dataset import BACKGROUND, COLOURS
 from unirl.stages.rewards.base import ScoreBatch, build_scorer, run_scorer
-from unirl.stages.videotoy import all_prompts, make_clips, parse_prompt, render, sample_prompts, score, split_of
-from unirl.stages.videotoy.dataset import ClipSpec
+from unirl.stages.toys.geneval.dataset import BACKGROUND, COLOURS
+from unirl.stages.toys.videotoy import all_prompts, make_clips, parse_prompt, render, sample_prompts, score, split_of
+from unirl.stages.toys.videotoy.dataset import ClipSpec
 
 
 def clip_of(paths: list[list[tuple[int, int]]], colour: str = "red", side: int = 4, size: int = 16) -> np.ndarray:

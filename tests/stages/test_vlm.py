@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from tests.tiny import TINY, merged
-from unirl.stages import iteration as it
-from unirl.stages.images import ImageError
 from unirl.stages.models.family import families
 from unirl.stages.policies.text_sampling import next_positions
 from unirl.stages.recipe import RecipeError, build_recipe
-from unirl.stages.sample import read_rollouts, read_shard, table_from_rows, write_shard
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime import iteration as it
+from unirl.stages.runtime.images import ImageError
+from unirl.stages.runtime.sample import read_rollouts, read_shard, table_from_rows, write_shard
+from unirl.stages.runtime.storage import RunStorage
 from unirl.stages.workers.worker import Worker
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
@@ -226,7 +226,7 @@ def test_recipes_pair_image_sources_with_families_that_see_images(tmp_path):
     assert err.startswith("sft.source: a vision-language warm start reads its images with the prompts")
     recipe = build_recipe(merged(TINY["qwen3_vl"], {"sft": {"examples": 8, "noise": 0.5, "seed": 1},
                                                     "storage": {"root": str(tmp_path)}}))
-    from unirl.stages.sft import write_sft_data
+    from unirl.stages.train.sft import write_sft_data
 
     storage = RunStorage(str(tmp_path), "run")
     records = read_shard(storage, write_sft_data(storage, recipe)["files"][0], "sft")

@@ -12,12 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from unirl.stages.data_files import DataFileError, FilePrompts
-from unirl.stages.geneval.dataset import render
-from unirl.stages.geneval.detector import detect
-from unirl.stages.images import decode, png_bytes
-from unirl.stages.seeds import derive_seed
-from unirl.stages.toy_vqa import HELDOUT_SEEDS, TEST_SEEDS, ToyVQA
+from unirl.stages.runtime.images import decode, png_bytes
+from unirl.stages.runtime.seeds import derive_seed
+from unirl.stages.sources.data_files import DataFileError, FilePrompts
+from unirl.stages.toys.geneval.dataset import render
+from unirl.stages.toys.geneval.detector import detect
+from unirl.stages.toys.toy_vqa import HELDOUT_SEEDS, TEST_SEEDS, ToyVQA
 
 
 def test_toy_vqa_answers_are_what_the_detector_sees_in_the_prompts_image():

@@ -64,7 +64,7 @@ def core_batches(url: str) -> int:
 
 
 def test_weights_load_under_a_version_and_a_corrupt_copy_is_refused(served, tiny_weights, tmp_path):
-    from unirl.stages.storage import RunStorage
+    from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.train.manifests import write_weights_dir
 
     url, core = served

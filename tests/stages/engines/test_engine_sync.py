@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from tests.tiny import TINY, merged
-from unirl.stages import iteration as it
 from unirl.stages.engines.dedicated import EngineVersionError
 from unirl.stages.recipe import build_recipe
-from unirl.stages.sample import read_rollouts
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime import iteration as it
+from unirl.stages.runtime.sample import read_rollouts
+from unirl.stages.runtime.storage import RunStorage
 
 pytestmark = pytest.mark.usefixtures("forked_children")  # engine servers forked warm (tests/zygote.py)
 
@@ -35,7 +35,7 @@ class LocalTrainer:
 
 
 def setup(tmp_path, **engine):
-    from unirl.stages.run import initial_weights
+    from unirl.stages.runtime.run import initial_weights
     from unirl.stages.workers.worker import Worker
 
     extra = engine.pop("recipe", {})
@@ -158,7 +158,7 @@ def test_flow_rollouts_through_the_engine_replay_bit_for_bit(tmp_path):
     """sd3 on the engine server: trajectories and per-step log-probs from the engine; the trainer's
     first update replays them exactly (tolerance 0), and they are trainside's own samples."""
     from unirl.stages.engines import engines
-    from unirl.stages.run import initial_weights
+    from unirl.stages.runtime.run import initial_weights
     from unirl.stages.workers.worker import Worker
 
     recipe = build_recipe(merged(TINY["sd3"], {"algorithm": {"name": "flow_grpo"}, "storage": {"root": str(tmp_path)},

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from unirl.stages.rewards import ScoreBatch, ScorerError, build_scorer, run_scorer
+from unirl.stages.rewards.tiny_models import random_images
 from unirl.stages.rewards.video import frame_indices
-from unirl.stages.tiny_models import random_images
 
 
 def test_frame_indices_are_evenly_spaced_and_keep_the_ends():

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from unirl.stages.rewards import ScoreBatch, ScorerError, build_scorer, run_scorer
+from unirl.stages.rewards.tiny_models import random_images
 from unirl.stages.rewards.vlm_judge import parse_score
-from unirl.stages.tiny_models import random_images
 
 
 def test_parse_score_maps_to_unit_interval():
@@ -53,12 +53,12 @@ def test_a_vision_language_policys_own_tiny_model_judges_its_answers(tiny_weight
     import torch
 
     from tests.tiny import TINY, merged
-    from unirl.stages import iteration as it
     from unirl.stages.recipe import build_recipe
     from unirl.stages.rewards.vlm_judge import DEFAULT_QUESTION
-    from unirl.stages.sample import read_rollouts, read_shard, table_from_rows, write_shard
-    from unirl.stages.storage import RunStorage
-    from unirl.stages.toy_vqa import ToyVQA
+    from unirl.stages.runtime import iteration as it
+    from unirl.stages.runtime.sample import read_rollouts, read_shard, table_from_rows, write_shard
+    from unirl.stages.runtime.storage import RunStorage
+    from unirl.stages.toys.toy_vqa import ToyVQA
     from unirl.stages.workers.worker import Worker
 
     family = "qwen3_vl"

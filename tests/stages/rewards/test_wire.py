@@ -5,8 +5,8 @@ import pyarrow as pa
 import pytest
 
 from unirl.stages.rewards import ScoreBatch, ScoreResult
+from unirl.stages.rewards.tiny_models import random_images
 from unirl.stages.rewards.wire import WireError, decode_batch, encode_batch, result_from_json, result_to_json
-from unirl.stages.tiny_models import random_images
 
 
 def stream(table: pa.Table) -> bytes:

@@ -26,7 +26,7 @@ def test_a_group_that_is_not_ready_in_time_is_killed_and_the_timeout_reported(tm
     from pathlib import Path
 
     from unirl.stages.recipe import load_recipe
-    from unirl.stages.storage import RunStorage
+    from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.workers.group import WorkerGroup, WorkerGroupDied
 
     recipe = load_recipe(Path(__file__).parents[3] / "recipes" / "ar" / "tiny.yaml",

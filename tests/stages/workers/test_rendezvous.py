@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import TINY
 from unirl.stages.recipe import RecipeError, load_recipe
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime.storage import RunStorage
 from unirl.stages.workers import rendezvous as rdzv
 from unirl.stages.workers.agent import open_group, serve_node
 from unirl.stages.workers.control import ControlServer, recv_json, send_json

@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from unirl.stages.recipe import Recipe
-from unirl.stages.sample import table_from_rows, write_shard
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime.sample import table_from_rows, write_shard
+from unirl.stages.runtime.storage import RunStorage
 
 SFT_DATA = "sft/data.arrow"
 
@@ -43,7 +43,7 @@ def file_records(path: str) -> list[dict[str, Any]]:
 
 
 def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
-    from unirl.stages.iteration import with_image_grids
+    from unirl.stages.runtime.iteration import with_image_grids
     from unirl.stages.sources import sources
 
     sft = recipe.sft

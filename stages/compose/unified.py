@@ -5,7 +5,7 @@ A unified recipe gives `model` (a family that offers the text and the flow polic
 `transfusion`), `train` (the one optimizer and worker group) and `sft` (the joint warm start's steps,
 lr and seed); each stage gives its sampling, algorithm, warm-start records and loss weight under
 `unified.ar` / `unified.diffusion`. Each stage is also a one-model recipe (`stage_recipe`) that its
-policy, algorithm and prompt source read, as a pipeline part is (stages/pipeline.py), but there is
+policy, algorithm and prompt source read, as a pipeline part is (stages/compose/pipeline.py), but there is
 one run, one worker group and one line of weights versions:
 
     iter-N/requests.arrow            the user's prompts, N plans each (the ar group)
@@ -27,9 +27,9 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from unirl.stages.pipeline import SIDES
+from unirl.stages.compose.pipeline import SIDES
 from unirl.stages.recipe import Recipe, format_errors
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime.storage import RunStorage
 
 POLICY_OF = {"ar": "text", "diffusion": "flow"}
 ROLE = {"ar": "writes the plan", "diffusion": "draws the plan"}
@@ -128,7 +128,7 @@ def unified_errors(recipe: Recipe) -> list[str]:
 def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
     """Each stage's warm-start records (its own shard): the ar stage's (prompt, plan) text, the
     diffusion stage's (canonical prompt, image). `stages` names the stage of each file."""
-    from unirl.stages.sample import table_from_rows, write_shard
+    from unirl.stages.runtime.sample import table_from_rows, write_shard
     from unirl.stages.sources import sources
 
     files, stages = [], []
@@ -136,7 +136,7 @@ def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
         part = stage_recipe(recipe, side)
         if part.sft is None:
             continue
-        from unirl.stages.sft import file_records
+        from unirl.stages.train.sft import file_records
 
         records = file_records(part.sft.path) if part.sft.source == "file" else sources.get(part.data.name).sft_records(part)
         write_shard(storage, rel, table_from_rows(records, "sft"))

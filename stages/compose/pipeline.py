@@ -13,7 +13,7 @@ joins them:
     parts/diffusion/iter-N/requests.arrow   one group per rewrite: M images of it (the flow group)
     parts/diffusion/iter-N/rollouts/...     the images (latent segments)
     iter-N/rollouts/composed.arrow  one row per image: its rewrite and its image, each part under its
-                                    kind's namespace (stages/sample.py), `parts` = [text, latent]
+                                    kind's namespace (stages/runtime/sample.py), `parts` = [text, latent]
     iter-N/rewards.arrow            the image's reward against the user's intent, per composed row
     parts/<side>/iter-N/advantages.arrow   per part, within its own groups (`part_advantages`)
 """
@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from unirl.stages.advantage import group_advantages
+from unirl.stages.algorithms.advantage import group_advantages
 from unirl.stages.recipe import Recipe, format_errors
-from unirl.stages.sample import composed_table, namespaced, read_rollouts, read_shard, table_from_rows, write_shard
-from unirl.stages.storage import RunStorage, iter_dir, join
+from unirl.stages.runtime.sample import composed_table, namespaced, read_rollouts, read_shard, table_from_rows, write_shard
+from unirl.stages.runtime.storage import RunStorage, iter_dir, join
 
 SIDES = ("ar", "diffusion")
 KIND_OF = {"ar": "text", "diffusion": "latent"}  # the segment each side produces
@@ -148,7 +148,7 @@ def flow_requests(ar: RunStorage, ar_files: list[str], flow: RunStorage, iterati
 def compose(storage: RunStorage, rel: str, ar: RunStorage, ar_files: list[str], flow: RunStorage,
             flow_files: list[str]) -> dict[str, Any]:
     """One composed row per image: the rewrite that caused it and the image, namespaced by kind."""
-    from unirl.stages.sample import PART_COLUMNS, SEGMENT_COLUMNS
+    from unirl.stages.runtime.sample import PART_COLUMNS, SEGMENT_COLUMNS
 
     texts = read_rollouts(ar, ar_files).to_pylist()
     by_id = {r["sample_id"]: r for r in texts}

@@ -10,7 +10,7 @@ A slow square moves `SPEED_PX['slowly']` pixels per frame, a quick one `SPEED_PX
 text hash are held out (15), so held-out prompts are unseen combinations of seen words. They are
 partitioned once more, in the order of a second hash alternately, into `dev` (8 prompts: what
 recipes are tuned on) and `test` (7: reported after RL). `render` draws
-a clip the detector (stages/videotoy/detector.py) scores 1.0 against its own prompt; with
+a clip the detector (stages/toys/videotoy/detector.py) scores 1.0 against its own prompt; with
 `reverse` it draws the same clip moving the opposite way: an imperfect teacher's slip, which the
 SFT data of the video quickstart carries for a fraction of its demonstrations.
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from unirl.stages.geneval.dataset import BACKGROUND, COLOURS
+from unirl.stages.toys.geneval.dataset import BACKGROUND, COLOURS
 
 COUNTS = {"a": 1, "two": 2}
 DIRECTIONS: dict[str, tuple[int, int]] = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}

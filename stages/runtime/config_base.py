@@ -43,6 +43,7 @@ def _trace_field_reads(directory: str) -> None:
     `*_errors` function, what `unirl validate` runs. A field only checked is as unused as one
     nothing reads. Off (no cost) unless the variable is set."""
     import atexit
+    import importlib
     import json
     import os
     import sys
@@ -52,8 +53,8 @@ def _trace_field_reads(directory: str) -> None:
 
     read = FIELDS_READ
     plain = BaseModel.__getattribute__
-    repo = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-    run_code = tuple(os.path.join(repo, d) + os.sep for d in ("flows", "stages", "tasks"))
+    run_code = tuple(os.path.dirname(os.path.realpath(importlib.import_module(f"unirl.{part}").__file__)) + os.sep
+                     for part in ("flows", "stages", "tasks"))
     validation = os.path.dirname(os.path.realpath(pydantic.__file__)) + os.sep
     kinds: dict[object, str] = {}  # code object -> "run", "validation" or "other"
 

@@ -1,6 +1,6 @@
 """Toy GenEval: a procedural prompt/image dataset of coloured shapes (`dataset`) and a
 deterministic detector that scores an image against its prompt (`detector`)."""
-from unirl.stages.geneval.dataset import (
+from unirl.stages.toys.geneval.dataset import (
     COLOURS,
     GRAMMAR,
     KINDS,
@@ -18,7 +18,7 @@ from unirl.stages.geneval.dataset import (
     sample_prompts,
     split_of,
 )
-from unirl.stages.geneval.detector import Blob, GenEvalScore, detect, relations, score
+from unirl.stages.toys.geneval.detector import Blob, GenEvalScore, detect, relations, score
 
 __all__ = [
     "COLOURS", "GRAMMAR", "KINDS", "RELATIONS", "SHAPES", "SPLITS", "WORDS", "Blob", "Example",

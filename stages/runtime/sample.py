@@ -6,7 +6,7 @@ One row per generated sample. Columns every rollout shard has: `sample_id` ("{gr
 kind adds its own columns (`SEGMENT_COLUMNS`). Rewards and advantages are separate files keyed by
 `sample_id`. A shard that does not match its schema fails naming the file and the column.
 
-Prompts conditioned on images (vision-language models) add `IMAGE_COLUMNS` (stages/images.py:
+Prompts conditioned on images (vision-language models) add `IMAGE_COLUMNS` (stages/runtime/images.py:
 PNG bytes and patch grids) to requests, rollouts and SFT records.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from unirl.stages.images import IMAGE_COLUMNS
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime.images import IMAGE_COLUMNS
+from unirl.stages.runtime.storage import RunStorage
 
 SCHEMA_VERSION = 1
 
@@ -49,7 +49,7 @@ SEGMENT_COLUMNS: dict[str, dict[str, pa.DataType]] = {
     # Diffusion segment: sigmas [T+1], chosen SDE step indices [S], latents at the stored steps
     # (flattened; `latent_shape` gives the per-step shape), per-step log-probs [S], the seed of the
     # initial noise, and the encoded media for rewards and previews: an image's PNG, or a video's
-    # frames, one PNG each (stages/media.py says why), the other column empty.
+    # frames, one PNG each (stages/runtime/media.py says why), the other column empty.
     "latent": {
         "sigmas": _LIST_F32,
         "sde_indices": _LIST_I32,

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from unirl.stages.recipe import Recipe
-from unirl.stages.storage import RunStorage
+from unirl.stages.runtime.storage import RunStorage
 
 
 def tracking_uri(recipe: Recipe, storage: RunStorage) -> str:
@@ -163,6 +163,6 @@ class Tracker:
         self.client.set_terminated(self.run_id, status=status)
 
     def link(self) -> str:
-        from unirl.stages.secrets import redact_url
+        from unirl.stages.runtime.secrets import redact_url
 
         return f"{redact_url(self.uri)} run {self.run_id}"

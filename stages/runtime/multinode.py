@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import Field
 
-from unirl.stages.config_base import Section
+from unirl.stages.runtime.config_base import Section
 
 DEFAULT_RDZV_PORT = 29400
 RDZV_ENV = "UNIRL_RDZV_ENDPOINT"

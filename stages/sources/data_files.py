@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unirl.stages.data import Prompt, check_split
+from unirl.stages.runtime.data import Prompt, check_split
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -178,7 +178,7 @@ def read_records(
 
 def _row_images(value: Any, path: Path, where: str, column: str) -> tuple[bytes, ...]:
     """A row's images (one, or a list) as PNG bytes; none, a missing file or bad bytes fail."""
-    from unirl.stages.images import ImageError, load_image_value
+    from unirl.stages.runtime.images import ImageError, load_image_value
 
     values = list(value) if isinstance(value, (list, tuple)) else [] if value is None else [value]
     if not values:
@@ -191,7 +191,7 @@ def _row_images(value: Any, path: Path, where: str, column: str) -> tuple[bytes,
 
 
 class FilePrompts:
-    """A prompt source over a local file; `batch` and `heldout(split)` as `unirl.stages.arithmetic.Arithmetic`."""
+    """A prompt source over a local file; `batch` and `heldout(split)` as `unirl.stages.toys.arithmetic.Arithmetic`."""
 
     def __init__(
         self,

@@ -22,7 +22,7 @@ import functools
 import hashlib
 import itertools
 
-from unirl.stages.geneval.dataset import COLOURS, parse_prompt
+from unirl.stages.toys.geneval.dataset import COLOURS, parse_prompt
 
 COLOUR_WORDS = {"red": ("red", "crimson", "scarlet"), "green": ("green", "emerald", "lime"),
                 "blue": ("blue", "azure", "navy"), "yellow": ("yellow", "golden", "lemon")}

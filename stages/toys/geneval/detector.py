@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from unirl.stages.geneval.dataset import BACKGROUND, COLOURS, RELATIONS, PromptSpec, parse_prompt
+from unirl.stages.toys.geneval.dataset import BACKGROUND, COLOURS, RELATIONS, PromptSpec, parse_prompt
 
 COLOUR_NAMES = tuple(COLOURS)
 # A pixel farther than this (RGB Euclidean) from every palette colour and the background is

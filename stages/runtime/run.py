@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from unirl.stages.recipe import Recipe
-from unirl.stages.storage import RunStorage, join
+from unirl.stages.runtime.storage import RunStorage, join
 from unirl.stages.train.manifests import MANIFEST, write_weights_dir
 
 
@@ -84,8 +84,8 @@ def check_inputs(recipe: Recipe) -> None:
     """The checks of a run's own files that need no model, Prefect or MLflow: `model.path` holds a
     checkpoint of its family, and the prompt source reads (a missing, empty or malformed data file);
     each error names its file. `unirl run` calls this before starting anything."""
-    from unirl.stages.data import build_prompt_source
     from unirl.stages.models.family import get_family
+    from unirl.stages.runtime.data import build_prompt_source
 
     if recipe.model.path:
         with tempfile.TemporaryDirectory() as unused:  # with a path, materialize checks and writes nothing

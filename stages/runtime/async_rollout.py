@@ -22,8 +22,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from unirl.stages.sample import read_rollouts, write_shard
-from unirl.stages.storage import RunStorage, iter_dir, join
+from unirl.stages.runtime.sample import read_rollouts, write_shard
+from unirl.stages.runtime.storage import RunStorage, iter_dir, join
 
 
 class ProducerError(RuntimeError):

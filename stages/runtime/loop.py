@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from unirl.stages import iteration as it
-from unirl.stages.storage import RunStorage, iter_dir
+from unirl.stages.runtime import iteration as it
+from unirl.stages.runtime.storage import RunStorage, iter_dir
 
 
 class InProcessLoop:

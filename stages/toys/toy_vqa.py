@@ -1,5 +1,5 @@
 """Toy VQA: one-word questions about toy-GenEval scenes (coloured circles, squares and triangles on
-white, rendered by stages/geneval/dataset.py), whose answers are known from the scene drawn.
+white, rendered by stages/toys/geneval/dataset.py), whose answers are known from the scene drawn.
 
     kind      scene                          question                                         answer
     colour    one object                     what colour is the circle?                       red
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from unirl.stages.data import Prompt, check_split
-from unirl.stages.seeds import derive_seed
+from unirl.stages.runtime.data import Prompt, check_split
+from unirl.stages.runtime.seeds import derive_seed
 
 KINDS = ("colour", "shape", "count", "position")
 HELDOUT_SEEDS = 2**31  # dev layouts: [2**31, 2**31 + 2**30); training layouts are below
@@ -38,12 +38,12 @@ class Question:
     kind: str
     text: str
     answer: str
-    scene: object  # unirl.stages.geneval.dataset.PromptSpec
+    scene: object  # unirl.stages.toys.geneval.dataset.PromptSpec
 
 
 def make_question(kind: str, rng: np.random.Generator) -> Question:
     """A question of `kind` about a scene drawn with `rng` (uniform over the grammar's choices)."""
-    from unirl.stages.geneval.dataset import COLOURS, SHAPES, ObjectSpec, PromptSpec
+    from unirl.stages.toys.geneval.dataset import COLOURS, SHAPES, ObjectSpec, PromptSpec
 
     colours, shapes = list(COLOURS), list(SHAPES)
     colour, shape = colours[rng.integers(len(colours))], shapes[rng.integers(len(shapes))]
@@ -85,8 +85,8 @@ class ToyVQA:
         """The question drawn with `draw_seed`, its scene laid out with `layout_seed`, or with the
         next seeds of its range while the image is one of `avoid` (the range: [0, 2**31) for
         training, lo = 0; [lo, lo + 2**30) for a held-out split)."""
-        from unirl.stages.geneval.dataset import render
-        from unirl.stages.images import png_bytes
+        from unirl.stages.runtime.images import png_bytes
+        from unirl.stages.toys.geneval.dataset import render
 
         rng = np.random.default_rng(draw_seed)
         q = make_question(self.kinds[rng.integers(len(self.kinds))], rng)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from unirl.stages.data import Prompt, check_split
+from unirl.stages.runtime.data import Prompt, check_split
 
 OPERATORS = ("+", "-", "*")
 

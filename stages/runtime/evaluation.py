@@ -8,12 +8,12 @@ from typing import Any
 
 import numpy as np
 
-from unirl.stages.data import build_prompt_source
-from unirl.stages.iteration import SCORED_COLUMNS, reads_images, request_rows, score_batch
 from unirl.stages.recipe import Recipe
 from unirl.stages.rewards.base import build_scorer, run_scorer
-from unirl.stages.sample import read_rollouts, scoring_view, table_from_rows, write_shard
-from unirl.stages.storage import RunStorage, join
+from unirl.stages.runtime.data import build_prompt_source
+from unirl.stages.runtime.iteration import SCORED_COLUMNS, reads_images, request_rows, score_batch
+from unirl.stages.runtime.sample import read_rollouts, scoring_view, table_from_rows, write_shard
+from unirl.stages.runtime.storage import RunStorage, join
 
 SPLITS = ("dev", "test")
 PREFIX = {"dev": "eval", "test": "test"}  # metric keys: eval/accuracy, test/accuracy

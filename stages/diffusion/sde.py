@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from unirl.stages.seeds import derive_seed
+from unirl.stages.runtime.seeds import derive_seed
 
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 

@@ -1,5 +1,5 @@
 """The toy video detector: per frame, the squares of each palette colour (toy GenEval's pixel
-classes and 4-connected components, stages/geneval/detector.py); across frames, the path of the
+classes and 4-connected components, stages/toys/geneval/detector.py); across frames, the path of the
 prompt's colour. Numpy only, deterministic.
 
 Per clip and prompt (fractions in [0, 1]):
@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from unirl.stages.geneval.detector import COLOUR_NAMES, classify_pixels, connected_components
-from unirl.stages.videotoy.dataset import DIRECTIONS, ClipSpec, parse_prompt
+from unirl.stages.toys.geneval.detector import COLOUR_NAMES, classify_pixels, connected_components
+from unirl.stages.toys.videotoy.dataset import DIRECTIONS, ClipSpec, parse_prompt
 
 # Bands of speed along the axis, in pixels per frame at a 16-pixel side: between the two speeds'
 # midpoint, half the slow speed above a standstill, and half again the fast speed.

@@ -12,7 +12,7 @@ from typing import Any
 @dataclass(frozen=True)
 class Prompt:
     """One prompt and what its scorers need to know about it (e.g. the `answer`); `images`: the
-    PNG bytes it is conditioned on, for vision-language models (stages/images.py)."""
+    PNG bytes it is conditioned on, for vision-language models (stages/runtime/images.py)."""
 
     prompt_id: str
     text: str

@@ -11,15 +11,15 @@ from typing import Any
 
 import numpy as np
 
-from unirl.stages.advantage import group_advantages, group_stats
-from unirl.stages.data import build_prompt_source
-from unirl.stages.faults import fault_point
-from unirl.stages.media import decode_frames, decode_png
+from unirl.stages.algorithms.advantage import group_advantages, group_stats
 from unirl.stages.recipe import Recipe
 from unirl.stages.rewards.base import ScoreBatch, ScoreResult, aggregate, build_scorer, prompt_check, run_scorer
 from unirl.stages.rewards.overlong import apply_overlong
-from unirl.stages.sample import metadata, read_rollouts, read_shard, scoring_view, table_from_rows, write_shard
-from unirl.stages.storage import RunStorage, iter_dir, join
+from unirl.stages.runtime.data import build_prompt_source
+from unirl.stages.runtime.faults import fault_point
+from unirl.stages.runtime.media import decode_frames, decode_png
+from unirl.stages.runtime.sample import metadata, read_rollouts, read_shard, scoring_view, table_from_rows, write_shard
+from unirl.stages.runtime.storage import RunStorage, iter_dir, join
 
 
 def committed(storage: RunStorage, iteration: int, stage: str, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -55,7 +55,7 @@ def write_requests(storage: RunStorage, recipe: Recipe, iteration: int, round_in
 
 def request_rows(recipe: Recipe, prompts: list[Any], prefix: str, group_size: int, iteration: int) -> list[dict[str, Any]]:
     """One requests row per prompt (group id `prefix/prompt_id`); with the prompt's images and
-    their patch grids when the model family takes images (stages/images.py)."""
+    their patch grids when the model family takes images (stages/runtime/images.py)."""
     rows = [{"group_id": f"{prefix}/{p.prompt_id}", "prompt": p.text, "metadata": p.metadata,
              "group_size": group_size, "iteration": iteration} for p in prompts]
     return with_image_grids(recipe, rows, [p.images for p in prompts], [f"prompt {p.prompt_id!r}" for p in prompts])
@@ -65,8 +65,8 @@ def with_image_grids(recipe: Recipe, rows: list[dict[str, Any]], images: list[tu
                      names: list[str]) -> list[dict[str, Any]]:
     """`rows` with `images` (PNG bytes per row) and the patch grid the model family's image
     processor cuts each into, for a family that takes images; one without any is an error."""
-    from unirl.stages.images import image_size
     from unirl.stages.models.family import get_family
+    from unirl.stages.runtime.images import image_size
 
     family = get_family(recipe.model.kind)
     if not family.takes_images:
@@ -100,7 +100,7 @@ def score_batch(table: Any, prompt_images: bool = True) -> ScoreBatch:
     """What scorers see of a rollouts table: texts (AR), decoded PNG images (image diffusion),
     decoded frames (video diffusion: `videos`, one list of frames per sample), or the answer and,
     with `prompt_images`, the first image its prompt showed (vision-language models)."""
-    from unirl.stages.images import decode
+    from unirl.stages.runtime.images import decode
 
     names = table.schema.names
     pngs = table.column("media_png").to_pylist() if "media_png" in names else None

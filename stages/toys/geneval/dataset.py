@@ -6,7 +6,7 @@ prompts: HELDOUT_PERCENT% of each kind by hash, and at least MIN_HELDOUT_PER_KIN
 next prompts in hash order), so the 12 single-object prompts give four. The held-out prompts are
 partitioned once more, into `dev` (what recipes are tuned on) and `test` (reported after RL): each
 kind's held-out prompts, in the order of a second hash, go alternately to dev and test, so each
-half has every kind. `render` draws a scene that the detector in `unirl.stages.geneval.detector` scores 1.0 (strict)
+half has every kind. `render` draws a scene that the detector in `unirl.stages.toys.geneval.detector` scores 1.0 (strict)
 against its own prompt, so the SFT data and the RL reward speak the same language.
 """
 from __future__ import annotations
@@ -216,7 +216,7 @@ def sample_prompts(n: int, seed: int, split: str = "train", kinds: tuple[str, ..
 
 
 def _place(spec: PromptSpec, size: int, rng: np.random.Generator) -> list[tuple[ObjectSpec, tuple[int, int, int, int]]]:
-    from unirl.stages.geneval.detector import relations
+    from unirl.stages.toys.geneval.detector import relations
 
     gap = max(2, round(0.06 * size))
     lo, hi = max(5, round(0.22 * size)), max(6, round(0.32 * size))

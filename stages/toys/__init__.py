@@ -1,0 +1,2 @@
+"""The toy tasks and their graders: arithmetic, toy VQA scenes, toy GenEval (prompts, scenes, a
+detector) and toy video."""
