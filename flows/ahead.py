@@ -1,4 +1,7 @@
-"""Iteration flow runs started one ahead: Prefect's fixed cost of starting a flow run (a parent task
+"""Pays at the quickstart geometry: 215-255 against 277-308 ms per AR quickstart iteration on 2
+cores (benchmarks/README.md, "Orchestration cost per iteration").
+
+Iteration flow runs started one ahead: Prefect's fixed cost of starting a flow run (a parent task
 run, the flow run, its Running state and name: ~150 ms of API round trips per iteration on a
 2-core machine, benchmarks/README.md) is paid while the previous iteration still works.
 

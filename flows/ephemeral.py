@@ -1,4 +1,7 @@
-"""Prefect's ephemeral API server, tied to the life of the `unirl` process that uses it.
+"""Not a speed workaround: without it every SIGKILLed `unirl run` leaves a Prefect API server
+behind (tests/flows/test_ephemeral.py).
+
+Prefect's ephemeral API server, tied to the life of the `unirl` process that uses it.
 
 Without `PREFECT_API_URL`, Prefect starts a temporary API server as a subprocess at the first API
 call and stops it when the interpreter exits. A `unirl run` killed with SIGKILL (by the OOM

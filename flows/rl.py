@@ -44,7 +44,7 @@ from unirl.tasks.train import train
 STAGES = ("generate", "score", "advantage", "train", "sync")
 
 
-def starts_ahead(recipe: Recipe) -> bool:
+def starts_ahead() -> bool:
     """Whether each iteration's flow run starts while the previous one works (flows/ahead.py), by
     UNIRL_OVERLAP_ITERATIONS: "on" (the default) or "off". Measured on 2 CPU cores, where the
     start's API work shares the cores with the model, it still pays: 215-255 against 277-308 ms
@@ -152,7 +152,7 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
     evals: dict[int, dict[str, float]] = {}
     books = Bookkeeping()  # MLflow, previews, the registry, progress: off the critical path
     ahead = Ahead(run_name, recipe.iterations, lambda i: rl_iteration(recipe, run_name, i))
-    overlap = starts_ahead(recipe)
+    overlap = starts_ahead()
     try:
         # The run's own flow run keeps its heartbeat (started with it); one per iteration flow run
         # would cost up to a second each (Prefect joins a heartbeat thread that sleeps in 1 s

@@ -243,10 +243,6 @@ class FlowFamily(Family):
         return cls.native_media(cfg)[0]
 
     @classmethod
-    def native_num_frames(cls, cfg: Any) -> int | None:
-        return cls.native_media(cfg)[1]
-
-    @classmethod
     def native_media(cls, cfg: Any) -> tuple[int, int | None]:
         """(image side, frames or None) a model of `cfg` is made for, without loading weights."""
         if cfg.path:

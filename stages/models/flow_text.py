@@ -81,11 +81,6 @@ def ids_and_mask(tokenizer: Any, texts: Sequence[str] | str, max_length: int, *,
     return out.input_ids, out.attention_mask
 
 
-def prefix_length(tokenizer: Any, template: str, *, add_special_tokens: bool = True) -> int:
-    """Tokens of `template` before its "{}" (what a pipeline's `crop_start` / `drop_idx` drops)."""
-    return len(tokenizer(template.split("{}")[0], add_special_tokens=add_special_tokens).input_ids)
-
-
 def pad_rows(x: torch.Tensor, mask: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `length` rows of a (L, D) sequence and its (L,) mask, zero-padded to `length`."""
     x, mask = x[:length], mask[:length]

@@ -42,13 +42,6 @@ class UpdatePart:
     prefix: str = ""
 
 
-def rl_update(stack: Any, policy: Any, algo: Any, batches: list[list[Any]], counts: list[int], *, iteration: int,
-              seed: int, tolerance: float) -> dict[str, Any]:
-    """One optimizer step per mini-batch: `batches[k]` are this rank's micro-batches of mini-batch
-    k, `counts[k]` the most any rank has. Returns the update's metrics."""
-    return joint_update(stack, [UpdatePart(policy, algo, batches, counts, tolerance)], iteration=iteration, seed=seed)
-
-
 def joint_update(stack: Any, parts: list[UpdatePart], *, iteration: int, seed: int) -> dict[str, Any]:
     """One optimizer step per mini-batch k, into which every part's micro-batches of mini-batch k
     accumulate their gradients: a part's loss is its algorithm's (each micro-batch's share of it
