@@ -25,6 +25,7 @@ The fixed orchestration cost is the prefect rows, the run loop and the control r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -110,7 +111,7 @@ def instrument(timeline: Timeline) -> None:
     """Timers around the iteration subflow, its gate, its body, the five task functions,
     `Ahead.take` and worker-group calls."""
     import unirl.flows.ahead
-    import unirl.flows.rl as rl
+    import unirl.flows.shapes as shapes
     import unirl.tasks.advantage
     import unirl.tasks.generate
     import unirl.tasks.score
@@ -130,11 +131,11 @@ def instrument(timeline: Timeline) -> None:
         wrapped.__wrapped__ = fn
         return wrapped
 
-    rl.rl_iteration.fn = around(rl.rl_iteration.fn, "body>", "body<")
+    shapes.rl_iteration.fn = around(shapes.rl_iteration.fn, "body>", "body<")
     tasks = unirl.tasks
     for t in (tasks.generate.generate, tasks.score.score, tasks.advantage.advantage, tasks.train.train, tasks.sync.sync):
         t.fn = around(t.fn, f"task>{t.name}", f"task<{t.name}")
-    wait_turn = rl.wait_turn
+    wait_turn = shapes.wait_turn
 
     def timed_wait_turn(run_name: str, iteration: int) -> bool:
         timeline.mark("gate>", iteration)
@@ -142,8 +143,8 @@ def instrument(timeline: Timeline) -> None:
         timeline.mark("gate<", iteration)
         return out
 
-    rl.wait_turn = timed_wait_turn
-    subflow = rl.rl_iteration
+    shapes.wait_turn = timed_wait_turn
+    subflow = shapes.rl_iteration
 
     class Subflow:
         def __call__(self, recipe: Any, run_name: str, iteration: int) -> Any:
@@ -155,7 +156,7 @@ def instrument(timeline: Timeline) -> None:
         def __getattr__(self, name: str) -> Any:
             return getattr(subflow, name)
 
-    rl.rl_iteration = Subflow()
+    shapes.SHAPES["single"] = dataclasses.replace(shapes.SHAPES["single"], iteration=Subflow())
     take = unirl.flows.ahead.Ahead.take
 
     def timed_take(self: Any, i: int) -> Any:

@@ -16,34 +16,35 @@ from unirl.stages.runtime.storage import join
 from unirl.stages.runtime.tracking import Tracker
 from unirl.stages.workers.group import close_group
 from unirl.tasks.common import close_engine, staged, storage_of
-from unirl.tasks.evaluate import evaluate
 
 
 def eval_artifact(recipe: Recipe, run_name: str, version: int, metrics: dict[str, float]) -> None:
-    """Publish an evaluation: a Prefect table artifact, and the policy's preview of the held-out
-    samples in MLflow (flow models: a grid, an animated one for video)."""
+    """Publish an evaluation as a Prefect table artifact."""
     key = f"{recipe.name}-{run_name}-eval".lower().replace("_", "-").replace("/", "-")
     create_table_artifact(
         key=key, table=[{"version": version, **{k.split("/", 1)[1]: round(v, 4) for k, v in metrics.items()}}],
         description=f"held-out evaluation of {run_name} at policy version {version}",
     )
-    eval_preview(recipe, run_name, version)
 
 
-def eval_preview(recipe: Recipe, run_name: str, version: int) -> None:
-    """The held-out preview of policy `version` in the run's MLflow run (`tracking.preview_every`
-    0: none); never fails the run."""
+def eval_preview(recipe: Recipe, run_name: str, version: int, tracker: Tracker | None = None) -> None:
+    """The held-out preview of `version` in the run's MLflow run, as its shape shows it (flow
+    models: a grid, an animated one for video; composed runs: each image with its text);
+    `tracking.preview_every` 0: none. Never fails the run."""
     from prefect import get_run_logger
 
-    from unirl.stages.policies import policy_for
+    from unirl.flows.shapes import shape_of
 
     if not recipe.tracking.preview_every:
         return
     try:
         storage = storage_of(recipe, run_name)
-        run_id = storage.read_json("run.json").get("mlflow_run_id")
-        if run_id is not None:
-            policy_for(recipe).log_eval_preview(recipe, Tracker(recipe, storage, run_name, run_id), storage, version)
+        if tracker is None:
+            run_id = storage.read_json("run.json").get("mlflow_run_id")
+            if run_id is None:
+                return
+            tracker = Tracker(recipe, storage, run_name, run_id)
+        shape_of(recipe).eval_preview(recipe, tracker, storage, version)
     except Exception as exc:  # noqa: BLE001 - a preview is for people, not for the run
         get_run_logger().warning("held-out preview of v%06d not logged: %s", version, exc)
 
@@ -89,22 +90,28 @@ def report_test(recipe: Recipe, run_name: str, tracker: Tracker, before: dict[st
 def evaluate_run(recipe: Recipe, run_name: str = "", version: int | None = None, split: str = "dev") -> dict[str, Any]:
     """Evaluate policy `version` of run `run_name` (default: its last finished iteration) on the
     `dev` or `test` split."""
+    from unirl.flows.shapes import shape_of
+
     run_name = run_name or recipe.name
     storage, info = open_run(recipe, run_name)
     if version is None:
         version = storage.last_success() + 1
     if not storage.exists(join(eval_dir(version, split), "metrics.json")):
         say(f"[unirl] evaluating v{version:06d} of {run_name} on the {split} prompts (greedy, and {recipe.eval.k} samples each) ...")
+    shape = shape_of(recipe)
     try:
-        result = staged(evaluate)(recipe, run_name, version, split)
+        result = staged(shape.evaluate)(recipe, run_name, version, split)
     finally:
-        close_engine(storage.url())
-        close_group(storage.url())
+        for store in {storage.url(), *(store.url() for store, _ in shape.models(recipe, run_name, storage).values())}:
+            close_engine(store)
+            close_group(store)
     tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"))
     tracker.log_metrics(version, result["metrics"], key=f"{PREFIX[split]}/accuracy")
     if recipe.tracking.registry:  # the results land on the version they evaluate
-        tracker.tag_version(recipe.name, run_name, version, result["metrics"])
+        for name in shape.models(recipe, run_name, storage):
+            tracker.tag_version(name, run_name, version, result["metrics"])
     if split == "dev":
         eval_artifact(recipe, run_name, version, result["metrics"])
+        eval_preview(recipe, run_name, version, tracker)
     say(f"[unirl] {'held-out' if split == 'dev' else split} v{version:06d}: {summary(recipe, result['metrics'], split)}")
     return result

@@ -317,6 +317,11 @@ class Recipe(Section):
     iterations: int = Field(3, ge=1, description="RL iterations in the run.")
     checkpoint_every: int = Field(1, ge=1, description="Save a checkpoint (and publish weights) every N iterations.")
 
+    @property
+    def shape(self) -> str:
+        """The run's shape (flows/shapes.py): `single`, `pipeline` (a `pe` section) or `unified`."""
+        return "pipeline" if self.pe is not None else "unified" if self.unified is not None else "single"
+
     @field_validator("name")
     @classmethod
     def _plain_name(cls, name: str) -> str:
@@ -333,17 +338,10 @@ class Recipe(Section):
     def _check_combination(self) -> Recipe:
         """Every rule that needs two sections at once, so `unirl validate` finds what the run would
         otherwise meet inside the worker group; all problems are reported together."""
-        if self.pe is not None:
-            from unirl.stages.compose.pipeline import pipeline_errors
+        if self.shape != "single":  # a composed recipe: its shape's own checks (stages/compose)
+            from unirl.stages.compose import checks
 
-            errors = pipeline_errors(self)
-            if errors:
-                raise ValueError("\n".join(errors))
-            return self
-        if self.unified is not None:
-            from unirl.stages.compose.unified import unified_errors
-
-            errors = unified_errors(self)
+            errors = checks.get(self.shape)(self)
             if errors:
                 raise ValueError("\n".join(errors))
             return self

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from unirl.stages.algorithms.advantage import group_advantages
-from unirl.stages.recipe import Recipe, format_errors
+from unirl.stages.compose import checks, part_of, parts_errors, per_part_errors, sequential_errors
+from unirl.stages.recipe import Recipe
 from unirl.stages.runtime.sample import composed_table, namespaced, read_rollouts, read_shard, table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage, iter_dir, join
 
@@ -40,31 +41,17 @@ def parts_root(recipe: Recipe, run_name: str) -> str:
 
 
 def part_recipe(recipe: Recipe, side: str, run_name: str) -> Recipe:
-    """The one-model recipe of a pipeline part: the pipeline's seed, data (or the part's own),
-    advantages, storage options and iteration counts, with the part's model, sampling,
-    algorithm, optimizer and warm start. Its storage root is the pipeline run's `parts` folder
-    and its run name the side, so `RunStorage(root, side)` is the part's run. The ar part scores
-    nothing itself (`constant`): its reward is its images' (`part_advantages`)."""
+    """The one-model recipe of a pipeline part (`part_of`): the part's model, sampling, algorithm,
+    optimizer, warm start and data (or the pipeline's). Its storage root is the pipeline run's
+    `parts` folder and its run name the side, so `RunStorage(root, side)` is the part's run. The
+    drawer samples one group per rewrite; the rewriter's reward is its images' (`part_advantages`)."""
     pe = recipe.pe
     assert pe is not None
     part = getattr(pe, side)
-    rollout = part.rollout.model_dump(mode="json")
-    if side == "diffusion":
-        ar = pe.ar.rollout
-        rollout["prompts_per_iteration"] = ar.prompts_per_iteration * ar.group_size
-    data: dict[str, Any] = {
-        "name": f"{recipe.name}-{side}", "seed": recipe.seed,
-        "model": part.model.model_dump(mode="json"), "rollout": rollout,
-        "algorithm": part.algorithm.model_dump(mode="json"), "train": part.train.model_dump(mode="json"),
-        "sft": part.sft.model_dump(mode="json") if part.sft is not None else None,
-        "data": (part.data or recipe.data).model_dump(mode="json"),
-        "reward": recipe.reward.model_dump(mode="json") if side == "diffusion" else {"scorers": [{"name": "constant"}]},
-        "advantage": recipe.advantage.model_dump(mode="json"),
-        "storage": {**recipe.storage.model_dump(mode="json"), "root": parts_root(recipe, run_name)},
-        "tracking": {**recipe.tracking.model_dump(mode="json"), "preview_every": 0, "registry": False},
-        "eval": {"enabled": False}, "iterations": recipe.iterations, "checkpoint_every": recipe.checkpoint_every,
-    }
-    return Recipe.model_validate(data)
+    return part_of(recipe, side, model=part.model, rollout=part.rollout.model_dump(mode="json"),
+                   upstream=pe.ar.rollout if side == "diffusion" else None, train=part.train,
+                   sft=part.sft.model_dump(mode="json") if part.sft is not None else None, algorithm=part.algorithm,
+                   data=part.data or recipe.data, scored=side == "diffusion", storage_root=parts_root(recipe, run_name))
 
 
 def part_storage(recipe: Recipe, run_name: str, side: str) -> RunStorage:
@@ -77,20 +64,14 @@ def trains(recipe: Recipe, side: str) -> bool:
     return not (pe.freeze_llm if side == "ar" else pe.freeze_diffusion)
 
 
+@checks.register("pipeline")
 def pipeline_errors(recipe: Recipe) -> list[str]:
     """What `unirl validate` reports of a pipeline recipe, one `field.path: ...` line each."""
-    from pydantic import ValidationError
-
     from unirl.stages.models.family import families
 
     pe = recipe.pe
     assert pe is not None
-    errors: list[str] = []
-    defaults = Recipe()
-    for name in UNSET:
-        if getattr(recipe, name) != getattr(defaults, name):
-            errors.append(f"{name}: a prompt-enhancer recipe gives it per part (pe.ar.{name}, pe.diffusion.{name}); "
-                          "remove the top-level one")
+    errors = per_part_errors(recipe, UNSET, "pe", SIDES, "a prompt-enhancer recipe")
     for side in SIDES:
         family = families.get(getattr(pe, side).model.kind)
         if family.policy != POLICY_OF[side]:
@@ -99,13 +80,7 @@ def pipeline_errors(recipe: Recipe) -> list[str]:
             errors.append(f"pe.{side}.model.kind: {family.name!r} is a {family.policy} family; the {role} must be a "
                           f"{POLICY_OF[side]} family (allowed: {', '.join(fits)})")
     for side in SIDES:
-        rollout = getattr(pe, side).rollout
-        if rollout.mode != "sync":
-            errors.append(f"pe.{side}.rollout.mode: a pipeline samples each iteration's parts in order; async rollout "
-                          "is not offered for pipelines (set it to sync)")
-        if rollout.dynamic_sampling is not None:
-            errors.append(f"pe.{side}.rollout.dynamic_sampling: not offered for pipelines (a refill would redraw the "
-                          "other part too); remove it")
+        errors += sequential_errors("pe", side, getattr(pe, side).rollout, "a pipeline samples each iteration's parts in order")
     if pe.placement == "shared":
         ar, drawer = pe.ar.train, pe.diffusion.train
         for field in ("nproc_per_node", "backend"):
@@ -124,12 +99,7 @@ def pipeline_errors(recipe: Recipe) -> list[str]:
         return errors
     errors += recipe.scorer_errors(families.get(pe.diffusion.model.kind).produces, f"pe.diffusion.model.kind "
                                    f"{pe.diffusion.model.kind!r}")
-    for side in SIDES:
-        try:
-            part_recipe(recipe, side, recipe.name)
-        except ValidationError as exc:
-            errors += [f"pe.{side}.{line}" for line in format_errors(exc)]
-    return errors
+    return errors + parts_errors("pe", SIDES, lambda side: part_recipe(recipe, side, recipe.name))
 
 
 def flow_requests(ar: RunStorage, ar_files: list[str], flow: RunStorage, iteration: int, group_size: int,

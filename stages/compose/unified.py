@@ -27,8 +27,9 @@ from typing import Any
 import pyarrow as pa
 import torch
 
+from unirl.stages.compose import checks, part_of, parts_errors, per_part_errors, sequential_errors
 from unirl.stages.compose.pipeline import SIDES
-from unirl.stages.recipe import Recipe, format_errors
+from unirl.stages.recipe import Recipe
 from unirl.stages.runtime.storage import RunStorage
 
 POLICY_OF = {"ar": "text", "diffusion": "flow"}
@@ -38,49 +39,32 @@ IMAGE_RECORDS = "sft/data-diffusion.arrow"
 
 
 def stage_recipe(recipe: Recipe, side: str) -> Recipe:
-    """The one-model recipe of a stage: the unified recipe's model, optimizer, storage and counts
-    with the stage's sampling, algorithm, data and warm-start records (the recipe's `sft` steps, lr
-    and seed). The ar stage scores nothing itself (`constant`): its reward is its images'."""
+    """The one-model recipe of a stage (`part_of`): the unified recipe's model, optimizer and
+    storage with the stage's sampling, algorithm, data and warm-start records (the recipe's `sft`
+    steps, lr and seed). The image stage samples one group per plan; the plan's reward is its
+    images'."""
     u = recipe.unified
     assert u is not None
     stage = getattr(u, side)
     rollout = stage.rollout.model_dump(mode="json") if stage.rollout is not None else {"kind": POLICY_OF[side]}
-    if side == "diffusion" and u.ar.rollout is not None:
-        rollout["prompts_per_iteration"] = u.ar.rollout.prompts_per_iteration * u.ar.rollout.group_size
     sft = None
     if stage.sft is not None and recipe.sft is not None:
         sft = {**stage.sft.model_dump(mode="json"), "steps": recipe.sft.steps, "lr": recipe.sft.lr, "seed": recipe.sft.seed}
-    data: dict[str, Any] = {
-        "name": f"{recipe.name}-{side}", "seed": recipe.seed, "model": recipe.model.model_dump(mode="json"),
-        "rollout": rollout, "train": recipe.train.model_dump(mode="json"), "sft": sft,
-        "data": (stage.data or recipe.data).model_dump(mode="json"),
-        "reward": recipe.reward.model_dump(mode="json") if side == "diffusion" else {"scorers": [{"name": "constant"}]},
-        "advantage": recipe.advantage.model_dump(mode="json"),
-        "storage": recipe.storage.model_dump(mode="json"),
-        "tracking": {**recipe.tracking.model_dump(mode="json"), "preview_every": 0, "registry": False},
-        "eval": {"enabled": False}, "iterations": recipe.iterations, "checkpoint_every": recipe.checkpoint_every,
-    }
-    if stage.algorithm is not None:
-        data["algorithm"] = stage.algorithm.model_dump(mode="json")
-    return Recipe.model_validate(data)
+    return part_of(recipe, side, model=recipe.model, rollout=rollout,
+                   upstream=u.ar.rollout if side == "diffusion" else None, train=recipe.train, sft=sft,
+                   algorithm=stage.algorithm, data=stage.data or recipe.data, scored=side == "diffusion")
 
 
+@checks.register("unified")
 def unified_errors(recipe: Recipe) -> list[str]:
     """What `unirl validate` reports of a unified recipe, one `field.path: ...` line each."""
-    from pydantic import ValidationError
-
     from unirl.stages.algorithms.base import algorithms
     from unirl.stages.engines import engines
     from unirl.stages.models.family import families
 
     u = recipe.unified
     assert u is not None
-    errors: list[str] = []
-    defaults = Recipe()
-    for name in ("rollout", "algorithm"):
-        if getattr(recipe, name) != getattr(defaults, name):
-            errors.append(f"{name}: a unified recipe gives it per stage (unified.ar.{name}, unified.diffusion.{name}); "
-                          "remove the top-level one")
+    errors = per_part_errors(recipe, ("rollout", "algorithm"), "unified", SIDES, "a unified recipe", "stage")
     family = families.get(recipe.model.kind)
     if set(POLICY_OF.values()) - set(family.offers()):
         fits = [n for n, f in families.items() if set(POLICY_OF.values()) <= set(f.offers())]
@@ -102,11 +86,8 @@ def unified_errors(recipe: Recipe) -> list[str]:
         if rollout.kind != POLICY_OF[side]:
             errors.append(f"unified.{side}.rollout.kind: the {side} stage samples {POLICY_OF[side]}, not {rollout.kind}; "
                           "remove rollout.kind")
-        if rollout.mode != "sync":
-            errors.append(f"unified.{side}.rollout.mode: a unified model samples its stages in order with the weights it "
-                          "trains; async rollout is not offered (set it to sync)")
-        if rollout.dynamic_sampling is not None:
-            errors.append(f"unified.{side}.rollout.dynamic_sampling: not offered for unified models; remove it")
+        errors += sequential_errors("unified", side, rollout, "a unified model samples its stages in order with the "
+                                    "weights it trains")
         if engines.get(rollout.engine.name).own_weights:
             errors.append(f"unified.{side}.rollout.engine.name: a unified model samples inside its worker group "
                           "(trainside); dedicated engines serve one policy per model")
@@ -117,12 +98,7 @@ def unified_errors(recipe: Recipe) -> list[str]:
     if errors:
         return errors
     errors += recipe.scorer_errors(family.produces, f"model.kind {recipe.model.kind!r}")
-    for side in SIDES:
-        try:
-            stage_recipe(recipe, side)
-        except ValidationError as exc:
-            errors += [f"unified.{side}.{line}" for line in format_errors(exc)]
-    return errors
+    return errors + parts_errors("unified", SIDES, lambda side: stage_recipe(recipe, side))
 
 
 def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
