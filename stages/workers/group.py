@@ -54,14 +54,84 @@ class WorkerGroupDied(WorkerError):
 NodeLauncher = Callable[["rdzv.GroupPlan", list[int]], None]
 
 
-class WorkerGroup:
-    def __init__(self, recipe: Recipe, storage: RunStorage, *, init_weights: str, log: Callable[[str], None] = print,
-                 mode: str = "rl", launch_nodes: NodeLauncher | None = None):
+class ModelGroup:
+    """A model in a worker group, at a policy version, as tasks use it: `call` a command, `ensure`
+    a version (from the newest usable checkpoint, replaying the committed train steps after it).
+    How commands reach the ranks and how the model (re)starts is the subclass's: its own
+    processes (`WorkerGroup`), or a member of a group that holds several models (`MemberGroup`)."""
+
+    def __init__(self, recipe: Recipe, storage: RunStorage, init_weights: str, log: Callable[[str], None]):
         self.recipe = recipe
-        self.mode = mode
         self.storage = storage
         self.init_weights = init_weights
         self.log = log
+        self.version: int | None = None
+
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def prewarm(self) -> None:
+        raise NotImplementedError
+
+    def start(self, checkpoint: int | None) -> None:
+        raise NotImplementedError
+
+    def stop(self, timeout: float = 20.0) -> None:
+        raise NotImplementedError
+
+    def log_tail(self, lines: int = 40) -> str:
+        raise NotImplementedError
+
+    def _send(self, cmd: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def call(self, cmd: str, **args: Any) -> dict[str, Any]:
+        result = self._send(cmd, args)
+        if "policy_version" in result:
+            self.version = result["policy_version"]
+        elif "version" in result:
+            self.version = result["version"]
+        return result
+
+    # -- bringing the group to a version ------------------------------------------------------
+    def ensure(self, version: int) -> None:
+        """Make the live group hold policy `version` (weights after `version` train steps)."""
+        if self.alive() and self.version == version:
+            return
+        if not self.alive() or self.version is None or self.version > version:
+            from unirl.stages.train.manifests import usable_checkpoint
+
+            self.start(usable_checkpoint(self.storage, version, self.log))
+        assert self.version is not None
+        while self.version < version:
+            self.replay(self.version)
+
+    def replay(self, iteration: int) -> dict[str, Any]:
+        """Redo iteration `iteration`'s train step from its committed rollouts and advantages."""
+        rounds = sorted(
+            (n[:-len(".json")] for n in self.storage.listdir(join(iter_dir(iteration), "manifests")) if n.startswith("generate")),
+            key=lambda name: int(name.split("-r")[1]) if "-r" in name else 0,
+        )
+        gens = [self.storage.stage_manifest(iteration, name) for name in rounds]
+        adv = self.storage.stage_manifest(iteration, "advantage")
+        if not gens or adv is None:
+            raise WorkerError(
+                f"cannot rebuild policy version {iteration + 1}: {self.storage.url(iter_dir(iteration))} has no committed "
+                "rollouts/advantages and no checkpoint covers it"
+            )
+        self.log(f"replaying the train step of {iter_dir(iteration)} from storage")
+        rollouts = [f for gen in gens for f in gen["files"]]
+        return self.call("train", iteration=iteration, rollouts=rollouts, advantages=adv["files"][0])
+
+
+class WorkerGroup(ModelGroup):
+    """A model in its own worker group: a torchrun agent per node and its ranks, driven over a
+    loopback socket (rank 0) with a per-group token."""
+
+    def __init__(self, recipe: Recipe, storage: RunStorage, *, init_weights: str, log: Callable[[str], None] = print,
+                 mode: str = "rl", launch_nodes: NodeLauncher | None = None):
+        super().__init__(recipe, storage, init_weights, log)
+        self.mode = mode
         self.launch_nodes = launch_nodes
         self.multinode = recipe.train.nnodes > 1
         self.plan: rdzv.GroupPlan | None = None  # several nodes: the group being started or running
@@ -69,7 +139,6 @@ class WorkerGroup:
         self.proc: subprocess.Popen | None = None  # this host's torchrun agent (or the one rank)
         self.host = "127.0.0.1"
         self.port: int | None = None
-        self.version: int | None = None
         self.token = secrets.token_hex(16)
         self.scratch = Path(tempfile.mkdtemp(prefix=f"unirl-{storage.run}-"))
         self.log_path = self.scratch / "workers.log"
@@ -317,44 +386,6 @@ class WorkerGroup:
             raise WorkerError(f"worker command {cmd!r} failed:\n{reply.get('error')}")
         return reply["result"]
 
-    def call(self, cmd: str, **args: Any) -> dict[str, Any]:
-        result = self._send(cmd, args)
-        if "policy_version" in result:
-            self.version = result["policy_version"]
-        elif "version" in result:
-            self.version = result["version"]
-        return result
-
-    # -- bringing the group to a version ------------------------------------------------------
-    def ensure(self, version: int) -> None:
-        """Make the live group hold policy `version` (weights after `version` train steps)."""
-        if self.alive() and self.version == version:
-            return
-        if not self.alive() or self.version is None or self.version > version:
-            from unirl.stages.train.manifests import usable_checkpoint
-
-            self.start(usable_checkpoint(self.storage, version, self.log))
-        while self.version < version:
-            self.replay(self.version)
-
-    def replay(self, iteration: int) -> dict[str, Any]:
-        """Redo iteration `iteration`'s train step from its committed rollouts and advantages."""
-        rounds = sorted(
-            (n[:-len(".json")] for n in self.storage.listdir(join(iter_dir(iteration), "manifests")) if n.startswith("generate")),
-            key=lambda name: int(name.split("-r")[1]) if "-r" in name else 0,
-        )
-        gens = [self.storage.stage_manifest(iteration, name) for name in rounds]
-        adv = self.storage.stage_manifest(iteration, "advantage")
-        if not gens or adv is None:
-            raise WorkerError(
-                f"cannot rebuild policy version {iteration + 1}: {self.storage.url(iter_dir(iteration))} has no committed "
-                "rollouts/advantages and no checkpoint covers it"
-            )
-        self.log(f"replaying the train step of {iter_dir(iteration)} from storage")
-        rollouts = [f for gen in gens for f in gen["files"]]
-        return self.call("train", iteration=iteration, rollouts=rollouts, advantages=adv["files"][0])
-
-
 class SharedGroup(WorkerGroup):
     """One worker group holding several models (`pe.placement: shared`): its ranks hold each
     member's Worker (stages/workers/worker.py `Members`). Each member is used through its
@@ -394,18 +425,17 @@ class SharedGroup(WorkerGroup):
         self.held.update(self.version)
 
 
-class MemberGroup(WorkerGroup):
+class MemberGroup(ModelGroup):
     """One member of a SharedGroup, used as a one-model group: commands go to its Worker, its
     version is its own, and ensuring a version it cannot reach by replay restarts the whole group."""
 
     def __init__(self, shared: SharedGroup, name: str, recipe: Recipe, storage: RunStorage, init_weights: str):
         self.shared, self.name = shared, name
-        self.recipe, self.storage, self.init_weights = recipe, storage, init_weights
-        self.mode, self.multinode, self.log = "rl", False, shared.log
+        super().__init__(recipe, storage, init_weights, shared.log)
         self._wanted = 0
 
-    @property
-    def version(self) -> int | None:  # type: ignore[override]
+    @property  # type: ignore[override]
+    def version(self) -> int | None:
         return self.shared.version.get(self.name) if self.alive() else None
 
     @version.setter
@@ -437,10 +467,10 @@ class MemberGroup(WorkerGroup):
 
 
 _LIVE: set[WorkerGroup] = set()
-_GROUPS: dict[str, WorkerGroup] = {}
+_GROUPS: dict[str, ModelGroup] = {}
 
 
-def get_group(key: str, factory: Callable[[], WorkerGroup]) -> WorkerGroup:
+def get_group(key: str, factory: Callable[[], ModelGroup]) -> ModelGroup:
     """The process-wide group of a run (tasks of one flow run share it)."""
     group = _GROUPS.get(key)
     if group is None:
@@ -448,7 +478,7 @@ def get_group(key: str, factory: Callable[[], WorkerGroup]) -> WorkerGroup:
     return group
 
 
-def share_group(groups: dict[str, WorkerGroup]) -> None:
+def share_group(groups: dict[str, ModelGroup]) -> None:
     """Make `groups` (key -> group, e.g. a SharedGroup's members by their runs' URLs) the
     process-wide groups of those keys, so every task of those runs uses them."""
     for key, group in groups.items():
