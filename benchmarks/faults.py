@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,7 +72,7 @@ def unirl(args: list[str], env: dict[str, str], check: bool = True, timeout: flo
     return proc
 
 
-def run_args(root: Path, name: str, extra: list[str] = ()) -> list[str]:
+def run_args(root: Path, name: str, extra: Sequence[str] = ()) -> list[str]:
     return ["run", str(RECIPE), f"storage.root={root}", "--run-name", name, *TINY, *extra]
 
 
@@ -128,14 +128,14 @@ class Bench:
         self.work, self.env = work, env
         self._refs: dict[str, dict[str, Any]] = {}
 
-    def reference(self, key: str = "", extra: list[str] = (), iterations: int = ITERATIONS) -> dict[str, Any]:
+    def reference(self, key: str = "", extra: Sequence[str] = (), iterations: int = ITERATIONS) -> dict[str, Any]:
         if key not in self._refs:
             root = self.work / f"reference{key}"
             unirl(run_args(root, "ref", list(extra)), self.env)
             self._refs[key] = snapshot(root / "ref", self.env, iterations)
         return self._refs[key]
 
-    def equal(self, run_dir: Path, key: str = "", extra: list[str] = (), iterations: int = ITERATIONS) -> tuple[bool, list[str]]:
+    def equal(self, run_dir: Path, key: str = "", extra: Sequence[str] = (), iterations: int = ITERATIONS) -> tuple[bool, list[str]]:
         diffs = differences(snapshot(run_dir, self.env, iterations), self.reference(key, extra, iterations))
         return not diffs, diffs
 
@@ -265,6 +265,7 @@ def node_row(bench: Bench) -> Row:
     same, diffs = bench.equal(root / "r", key="-ws2", extra=[*NO_SFT, "train.nproc=2", "train.micro_batch_size=8"])
     if diffs:
         print(f"  node lost: differs in {diffs}", file=sys.stderr)
+    assert resumed is not None
     return Row("a node of a 2-node group lost mid-train (its agents and rank SIGKILLed)",
                said.removeprefix("error: ")[:220] + "; rerun: " + notable(resumed.stdout), same)
 

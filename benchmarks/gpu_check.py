@@ -154,7 +154,7 @@ def worker_group(recipe: Any, root: Path) -> Iterator[Any]:
     from unirl.stages.workers.group import WorkerGroup
 
     storage = RunStorage(recipe.storage.root, "run")
-    group = WorkerGroup(recipe, storage, init_weights=initial_weights(storage, recipe), log=lambda line: say(f"  {line}"))
+    group: Any = WorkerGroup(recipe, storage, init_weights=initial_weights(storage, recipe), log=lambda line: say(f"  {line}"))
     try:
         start = time.perf_counter()
         group.start(None)
@@ -239,7 +239,8 @@ def time_loop(recipe: Any, weights: str, device: str, dtype: str, warmup: int, t
         if param.dtype != getattr(torch, dtype) or param.device.type != device:
             raise AssertionError(f"loop model is {param.dtype} on {param.device}, wanted {dtype} on {device}")
         out: dict[str, Any] = {"transformer_params": sum(p.numel() for p in module.parameters())}
-        times, phases = [], {"generate_s": [], "score_s": [], "train_s": []}
+        times: list[float] = []
+        phases: dict[str, list[float]] = {"generate_s": [], "score_s": [], "train_s": []}
         for i in range(warmup + timed):
             sync(device)
             start = time.perf_counter()

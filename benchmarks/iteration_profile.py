@@ -55,17 +55,24 @@ class Timeline:
     def first(self, label: str, iteration: int) -> float | None:
         return next((t for t, lab, it in self.marks if lab == label and it == iteration), None)
 
+    def at(self, label: str, iteration: int) -> float:
+        """`first`, for a mark the iteration must have."""
+        t = self.first(label, iteration)
+        if t is None:
+            raise ValueError(f"iteration {iteration} has no {label!r} mark")
+        return t
+
 
 def breakdown(timeline: Timeline, i: int) -> dict[str, float]:
     """Seconds per row of iteration i's window: from its turn (`gate<`: its body may start) to
     the next iteration's turn. The rows add up to the window."""
     out: dict[str, float] = defaultdict(float)
-    t0, t_end = timeline.first("gate<", i), timeline.first("gate<", i + 1)
-    body_end = timeline.first("body<", i)
+    t0, t_end = timeline.at("gate<", i), timeline.at("gate<", i + 1)
+    body_end = timeline.at("body<", i)
     # One after the other, the run loop goes on when the flow run has ended; started ahead, when
     # its body has handed over its result (Prefect ends the flow run meanwhile, on its thread).
     ahead = any(label == "take>" for _, label, _ in timeline.marks)
-    returned = body_end if ahead else timeline.first("subflow<", i)
+    returned = body_end if ahead else timeline.at("subflow<", i)
     # The run loop ends when it asks for the next iteration: a flow run it starts now (one after
     # the other), or one started ahead that it lets go (`take>`).
     asked = [t for t in (timeline.first("take>", i + 1), timeline.first("subflow>", i + 1)) if t is not None and t >= returned]
@@ -104,7 +111,7 @@ def breakdown(timeline: Timeline, i: int) -> dict[str, float]:
 def overlapped_start(timeline: Timeline, i: int) -> float:
     """The whole of iteration i's flow-run start (call -> its body's turn could begin), overlapped
     or not: what starting ahead hides."""
-    return timeline.first("gate>", i) - timeline.first("subflow>", i)
+    return timeline.at("gate>", i) - timeline.at("subflow>", i)
 
 
 def instrument(timeline: Timeline) -> None:
@@ -188,6 +195,7 @@ def pin_worker_group(cpus: set[int], others: set[int]) -> None:
         start(self, checkpoint)
         import psutil
 
+        assert self.proc is not None
         root = psutil.Process(self.proc.pid)
         for proc in [root, *root.children(recursive=True)]:
             for thread in proc.threads():

@@ -44,7 +44,7 @@ class LocalTrainer:
 
 
 def measure(size: str, weights: str, versions: int, root: Path) -> tuple[float, float, int]:
-    from unirl.stages.engines import engines
+    from unirl.stages.engines.engine_server import EngineServer
     from unirl.stages.recipe import build_recipe
     from unirl.stages.runtime.run import initial_weights
     from unirl.stages.runtime.storage import RunStorage
@@ -60,7 +60,7 @@ def measure(size: str, weights: str, versions: int, root: Path) -> tuple[float, 
             "weights_dir": str(storage.local_path(storage.weights_rel(0))), "scratch": str(root / f"scratch-{recipe.name}")}
     worker = Worker(spec, None, torch.device("cpu"))
     params = sum(p.numel() for p in worker.stack.module.parameters())
-    engine = engines.get("engine_server")(recipe, storage, None)
+    engine = EngineServer(recipe, storage, None)
     try:
         engine.ensure(0)  # the engine's start is not a sync
         times, loads = [], []

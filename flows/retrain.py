@@ -78,8 +78,8 @@ def local_weights(storage: RunStorage, version: int) -> Path:
     else a verified copy in the cache. The path is the same every time (it is part of the new
     run's recipe, so a resumed run must see the same path)."""
     rel = storage.weights_rel(version)
-    if storage.local:
-        return storage.local_path(rel)
+    if (local := storage.local_path(rel)) is not None:
+        return local
     url = storage.url(rel)
     target = cache_dir() / "weights" / f"{storage.run}-v{version:06d}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
     if (target / MANIFEST).exists():

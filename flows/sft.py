@@ -36,6 +36,9 @@ CHUNK = 50
 
 def run_sft(recipe: Recipe, storage: RunStorage, tracker: Tracker | None = None) -> dict[str, Any]:
     """SFT of a run (idempotent: done once weights/v000000 exists)."""
+    s = recipe.sft
+    if s is None:
+        raise ValueError("the recipe has no `sft` section; add one (see recipes/ar/quickstart.yaml)")
     logger = get_run_logger()
     target = storage.weights_rel(0)
     if storage.exists(join(target, MANIFEST)):
@@ -54,9 +57,8 @@ def run_sft(recipe: Recipe, storage: RunStorage, tracker: Tracker | None = None)
             storage.write_json("sft/manifest.json", manifest)
         data: Any = manifest["files"][0] if recipe.unified is None else manifest["files"]
         stages = {"stages": manifest["stages"]} if recipe.unified is not None else {}
-        s = recipe.sft
         group.start(None)
-        warm = getattr(recipe.model, "vae_warmup", None)
+        warm: Any = getattr(recipe.model, "vae_warmup", None)
         warm_steps = warm.resolved_steps(bool(recipe.model.path)) if warm is not None else 0
         if warm_steps:
             say(f"[unirl] sft: the VAE learns the SFT media first ({warm_steps} steps of batch {warm.batch_size}) ...")

@@ -17,7 +17,7 @@ def reward_token_from_secret(block_name: str) -> str:
             f"no Prefect Secret block named {block_name!r}: create it with "
             f"`Secret(value=TOKEN).save({block_name!r})` or in the Prefect UI"
         ) from exc
-    value = secret.get()
+    value = secret.get()  # type: ignore[union-attr]
     if not isinstance(value, str) or not value:
         raise ValueError(f"Prefect Secret block {block_name!r} does not hold a non-empty string token")
     return value

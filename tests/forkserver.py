@@ -116,7 +116,7 @@ def serve(path: str, preload: list[str]) -> dict[str, Any] | None:
             if key.data is not None:  # a child's pidfd: it exited; its caller hears at once
                 pid = key.data
                 sel.unregister(key.fileobj)
-                os.close(key.fileobj)
+                os.close(key.fd)
                 _, status = os.waitpid(pid, 0)
                 conn = children.pop(pid)
                 try:
@@ -260,6 +260,7 @@ def start(path: str, preload: list[str], env: dict[str, str], cwd: str) -> subpr
         [sys.executable, os.path.abspath(__file__), path, "--preload", ",".join(preload), "--pad", " " * PAD],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=cwd,
     )
+    assert proc.stdout is not None
     line = proc.stdout.readline()
     if line.strip() != b"ready":
         raise RuntimeError(f"the fork server did not start (exit {proc.wait()})")
@@ -282,7 +283,9 @@ class Forked:
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is not None:
             return self.returncode
-        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+        if timeout is None:
+            self._lock.acquire()
+        elif not self._lock.acquire(timeout=timeout):
             raise subprocess.TimeoutExpired(self.args, timeout)
         try:
             if self.returncode is None:
@@ -337,7 +340,7 @@ def _line(conn: socket.socket, buffer: bytes, timeout: float | None, args: Any) 
         try:
             chunk = conn.recv(4096)
         except (TimeoutError, BlockingIOError):
-            raise subprocess.TimeoutExpired(args, timeout) from None
+            raise subprocess.TimeoutExpired(args, timeout if timeout is not None else 0.0) from None
         if not chunk:
             raise RuntimeError(f"the fork server went away while {args} ran")
         buffer += chunk

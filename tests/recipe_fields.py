@@ -25,7 +25,8 @@ def section_fields() -> set[str]:
     from unirl.stages.recipe import Recipe, _union_members
     from unirl.stages.runtime.config_base import field_key
 
-    seen, out, todo = set(), set(), [Recipe]
+    seen, out = set(), set()
+    todo: list[type[BaseModel]] = [Recipe]
     while todo:
         model = todo.pop()
         if model in seen:

@@ -115,7 +115,7 @@ def _routes(tree: ast.Module, prefix: str = "") -> dict[str, Route]:
             if verb in ("get", "post", "put", "delete"):
                 methods = {verb.upper()}
             elif verb == "api_route":
-                methods = {m.value for k in dec.keywords if k.arg == "methods" for m in k.value.elts}
+                methods = {m for k in dec.keywords if k.arg == "methods" for m in ast.literal_eval(k.value)}
             else:
                 continue
             request = None
@@ -134,7 +134,7 @@ def _routes(tree: ast.Module, prefix: str = "") -> dict[str, Route]:
                     sub = node.targets[0].slice
                     if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
                         keys.add(sub.value)
-            path = prefix + dec.args[0].value
+            path = prefix + str(dec.args[0].value)
             prev = out.get(path)
             out[path] = Route(path, frozenset(methods | (prev.methods if prev else set())), request or (prev.request_class if prev else None),
                               frozenset(keys | (prev.response_keys if prev else set())))
@@ -187,20 +187,20 @@ class SGLangSource:
                     meta |= _dict_keys(node.value)
             if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript):
                 target = node.targets[0]
-                if isinstance(target.value, ast.Name) and isinstance(target.slice, ast.Constant):
+                if isinstance(target.value, ast.Name) and isinstance(target.slice, ast.Constant) and isinstance(target.slice.value, str):
                     (meta if target.value.id == "meta_info" else top if target.value.id == "out_dict" else set()).add(target.slice.value)
         return top, meta
 
     @cached_property
     def finish_types(self) -> set[str]:
         """The `type` of every FINISH_* reason's to_json()."""
-        out = set()
+        out: set[str] = set()
         for node in ast.walk(self.tree(SRT_FINISH)):
             if isinstance(node, ast.ClassDef) and node.name.startswith("FINISH"):
                 for sub in ast.walk(node):
                     if isinstance(sub, ast.Dict):
                         for k, v in zip(sub.keys, sub.values):
-                            if isinstance(k, ast.Constant) and k.value == "type" and isinstance(v, ast.Constant):
+                            if isinstance(k, ast.Constant) and k.value == "type" and isinstance(v, ast.Constant) and isinstance(v.value, str):
                                 out.add(v.value)
         return out
 
@@ -220,10 +220,10 @@ class SGLangSource:
     @cached_property
     def sde_types(self) -> set[str]:
         """The rollout_sde_type values the flow rollout controller implements."""
-        out = set()
+        out: set[str] = set()
         for node in ast.walk(self.tree(MM_SDE)):
             if isinstance(node, ast.Compare) and ast.unparse(node.left) in ("effective_sde_type", "self.sde_type"):
-                out |= {c.value for c in node.comparators if isinstance(c, ast.Constant)}
+                out |= {c.value for c in node.comparators if isinstance(c, ast.Constant) and isinstance(c.value, str)}
         return out
 
 

@@ -2,6 +2,8 @@
 a second or two on a CPU, with a reward that varies on a random model, so an update has a signal."""
 from __future__ import annotations
 
+from typing import Any
+
 
 def merged(*parts: dict) -> dict:
     """Nested dicts merged left to right (later values win; dicts merge)."""
@@ -14,7 +16,7 @@ def merged(*parts: dict) -> dict:
 
 TRANSFUSION = {"image_size": 16, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64,
                "vae_channels": [8, 8], "max_text_len": 32, "text_length": 8, "vocabulary": "words"}
-TINY = {
+TINY: dict[str, Any] = {
     "qwen3": {"model": {"kind": "qwen3", "tiny": {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64}},
               "data": {"name": "arithmetic"}, "reward": {"scorers": [{"name": "integer_format"}]},
               "rollout": {"prompts_per_iteration": 3, "group_size": 4, "max_new_tokens": 3},
@@ -55,22 +57,22 @@ TINY = {
                     "train": {"micro_batch_size": 4}},
 }
 # Variants of a family the matrix runs too (a second architecture behind one `model.kind`).
-VARIANTS = {
+VARIANTS: dict[str, Any] = {
     "wan2.2": {"model": {"kind": "wan", "tiny": {"experts": 2, "boundary_ratio": 0.7}}},
     "hunyuan_video1.5": {"model": {"kind": "hunyuan_video", "tiny": {"version": "1.5", "vae_channels": [8, 8], "vae_temporal": 2}}},
 }
 # A family offering several policies on one set of weights runs each: the same model, sampled as text.
-TEXT_CASES = {
+TEXT_CASES: dict[str, Any] = {
     "transfusion_text": {"model": {"kind": "transfusion", "tiny": TRANSFUSION}, "data": {"name": "pe_geneval", "kinds": ["single"]},
                          "reward": {"scorers": [{"name": "text_length", "params": {"max_length": 24}}]},
                          "rollout": {"kind": "text", "prompts_per_iteration": 3, "group_size": 4, "max_new_tokens": 3},
                          "train": {"micro_batch_size": 4}},
 }
-CASES = {**TINY, **{name: merged(TINY[over["model"]["kind"]], over) for name, over in VARIANTS.items()}, **TEXT_CASES}
+CASES: dict[str, Any] = {**TINY, **{name: merged(TINY[over["model"]["kind"]], over) for name, over in VARIANTS.items()}, **TEXT_CASES}
 # What an algorithm needs beyond the family's tiny recipe, and options the matrix exercises on the
 # way: KL to the reference (the frozen copy; LoRA's adapter-disabled reference is in the e2e
 # tests), classifier-free guidance with a negative prompt.
-EXTRA = {"nft": {"train": {"ema": {"decay": 0.5}}, "algorithm": {"timesteps": 2}},
+EXTRA: dict[str, Any] = {"nft": {"train": {"ema": {"decay": 0.5}}, "algorithm": {"timesteps": 2}},
          "mixgrpo": {"rollout": {"sampler": {"sde_steps": {"window_size": 2}}}},
          "gspo": {"algorithm": {"kl_coef": 0.05, "kl_estimator": "k2"}},
          "drpo": {"algorithm": {"kl_coef": 0.05, "kl_estimator": "k1"}},

@@ -71,6 +71,7 @@ class Zygote:
     def stop(self) -> None:
         import shutil
 
+        assert self.proc.stdin is not None
         self.proc.stdin.close()
         self.proc.wait(timeout=30)
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -116,8 +117,8 @@ def forks(cmd: list[str], env: dict[str, str] | None) -> bool:
     """`cmd` runs as it would in a fresh interpreter when forked from the server."""
     if not (len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m" and cmd[2] in MODULES) or "--verbose" in cmd:
         return False
-    env = os.environ if env is None else env
-    return all(env.get(key, value) == value for key, value in import_env().items())
+    environ = os.environ if env is None else env
+    return all(environ.get(key, value) == value for key, value in import_env().items())
 
 
 def server() -> Zygote:

@@ -62,7 +62,7 @@ class CorrectionConfig(Section):
     @property
     def limits(self) -> tuple[float, float]:
         """The band of kept weights in mask mode."""
-        return tuple(self.band) if self.band is not None else (1.0 / self.cap, self.cap)
+        return self.band if self.band is not None else (1.0 / self.cap, self.cap)
 
 
 def importance_weights(proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, *, level: str,

@@ -28,7 +28,7 @@ def image_grid(pngs: list[bytes], captions: list[str], *, columns: int = 4, cell
     draw = ImageDraw.Draw(grid)
     for k, (png, caption) in enumerate(zip(pngs, lines)):
         x, y = (k % columns) * (cell + 4), (k // columns) * (cell + text_h + 4)
-        image = Image.open(io.BytesIO(png)).convert("RGB").resize((cell, cell), Image.NEAREST)
+        image = Image.open(io.BytesIO(png)).convert("RGB").resize((cell, cell), Image.Resampling.NEAREST)
         grid.paste(image, (x + 2, y + 2))
         for n, line in enumerate(caption):
             draw.text((x + 2, y + cell + 4 + 12 * n), line, fill=(0, 0, 0), font=font)
@@ -44,7 +44,9 @@ def clip_grid(clips: list[list[bytes]], captions: list[str], *, columns: int = 4
 
 def _pick(table: Any, max_items: int) -> list[int]:
     """The first `max_items` rows, one per group first, so prompts vary."""
-    first_of_group, rest, seen = [], [], set()
+    first_of_group: list[int] = []
+    rest: list[int] = []
+    seen: set[Any] = set()
     for i, g in enumerate(table.column("group_id").to_pylist()):
         (rest if g in seen else first_of_group).append(i)
         seen.add(g)

@@ -128,6 +128,7 @@ def sample(velocity: Velocity, x: Tensor, plan: Plan, noise_seeds: Sequence[int]
             noise = torch.stack([torch.randn(x.shape[1:], generator=g) for g in generators]).to(x.device)
             x_next = probe.mean + probe.std.reshape(b, *([1] * (x.ndim - 1))) * noise
             out = replay_step(plan, i, x, v, x_next)
+            assert out.log_prob is not None, "an SDE step scores its transition"
             logprobs.append(out.log_prob)
             x = out.prev_sample
         else:

@@ -252,7 +252,7 @@ def _fraction_range(num_steps: int, window: Sequence[float] | None) -> tuple[int
     """Steps i with lo <= i/T < hi, as the half-open index range [first, end)."""
     lo, hi = (0.0, 1.0) if window is None else (float(window[0]), float(window[1]))
     if not 0 <= lo < hi <= 1:
-        raise ValueError(f"window must be [lo, hi] fractions with 0 <= lo < hi <= 1, got {list(window)}")
+        raise ValueError(f"window must be [lo, hi] fractions with 0 <= lo < hi <= 1, got {list(window or ())}")
     # The epsilon keeps 0.6 * 10 = 6.000000000000001 at index 6.
     return math.ceil(lo * num_steps - 1e-9), math.ceil(hi * num_steps - 1e-9)
 

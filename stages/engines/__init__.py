@@ -3,6 +3,7 @@ registers a `RolloutEngine` subclass with its recipe section (`rollout.engine: {
 
     generate(requests, out_dir, iteration, policy_version) -> manifest of committed rollout shards
     load_weights(weights_rel, version)                    after an update, for engines with their own weights
+    publish_for(trainer, version)                         engines with their own weights: what they load for `version`
     sync(trainer, version)                                publish `version` through the trainer and load it
     release() / resume()                                  colocated layout: free the engine's memory around train
     version                                               the policy version the engine samples with
@@ -45,6 +46,10 @@ class RolloutEngine:
     def check(cls, recipe: Any) -> None:
         """Cross-section rules of a recipe using this engine; ValueError('field.path: ...')."""
 
+    def __init__(self, recipe: Any, storage: Any, group: Any):
+        """The run's engine: its recipe, run storage and worker group (tasks/common.py `engine_of`)."""
+        raise NotImplementedError
+
     @property
     def version(self) -> int | None:
         raise NotImplementedError
@@ -53,7 +58,11 @@ class RolloutEngine:
                  greedy: bool = False, seed_tag: str = "") -> dict[str, Any]:
         raise NotImplementedError
 
-    def load_weights(self, weights_rel: str, version: int) -> None:
+    def load_weights(self, weights_rel: str, version: int) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def publish_for(self, trainer: Any, version: int) -> str:
+        """Engines with their own weights: the folder they load for `version`, published through `trainer`."""
         raise NotImplementedError
 
     def sync(self, trainer: Any, version: int) -> dict[str, Any]:

@@ -62,6 +62,7 @@ class EngineServer(DedicatedEngine):
             return self._client
         if self.proc is None or self.proc.poll() is not None:
             self._launch(version)
+        assert self._client is not None, "a launched engine has its client"
         return self._client
 
     def alive(self) -> bool:

@@ -28,7 +28,7 @@ def init_group(*, backend: str, master_address: str, master_port: int, world_siz
     store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=TIMEOUT))
     store.set_timeout(TIMEOUT)
     store = PrefixStore(group_name, store)
-    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,  # type: ignore[arg-type]
                                          timeout=TIMEOUT)
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group

@@ -438,3 +438,13 @@ class FlowFamily(Family):
             geo.check_frames(sampler.num_frames, "rollout.sampler.num_frames")
         elif not cfg.path:
             geo.check_frames(cfg.tiny.num_frames, "model.tiny.num_frames")
+
+
+def get_flow_family(kind: str) -> type[FlowFamily]:
+    """The family registered as `kind`, which a flow policy's recipe (`rollout.kind: flow`) needs to be a FlowFamily."""
+    from unirl.stages.models.family import get_family
+
+    family = get_family(kind)
+    if not issubclass(family, FlowFamily):
+        raise ValueError(f"model.kind: {kind!r} is not a flow (image or video) family")
+    return family

@@ -109,6 +109,7 @@ class FlowGeometry:
         side = size // self.spatial
         if not self.video:
             return self.channels, side, side
+        assert frames is not None, "check_frames: a video model takes a frame count"
         return self.channels, self.latent_frames(int(frames)), side, side
 
     def tokens(self, shape: tuple[int, ...]) -> int:

@@ -36,7 +36,7 @@ def add_lora(models: Sequence[Any], *, rank: int, alpha: float, target_modules: 
     for model in models:
         mine = [t for t in targets if any(hit(n, t) for n, _ in _layers([model]))]
         model.add_adapter(
-            LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=mine, init_lora_weights=True),
+            LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=mine, init_lora_weights=True),  # type: ignore[arg-type]
             adapter_name=adapter_name,
         )
         for name, param in model.named_parameters():

@@ -169,7 +169,7 @@ def tiny_byt5(*, hidden: int, seed: int) -> tuple[Any, Any]:
     from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
 
     tok = ByT5Tokenizer()
-    cfg = T5Config(vocab_size=len(tok), d_model=hidden, d_kv=hidden // 2, d_ff=2 * hidden, num_layers=1, num_heads=2,
+    cfg = T5Config(vocab_size=len(tok), d_model=hidden, d_kv=hidden // 2, d_ff=2 * hidden, num_layers=1, num_heads=2,  # type: ignore[call-arg]
                    relative_attention_num_buckets=8, relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
                    dropout_rate=0.0, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                    decoder_start_token_id=tok.pad_token_id)

@@ -181,7 +181,7 @@ class Qwen3(Family):
         names = {n.rsplit(".", 1)[-1] for n, m in bundle.module.named_modules() if isinstance(m, torch.nn.Linear)}
         if not any(t in names for t in targets):
             raise ValueError(f"model.lora.target_modules {targets} match no linear layer (available: {', '.join(sorted(names))})")
-        bundle.module = get_peft_model(bundle.module, PeftLora(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=0.0))
+        bundle.module = get_peft_model(bundle.module, PeftLora(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=0.0))  # type: ignore[arg-type]
 
     @classmethod
     @contextmanager

@@ -263,8 +263,8 @@ class QwenVL(Family):
             names = sorted({n.rsplit(".", 1)[-1] for n in linear})
             raise ValueError(f"model.lora.target_modules {targets} match no linear layer of the language model "
                              f"(available: {', '.join(names)})")
-        bundle.module = get_peft_model(bundle.module, PeftLora(r=lora.rank, lora_alpha=lora.alpha, target_modules=pattern,
-                                                               lora_dropout=0.0))
+        peft = PeftLora(r=lora.rank, lora_alpha=lora.alpha, target_modules=pattern, lora_dropout=0.0)  # type: ignore[arg-type]
+        bundle.module = get_peft_model(bundle.module, peft)
         if bundle.train_vision:
             bundle.module.get_base_model().model.visual.requires_grad_(True)
 

@@ -70,10 +70,12 @@ def build_tiny_tokenizer(words: tuple[str, ...] | None = None, model_max_length:
     from transformers import CLIPTokenizer
 
     if words is None:
-        from unirl.stages.toys.geneval.dataset import WORDS as words
+        from unirl.stages.toys.geneval.dataset import WORDS
+
+        words = WORDS
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab, merges = learn_bpe(list(words), alphabet)
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)  # type: ignore[arg-type]
 
 
 def tiny_clip_config(*, hidden_size: int = 32, projection_dim: int = 32, num_layers: int = 2,
@@ -106,8 +108,8 @@ def build_text_encoder(kind: str, config: dict[str, Any], tokenizer: Any) -> Any
             bos_token_id=tokenizer.bos_token_id, **ids, **config,
         )
         return CLIPTextModelWithProjection(cfg)
-    cfg = T5Config(vocab_size=len(tokenizer), decoder_start_token_id=tokenizer.pad_token_id, **ids, **config)
-    return T5EncoderModel(cfg)
+    t5 = T5Config(vocab_size=len(tokenizer), decoder_start_token_id=tokenizer.pad_token_id, **ids, **config)  # type: ignore[call-arg]
+    return T5EncoderModel(t5)
 
 
 @dataclass

@@ -77,7 +77,7 @@ def build_tiny_sd3(directory: str | Path, *, seed: int = 0, image_size: int = 32
                 parts[name] = build_text_encoder("t5" if name == "text_encoder_3" else "clip", cfg[name], tokenizer)
     for name, model in parts.items():
         model.save_pretrained(root / name)
-    FlowMatchEulerDiscreteScheduler(**cfg["scheduler"]).save_pretrained(root / "scheduler")
+    FlowMatchEulerDiscreteScheduler(**cfg["scheduler"]).save_pretrained(root / "scheduler")  # type: ignore[attr-defined]
     index: dict[str, Any] = {
         "_class_name": "StableDiffusion3Pipeline", "_diffusers_version": diffusers.__version__,
         "transformer": ["diffusers", "SD3Transformer2DModel"], "vae": ["diffusers", "AutoencoderKL"],

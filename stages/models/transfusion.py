@@ -172,7 +172,7 @@ class TransfusionModel(PreTrainedModel):
         super().__init__(config)
         d, p, c = config.hidden_size, config.patch_size, config.latent_channels
         grid = config.image_size // p
-        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, d)
         self.text_pos = nn.Embedding(config.max_text_len, d)
         self.patch_in = nn.Linear(c * p * p, d)
         self.row_pos = nn.Embedding(grid, d)

@@ -147,7 +147,7 @@ class Wan(FlowFamily):
         names = ["transformer", "transformer_2"][:tiny.experts]
         for k, name in enumerate(names):
             T.seeded(tiny.seed * 100 + 2 + k, lambda: WanTransformer3DModel(**spec)).save_pretrained(root / name)
-        FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(root / "scheduler")
+        FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(root / "scheduler")  # type: ignore[attr-defined]
         two = tiny.experts == 2
         write_index(root, "WanPipeline", {
             "tokenizer": ("transformers", "PreTrainedTokenizerFast"), "text_encoder": ("transformers", "UMT5EncoderModel"),
@@ -165,7 +165,7 @@ class Wan(FlowFamily):
         parts = cls.load_parts(directory, cfg, device, experts=("transformer", "transformer_2"))
         experts, index = parts.transformers, parts.index
         if len(experts) == 2:
-            module: Any = WanExperts(*experts, boundary=float(index["boundary_ratio"]) * 1000).eval()
+            module: Any = WanExperts(experts[0], experts[1], boundary=float(index["boundary_ratio"]) * 1000).eval()
         else:
             module = experts[0]
         geo = geometry_of(dict(parts.vae.config), dict(experts[0].config), str(parts.root))

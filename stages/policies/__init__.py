@@ -18,7 +18,7 @@ objective for SFT.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -28,7 +28,10 @@ from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.registry import Registry
 
 policies: Registry[type[Policy]] = Registry("policy", "unirl.stages.policies", "rollout.kind")
-EngineConfig = engine_config()
+if TYPE_CHECKING:
+    EngineConfig = Any  # the union of the registered engines' sections, built at import
+else:
+    EngineConfig = engine_config()
 
 
 class DynamicSamplingConfig(Section):
@@ -74,6 +77,10 @@ class Policy:
     segment: ClassVar[str]
     weight_name: ClassVar[str]
     rollout_config: ClassVar[type[RolloutBase]]
+
+    def __init__(self, family: Any, bundle: Any, recipe: Any, device: Any):
+        """The policy of a loaded model (`bundle` of `family`) on `device`, for the recipe's section."""
+        raise NotImplementedError
 
     @classmethod
     def check(cls, recipe: Any) -> None:

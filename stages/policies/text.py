@@ -147,8 +147,7 @@ class TextPolicy(Policy):
                 shard = read_shard(storage, manifest["files"][0], "rewards" if stage == "score" else "advantages")
                 values[column] = dict(zip(shard.column("sample_id").to_pylist(), shard.column(column).to_pylist()))
         ids, groups = table.column("sample_id").to_pylist(), table.column("group_id").to_pylist()
-        seen: set[str] = set()
-        first = [i for i, g in enumerate(groups) if not (g in seen or seen.add(g))]
+        first = [groups.index(g) for g in dict.fromkeys(groups)]
         pick = (first + [i for i in range(len(ids)) if i not in first])[:PREVIEW_ROWS]
         prompts, texts = table.column("prompt").to_pylist(), table.column("text").to_pylist()
         columns = {"sample_id": [ids[i] for i in pick], "prompt": [prompts[i] for i in pick],
@@ -314,7 +313,7 @@ class TextPolicy(Policy):
         self._sft_responses = [self.tokenizer(r, add_special_tokens=False).input_ids + [eos] for r in table.column("response").to_pylist()]
         return {}
 
-    def sft_loss(self, module: Any, step: int, *, seed: int, batch_size: int, stack: Any) -> tuple[torch.Tensor, float]:
+    def sft_loss(self, module: Any, step: int, *, seed: int, batch_size: int, stack: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Cross-entropy on the response tokens of step `step`'s records (a seeded permutation per
         epoch, split across ranks), as this rank's share of the batch mean: (loss to backpropagate
         times world, its value summed over ranks)."""

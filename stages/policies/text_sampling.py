@@ -43,7 +43,8 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     """The forward argument that takes the KV cache: `cache` in transformers 5, else `past_key_values`."""
     import inspect
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    peft_base = getattr(model, "get_base_model", None)
+    base = peft_base() if peft_base is not None else model
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 

@@ -33,13 +33,13 @@ def load_linear_chain(path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
     tensors = load_file(str(path))
     names = sorted({k.rsplit(".", 1)[0] for k in tensors},
                    key=lambda s: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)])
-    layers = []
+    layers: list[tuple[np.ndarray, np.ndarray]] = []
     for name in names:
         if f"{name}.weight" not in tensors or tensors[f"{name}.weight"].ndim != 2:
             raise ValueError(f"{path}: {name!r} has no 2-D '{name}.weight'; expected linear layers only")
         weight = tensors[f"{name}.weight"].double().numpy()
-        bias = tensors.get(f"{name}.bias")
-        bias = bias.double().numpy() if bias is not None else np.zeros(weight.shape[0])
+        stored = tensors.get(f"{name}.bias")
+        bias = stored.double().numpy() if stored is not None else np.zeros(weight.shape[0])
         if layers and layers[-1][0].shape[0] != weight.shape[1]:
             raise ValueError(f"{path}: {name!r} takes {weight.shape[1]} inputs but the layer before gives "
                              f"{layers[-1][0].shape[0]}")

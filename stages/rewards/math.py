@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing
+import multiprocessing.pool
 import os
 import re
 import threading
@@ -63,7 +64,8 @@ def _closing_brace(text: str, open_at: int) -> int:
 
 def boxed_contents(text: str) -> tuple[list[str], bool]:
     """Contents of the outermost complete `\\boxed{...}`s, in order, and whether an unclosed box was seen."""
-    out, unclosed, pos = [], False, 0
+    out: list[str] = []
+    unclosed, pos = False, 0
     while True:
         m = _BOX_START.search(text, pos)
         if m is None:
@@ -119,7 +121,7 @@ class Checker:
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
-        self._pool = None
+        self._pool: multiprocessing.pool.Pool | None = None
         self._lock = threading.Lock()  # one batch at a time: a kill must not take another batch's jobs
 
     def equal(self, pairs: list[tuple[str, str]]) -> list[bool]:
@@ -189,7 +191,7 @@ class MathVerify:
         extracted = np.array([f is not None for f in found], dtype=np.float64)
         asked = [i for i, f in enumerate(found) if f is not None]
         scores = np.zeros(len(batch), dtype=np.float64)
-        scores[asked] = CHECKER.equal([(found[i], references[i]) for i in asked])
+        scores[asked] = CHECKER.equal([(f, references[i]) for i, f in enumerate(found) if f is not None])
         return ScoreResult(scores, {"extracted": extracted})
 
 

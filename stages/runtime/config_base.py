@@ -2,6 +2,8 @@
 the sections that several registries' entries share."""
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -53,9 +55,12 @@ def _trace_field_reads(directory: str) -> None:
 
     read = FIELDS_READ
     plain = BaseModel.__getattribute__
-    run_code = tuple(os.path.dirname(os.path.realpath(importlib.import_module(f"unirl.{part}").__file__)) + os.sep
-                     for part in ("flows", "stages", "tasks"))
-    validation = os.path.dirname(os.path.realpath(pydantic.__file__)) + os.sep
+
+    def folder(module: Any) -> str:
+        return os.path.dirname(os.path.realpath(module.__file__)) + os.sep
+
+    run_code = tuple(folder(importlib.import_module(f"unirl.{part}")) for part in ("flows", "stages", "tasks"))
+    validation = folder(pydantic)
     kinds: dict[object, str] = {}  # code object -> "run", "validation" or "other"
 
     def kind(code) -> str:
@@ -86,7 +91,7 @@ def _trace_field_reads(directory: str) -> None:
                     read.add(key)
         return plain(self, name)
 
-    Section.__getattribute__ = traced  # type: ignore[method-assign]
+    Section.__getattribute__ = traced  # type: ignore[method-assign, assignment]
 
     def dump() -> None:
         os.makedirs(directory, exist_ok=True)

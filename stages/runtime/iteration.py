@@ -84,7 +84,9 @@ def check_prompts(recipe: Recipe, prompts: list[Any]) -> None:
     """Fail before sampling when a scorer of the recipe cannot score one of `prompts`, naming it."""
     for spec in recipe.reward.scorers:
         check = prompt_check(spec.name)
-        for p in prompts if check is not None else []:
+        if check is None:
+            continue
+        for p in prompts:
             try:
                 check(p.text)
             except ValueError as exc:
@@ -145,6 +147,7 @@ def score(
     total = aggregate(results, weights, recipe.reward.aggregation)
     overlong = recipe.reward.overlong
     if overlong.truncated != "keep" and "response_ids" in names:
+        assert batch.finish_reasons is not None, "text rollouts record their finish reasons"
         scores, added = apply_overlong(
             total.scores, [len(r) for r in table.column("response_ids").to_pylist()], batch.finish_reasons,
             mode=overlong.truncated, max_new_tokens=recipe.rollout.max_new_tokens,
@@ -165,6 +168,7 @@ def score(
         "rollout/zero_std_group_frac": stats["zero_std_group_frac"],
     }
     if "response_ids" in names:
+        assert batch.finish_reasons is not None, "text rollouts record their finish reasons"
         metrics["rollout/response_len_mean"] = float(np.mean([len(r) for r in table.column("response_ids").to_pylist()]))
         metrics["rollout/truncated_frac"] = float(np.mean([r == "length" for r in batch.finish_reasons]))
     metrics.update({f"rollout/reward/{k}": float(np.mean(v)) for k, v in total.components.items()})

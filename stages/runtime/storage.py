@@ -130,6 +130,7 @@ class RunStorage:
             return fn(*args, **kwargs)
 
         def say(state: tenacity.RetryCallState) -> None:
+            assert state.outcome is not None and state.next_action is not None, "before_sleep follows a failed attempt"
             print(f"[unirl] storage {self.url()} unreachable ({what}: {type(state.outcome.exception()).__name__}); "
                   f"retrying in {state.next_action.sleep:.0f}s", file=sys.stderr, flush=True)
 

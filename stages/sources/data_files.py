@@ -215,8 +215,8 @@ class FilePrompts:
         if test_path is not None and test_fraction > 0:
             raise ValueError("data.test_fraction: set either test_fraction or test_path, not both")
         self.path, self.seed = Path(path), seed
-        columns = dict(prompt_column=prompt_column, answer_column=answer_column, id_column=id_column,
-                       image_column=image_column)
+        columns: dict[str, Any] = dict(prompt_column=prompt_column, answer_column=answer_column, id_column=id_column,
+                                       image_column=image_column)
         records = read_records(path, **columns)
         texts = list(dict.fromkeys(r.identity for r in records))
         test = read_records(test_path, **columns) if test_path is not None else []

@@ -52,9 +52,9 @@ class GenEvalSource(Source):
 
     @classmethod
     def image_size(cls, recipe: Any) -> int | None:
-        from unirl.stages.models.family import get_family
+        from unirl.stages.models.flow_family import get_flow_family
 
-        return recipe.rollout.sampler.image_size or get_family(recipe.model.kind).image_size(recipe.model)
+        return recipe.rollout.sampler.image_size or get_flow_family(recipe.model.kind).image_size(recipe.model)
 
     @classmethod
     def check(cls, recipe: Any) -> None:
@@ -73,8 +73,8 @@ class GenEvalSource(Source):
         """`sft.examples` (prompt, media_png) records at the recipe's image size (the sampler's, else
         the model's own); `sft.noise` of them show one object group in another colour."""
         from unirl.stages.diffusion.sft import geneval_records
-        from unirl.stages.models.family import get_family
+        from unirl.stages.models.flow_family import get_flow_family
 
-        size = recipe.rollout.sampler.image_size or get_family(recipe.model.kind).native_image_size(recipe.model)
+        size = recipe.rollout.sampler.image_size or get_flow_family(recipe.model.kind).native_image_size(recipe.model)
         return geneval_records(recipe.sft.examples, seed=recipe.sft.seed, image_size=int(size), kinds=tuple(recipe.data.kinds),
                                noise=recipe.sft.noise)

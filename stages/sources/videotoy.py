@@ -48,9 +48,9 @@ class VideoToySource(Source):
     @classmethod
     def media(cls, recipe: Any) -> tuple[int, int | None]:
         """(frame side, frames) the recipe samples: the sampler's, else the model's own."""
-        from unirl.stages.models.family import get_family
+        from unirl.stages.models.flow_family import get_flow_family
 
-        family, sampler = get_family(recipe.model.kind), recipe.rollout.sampler
+        family, sampler = get_flow_family(recipe.model.kind), recipe.rollout.sampler
         side, frames = family.native_media(recipe.model)
         return sampler.image_size or side, sampler.num_frames or frames
 
@@ -66,7 +66,7 @@ class VideoToySource(Source):
             return
         side, frames = cls.media(recipe)
         where = "rollout.sampler" if recipe.rollout.sampler.image_size or recipe.rollout.sampler.num_frames else "model.tiny"
-        if side < MIN_SIZE or (frames or 0) < MIN_FRAMES:
+        if side < MIN_SIZE or frames is None or frames < MIN_FRAMES:
             raise ValueError(f"{where}: toy video clips need a side >= {MIN_SIZE} and >= {MIN_FRAMES} frames, got {side} x {frames}")
         travel = SPEED_PX["quickly"] * side / 16 * (frames - 1)
         if travel > side - object_side(side):
@@ -81,6 +81,7 @@ class VideoToySource(Source):
         from unirl.stages.toys.videotoy import make_clips
 
         side, frames = cls.media(recipe)
+        assert frames is not None, "a toy video recipe has frames (its check)"
         clips = make_clips(recipe.sft.examples, recipe.sft.seed, size=int(side), frames=int(frames),
                            reverse_fraction=recipe.sft.noise)
         return [{"prompt": p, "media_frames": to_png_bytes(c)} for p, c in clips]

@@ -20,11 +20,15 @@ size only).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from unirl.stages.runtime.data import Prompt, check_split
 from unirl.stages.runtime.seeds import derive_seed
+
+if TYPE_CHECKING:
+    from unirl.stages.toys.geneval.dataset import PromptSpec
 
 KINDS = ("colour", "shape", "count", "position")
 HELDOUT_SEEDS = 2**31  # dev layouts: [2**31, 2**31 + 2**30); training layouts are below
@@ -38,7 +42,7 @@ class Question:
     kind: str
     text: str
     answer: str
-    scene: object  # unirl.stages.toys.geneval.dataset.PromptSpec
+    scene: PromptSpec
 
 
 def make_question(kind: str, rng: np.random.Generator) -> Question:

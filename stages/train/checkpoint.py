@@ -14,7 +14,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -62,8 +62,8 @@ def _unflatten(tensors: dict[str, torch.Tensor], model_sd: dict, optim_sd: dict,
 
 def _local_state_dir(storage: RunStorage, scratch: Path, rel: str) -> Path:
     """DCP's safetensors writer needs a local folder: object stores get a per-rank staging copy."""
-    if storage.local:
-        return storage.local_path(rel)
+    if (local := storage.local_path(rel)) is not None:
+        return local
     staged = scratch / "staging" / rel
     staged.mkdir(parents=True, exist_ok=True)
     return staged
@@ -118,9 +118,10 @@ def load(stack: TrainStack, storage: RunStorage, scratch: Path, version: int) ->
     extra = storage.read_json(join(rel, "extra.json"))
     _unflatten(tensors, model_sd, optim_sd, extra["optimizer"])
     set_state_dict(stack.module, stack.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    with torch.no_grad():
-        for key in ema:
-            stack.ema.shadow[key[len("ema."):]].copy_(tensors[key])
+    if stack.ema is not None:
+        with torch.no_grad():
+            for key in ema:
+                stack.ema.shadow[key[len("ema."):]].copy_(tensors[key])
     stack.opt_steps = int(extra.get("worker", {}).get("opt_steps", 0))
     if extra.get("worker", {}).get("schedule_steps"):  # the schedule the saved steps were taken on
         stack.spec = dataclasses.replace(stack.spec, total=int(extra["worker"]["schedule_steps"]))
@@ -141,7 +142,7 @@ def publish(stack: TrainStack, storage: RunStorage, scratch: Path, version: int,
     full states (a rank-0-only gather deadlocks under FSDP2)."""
     start = time.perf_counter()
     rel = storage.weights_rel(version)
-    full = get_model_state_dict(stack.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = cast("dict[str, torch.Tensor]", get_model_state_dict(stack.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     ema_full = None
     if stack.ema is not None:
         ema_full = {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu() for n, v in stack.ema.shadow.items()}

@@ -47,7 +47,14 @@ def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
     from unirl.stages.sources import sources
 
     sft = recipe.sft
-    records = file_records(sft.path) if sft.source == "file" else sources.get(recipe.data.name).sft_records(recipe)
+    if sft is None:
+        raise ValueError("the recipe has no `sft` section; add one (see recipes/ar/quickstart.yaml)")
+    if sft.source == "file":
+        if not sft.path:
+            raise ValueError("sft.path: `source: file` needs the path of a JSONL or Arrow file of prompt/response records")
+        records = file_records(sft.path)
+    else:
+        records = sources.get(recipe.data.name).sft_records(recipe)
     images = [tuple(r.pop("images", ())) for r in records]
     records = with_image_grids(recipe, records, images, [f"SFT record {i + 1}" for i in range(len(records))])
     write_shard(storage, SFT_DATA, table_from_rows(records, "sft"))

@@ -114,7 +114,7 @@ class SafetensorsRows:
             raise ValueError(f"{self.path}: {key} rows {first}:{stop} are {length} bytes, the shard needs "
                              f"{target.numel() * target.element_size()}")
         self.file.seek(self.base + entry["data_offsets"][0] + first * row_bytes)
-        view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+        view = memoryview(target.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
         if self.file.readinto(view) != length:
             raise ValueError(f"{self.path}: {key} is cut short (the file is truncated)")
         if not direct:

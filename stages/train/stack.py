@@ -148,9 +148,9 @@ class TrainStack:
             ref = load_bundle(family, reference_dir, reference_cfg, device, sharded=sharded_load).module
             self._reference = self._build(ref.requires_grad_(False).eval(), reference_dir, seed, mixed_precision)
         self.trainable = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=spec.lr, betas=tuple(spec.betas), weight_decay=spec.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
         self.ema = EMA(self.module, spec.ema) if spec.ema else None
-        self._ema_decay = ema_decay or (lambda step: spec.ema)
+        self._ema_decay = ema_decay
         self.opt_steps = 0
         self.ema_full: dict[str, torch.Tensor] | None = None  # gathered by publish
 
@@ -207,15 +207,16 @@ class TrainStack:
         """Clip, then step at the scheduled lr unless the gradient norm is not finite (the step is
         skipped and not counted), then update the EMA. Returns the norm."""
         s = self.spec
-        norm = torch.nn.utils.clip_grad_norm_(self.trainable, s.max_grad_norm)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        total = torch.nn.utils.clip_grad_norm_(self.trainable, s.max_grad_norm)
+        norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
         if np.isfinite(norm):
             factor = lr_factor(self.opt_steps, schedule=s.schedule, warmup=s.warmup, total=s.total, min_ratio=s.min_ratio)
             for group in self.optimizer.param_groups:
                 group["lr"] = s.lr * factor
             self.optimizer.step()
             if self.ema is not None:
-                self.ema.decay = self._ema_decay(self.opt_steps)
+                if self._ema_decay is not None:
+                    self.ema.decay = self._ema_decay(self.opt_steps)
                 self.ema.update(self.module)
             self.opt_steps += 1
         self.optimizer.zero_grad(set_to_none=True)

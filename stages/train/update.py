@@ -52,7 +52,7 @@ def joint_update(stack: Any, parts: list[UpdatePart], *, iteration: int, seed: i
     if len(updates) != 1:
         raise ValueError(f"the parts of a joint update cut their batches into different numbers of updates: {sorted(updates)}")
     stack.module.train()
-    states = []
+    states: list[dict[str, Any]] = []
     for part in parts:
         template = part.policy.template(next((b for group in part.batches for b in group), None), stack)
 

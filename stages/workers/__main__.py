@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from unirl.stages.workers.control import broadcast_json
+    from unirl.stages.workers.control import all_gather_json, broadcast_json
     from unirl.stages.workers.processes import parent_pid
     from unirl.stages.workers.worker import make_worker
 
@@ -74,11 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         worker = make_worker(spec, mesh, device)
         me = {"rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "node": int(os.environ.get("GROUP_RANK", "0")),
               "host": socket.gethostname(), "pid": os.getpid(), "agent_pid": parent_pid()}
-        ranks = worker.stack.all_gather_json(me) if group else [me]
+        ranks = all_gather_json(me, device=device) if group else [me]
         if rank == 0:
             server = announce_ready(spec, records, worker, ranks, world)
         while True:
-            command = server.next_command() if rank == 0 else None
+            command = server.next_command() if server is not None else None
             command = broadcast_json(command, rank=rank, device=device)
             if command["cmd"] == "noop":
                 continue
@@ -133,7 +133,7 @@ def announce_ready(spec: dict, records: Any, worker: Any, ranks: list[dict], wor
 
 def leave(records: Any, group: str | None, rank: int, status: str, error: str = "") -> None:
     """Several nodes: this rank's last word in the group's records (never raises: it is on the way out)."""
-    if records is None:
+    if records is None or group is None:
         return
     from unirl.stages.workers.rendezvous import write_exit
 

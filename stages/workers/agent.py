@@ -97,6 +97,7 @@ def serve_node(storage: RunStorage, recipe: Any, *, group: str = "", log: Callab
 
 
 def _stream(proc: subprocess.Popen, tail: collections.deque, log: Callable[[str], None]) -> None:
+    assert proc.stdout is not None, "the agent's torchrun is started with stdout=PIPE"
     for line in proc.stdout:
         tail.append(line.rstrip("\n"))
         log(line.rstrip("\n"))

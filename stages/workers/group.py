@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from unirl.stages.recipe import Recipe
 from unirl.stages.runtime.storage import RunStorage, iter_dir, join
@@ -102,7 +102,7 @@ class ModelGroup:
             from unirl.stages.train.manifests import usable_checkpoint
 
             self.start(usable_checkpoint(self.storage, version, self.log))
-        assert self.version is not None
+        assert self.version is not None, "a started group reports its version"
         while self.version < version:
             self.replay(self.version)
 
@@ -114,13 +114,13 @@ class ModelGroup:
         )
         gens = [self.storage.stage_manifest(iteration, name) for name in rounds]
         adv = self.storage.stage_manifest(iteration, "advantage")
-        if not gens or adv is None:
+        if not gens or None in gens or adv is None:
             raise WorkerError(
                 f"cannot rebuild policy version {iteration + 1}: {self.storage.url(iter_dir(iteration))} has no committed "
                 "rollouts/advantages and no checkpoint covers it"
             )
         self.log(f"replaying the train step of {iter_dir(iteration)} from storage")
-        rollouts = [f for gen in gens for f in gen["files"]]
+        rollouts = [f for gen in gens if gen is not None for f in gen["files"]]
         return self.call("train", iteration=iteration, rollouts=rollouts, advantages=adv["files"][0])
 
 
@@ -199,11 +199,12 @@ class WorkerGroup(ModelGroup):
 
         return list(get_family(self.recipe.model.kind).modules)
 
-    def _launch(self, cmd: list[str], env: dict[str, str]) -> None:
+    def _launch(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
         logf = open(self.log_path, "ab")
-        self.proc = spawn(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = proc = spawn(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         logf.close()
         _LIVE.add(self)
+        return proc
 
     def _prewarm_nodes(self, env: dict[str, str], preload: list[str]) -> None:
         """Several nodes: announce a new group in run storage, start this host's agent (when it is
@@ -223,8 +224,8 @@ class WorkerGroup(ModelGroup):
             pointer.write_text(json.dumps(rdzv.node_pointer(self.storage, plan, self.scratch, self._threads)))
             cmd = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args(),
                    *rank_entry(["--spec", str(pointer), *preload])]
-            self._launch(cmd, {**env, "UNIRL_CONTROL_TOKEN": self.token})
-            rdzv.write_agent(self.storage, plan.group, self.proc.pid, state="joining")
+            proc = self._launch(cmd, {**env, "UNIRL_CONTROL_TOKEN": self.token})
+            rdzv.write_agent(self.storage, plan.group, proc.pid, state="joining")
         others = list(range(first, t.nnodes))
         if others and self.launch_nodes is not None:
             self.launch_nodes(plan, others)
@@ -258,8 +259,9 @@ class WorkerGroup(ModelGroup):
         tmp.write_text(json.dumps(spec))
         tmp.replace(spec_path)  # the ranks wait for this file to appear whole
         if self.multinode:
-            self.storage.write_json(rdzv.group_rel(self.plan.group, "spec.json"), {**spec, "endpoint": self.plan.endpoint})
-            nodes = f"{self.plan.min_nnodes}-{t.nnodes}" if self.plan.min_nnodes != t.nnodes else str(t.nnodes)
+            plan = self._plan()
+            self.storage.write_json(rdzv.group_rel(plan.group, "spec.json"), {**spec, "endpoint": plan.endpoint})
+            nodes = f"{plan.min_nnodes}-{t.nnodes}" if plan.min_nnodes != t.nnodes else str(t.nnodes)
             self.log(f"starting worker group: {nodes} node(s) x {t.nproc_per_node} rank(s), {what}")
         else:
             self.log(f"starting worker group: {t.nproc_per_node} rank(s), {what}")
@@ -270,9 +272,9 @@ class WorkerGroup(ModelGroup):
                     raise self.died("while starting")
                 raise WorkerGroupDied(f"worker group exited while starting:\n{self.log_tail()}")
             if time.monotonic() > deadline:
-                waiting = self._waiting_for() if self.multinode else ""
+                missing = self._waiting_for() if self.multinode else ""
                 self.stop()
-                raise WorkerGroupDied(f"worker group not ready after {t.startup_timeout_s}s{waiting}:\n{self.log_tail()}")
+                raise WorkerGroupDied(f"worker group not ready after {t.startup_timeout_s}s{missing}:\n{self.log_tail()}")
             time.sleep(0.05 if not self.multinode else 0.25)
         self.ready = info
         self.host, self.port, self.version = info["host"], info["port"], info["version"]
@@ -284,16 +286,21 @@ class WorkerGroup(ModelGroup):
     def _ready(self, local: Path) -> dict[str, Any] | None:
         if not self.multinode:
             return json.loads(local.read_text()) if local.exists() else None
-        rel = rdzv.group_rel(self.plan.group, "ready.json")
+        rel = rdzv.group_rel(self._plan().group, "ready.json")
         return self.storage.read_json(rel) if self.storage.exists(rel) else None
 
     def _waiting_for(self) -> str:
         """Why a group of several nodes did not form: how many agents joined the rendezvous."""
-        joined = rdzv.agents(self.storage, self.plan.group)
+        plan = self._plan()
+        joined = rdzv.agents(self.storage, plan.group)
         hosts = ", ".join(sorted(a["host"] for a in joined)) or "none"
-        return (f": {len(joined)} of {self.plan.nnodes} node agent(s) joined rendezvous {self.plan.endpoint} "
-                f"(id {self.plan.rdzv_id}; joined: {hosts}); every node must run its agent (train.agents) and reach "
+        return (f": {len(joined)} of {plan.nnodes} node agent(s) joined rendezvous {plan.endpoint} "
+                f"(id {plan.rdzv_id}; joined: {hosts}); every node must run its agent (train.agents) and reach "
                 f"the endpoint and {self.storage.url()}")
+
+    def _plan(self) -> rdzv.GroupPlan:
+        assert self.plan is not None, "a group of several nodes has its plan from prewarm on"
+        return self.plan
 
     def stop(self, timeout: float = 20.0) -> None:
         if self.proc is None and self.plan is None:
@@ -339,7 +346,7 @@ class WorkerGroup(ModelGroup):
         if self.multinode and self.plan is not None:
             kind, who = rdzv.name_failure(self.storage, self.plan.group, self.ready, (self.proc.pid, who) if self.proc else None)
         code = self.proc.returncode if self.proc is not None else None
-        if not who and self.recipe.train.nproc_per_node == 1 and code is not None and code != 0:  # no agent: the rank is the process
+        if not who and self.recipe.train.nproc_per_node == 1 and self.proc and code:  # no agent: the rank is the process
             how = f"signal {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exit code {code}"
             who = f"rank 0 (pid {self.proc.pid}) exited with {how}"
         head = f"worker {who} {when}; the group is gone" if who else f"worker group died {when}"
@@ -355,6 +362,7 @@ class WorkerGroup(ModelGroup):
     def _send(self, cmd: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         if not self.alive():
             raise WorkerGroupDied(f"worker group is not running:\n{self.log_tail()}")
+        assert self.port is not None, "commands go to a group that is ready (it reported its control port)"
         with self._lock, socket.create_connection((self.host, self.port), timeout=30) as sock:
             send_json(sock, {"token": self.token, "cmd": cmd, "args": args})
             sock.settimeout(1.0)
@@ -377,6 +385,7 @@ class WorkerGroup(ModelGroup):
                 if died.kind != "error":  # a node or a rank is gone: this rank's collective broke with it
                     raise died from WorkerError(str(reply.get("error")))
             elif cmd != "shutdown":
+                assert self.proc is not None, "a one-node group that answers has its process"
                 try:
                     self.proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
@@ -422,7 +431,12 @@ class SharedGroup(WorkerGroup):
             loads[other] = self._load(member.recipe, member.storage, member.init_weights, at)
             said.append(f"{other} at {'checkpoint ' + str(at) if at is not None else 'initial weights'}")
         self._boot({"members": loads}, f"members {', '.join(said)}")
-        self.held.update(self.version)
+        self.held.update(self.versions())
+
+    def versions(self) -> dict[str, int]:
+        """Rank 0's `version` of a shared group: each member's version."""
+        assert isinstance(self.version, dict), "a shared group's ranks report each member's version"
+        return cast("dict[str, int]", self.version)
 
 
 class MemberGroup(ModelGroup):
@@ -434,14 +448,14 @@ class MemberGroup(ModelGroup):
         super().__init__(recipe, storage, init_weights, shared.log)
         self._wanted = 0
 
-    @property  # type: ignore[override]
+    @property
     def version(self) -> int | None:
-        return self.shared.version.get(self.name) if self.alive() else None
+        return self.shared.versions().get(self.name) if self.alive() else None
 
     @version.setter
     def version(self, value: int | None) -> None:
         if value is not None:
-            self.shared.version[self.name] = self.shared.held[self.name] = value
+            self.shared.versions()[self.name] = self.shared.held[self.name] = value
 
     def alive(self) -> bool:
         return self.shared.alive() and self.shared.port is not None

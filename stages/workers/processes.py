@@ -121,7 +121,7 @@ def spawn(cmd: list[str], **kwargs: Any) -> subprocess.Popen:
     with _spawner_lock:
         if _spawner is None:
             _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unirl-spawner")
-    return _spawner.submit(subprocess.Popen, cmd, preexec_fn=die_with_parent, start_new_session=True, **kwargs).result()
+    return _spawner.submit(lambda: subprocess.Popen(cmd, preexec_fn=die_with_parent, start_new_session=True, **kwargs)).result()
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

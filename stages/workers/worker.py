@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pyarrow.compute as pc
 import torch
@@ -48,7 +48,7 @@ class Stage:
 def rl_spec(recipe: Recipe, schedule_steps: int) -> OptimizerSpec:
     """The recipe's optimizer; `schedule_steps`: the length of its lr schedule (the run's, run.json)."""
     t = recipe.train
-    return OptimizerSpec(lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, schedule=t.lr_schedule,
+    return OptimizerSpec(lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, schedule=t.lr_schedule,
                          warmup=t.warmup_steps, total=schedule_steps, min_ratio=t.min_lr_ratio,
                          max_grad_norm=t.max_grad_norm, ema=t.ema.decay if t.ema else None)
 
@@ -84,7 +84,8 @@ class Worker:
         if self.mode == "sft":
             opt, decay = type(self.policy).sft_spec(recipe)
         else:
-            opt, decay = rl_spec(recipe, self._schedule_steps()), (lambda step: self.algorithm.ema_decay(step, recipe.train.ema.decay))
+            ema = recipe.train.ema
+            opt, decay = rl_spec(recipe, self._schedule_steps()), (lambda step: self.algorithm.ema_decay(step, ema.decay)) if ema else None
         needs_reference = any(stage.algorithm.needs_reference for stage in self.stages.values())
         self.stack = TrainStack(
             self.family, bundle, mesh=mesh, device=device, spec=opt, lora=recipe.model.lora, seed=recipe.seed, ema_decay=decay,
@@ -125,8 +126,8 @@ class Worker:
 
     def _local_weights(self, rel: str) -> Path:
         """A run folder as a local path (object stores: a per-rank copy in the scratch folder)."""
-        if self.storage.local:
-            return self.storage.local_path(rel)
+        if (local := self.storage.local_path(rel)) is not None:
+            return local
         return self.storage.get_dir(rel, self.scratch / "init_weights")
 
     def execute(self, cmd: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -238,7 +239,8 @@ class Worker:
         """The module's full tensors, gathered on every rank (a rank-0-only gather deadlocks)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.stack.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return cast("dict[str, torch.Tensor]", get_model_state_dict(self.stack.module, options=options))
 
     def weight_specs(self) -> dict[str, Any]:
         """Names, dtypes and shapes of what `broadcast_weights` sends, in its order, and the backend."""

@@ -31,7 +31,7 @@ class Deployments:
     def __init__(self, server: PrefectServer, runs: Path):
         self.server, self.runs, self.url = server, runs, server.url
         self.env = {**server.env, "PREFECT_LOGGING_LEVEL": "INFO"}  # the hooks' log lines reach the API
-        self.worker = None
+        self.worker: subprocess.Popen | None = None
 
     def cli(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess:
         return self.server.cli(*args, env=self.env, **kwargs)
@@ -81,7 +81,7 @@ def server(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPathFacto
         srv.worker = prefect_server.start("worker", "worker", "start", "--pool", "cpu", "--type", "process", env=srv.env)
         yield srv
     finally:
-        tree = []
+        tree: list[psutil.Process] = []
         if srv.worker is not None:
             try:
                 tree = psutil.Process(srv.worker.pid).children(recursive=True)
@@ -226,6 +226,7 @@ def test_event_starts_a_run_cancel_stops_its_workers_and_it_resumes(server: Depl
     url = str(run_dir)
     group = worker_processes(lambda u: u == url)
     assert group, "no torchrun worker group found for the run"
+    assert server.worker is not None
     worker = psutil.Process(server.worker.pid)
     assert {p.pid for p in group} <= {p.pid for p in worker.children(recursive=True)}
     with server.client() as c:

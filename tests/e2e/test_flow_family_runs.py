@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
@@ -23,14 +24,14 @@ from tests import zygote
 from tests.conftest import REPO, run_unirl
 from tests.tiny import CASES, merged
 from unirl.flows.hooks import worker_processes
-from unirl.stages.models.family import families
+from unirl.stages.models.flow_family import get_flow_family
 
 pytestmark = pytest.mark.slow
 
 # One algorithm per family here (the matrix test runs all of them on all families in-process).
 RUNS = {"flux2_klein": "flow_grpo", "qwen_image": "flow_dppo", "hunyuan_video": "dancegrpo", "hunyuan_video1.5": "nft",
         "wan2.2": "mixgrpo"}
-EXTRA = {"nft": {"train": {"ema": {"decay": 0.5}}, "algorithm": {"timesteps": 2}},
+EXTRA: dict[str, Any] = {"nft": {"train": {"ema": {"decay": 0.5}}, "algorithm": {"timesteps": 2}},
          "mixgrpo": {"rollout": {"sampler": {"sde_steps": {"window_size": 2}}}},
          "flow_grpo": {"rollout": {"sampler": {"guidance_scale": 2.0}}}}
 
@@ -52,7 +53,7 @@ def check_run(run: Path, case: str, algo: str, env: dict[str, str], iterations: 
     """What a user of any family gets: the shards, the published weights loading back, previews."""
     from mlflow.tracking import MlflowClient
 
-    family = families.get(CASES[case]["model"]["kind"])
+    family = get_flow_family(CASES[case]["model"]["kind"])
     video = "video" in family.produces
     row = read_arrow(run / "iter-000000" / "rollouts" / "part-000.arrow").slice(0, 1).to_pylist()[0]
     if video:

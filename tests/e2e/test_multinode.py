@@ -72,7 +72,7 @@ def read_table(fs: s3fs.S3FileSystem, path: str) -> pa.Table:
 def rollouts(fs: s3fs.S3FileSystem, run: str, iteration: int, column: str) -> dict[str, object]:
     """sample_id -> `column` of every rollout shard of an iteration."""
     fs.invalidate_cache()
-    out = {}
+    out: dict[str, object] = {}
     for path in sorted(fs.ls(f"{BUCKET}/{run}/iter-{iteration:06d}/rollouts")):
         table = read_table(fs, path)
         out.update(zip(table.column("sample_id").to_pylist(), table.column(column).to_pylist()))

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -70,7 +71,7 @@ def test_a_recipe_folder_without_a_flow_is_an_error(tmp_path: Path) -> None:
 
 
 def test_k8s_template_requests_gpus() -> None:
-    base = {
+    base: dict[str, Any] = {
         "variables": {"type": "object", "properties": {"image": {"type": "string"}}},
         "job_configuration": {"job_manifest": {"spec": {"template": {"spec": {
             "containers": [{"name": "prefect-job", "image": "{{ image }}"}]}}}}},

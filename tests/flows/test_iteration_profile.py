@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 spec = importlib.util.spec_from_file_location("iteration_profile", Path(__file__).parents[2] / "benchmarks" / "iteration_profile.py")
+assert spec is not None and spec.loader is not None
 profile = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(profile)
 

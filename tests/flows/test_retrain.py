@@ -80,7 +80,12 @@ def test_object_storage_weights_are_copied_once_and_verified(tmp_path: Path, mon
 def test_retrain_flow_calls_rl_train_with_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source = make_run(str(tmp_path), "tiny", iterations=1, done=1, weights=(1,))
     calls: list[tuple[Any, str]] = []
-    monkeypatch.setattr(retrain_mod, "rl_train", lambda recipe, run_name: calls.append((recipe, run_name)) or {"run": run_name})
+
+    def rl_train(recipe: Any, run_name: str) -> dict[str, str]:
+        calls.append((recipe, run_name))
+        return {"run": run_name}
+
+    monkeypatch.setattr(retrain_mod, "rl_train", rl_train)
     monkeypatch.setattr(retrain_mod, "get_run_logger", lambda: __import__("logging").getLogger("test"))
     out = retrain_mod.retrain.fn(load_recipe(TINY, [f"storage.root={tmp_path}"]), "tiny", iterations=2)
     (recipe, run_name), = calls

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast("dict[str, torch.Tensor]", get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
 
 
 def main(work: Path) -> None:

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import socket
+from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
@@ -45,7 +46,7 @@ def mesh():
 
 
 def recipe(root, **over) -> Recipe:
-    data = {"name": "t", "model": {"kind": "sd3", "tiny": {"image_size": 16}}, "data": {"name": "geneval"},
+    data: dict[str, Any] = {"name": "t", "model": {"kind": "sd3", "tiny": {"image_size": 16}}, "data": {"name": "geneval"},
             "algorithm": {"name": "flow_grpo"}, "reward": {"scorers": [{"name": "geneval", "params": {"mode": "mean"}}]},
             "rollout": {"prompts_per_iteration": 2, "group_size": 3, "sampler": {"num_steps": 3}},
             "train": {"micro_batch_size": 4}, "storage": {"root": str(root)}}

@@ -12,6 +12,7 @@ import torch
 
 from tests.tiny import CASES
 from unirl.stages.models.family import families
+from unirl.stages.models.flow_family import get_flow_family
 
 
 def diffusers_ships(kind: str) -> bool:
@@ -19,7 +20,7 @@ def diffusers_ships(kind: str) -> bool:
     tests/stages/test_unified.py and the matrix cover it)."""
     import diffusers
 
-    return hasattr(diffusers, families.get(kind).pipelines[0])
+    return hasattr(diffusers, get_flow_family(kind).pipelines[0])
 
 
 FLOW_CASES = sorted(c for c in CASES if families.get(CASES[c]["model"]["kind"]).policy == "flow"

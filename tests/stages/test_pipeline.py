@@ -2,6 +2,8 @@
 row, each readable on its own), and per-part advantages computed by hand."""
 from __future__ import annotations
 
+from typing import Any
+
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
@@ -12,12 +14,12 @@ from unirl.stages.recipe import build_recipe
 from unirl.stages.runtime.sample import ShardSchemaError, part_view, read_rollouts, read_shard, scoring_view, table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage
 
-AR = {"model": {"kind": "qwen3", "tiny": {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64,
+AR: dict[str, Any] = {"model": {"kind": "qwen3", "tiny": {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64,
                                           "charset": "abcdefghijklmnopqrstuvwxyz "}},
       "rollout": {"prompts_per_iteration": 1, "group_size": 2, "max_new_tokens": 4}, "algorithm": {"name": "grpo"}}
-DRAWER = {"model": {"kind": "sd3", "tiny": {"image_size": 16}}, "rollout": {"group_size": 2, "sampler": {"num_steps": 3}},
+DRAWER: dict[str, Any] = {"model": {"kind": "sd3", "tiny": {"image_size": 16}}, "rollout": {"group_size": 2, "sampler": {"num_steps": 3}},
           "algorithm": {"name": "flow_grpo"}}
-PE = {"name": "pe", "data": {"name": "geneval"}, "reward": {"scorers": [{"name": "brightness"}]},
+PE: dict[str, Any] = {"name": "pe", "data": {"name": "geneval"}, "reward": {"scorers": [{"name": "brightness"}]},
       "pe": {"ar": AR, "diffusion": DRAWER}}
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -64,7 +65,7 @@ def test_bad_run_name():
 def client_error(code: str, message: str = "x", status: int | None = None):
     from botocore.exceptions import ClientError
 
-    response = {"Error": {"Code": code, "Message": message}}
+    response: dict[str, Any] = {"Error": {"Code": code, "Message": message}}
     if status is not None:
         response["ResponseMetadata"] = {"HTTPStatusCode": status}
     return ClientError(response, "GetObject")

@@ -168,7 +168,7 @@ def _heldout() -> frozenset[str]:
 @functools.cache
 def _heldout_halves() -> dict[str, str]:
     """Held-out prompt -> `dev` or `test` (see the module docstring)."""
-    halves = {}
+    halves: dict[str, str] = {}
     for kind in KINDS:
         order = sorted(_prompts(kind, "heldout"), key=lambda t: hashlib.sha256(f"dev/test {t}".encode()).digest())
         halves.update((t, "dev" if i % 2 == 0 else "test") for i, t in enumerate(order))

@@ -102,7 +102,7 @@ def recorded(url: str):
         replies.append((route, out))
         return out
 
-    client._call = spy
+    client._call = spy  # type: ignore[method-assign]
     return client, replies
 
 

@@ -104,6 +104,7 @@ def test_a_child_spawned_from_a_thread_that_ends_lives_on_and_dies_with_the_proc
             "time.sleep(60)\n")
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
+        assert owner.stdout is not None
         pid, status = owner.stdout.readline().split()
         assert status == "None", "the child died with the thread that started it"
         child = psutil.Process(int(pid))
