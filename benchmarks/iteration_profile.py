@@ -179,7 +179,7 @@ def instrument(timeline: Timeline) -> None:
         timeline.mark(f"call<{cmd} {float(out.get('seconds', 0.0)) if isinstance(out, dict) else 0.0}")
         return out
 
-    WorkerGroup.call = timed_call  # type: ignore[method-assign]
+    WorkerGroup.call = timed_call  # type: ignore[method-assign,assignment]
 
 
 def pin_worker_group(cpus: set[int], others: set[int]) -> None:

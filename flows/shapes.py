@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.states import Cancelled
+from prefect.states import Cancelled, State
 
 from unirl.flows.ahead import hand_over, wait_turn
 from unirl.flows.console import say
@@ -68,11 +68,11 @@ STAGES = ("generate", "score", "advantage", "train", "sync")
 
 
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
-def rl_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any]:
+def rl_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any] | State[Any]:
     if not wait_turn(run_name, iteration):  # started ahead (flows/ahead.py), and the run stopped meanwhile
         return Cancelled(message=f"run {run_name} stopped before {iter_dir(iteration)}'s turn; nothing was done")
     start = time.perf_counter()
-    generate_, score_, advantage_, train_, sync_ = (staged(t) for t in (generate, score, advantage, train, sync))
+    generate_, score_, advantage_, train_, sync_ = staged(generate), staged(score), staged(advantage), staged(train), staged(sync)
     gen = generate_(recipe, run_name, iteration)
     scored = score_(recipe, run_name, iteration, gen["files"])
     rollouts, rewards, informative = list(gen["files"]), list(scored["files"]), scored["informative_groups"]
@@ -141,13 +141,13 @@ def policy_eval_preview(recipe: Recipe, tracker: Tracker, storage: RunStorage, v
 
 # Each part's task under its own name in the flow run. Made once: `staged` keeps its untagged copy
 # of a task by the task's identity, which a task made per call would not keep.
-NAMED = {f"{task.name}-{side}": task.with_options(name=f"{task.name}-{side}")
-         for task in (generate_part, train, sync) for side in pipeline.SIDES}
-STAGE_NAMED = {f"generate-{side}": generate_stage.with_options(name=f"generate-{side}") for side in pipeline.SIDES}
+NAMED: dict[str, Any] = {f"{task.name}-{side}": task.with_options(name=f"{task.name}-{side}")
+                         for task in (generate_part, train, sync) for side in pipeline.SIDES}
+STAGE_NAMED: dict[str, Any] = {f"generate-{side}": generate_stage.with_options(name=f"generate-{side}") for side in pipeline.SIDES}
 
 
 @flow(name="pe-iteration", flow_run_name="iter-{iteration:06d}")
-def pe_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any]:
+def pe_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any] | State[Any]:
     if not wait_turn(run_name, iteration):
         return Cancelled(message=f"run {run_name} stopped before {iter_dir(iteration)}'s turn; nothing was done")
     start = time.perf_counter()
@@ -172,7 +172,7 @@ def pe_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any
 
 
 @flow(name="unified-iteration", flow_run_name="iter-{iteration:06d}")
-def unified_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any]:
+def unified_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any] | State[Any]:
     if not wait_turn(run_name, iteration):
         return Cancelled(message=f"run {run_name} stopped before {iter_dir(iteration)}'s turn; nothing was done")
     start = time.perf_counter()
@@ -230,8 +230,10 @@ def composed_preview(recipe: Recipe, tracker: Tracker, storage: RunStorage, iter
     reward (tables/<rewrites|plans>/step-N.json)."""
     from unirl.stages.diffusion.grid import log_grid, rollout_grid
 
-    composed = storage.stage_manifest(iteration, "compose")["files"]
-    rewards = storage.stage_manifest(iteration, "score")["files"][0]
+    composed_, scored = storage.stage_manifest(iteration, "compose"), storage.stage_manifest(iteration, "score")
+    if composed_ is None or scored is None:
+        return None  # not committed (a preview is for people)
+    composed, rewards = composed_["files"], scored["files"][0]
     grid = log_grid(tracker, iteration, rollout_grid(storage, composed, rewards), "rollouts")
     tracker.log_table(iteration, text_table(storage, composed, rewards, grid), "rewrites" if recipe.pe else "plans")
     return grid

@@ -13,7 +13,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
@@ -32,10 +32,16 @@ def _union(registry: Any, attr: str, tag: str) -> Any:
     return Annotated[Union[members], Field(discriminator=tag)] if len(members) > 1 else members[0]  # noqa: UP007 - a runtime tuple
 
 
-ModelConfig = _union(families, "config", "kind")
-DataConfig = _union(sources, "config", "name")
-RolloutConfig = _union(policies, "rollout_config", "kind")
-AlgorithmConfig = _union(algorithms, "config", "name")
+if TYPE_CHECKING:  # unions of the registered entries' sections, built at import
+    ModelConfig = Any
+    DataConfig = Any
+    RolloutConfig = Any
+    AlgorithmConfig = Any
+else:
+    ModelConfig = _union(families, "config", "kind")
+    DataConfig = _union(sources, "config", "name")
+    RolloutConfig = _union(policies, "rollout_config", "kind")
+    AlgorithmConfig = _union(algorithms, "config", "name")
 
 
 class ScorerSpec(Section):
@@ -204,7 +210,7 @@ def _fill_rollout_kind(data: Any) -> Any:
         return data
     model = data.get("model") or {}
     kind = model.get("kind", "qwen3") if isinstance(model, dict) else getattr(model, "kind", None)
-    if kind not in families:
+    if not isinstance(kind, str) or kind not in families:
         return data  # the model union reports the unknown kind
     rollout = data.get("rollout")
     if rollout is None:
@@ -494,7 +500,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 # Old field names an override may still use: `train.nproc=2` sets train.nproc_per_node (so it wins
 # over a recipe file that gives nproc_per_node, as any override does).
-RENAMED = {("train", "nproc"): ["train", "nproc_per_node"]}
+RENAMED: dict[tuple[str, ...], list[str]] = {("train", "nproc"): ["train", "nproc_per_node"]}
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

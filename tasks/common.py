@@ -13,7 +13,7 @@ from unirl.flows.console import say
 from unirl.stages.engines import RolloutEngine, engines
 from unirl.stages.recipe import Recipe
 from unirl.stages.runtime.storage import RunStorage
-from unirl.stages.workers.group import NodeLauncher, WorkerGroup, get_group
+from unirl.stages.workers.group import ModelGroup, NodeLauncher, WorkerGroup, get_group
 from unirl.stages.workers.rendezvous import GroupPlan, NodeSetupError
 
 T = TypeVar("T")
@@ -72,7 +72,7 @@ def say_retry(task: Any, task_run: Any, state: Any) -> bool:
     return True
 
 
-def group_of(recipe: Recipe, storage: RunStorage) -> WorkerGroup:
+def group_of(recipe: Recipe, storage: RunStorage) -> ModelGroup:
     """The run's trainer: the process-wide worker group (tasks of one flow run share it)."""
     def make() -> WorkerGroup:
         return WorkerGroup(recipe, storage, init_weights=storage.weights_rel(0), log=announce(get_run_logger()),

@@ -144,7 +144,7 @@ def advantage_rows(recipe: Recipe, storage: RunStorage, composed: list[str], rew
     among the images of its rewrite; a rewrite's, whose reward is the mean of its images',
     among the rewrites of its prompt."""
     table = read_rollouts(storage, composed, columns=["sample_id", "group_id", "text/sample_id", "latent/sample_id"])
-    reward_of = {}
+    reward_of: dict[str, float] = {}
     for rel in rewards:
         shard = read_shard(storage, rel, "rewards")
         reward_of.update(zip(shard.column("sample_id").to_pylist(), shard.column("reward").to_pylist()))
@@ -155,7 +155,6 @@ def advantage_rows(recipe: Recipe, storage: RunStorage, composed: list[str], rew
     rewrite_of = dict(zip(image_ids, table.column("text/sample_id").to_pylist()))
     prompt_of = dict(zip(table.column("text/sample_id").to_pylist(), table.column("group_id").to_pylist()))
     a = recipe.advantage
-    knobs = dict(scope=a.scope, normalize=a.normalize, use_global_std=a.use_global_std, eps=a.eps)
     per_rewrite: dict[str, list[float]] = {}
     for sid in image_ids:
         per_rewrite.setdefault(rewrite_of[sid], []).append(reward_of[sid])
@@ -166,7 +165,8 @@ def advantage_rows(recipe: Recipe, storage: RunStorage, composed: list[str], rew
     out = {}
     for side in sides:
         ids, values, group_ids = groups[side]
-        adv = group_advantages(values, group_ids, **knobs).numpy()
+        adv = group_advantages(values, group_ids, scope=a.scope, normalize=a.normalize, use_global_std=a.use_global_std,
+                               eps=a.eps).numpy()
         out[side] = [{"sample_id": s, "group_id": g, "advantage": float(x)} for s, g, x in zip(ids, group_ids, adv)]
     return out
 

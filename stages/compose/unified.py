@@ -105,17 +105,14 @@ def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
     """Each stage's warm-start records (its own shard): the ar stage's (prompt, plan) text, the
     diffusion stage's (canonical prompt, image). `stages` names the stage of each file."""
     from unirl.stages.runtime.sample import table_from_rows, write_shard
-    from unirl.stages.sources import sources
+    from unirl.stages.train.sft import sft_records
 
     files, stages = [], []
     for side, rel in (("ar", TEXT_RECORDS), ("diffusion", IMAGE_RECORDS)):
         part = stage_recipe(recipe, side)
         if part.sft is None:
             continue
-        from unirl.stages.train.sft import file_records
-
-        records = file_records(part.sft.path) if part.sft.source == "file" else sources.get(part.data.name).sft_records(part)
-        write_shard(storage, rel, table_from_rows(records, "sft"))
+        write_shard(storage, rel, table_from_rows(sft_records(part), "sft"))
         files.append(rel)
         stages.append(side)
     return {"files": files, "stages": stages}

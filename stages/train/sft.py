@@ -42,8 +42,8 @@ def file_records(path: str) -> list[dict[str, Any]]:
     return [{"prompt": r["prompt"], "response": r["response"]} for r in rows]
 
 
-def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
-    from unirl.stages.runtime.iteration import with_image_grids
+def sft_records(recipe: Recipe) -> list[dict[str, Any]]:
+    """A recipe's warm-start records: its `sft.path` file's (`source: file`), or its data source's."""
     from unirl.stages.sources import sources
 
     sft = recipe.sft
@@ -52,9 +52,14 @@ def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
     if sft.source == "file":
         if not sft.path:
             raise ValueError("sft.path: `source: file` needs the path of a JSONL or Arrow file of prompt/response records")
-        records = file_records(sft.path)
-    else:
-        records = sources.get(recipe.data.name).sft_records(recipe)
+        return file_records(sft.path)
+    return sources.get(recipe.data.name).sft_records(recipe)
+
+
+def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
+    from unirl.stages.runtime.iteration import with_image_grids
+
+    records = sft_records(recipe)
     images = [tuple(r.pop("images", ())) for r in records]
     records = with_image_grids(recipe, records, images, [f"SFT record {i + 1}" for i in range(len(records))])
     write_shard(storage, SFT_DATA, table_from_rows(records, "sft"))
