@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from unirl.stages.diffusion.kernels import ODE, kernels
 from unirl.stages.diffusion.sde import SDEStepOutput, dynamic_shift, sde_step, select_sde_steps, shifted_sigmas, time_shift_sigmas
 from unirl.stages.runtime.seeds import derive_seed
 
@@ -48,7 +49,7 @@ class Plan:
 
     @property
     def stochastic(self) -> bool:
-        return self.kind != "ode" and self.eta > 0 and self.sde_indices.numel() > 0
+        return self.kind != ODE and self.eta > 0 and self.sde_indices.numel() > 0
 
 
 def make_plan(sampler: Any, *, seed: int, iteration: int, latent_tokens: int, deterministic: bool = False,
@@ -62,8 +63,8 @@ def make_plan(sampler: Any, *, seed: int, iteration: int, latent_tokens: int, de
         sigmas = time_shift_sigmas(t, mu(latent_tokens, t) if mu is not None else dynamic_shift(latent_tokens))
     else:
         sigmas = shifted_sigmas(t, sampler.shift)
-    if deterministic or sampler.kernel == "ode" or sampler.eta == 0:
-        return Plan(sigmas, torch.zeros(0, dtype=torch.long), "ode", 0.0)
+    if deterministic or kernels.get(sampler.kernel).deterministic or sampler.eta == 0:
+        return Plan(sigmas, torch.zeros(0, dtype=torch.long), ODE, 0.0)
     sel = sampler.sde_steps
     generator = torch.Generator().manual_seed(derive_seed(seed, "sde-steps", iteration))
     indices = select_sde_steps(
@@ -133,7 +134,7 @@ def sample(velocity: Velocity, x: Tensor, plan: Plan, noise_seeds: Sequence[int]
             x = out.prev_sample
         else:
             s_next = plan.sigmas[i + 1].to(x.device).expand(b)
-            x = sde_step("ode", x, v, sigma, s_next, eta=0.0, sigma_max=plan.sigma_max).prev_sample
+            x = sde_step(ODE, x, v, sigma, s_next, eta=0.0, sigma_max=plan.sigma_max).prev_sample
         if i + 1 in keep:
             saved[i + 1] = x
     order = sorted(saved)

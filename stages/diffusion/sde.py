@@ -1,5 +1,5 @@
-"""Sampling math for flow-matching models: sigma schedules, the SDE step kernels with their
-log-probabilities, SDE-step selection, seeded initial noise and the sigma verification boundary.
+"""Sampling math for flow-matching models: sigma schedules, one SDE step of a registered kernel
+(stages/diffusion/kernels/) with its log-probability, SDE-step selection, seeded initial noise and the sigma verification boundary.
 
 Conventions (rectified flow, as in SD3): x_sigma = (1 - sigma) * x0 + sigma * noise, sigma runs from
 1 (pure noise) to 0 (data), the model predicts the velocity v = noise - x0, and one step goes from
@@ -18,10 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from unirl.stages.diffusion.kernels import ODE, Step, kernels
 from unirl.stages.runtime.seeds import derive_seed
-
-_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
-
 
 # ---------------------------------------------------------------- schedules
 
@@ -112,10 +110,6 @@ def _bcast(per_sample: Tensor, ndim: int) -> Tensor:
     return per_sample.reshape(-1, *([1] * (ndim - 1)))
 
 
-def _mean_over_sample(t: Tensor) -> Tensor:
-    return t.mean(dim=tuple(range(1, t.ndim))) if t.ndim > 1 else t
-
-
 def sde_step(
     kind: str,
     x: Tensor,
@@ -152,8 +146,7 @@ def sde_step(
     All math is float32 and sigmas are made float32 tensors first, so a float sigma at sampling and
     a (B,) tensor of the same values at replay give bit-identical results. Shapes: see SDEStepOutput.
     """
-    if kind not in SDE_KINDS:
-        raise ValueError(f"unknown SDE kind {kind!r}; allowed kinds: {', '.join(SDE_KINDS)}")
+    kernel = kernels.get(kind)  # an unknown kind names the allowed ones
     if eta < 0:
         raise ValueError(f"eta must be >= 0, got {eta}")
     x = x.float()
@@ -163,8 +156,8 @@ def sde_step(
     batch, ndim = x.shape[0], x.ndim
     sig = _per_sample(sigma, batch, x.device, "sigma")
     sig_next = _per_sample(sigma_next, batch, x.device, "sigma_next")
-    step = _Step(x, v, sig, _bcast(sig, ndim), _bcast(sig_next, ndim), float(eta), sigma_max)
-    mean, scale, log_prob_of = (_ode if eta == 0 else _STEP_KINDS[kind])(step)
+    step = Step(x, v, sig, _bcast(sig, ndim), _bcast(sig_next, ndim), float(eta), sigma_max)
+    mean, scale, log_prob_of = (kernels.get(ODE) if eta == 0 else kernel).moments(step)
     if log_prob_of is None:  # a deterministic step
         out = mean if prev_sample is None else prev_sample.float()
         return SDEStepOutput(out, None, mean, torch.zeros_like(sig))
@@ -177,72 +170,6 @@ def sde_step(
     return SDEStepOutput(prev_sample, log_prob_of(prev_sample, mean, scale), mean, scale.reshape(batch))
 
 
-@dataclass
-class _Step:
-    """One step's float32 inputs: `sig` the (B,) sigmas, `s` and `s_next` broadcast to x's dims."""
-
-    x: Tensor
-    v: Tensor
-    sig: Tensor
-    s: Tensor
-    s_next: Tensor
-    eta: float
-    sigma_max: float
-
-    @property
-    def dt(self) -> Tensor:
-        return self.s_next - self.s
-
-
-# A kind: step -> (mean, scale, log_prob(x', mean, scale)); log_prob None for a deterministic step.
-Moments = tuple[Tensor, Any, Any]
-
-
-def _gaussian_log_prob(prev: Tensor, mean: Tensor, scale: Tensor) -> Tensor:
-    return _mean_over_sample(-((prev - mean) ** 2) / (2 * scale**2) - torch.log(scale) - _LOG_SQRT_2PI)
-
-
-def _cps_log_prob(prev: Tensor, mean: Tensor, scale: Tensor) -> Tensor:
-    return -_mean_over_sample((prev - mean) ** 2)
-
-
-def _ode(st: _Step) -> Moments:
-    return st.x + st.v * st.dt, None, None
-
-
-def _reverse_sde(st: _Step, std: Tensor) -> Moments:
-    """The SDE with the flow ODE's marginals, at noise std `std` (flow, dance)."""
-    s, dt = st.s, st.dt
-    mean = st.x * (1 + std**2 / (2 * s) * dt) + st.v * (1 + std**2 * (1 - s) / (2 * s)) * dt
-    return mean, std * torch.sqrt(-dt), _gaussian_log_prob
-
-
-def _flow(st: _Step) -> Moments:
-    if bool((st.sig == 1).any()) and not 0 < st.sigma_max < 1:
-        raise ValueError(
-            f"sigma_max must be in (0, 1) for kind 'flow' at sigma == 1, got {st.sigma_max}; "
-            "pass the schedule's sigmas[1]"
-        )
-    s_max = torch.tensor(st.sigma_max, dtype=torch.float32, device=st.x.device)
-    s_eff = torch.where(st.s == 1, s_max, st.s)
-    return _reverse_sde(st, st.eta * torch.sqrt(st.s / (1 - s_eff)))
-
-
-def _dance(st: _Step) -> Moments:
-    return _reverse_sde(st, torch.full_like(st.s, st.eta))
-
-
-def _cps(st: _Step) -> Moments:
-    s, s_next = st.s, st.s_next
-    std = s_next * math.sin(st.eta * math.pi / 2)
-    x0 = st.x - s * st.v
-    x1 = st.x + (1 - s) * st.v
-    mean = x0 * (1 - s_next) + x1 * torch.sqrt((s_next**2 - std**2).clamp_min(0))
-    return mean, std, _cps_log_prob
-
-
-_STEP_KINDS: dict[str, Callable[[_Step], Moments]] = {"flow": _flow, "dance": _dance, "cps": _cps, "ode": _ode}
-SDE_KINDS = tuple(_STEP_KINDS)
 
 
 # ---------------------------------------------------------------- which steps are SDE steps

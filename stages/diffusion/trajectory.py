@@ -18,6 +18,7 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
+from unirl.stages.diffusion.kernels import ODE
 from unirl.stages.diffusion.sampling import Plan, stored_steps
 from unirl.stages.runtime.sample import ShardSchemaError, list_column
 
@@ -105,7 +106,7 @@ def read_latents(table: pa.Table, rows: list[int], *, kind: str, eta: float, whe
         latents.append(torch.from_numpy(np.array(flat, dtype=np.float32).reshape(shape)))
         logprobs.append(torch.from_numpy(np.array(lp, dtype=np.float32)))
     plan = Plan(torch.from_numpy(np.array(sigmas, dtype=np.float32)), torch.from_numpy(indices.astype(np.int64)),
-                kind if indices.size else "ode", eta if indices.size else 0.0)
+                kind if indices.size else ODE, eta if indices.size else 0.0)
     num_steps = sigmas.size - 1
     stored = stored_steps(plan.sde_indices.tolist(), num_steps, transitions=shape[0] > 1)
     if len(stored) != shape[0]:

@@ -23,11 +23,12 @@ from typing import Any
 
 import torch
 
+from unirl.stages.diffusion.kernels import ODE, kernels
 from unirl.stages.engine_server.core import EngineCore, EngineRequestError
 from unirl.stages.runtime.seeds import derive_seed
 
 # SGLang's rollout_sde_type -> our SDE kernel (DESIGN.md section 5).
-SDE_KINDS = {"sde": "flow", "cps": "cps", "ode": "ode"}
+SDE_KINDS = {kernel.sglang: name for name, kernel in kernels.items() if kernel.sglang is not None}
 SERVED = {"prompt", "negative_prompt", "seed", "generator_device", "width", "height", "num_inference_steps",
           "num_outputs_per_prompt", "guidance_scale", "rollout", "rollout_sde_type", "rollout_noise_level",
           "rollout_log_prob_no_const", "rollout_debug_mode", "rollout_return_denoising_env",
@@ -99,9 +100,11 @@ class FlowBackend:
             if sde_type not in SDE_KINDS:
                 raise EngineRequestError(f"rollout_sde_type {sde_type!r} (served: {', '.join(SDE_KINDS)})")
             kind = SDE_KINDS[sde_type]
+        if kind not in kernels:
+            raise EngineRequestError(f"extra_sampling_params.sde_kind {kind!r} (served: {', '.join(kernels.names())})")
         eta = float(body.get("rollout_noise_level", 0.7))
-        if not body.get("rollout", True) or kind == "ode" or eta == 0:
-            return Plan(sigmas, torch.zeros(0, dtype=torch.long), "ode", 0.0)
+        if not body.get("rollout", True) or kernels.get(kind).deterministic or eta == 0:
+            return Plan(sigmas, torch.zeros(0, dtype=torch.long), ODE, 0.0)
         indices = body.get("rollout_sde_step_indices")
         indices = list(range(steps)) if indices is None else sorted(int(i) for i in indices)
         if any(not 0 <= i < steps for i in indices):

@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from unirl.stages.diffusion.kernels import kernels
 from unirl.stages.engines.client import EngineClient, EngineError, tensor_from_wire
 from unirl.stages.runtime.seeds import derive_seed
 
-# Our SDE kernel -> SGLang's rollout_sde_type (the dance kernel is ours: sent as an extra).
-SDE_TYPES = {"flow": "sde", "cps": "cps", "ode": "ode"}
+# Our SDE kernel -> SGLang's rollout_sde_type (a kernel SGLang lacks is sent as an extra).
+SDE_TYPES = {name: kernel.sglang for name, kernel in kernels.items() if kernel.sglang is not None}
 
 
 def image_uint8(image: torch.Tensor) -> np.ndarray:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from unirl.stages.diffusion.kernels import kernels
 from unirl.stages.engines import engines
 from unirl.stages.engines.client import EngineClient
 from unirl.stages.engines.dedicated import DedicatedConfig, DedicatedEngine
@@ -49,9 +50,10 @@ class SGLang(DedicatedEngine):
                              "behaviour log-probs do too; set rollout.correction (e.g. `correction: {}`)")
         sampler = getattr(recipe.rollout, "sampler", None)
         if sampler is not None:
-            if sampler.kernel == "dance":
-                raise ValueError("rollout.sampler.sde_kind: SGLang's /rollout/generate has no dance kernel (sde, cps, "
-                                 "ode); use engine_server or another algorithm")
+            if kernels.get(sampler.kernel).sglang is None:
+                raise ValueError(f"rollout.sampler.sde_kind: SGLang's /rollout/generate has no {sampler.kernel} kernel "
+                                 f"({', '.join(k.sglang for _, k in kernels.items() if k.sglang)}); use engine_server or "
+                                 "another algorithm")
             if sampler.init_same_noise and recipe.rollout.group_size > 1:
                 raise ValueError("rollout.sampler.init_same_noise: SGLang draws a sample's SDE noise from its seed, so "
                                  "one initial noise per group would make a group's samples identical; set "

@@ -14,16 +14,21 @@ images and (C, F, h, w) for video; nothing here assumes which.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
 import torch
 from pydantic import Field, model_validator
 
+from unirl.stages.diffusion.kernels import kernels
 from unirl.stages.policies import Policy, RolloutBase, policies
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.seeds import derive_seed
 
+if TYPE_CHECKING:
+    KernelName = str
+else:
+    KernelName = Literal[tuple(kernels.names())]  # the registered SDE kernels (stages/diffusion/kernels/)
 
 class SDESteps(Section):
     """Which denoising steps are SDE steps (sampled with noise, stored and trained on); the others
@@ -65,7 +70,7 @@ class FlowSampler(Section):
     guidance_scale: float = Field(1.0, ge=1, description="Classifier-free guidance; 1 is guidance-free.")
     negative_prompt: str = Field("", description="Negative prompt for CFG.")
     eta: float = Field(0.7, ge=0, description="SDE noise level.")
-    sde_kind: Literal["flow", "dance", "cps", "ode"] | None = Field(
+    sde_kind: KernelName | None = Field(
         None, description="SDE step kernel; empty: the algorithm's (dance for DanceGRPO, cps for CPS, else flow).")
     init_same_noise: bool = Field(True, description="One initial noise per group (else per sample).")
     image_size: int | None = Field(None, ge=8, description="Side of sampled images (or video frames); empty: the model's default.")
@@ -152,7 +157,7 @@ class FlowPolicy(Policy):
             )
         if recipe.reward.overlong.truncated != "keep":
             raise ValueError("reward.overlong.truncated: flow samples are never truncated; remove reward.overlong")
-        if sampler.init_same_noise and (sampler.eta == 0 or sampler.kernel == "ode") and recipe.rollout.group_size > 1:
+        if sampler.init_same_noise and (sampler.eta == 0 or kernels.get(sampler.kernel).deterministic) and recipe.rollout.group_size > 1:
             raise ValueError(
                 "rollout.sampler.init_same_noise: with deterministic sampling (eta 0 or sde_kind ode) one initial "
                 "noise per group makes every image of a group the same, so no group carries a signal; set "

@@ -185,8 +185,8 @@ def test_a_grpo_clone_that_replays_against_itself_would_not_notice(tmp_path, tin
 
 
 def test_no_family_or_algorithm_name_is_compared_outside_its_own_file():
-    """stages/diffusion/sde.py is left out: its SDE kernels ("cps") and step-selection modes ("mixgrpo") are
-    names of its own that two algorithms happen to share."""
+    """stages/diffusion/sde.py is left out: its step-selection modes ("mixgrpo") are names of its own
+    that an algorithm happens to share."""
     names = families.names() + algorithms.names()
     pattern = re.compile(r"""(==|!=)\s*["'](%s)["']|["'](%s)["']\s*(==|!=)|\bin\s*[\(\[\{][^)\]\}]*["'](%s)["']"""
                          % (("|".join(names),) * 3))
@@ -198,3 +198,19 @@ def test_no_family_or_algorithm_name_is_compared_outside_its_own_file():
             if pattern.search(line):
                 found.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
     assert not found, "names compared outside the registries:\n" + "\n".join(found)
+
+
+def test_no_sde_kernel_name_is_compared_outside_its_own_file():
+    """A kernel (stages/diffusion/kernels/) is one file: its name, its SGLang counterpart and
+    whether it is deterministic are the registry's, not comparisons elsewhere."""
+    from unirl.stages.diffusion.kernels import kernels
+    from unirl.stages.policies import policies
+
+    names = [n for n in kernels.names() if n not in policies.names()]  # "flow" is also the flow policy's kind
+    pattern = re.compile(r"""(==|!=)\s*["'](%s)["']|["'](%s)["']\s*(==|!=)|\bin\s*[\(\[\{][^)\]\}]*["'](%s)["']"""
+                         % (("|".join(names),) * 3))
+    kernel_files = REPO / "stages" / "diffusion" / "kernels"
+    found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}" for path in SOURCES if kernel_files not in path.parents
+             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, "kernel names compared outside their files:\n" + "\n".join(found)
+    assert {"flow", "dance", "cps", "ode"} <= set(kernels.names())
