@@ -77,13 +77,15 @@ def main() -> int:
     parser.add_argument("--recipe", default=str(REPO / "recipes/ar/quickstart.yaml"))
     parser.add_argument("--components", action="store_true",
                         help="also print the eval scorer's per-component means after SFT and after RL")
-    parser.add_argument("--split", choices=("test", "dev"), default="test",
-                        help="the held-out split to report (test: what tables report; dev: what recipes are tuned on)")
+    parser.add_argument("--split", choices=("test", "dev", "both"), default="test",
+                        help="the held-out split to report (test: what tables report; dev: what recipes are tuned on; "
+                        "both: a row for each, from the same runs)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="unirl-seeds-"))
     env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_LOGGING_LEVEL": "WARNING"}
     print(f"runs and their console logs: {work}", flush=True)
+    splits = ("dev", "test") if args.split == "both" else (args.split,)
     for n, seed in enumerate(args.seeds):
         name = f"seed{seed}"
         cmd = [sys.executable, "-m", "unirl.flows.cli", "run", args.recipe, f"storage.root={work}", "--run-name", name,
@@ -95,24 +97,26 @@ def main() -> int:
         wall, cpu = time.perf_counter() - start, _children_cpu() - cpu_start
         if proc.returncode != 0:
             sys.exit(log.read_text()[-4000:])
-        sub, p = ("test", "test") if args.split == "test" else ("", "eval")
-        versions = sorted(v.name for v in (work / name / "eval").iterdir() if (v / sub / "metrics.json").exists())
-        before = json.loads((work / name / "eval" / versions[0] / sub / "metrics.json").read_text())["metrics"]
-        after = json.loads((work / name / "eval" / versions[-1] / sub / "metrics.json").read_text())["metrics"]
-        k = next(key for key in before if key.startswith(f"{p}/avg_at_")).rsplit("_", 1)[1]
-        if n == 0:
-            print(f"{args.split} split")
-            print(f"{'seed':>4s} {'wall s':>7s} {'CPU s':>6s} {'acc SFT':>8s} {'acc RL':>7s} {'gain':>6s} "
-                  f"{f'avg@{k} SFT':>10s} {f'avg@{k} RL':>9s}")
-        gain = after[f"{p}/accuracy"] - before[f"{p}/accuracy"]
-        # one row as soon as its run is done: a long sweep shows its results as it goes
-        print(f"{seed:>4d} {wall:7.0f} {cpu:6.0f} {before[f'{p}/accuracy']:8.3f} {after[f'{p}/accuracy']:7.3f} {gain:+6.3f} "
-              f"{before[f'{p}/avg_at_{k}']:10.3f} {after[f'{p}/avg_at_{k}']:9.3f}", flush=True)
-        if args.components:
-            common = [f"seed={seed}", *args.overrides]
-            for label, version in (("SFT", versions[0]), ("RL", versions[-1])):
-                parts = components(args.recipe, common, work, name, version, args.split)
-                print(f"seed {seed} {label} components: " + "  ".join(f"{k} {v:.3f}" for k, v in parts.items()), flush=True)
+        for split in splits:
+            sub, p = ("test", "test") if split == "test" else ("", "eval")
+            versions = sorted(v.name for v in (work / name / "eval").iterdir() if (v / sub / "metrics.json").exists())
+            before = json.loads((work / name / "eval" / versions[0] / sub / "metrics.json").read_text())["metrics"]
+            after = json.loads((work / name / "eval" / versions[-1] / sub / "metrics.json").read_text())["metrics"]
+            k = next(key for key in before if key.startswith(f"{p}/avg_at_")).rsplit("_", 1)[1]
+            if n == 0 and split == splits[0]:
+                print(f"{'split':>5s} {'seed':>4s} {'wall s':>7s} {'CPU s':>6s} {'acc SFT':>8s} {'acc RL':>7s} {'gain':>6s} "
+                      f"{f'avg@{k} SFT':>10s} {f'avg@{k} RL':>9s} {'gain':>6s}")
+            gain = after[f"{p}/accuracy"] - before[f"{p}/accuracy"]
+            avg_gain = after[f"{p}/avg_at_{k}"] - before[f"{p}/avg_at_{k}"]
+            # one row as soon as its run is done: a long sweep shows its results as it goes
+            print(f"{split:>5s} {seed:>4d} {wall:7.0f} {cpu:6.0f} {before[f'{p}/accuracy']:8.3f} {after[f'{p}/accuracy']:7.3f} "
+                  f"{gain:+6.3f} {before[f'{p}/avg_at_{k}']:10.3f} {after[f'{p}/avg_at_{k}']:9.3f} {avg_gain:+6.3f}", flush=True)
+            if args.components:
+                common = [f"seed={seed}", *args.overrides]
+                for label, version in (("SFT", versions[0]), ("RL", versions[-1])):
+                    parts = components(args.recipe, common, work, name, version, split)
+                    print(f"{split} seed {seed} {label} components: " + "  ".join(f"{k} {v:.3f}" for k, v in parts.items()),
+                          flush=True)
     return 0
 
 
