@@ -40,8 +40,8 @@ LEAN_SERVER_ENV = {
     "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false",
     "PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED": "false",
     # Events are kept for the UI's event feed and automations, neither of which outlives a local
-    # run; flow and task runs, states and artifacts are recorded without them (~25 ms of the
-    # server's CPU per iteration, benchmarks/README.md).
+    # run; flow and task runs, states and artifacts are recorded without them (what they cost per
+    # iteration: benchmarks/README.md, "Orchestration cost per iteration").
     "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "false",
     "PREFECT_SERVER_SERVICES_CANCELLATION_CLEANUP_ENABLED": "false",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -73,8 +73,8 @@ def lean_ephemeral_api() -> AbstractContextManager[Any]:
 def loopback_ca_file() -> Path:
     """A CA file of one certificate for Prefect's client of the ephemeral API. That API is plain
     http on loopback, so no certificate is ever checked, but every Prefect client the run creates
-    (one or two per iteration) loads its CA file into an SSL context: certifi's whole bundle takes
-    19 ms each on a small machine, one certificate 0.4 ms."""
+    (one or two per iteration) loads its CA file into an SSL context, and certifi's whole bundle is
+    most of a client's start (benchmarks/README.md, "Orchestration cost per iteration")."""
     import certifi
 
     path = Path(tempfile.gettempdir()) / "unirl-loopback-ca.pem"

@@ -107,7 +107,7 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
         overlap = starts_ahead()
         # The run's own flow run keeps its heartbeat (started with it); one per iteration flow run
         # would cost up to a second each (Prefect joins a heartbeat thread that sleeps in 1 s
-        # steps). Entered once: building the settings costs 30 ms.
+        # steps). Entered once per run.
         with run_tags(recipe, run_name), temporary_settings(updates={"flows.heartbeat_frequency": None}):
             if recipe.rollout.mode == "async" and first < recipe.iterations:
                 start_producer(recipe, run_name, storage)  # samples ahead while the trainer trains

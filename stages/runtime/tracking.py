@@ -109,7 +109,7 @@ class Tracker:
         """Log a table (column -> values) as `tables/<key>/step-<step>.json` in MLflow's table
         layout ({"columns": [...], "data": [[row], ...]}); returns its path. Written as a plain
         artifact: `MlflowClient.log_table` also reads the run and lists its artifacts to update a
-        tag naming every table, which costs ~25 ms per iteration and grows with the run."""
+        tag naming every table, a cost per iteration that grows with the run."""
         path = f"tables/{key}/step-{step:06d}.json"
         names = list(columns)
         rows = [list(values) for values in zip(*(columns[n] for n in names))]

@@ -78,8 +78,8 @@ class OptimizerSpec:
 def shard(model: torch.nn.Module, units: list[torch.nn.Module], mesh: Any, mixed_precision: str = "off") -> torch.nn.Module:
     """FSDP2 `fully_shard` on each unit (decoder layer, transformer block) and at the root. A
     one-rank group keeps the plain module: sharding there is a copy and two hooks per unit and
-    forward with nothing to shard (measured 4x slower on the tiny Qwen3's train step, +0.3 s per
-    diffusion quickstart iteration); checkpoints and publication read both the same way.
+    forward with nothing to shard, slower for nothing; checkpoints and publication read both the
+    same way.
     `mixed_precision` "bf16": FSDP2's MixedPrecisionPolicy (bf16 parameters in forward and
     backward, fp32 gradient reduction, the stored weights and optimizer in their own dtype), on
     any world size."""
