@@ -118,7 +118,7 @@ def flow_requests(ar: RunStorage, ar_files: list[str], flow: RunStorage, iterati
 def compose(storage: RunStorage, rel: str, ar: RunStorage, ar_files: list[str], flow: RunStorage,
             flow_files: list[str]) -> dict[str, Any]:
     """One composed row per image: the rewrite that caused it and the image, namespaced by kind."""
-    from unirl.stages.runtime.sample import PART_COLUMNS, SEGMENT_COLUMNS
+    from unirl.stages.runtime.sample import PART_COLUMNS, segment_columns
 
     texts = read_rollouts(ar, ar_files).to_pylist()
     by_id = {r["sample_id"]: r for r in texts}
@@ -132,7 +132,7 @@ def compose(storage: RunStorage, rel: str, ar: RunStorage, ar_files: list[str], 
                "policy_version": rewrite["policy_version"], "parts": ["text", "latent"],
                "metadata": rewrite["metadata"], "prompt": rewrite["prompt"]}
         for kind, part in (("text", rewrite), ("latent", image)):
-            for name in (*PART_COLUMNS, *SEGMENT_COLUMNS[kind]):
+            for name in (*PART_COLUMNS, *segment_columns()[kind]):
                 row[namespaced(kind, name)] = part[name]
         rows.append(row)
     return {**write_shard(storage, rel, composed_table(rows, ["text", "latent"])), "files": [rel]}

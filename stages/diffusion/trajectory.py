@@ -1,4 +1,4 @@
-"""The latent segment of a rollout row (stages/runtime/sample.py `SEGMENT_COLUMNS["latent"]`) to and
+"""The latent segment of a rollout row (stages/runtime/sample.py `segment_columns()["latent"]`, the flow policy's `columns`) to and
 from tensors.
 
 Per sample: `sigmas` (T+1), `sde_indices` (K), `latents` = x at the stored steps flattened, with

@@ -34,15 +34,17 @@ OPEN_ROUTES = {"/health", "/health_generate", "/model_info", "/get_model_info"}
 
 def create_app(core: EngineCore, token: str | None, *, max_batch: int = 64, batch_wait_s: float = 0.005) -> FastAPI:
     """The app over `core`. `token` None: no auth (only when the operator turned it off)."""
-    from unirl.stages.engine_server.flow import FlowBackend
-    from unirl.stages.engine_server.text import TextBackend, parse_requests
+    from unirl.stages.engine_server.text import parse_requests
     from unirl.stages.engine_server.update_group import UpdateGroups
+    from unirl.stages.runtime.registry import load_object
 
     app = FastAPI(title="unirl engine server", docs_url=None, redoc_url=None, openapi_url=None)
-    text = TextBackend(core, max_batch=max_batch, wait_s=batch_wait_s) if core.policy.segment == "text" else None
-    flow = FlowBackend(core) if core.policy.segment == "latent" else None
+    # The policy's backend answers its SGLang route (text: /generate, flow: /rollout/generate).
+    backend = load_object(core.policy.server_backend).serve(core, max_batch=max_batch, wait_s=batch_wait_s)
+    text = backend if backend.route == "/generate" else None
+    flow = backend if backend.route == "/rollout/generate" else None
     groups = UpdateGroups(core)
-    app.state.core, app.state.text, app.state.flow = core, text, flow
+    app.state.core, app.state.backend = core, backend
 
     @app.middleware("http")
     async def auth(request: Request, call_next: Any) -> Any:
@@ -74,7 +76,7 @@ def create_app(core: EngineCore, token: str | None, *, max_batch: int = 64, batc
     @app.post("/generate")
     def generate(body: dict[str, Any]) -> Any:
         if text is None:
-            raise EngineRequestError("this engine serves a flow model: POST /rollout/generate")
+            raise EngineRequestError(f"this engine serves a {core.policy.kind} model: POST {backend.route}")
         if body.get("stream"):
             raise EngineRequestError("stream: the engine server answers whole responses only")
         single = isinstance(body.get("input_ids"), list) and body["input_ids"] and isinstance(body["input_ids"][0], int)
@@ -88,7 +90,7 @@ def create_app(core: EngineCore, token: str | None, *, max_batch: int = 64, batc
         from unirl.stages.engines.client import tensor_to_wire
 
         if flow is None:
-            raise EngineRequestError("this engine serves a text model: POST /generate")
+            raise EngineRequestError(f"this engine serves a {core.policy.kind} model: POST {backend.route}")
         payload = tensor_to_wire(flow.submit(body))
         return Response(msgpack.packb(payload, use_bin_type=True), media_type="application/msgpack")
 

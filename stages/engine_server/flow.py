@@ -47,6 +47,14 @@ class FlowRequest:
 
 
 class FlowBackend:
+    route = "/rollout/generate"
+
+    @classmethod
+    def serve(cls, core: EngineCore, *, max_batch: int, wait_s: float) -> FlowBackend:
+        """Flow requests are batched by the trainer's micro-batches (their `rollout_batch` ids), not
+        by a queue: `max_batch` and `wait_s` are the text backend's."""
+        return cls(core)
+
     def __init__(self, core: EngineCore, *, batch_timeout_s: float = 120.0):
         self.core = core
         self.batch_timeout_s = batch_timeout_s

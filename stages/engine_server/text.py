@@ -74,6 +74,12 @@ class TextBackend:
     """The queue and the batcher thread. `max_batch`: requests sampled together at most;
     `wait_s`: how long the first request of a batch waits for others to join."""
 
+    route = "/generate"
+
+    @classmethod
+    def serve(cls, core: EngineCore, *, max_batch: int, wait_s: float) -> TextBackend:
+        return cls(core, max_batch=max_batch, wait_s=wait_s)
+
     def __init__(self, core: EngineCore, *, max_batch: int, wait_s: float):
         self.core, self.max_batch, self.wait_s = core, max_batch, wait_s
         self.queue: queue.Queue[TextRequest] = queue.Queue()

@@ -116,12 +116,11 @@ class DedicatedEngine(RolloutEngine):
     def wire(self) -> Any:
         """The policy's requests and rows (text: the tokenizer of the run's initial weights, which
         exist only once the run has set up, so built on first use)."""
-        from unirl.stages.engines.flow_wire import FlowWire
-        from unirl.stages.engines.text_wire import TextWire
+        from unirl.stages.policies import policy_for
+        from unirl.stages.runtime.registry import load_object
 
         if self._wire is None:
-            self._wire = (TextWire(self.recipe, self.local(self.storage.weights_rel(0))) if self.segment == "text"
-                          else FlowWire(self.recipe, exact=self.exact_replay))
+            self._wire = load_object(policy_for(self.recipe).wire).for_engine(self)
         return self._wire
 
     # -- where the engine is ------------------------------------------------------------------------

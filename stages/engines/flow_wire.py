@@ -41,6 +41,11 @@ class FlowWire:
     segment = "latent"
     reports_version = False  # SGLang diffusion has no weight_version: the client's own, checksum-verified
 
+    @classmethod
+    def for_engine(cls, engine: Any) -> FlowWire:
+        """The wire of a dedicated engine: exact when the engine replays as the trainer does."""
+        return cls(engine.recipe, exact=engine.exact_replay)
+
     def __init__(self, recipe: Any, *, exact: bool):
         self.recipe = recipe
         self.exact = exact

@@ -19,6 +19,11 @@ class TextWire:
     segment = "text"
     reports_version = True  # meta_info.weight_version on every response, /model_info weight_version
 
+    @classmethod
+    def for_engine(cls, engine: Any) -> TextWire:
+        """The wire of a dedicated engine: the tokenizer of the run's initial weights."""
+        return cls(engine.recipe, engine.local(engine.storage.weights_rel(0)))
+
     def __init__(self, recipe: Any, tokenizer_dir: Path):
         from unirl.stages.models.tokenizer import load_tokenizer, uses_chat_template
 

@@ -72,11 +72,17 @@ def engine_config_default() -> Section:
 
 class Policy:
     kind: ClassVar[str]
-    # The segment kind of the rows it writes (stages/runtime/sample.py SEGMENT_COLUMNS) and what the
-    # metrics of an update are weighted by ("tokens", "samples").
+    # The segment kind of the rows it writes and what the metrics of an update are weighted by
+    # ("tokens", "samples").
     segment: ClassVar[str]
     weight_name: ClassVar[str]
     rollout_config: ClassVar[type[RolloutBase]]
+    # Its segment's columns in a rollout shard (stages/runtime/sample.py `segment_columns`).
+    columns: ClassVar[dict[str, Any]]
+    # "module:Class" of how its requests and rows are spoken to a dedicated engine (`for_engine`,
+    # stages/engines/) and of its backend in unirl's engine server (`serve`, stages/engine_server/).
+    wire: ClassVar[str]
+    server_backend: ClassVar[str]
 
     def __init__(self, family: Any, bundle: Any, recipe: Any, device: Any):
         """The policy of a loaded model (`bundle` of `family`) on `device`, for the recipe's section."""

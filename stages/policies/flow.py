@@ -124,6 +124,22 @@ class FlowPolicy(Policy):
     segment = "latent"
     weight_name = "samples"
     rollout_config = FlowRollout
+    # sigmas [T+1], chosen SDE step indices [S], latents at the stored steps (flattened;
+    # `latent_shape` gives the per-step shape), per-step log-probs [S], the seed of the initial noise,
+    # and the encoded media for rewards and previews: an image's PNG, or a video's frames, one PNG
+    # each (stages/runtime/media.py says why), the other column empty.
+    columns = {
+        "sigmas": pa.list_(pa.float32()),
+        "sde_indices": pa.list_(pa.int32()),
+        "latents": pa.list_(pa.float32()),
+        "latent_shape": pa.list_(pa.int32()),
+        "sde_logprobs": pa.list_(pa.float32()),
+        "noise_seed": pa.int64(),
+        "media_png": pa.binary(),
+        "media_frames": pa.list_(pa.binary()),
+    }
+    wire = "unirl.stages.engines.flow_wire:FlowWire"
+    server_backend = "unirl.stages.engine_server.flow:FlowBackend"
 
     @classmethod
     def default_tolerance(cls, dtype: str) -> float:

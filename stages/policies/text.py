@@ -116,6 +116,15 @@ class TextPolicy(Policy):
     segment = "text"
     weight_name = "tokens"
     rollout_config = TextRollout
+    columns = {
+        "prompt_ids": pa.list_(pa.int32()),
+        "response_ids": pa.list_(pa.int32()),
+        "response_logprobs": pa.list_(pa.float32()),
+        "finish_reason": pa.string(),
+        "text": pa.string(),
+    }
+    wire = "unirl.stages.engines.text_wire:TextWire"
+    server_backend = "unirl.stages.engine_server.text:TextBackend"
 
     @classmethod
     def default_tolerance(cls, dtype: str) -> float:

@@ -94,5 +94,11 @@ class Registry(Generic[T]):
         return name in self._entries
 
 
+def load_object(path: str) -> Any:
+    """The object at "package.module:Name" (imported on first use, so a declaration stays light)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def _qualname(entry: Any) -> str:
     return f"{getattr(entry, '__module__', '?')}.{getattr(entry, '__qualname__', repr(entry))}"

@@ -3,7 +3,7 @@
 One row per generated sample. Columns every rollout shard has: `sample_id` ("{group_id}/{j}"),
 `group_id`, `iteration`, `policy_version`, `parts` (the ordered segment kinds of the row, e.g.
 ["text"] or ["text", "latent"]) and `metadata` (JSON of the prompt source's fields). Each segment
-kind adds its own columns (`SEGMENT_COLUMNS`). Rewards and advantages are separate files keyed by
+kind adds its own columns (its policy's, `segment_columns`). Rewards and advantages are separate files keyed by
 `sample_id`. A shard that does not match its schema fails naming the file and the column.
 
 Prompts conditioned on images (vision-language models) add `IMAGE_COLUMNS` (stages/runtime/images.py:
@@ -38,29 +38,12 @@ BASE_COLUMNS: dict[str, pa.DataType] = {
     "prompt": pa.string(),
 }
 
-SEGMENT_COLUMNS: dict[str, dict[str, pa.DataType]] = {
-    "text": {
-        "prompt_ids": _LIST_I32,
-        "response_ids": _LIST_I32,
-        "response_logprobs": _LIST_F32,
-        "finish_reason": pa.string(),
-        "text": pa.string(),
-    },
-    # Diffusion segment: sigmas [T+1], chosen SDE step indices [S], latents at the stored steps
-    # (flattened; `latent_shape` gives the per-step shape), per-step log-probs [S], the seed of the
-    # initial noise, and the encoded media for rewards and previews: an image's PNG, or a video's
-    # frames, one PNG each (stages/runtime/media.py says why), the other column empty.
-    "latent": {
-        "sigmas": _LIST_F32,
-        "sde_indices": _LIST_I32,
-        "latents": _LIST_F32,
-        "latent_shape": _LIST_I32,
-        "sde_logprobs": _LIST_F32,
-        "noise_seed": pa.int64(),
-        "media_png": pa.binary(),
-        "media_frames": pa.list_(pa.binary()),
-    },
-}
+def segment_columns() -> dict[str, dict[str, pa.DataType]]:
+    """Segment kind -> its columns, as each registered policy declares them (`Policy.columns`)."""
+    from unirl.stages.policies import policies
+
+    return {cls.segment: cls.columns for _, cls in policies.items()}
+
 
 REQUEST_COLUMNS: dict[str, pa.DataType] = {
     "group_id": pa.string(),
@@ -91,8 +74,9 @@ class ShardSchemaError(ValueError):
 
 def rollout_schema(segments: Iterable[str]) -> pa.Schema:
     fields = [pa.field(n, t) for n, t in BASE_COLUMNS.items()]
+    columns = segment_columns()
     for seg in segments:
-        fields += [pa.field(n, t) for n, t in SEGMENT_COLUMNS[seg].items()]
+        fields += [pa.field(n, t) for n, t in columns[seg].items()]
     return pa.schema(fields, metadata={"unirl.schema_version": str(SCHEMA_VERSION), "unirl.kind": "rollouts"})
 
 
@@ -161,9 +145,9 @@ def validate(table: pa.Table, kind: str, where: str) -> None:
     """Check columns and types; name the file and the first bad column."""
     if kind == "rollouts":
         expected = dict(BASE_COLUMNS)
-        for seg in ("text", "latent"):
-            if seg in table.schema.names or any(n in table.schema.names for n in SEGMENT_COLUMNS[seg]):
-                expected.update(SEGMENT_COLUMNS[seg])
+        for seg, columns in segment_columns().items():
+            if seg in table.schema.names or any(n in table.schema.names for n in columns):
+                expected.update(columns)
     else:
         expected = KINDS[kind]
     for name, dtype in expected.items():
@@ -205,7 +189,7 @@ def namespaced(kind: str, column: str) -> str:
 def composed_kinds(table: pa.Table) -> list[str]:
     """The segment kinds a composed shard namespaces (empty for a one-part shard)."""
     names = set(table.schema.names)
-    return [k for k in SEGMENT_COLUMNS if namespaced(k, "sample_id") in names]
+    return [k for k in segment_columns() if namespaced(k, "sample_id") in names]
 
 
 def validate_namespaced(table: pa.Table, where: str) -> None:
@@ -215,11 +199,12 @@ def validate_namespaced(table: pa.Table, where: str) -> None:
     if not kinds:
         return
     for kind in kinds:
-        for name, dtype in {**PART_COLUMNS, **SEGMENT_COLUMNS[kind]}.items():
+        part = {**PART_COLUMNS, **segment_columns()[kind]}
+        for name, dtype in part.items():
             col = namespaced(kind, name)
             if col not in table.schema.names:
                 raise ShardSchemaError(f"{where}: column {col!r} is missing (a composed shard's {kind} part needs "
-                                       f"{sorted(namespaced(kind, n) for n in {**PART_COLUMNS, **SEGMENT_COLUMNS[kind]})})")
+                                       f"{sorted(namespaced(kind, n) for n in part)})")
             if table.schema.field(col).type != dtype:
                 raise ShardSchemaError(f"{where}: column {col!r} has type {table.schema.field(col).type}, expected {dtype}")
     for sid, parts in zip(table.column("sample_id").to_pylist(), table.column("parts").to_pylist()):
@@ -233,7 +218,7 @@ def composed_table(rows: list[dict[str, Any]], kinds: list[str]) -> pa.Table:
     identity and segment columns under its namespace."""
     fields = [pa.field(n, t) for n, t in BASE_COLUMNS.items()]
     for kind in kinds:
-        fields += [pa.field(namespaced(kind, n), t) for n, t in {**PART_COLUMNS, **SEGMENT_COLUMNS[kind]}.items()]
+        fields += [pa.field(namespaced(kind, n), t) for n, t in {**PART_COLUMNS, **segment_columns()[kind]}.items()]
     schema = pa.schema(fields, metadata={"unirl.schema_version": str(SCHEMA_VERSION), "unirl.kind": "rollouts"})
     return rows_to_table(rows, schema)
 
@@ -251,7 +236,7 @@ def part_view(table: pa.Table, kind: str) -> pa.Table:
     first = list({sid: i for i, sid in reversed(list(enumerate(ids)))}.values())
     first.sort()
     taken = table.take(pa.array(first, type=pa.int64()))
-    columns = {n: taken.column(namespaced(kind, n)) for n in {**PART_COLUMNS, **SEGMENT_COLUMNS[kind]}}
+    columns = {n: taken.column(namespaced(kind, n)) for n in {**PART_COLUMNS, **segment_columns()[kind]}}
     columns.update(iteration=taken.column("iteration"), metadata=taken.column("metadata"),
                    parts=pa.array([[kind]] * taken.num_rows, type=pa.list_(pa.string())))
     return pa.table(columns)
@@ -267,7 +252,7 @@ def scoring_view(table: pa.Table) -> pa.Table:
         return table
     columns = {n: table.column(n) for n in BASE_COLUMNS if n in table.schema.names}
     for kind in kinds:
-        for n in SEGMENT_COLUMNS[kind]:
+        for n in segment_columns()[kind]:
             if namespaced(kind, n) in table.schema.names:
                 columns[n] = table.column(namespaced(kind, n))
     return pa.table(columns)

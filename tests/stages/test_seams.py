@@ -184,10 +184,12 @@ def test_a_grpo_clone_that_replays_against_itself_would_not_notice(tmp_path, tin
 # -- no names compared outside the registries -------------------------------------------------
 
 
-def test_no_family_or_algorithm_name_is_compared_outside_its_own_file():
+def test_no_family_algorithm_or_engine_name_is_compared_outside_its_own_file():
     """stages/diffusion/sde.py is left out: its step-selection modes ("mixgrpo") are names of its own
     that an algorithm happens to share."""
-    names = families.names() + algorithms.names()
+    from unirl.stages.engines import engines
+
+    names = families.names() + algorithms.names() + engines.names()
     pattern = re.compile(r"""(==|!=)\s*["'](%s)["']|["'](%s)["']\s*(==|!=)|\bin\s*[\(\[\{][^)\]\}]*["'](%s)["']"""
                          % (("|".join(names),) * 3))
     found = []
@@ -214,3 +216,21 @@ def test_no_sde_kernel_name_is_compared_outside_its_own_file():
              for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert not found, "kernel names compared outside their files:\n" + "\n".join(found)
     assert {"flow", "dance", "cps", "ode"} <= set(kernels.names())
+
+
+def test_a_policy_declares_its_segment_columns_wire_and_engine_backend():
+    """What adding a policy kind used to take edits in four files for is declared on the policy:
+    the rollout shard's segment columns, the dedicated engines' wire and the engine server's backend."""
+    from unirl.stages.policies import policies
+    from unirl.stages.runtime.registry import load_object
+    from unirl.stages.runtime.sample import segment_columns, table_from_rows
+
+    routes = set()
+    for name, policy in policies.items():
+        assert segment_columns()[policy.segment] is policy.columns, name
+        assert callable(load_object(policy.wire).for_engine), name
+        backend = load_object(policy.server_backend)
+        routes.add(backend.route)
+        table = table_from_rows([], "rollouts", [policy.segment])
+        assert set(policy.columns) <= set(table.schema.names), name
+    assert routes == {"/generate", "/rollout/generate"}  # SGLang's routes, one per policy
