@@ -10,7 +10,7 @@ from prefect import get_run_logger, tags
 from prefect.settings import get_current_settings
 
 from unirl.flows.console import say
-from unirl.stages.engines import RolloutEngine, engines
+from unirl.stages.engines import RolloutEngine, engines, in_group
 from unirl.stages.recipe import Recipe
 from unirl.stages.runtime.storage import RunStorage
 from unirl.stages.workers.group import ModelGroup, NodeLauncher, WorkerGroup, get_group
@@ -95,7 +95,7 @@ def eval_engine_of(recipe: Recipe, storage: RunStorage) -> RolloutEngine:
     """Where held-out evaluation samples: the run's engine, except in async RL, where the engine
     belongs to the producer (which must not be moved to another version): the worker group."""
     if recipe.rollout.mode == "async":
-        return engines.get("trainside")(recipe, storage, group_of(recipe, storage))
+        return in_group()(recipe, storage, group_of(recipe, storage))
     return engine_of(recipe, storage)
 
 

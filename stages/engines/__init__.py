@@ -27,6 +27,14 @@ from unirl.stages.runtime.registry import Registry
 engines: Registry[type[RolloutEngine]] = Registry("rollout engine", "unirl.stages.engines", "rollout.engine.name")
 
 
+def in_group() -> type[RolloutEngine]:
+    """The engine that samples in the training worker group with the trained weights themselves
+    (the one engine that holds no weights of its own): where held-out evaluation samples while a
+    dedicated engine belongs to an async run's producer."""
+    (engine,) = [cls for _, cls in engines.items() if not cls.own_weights]
+    return engine
+
+
 def engine_config() -> Any:
     """The `rollout.engine` section: a union of every registered engine's config, by `name`."""
     members = tuple(cls.config for _, cls in engines.items())
