@@ -4,6 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests import typecheck
 from tests.conftest import REPO
 
@@ -14,6 +16,7 @@ def test_ruff_finds_nothing():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.slow  # about a minute of CPU: the unit tier stays under two minutes
 def test_mypy_finds_nothing():
     done = typecheck.run()
     assert done.returncode == 0, done.stdout[-20000:] + done.stderr
