@@ -17,6 +17,7 @@ one HTTP API (stages/engines/client.py, docs/engines.md).
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Annotated, Any, ClassVar, Union
 
 from pydantic import Field
@@ -41,7 +42,7 @@ def engine_config() -> Any:
     return Annotated[Union[members], Field(discriminator="name")] if len(members) > 1 else members[0]  # noqa: UP007 - a runtime tuple
 
 
-class RolloutEngine:
+class RolloutEngine(ABC):
     name: ClassVar[str]
     config: ClassVar[type[Section]]
     # True when the engine holds its own copy of the weights, which the sync task must update.
@@ -54,9 +55,9 @@ class RolloutEngine:
     def check(cls, recipe: Any) -> None:
         """Cross-section rules of a recipe using this engine; ValueError('field.path: ...')."""
 
+    @abstractmethod
     def __init__(self, recipe: Any, storage: Any, group: Any):
         """The run's engine: its recipe, run storage and worker group (tasks/common.py `engine_of`)."""
-        raise NotImplementedError
 
     @property
     def version(self) -> int | None:
@@ -66,8 +67,9 @@ class RolloutEngine:
                  greedy: bool = False, seed_tag: str = "") -> dict[str, Any]:
         raise NotImplementedError
 
+    @abstractmethod
     def load_weights(self, weights_rel: str, version: int) -> dict[str, Any] | None:
-        raise NotImplementedError
+        """Load published weights `version` (at `weights_rel`); what the engine reports of them, if anything."""
 
     def publish_for(self, trainer: Any, version: int) -> str:
         """Engines with their own weights: the folder they load for `version`, published through `trainer`."""

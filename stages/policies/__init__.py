@@ -18,6 +18,7 @@ objective for SFT.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
@@ -70,7 +71,7 @@ def engine_config_default() -> Section:
     return TrainsideConfig()
 
 
-class Policy:
+class Policy(ABC):
     kind: ClassVar[str]
     # The segment kind of the rows it writes and what the metrics of an update are weighted by
     # ("tokens", "samples").
@@ -84,9 +85,9 @@ class Policy:
     wire: ClassVar[str]
     server_backend: ClassVar[str]
 
+    @abstractmethod
     def __init__(self, family: Any, bundle: Any, recipe: Any, device: Any):
         """The policy of a loaded model (`bundle` of `family`) on `device`, for the recipe's section."""
-        raise NotImplementedError
 
     @classmethod
     def check(cls, recipe: Any) -> None:

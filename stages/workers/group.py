@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -54,7 +55,7 @@ class WorkerGroupDied(WorkerError):
 NodeLauncher = Callable[["rdzv.GroupPlan", list[int]], None]
 
 
-class ModelGroup:
+class ModelGroup(ABC):
     """A model in a worker group, at a policy version, as tasks use it: `call` a command, `ensure`
     a version (from the newest usable checkpoint, replaying the committed train steps after it).
     How commands reach the ranks and how the model (re)starts is the subclass's: its own
@@ -67,23 +68,29 @@ class ModelGroup:
         self.log = log
         self.version: int | None = None
 
+    @abstractmethod
     def alive(self) -> bool:
-        raise NotImplementedError
+        """The model's ranks are up and answer."""
 
+    @abstractmethod
     def prewarm(self) -> None:
-        raise NotImplementedError
+        """Start the processes ahead of the first load (their imports overlap the run's setup)."""
 
+    @abstractmethod
     def start(self, checkpoint: int | None) -> None:
-        raise NotImplementedError
+        """(Re)start the model at `checkpoint` (None: its initial weights); sets `version`."""
 
+    @abstractmethod
     def stop(self, timeout: float = 20.0) -> None:
-        raise NotImplementedError
+        """Stop the processes that hold the model."""
 
+    @abstractmethod
     def log_tail(self, lines: int = 40) -> str:
-        raise NotImplementedError
+        """The end of the group's log, for error messages."""
 
+    @abstractmethod
     def _send(self, cmd: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        raise NotImplementedError
+        """Send one command to rank 0 and return its result."""
 
     def call(self, cmd: str, **args: Any) -> dict[str, Any]:
         result = self._send(cmd, args)
