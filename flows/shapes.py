@@ -67,10 +67,15 @@ class RunShape:
 STAGES = ("generate", "score", "advantage", "train", "sync")
 
 
+def stopped(run_name: str, iteration: int) -> State[Any]:
+    """An iteration started ahead whose run stopped before its turn: it did nothing."""
+    return Cancelled(message=f"run {run_name} stopped before {iter_dir(iteration)}'s turn; nothing was done")
+
+
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
 def rl_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any] | State[Any]:
     if not wait_turn(run_name, iteration):  # started ahead (flows/ahead.py), and the run stopped meanwhile
-        return Cancelled(message=f"run {run_name} stopped before {iter_dir(iteration)}'s turn; nothing was done")
+        return stopped(run_name, iteration)
     start = time.perf_counter()
     generate_, score_, advantage_, train_, sync_ = staged(generate), staged(score), staged(advantage), staged(train), staged(sync)
     gen = generate_(recipe, run_name, iteration)
@@ -146,20 +151,28 @@ NAMED: dict[str, Any] = {f"{task.name}-{side}": task.with_options(name=f"{task.n
 STAGE_NAMED: dict[str, Any] = {f"generate-{side}": generate_stage.with_options(name=f"generate-{side}") for side in pipeline.SIDES}
 
 
+def composed_rollouts(recipe: Recipe, run_name: str, iteration: int, generate: dict[str, Any], compose: Any,
+                      advantages: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, float]]:
+    """What a composed iteration does before it trains: each side's generate (the drawer's from the
+    writer's outputs), the composed rows, their scores and each part's advantages. Returns the
+    generates by side, the advantage manifest and the metrics so far."""
+    first = staged(generate["generate-ar"])(recipe, run_name, iteration, "ar")
+    second = staged(generate["generate-diffusion"])(recipe, run_name, iteration, "diffusion", first["files"])
+    composed = staged(compose)(recipe, run_name, iteration, first["files"], second["files"])
+    scored = staged(score)(recipe, run_name, iteration, composed["files"])
+    adv = staged(advantages)(recipe, run_name, iteration, composed["files"], scored["files"])
+    gens = {"ar": first, "diffusion": second}
+    metrics: dict[str, float] = {**scored["metrics"], **adv["metrics"]}
+    metrics.update({f"time/generate_{side}_s": float(gen.get("seconds", 0.0)) for side, gen in gens.items()})
+    return gens, adv, metrics
+
+
 @flow(name="pe-iteration", flow_run_name="iter-{iteration:06d}")
 def pe_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any] | State[Any]:
     if not wait_turn(run_name, iteration):
-        return Cancelled(message=f"run {run_name} stopped before {iter_dir(iteration)}'s turn; nothing was done")
+        return stopped(run_name, iteration)
     start = time.perf_counter()
-    rewrites = staged(NAMED["generate-ar"])(recipe, run_name, iteration, "ar")
-    images = staged(NAMED["generate-diffusion"])(recipe, run_name, iteration, "diffusion", rewrites["files"])
-    composed = staged(compose_parts)(recipe, run_name, iteration, rewrites["files"], images["files"])
-    scored = staged(score)(recipe, run_name, iteration, composed["files"])
-    adv = staged(part_advantages)(recipe, run_name, iteration, composed["files"], scored["files"])
-    metrics: dict[str, float] = {**scored["metrics"], **adv["metrics"]}
-    gens = {"ar": rewrites, "diffusion": images}
-    for side, gen in gens.items():
-        metrics[f"time/generate_{side}_s"] = float(gen.get("seconds", 0.0))
+    gens, adv, metrics = composed_rollouts(recipe, run_name, iteration, NAMED, compose_parts, part_advantages)
     for side, rel in adv["parts"].items():
         part = pipeline.part_recipe(recipe, side, run_name)
         trained = staged(NAMED[f"train-{side}"])(part, side, iteration, gens[side]["files"], rel)
@@ -174,19 +187,13 @@ def pe_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any
 @flow(name="unified-iteration", flow_run_name="iter-{iteration:06d}")
 def unified_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any] | State[Any]:
     if not wait_turn(run_name, iteration):
-        return Cancelled(message=f"run {run_name} stopped before {iter_dir(iteration)}'s turn; nothing was done")
+        return stopped(run_name, iteration)
     start = time.perf_counter()
-    plans = staged(STAGE_NAMED["generate-ar"])(recipe, run_name, iteration, "ar")
-    images = staged(STAGE_NAMED["generate-diffusion"])(recipe, run_name, iteration, "diffusion", plans["files"])
-    composed = staged(compose_stages)(recipe, run_name, iteration, plans["files"], images["files"])
-    scored = staged(score)(recipe, run_name, iteration, composed["files"])
-    adv = staged(stage_advantages)(recipe, run_name, iteration, composed["files"], scored["files"])
-    trained = staged(train)(recipe, run_name, iteration, plans["files"] + images["files"], adv["files"][0])
+    gens, adv, metrics = composed_rollouts(recipe, run_name, iteration, STAGE_NAMED, compose_stages, stage_advantages)
+    rollouts = gens["ar"]["files"] + gens["diffusion"]["files"]
+    trained = staged(train)(recipe, run_name, iteration, rollouts, adv["files"][0])
     synced = staged(sync)(recipe, run_name, iteration)
-    metrics: dict[str, float] = {**scored["metrics"], **adv["metrics"]}
     metrics.update({f"train/{k}": float(v) for k, v in trained["metrics"].items()})
-    for side, gen in (("ar", plans), ("diffusion", images)):
-        metrics[f"time/generate_{side}_s"] = float(gen.get("seconds", 0.0))
     metrics["time/train_s"] = float(trained.get("seconds", 0.0))
     metrics["time/sync_s"] = float(synced.get("seconds", 0.0))
     metrics["time/iteration_s"] = time.perf_counter() - start
