@@ -8,6 +8,7 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
+from unirl.flows.artifacts import artifact_key
 from unirl.flows.console import say
 from unirl.stages.recipe import Recipe
 from unirl.stages.runtime.evaluation import PREFIX, eval_dir, has_split
@@ -20,9 +21,9 @@ from unirl.tasks.common import close_engine, staged, storage_of
 
 def eval_artifact(recipe: Recipe, run_name: str, version: int, metrics: dict[str, float]) -> None:
     """Publish an evaluation as a Prefect table artifact."""
-    key = f"{recipe.name}-{run_name}-eval".lower().replace("_", "-").replace("/", "-")
     create_table_artifact(
-        key=key, table=[{"version": version, **{k.split("/", 1)[1]: round(v, 4) for k, v in metrics.items()}}],
+        key=artifact_key(f"{recipe.name}-{run_name}", "eval"),
+        table=[{"version": version, **{k.split("/", 1)[1]: round(v, 4) for k, v in metrics.items()}}],
         description=f"held-out evaluation of {run_name} at policy version {version}",
     )
 

@@ -23,6 +23,8 @@ from unirl.stages.models.family import families
 from unirl.stages.policies import policies
 from unirl.stages.runtime.config_base import EMAConfig, Section
 from unirl.stages.runtime.multinode import AgentsConfig, RendezvousConfig, multinode_errors
+from unirl.stages.runtime.yaml_input import MAX_BYTES as YAML_MAX_BYTES
+from unirl.stages.runtime.yaml_input import YamlInputError, load_yaml
 from unirl.stages.sources import sources
 
 
@@ -104,7 +106,7 @@ class SFTConfig(Section):
     steps: int = Field(200, ge=1, description="Optimizer steps.")
     batch_size: int = Field(32, ge=1, description="Examples per step (all ranks together).")
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate.")
-    seed: int = Field(0, description="Seed of the example order.")
+    seed: int = Field(0, ge=0, description="Seed of the example order.")
 
 
 class EvalConfig(Section):
@@ -172,6 +174,13 @@ class TrainConfig(Section):
             data["nproc_per_node"] = nproc
         return data
 
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError("AdamW betas must each lie in [0, 1)")
+        return betas
+
     @property
     def world_size(self) -> int:
         """Ranks of the whole group at its full size."""
@@ -181,11 +190,27 @@ class TrainConfig(Section):
 class StorageConfig(Section):
     """Where runs live: any fsspec URL."""
 
-    root: str = Field("runs", description="Local path, file://, s3://bucket/prefix or memory:// (single process only).")
+    root: str = Field("runs", min_length=1, description="Local path, file://, s3://bucket/prefix or memory:// (single process only).")
     options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options (e.g. s3 client_kwargs).")
     shared: bool = Field(
         False, description="A local `root` is a shared filesystem mounted at the same path on every node (NFS, "
         "Lustre...): needed for a local root when train.nnodes > 1.")
+
+    @field_validator("root")
+    @classmethod
+    def _known_protocol(cls, root: str) -> str:
+        """A URL's protocol must be one fsspec has an installed filesystem for (s3 needs s3fs)."""
+        import fsspec
+        from fsspec.core import split_protocol
+
+        protocol, _ = split_protocol(root)
+        if protocol is not None:
+            try:
+                fsspec.get_filesystem_class(protocol)
+            except (ValueError, ImportError) as exc:
+                raise ValueError(f"no filesystem for {protocol + '://'!r} ({' '.join(str(exc).split())[:160]}); "
+                                 "use a local path, file://, s3:// or memory://") from None
+        return root
 
 
 class TrackingConfig(Section):
@@ -194,7 +219,7 @@ class TrackingConfig(Section):
     mlflow_uri: str | None = Field(
         None, description="Tracking URI; empty: $MLFLOW_TRACKING_URI, else sqlite in the run folder (local storage) or ./mlruns.db."
     )
-    experiment: str = Field("unirl", description="MLflow experiment name.")
+    experiment: str = Field("unirl", min_length=1, description="MLflow experiment name.")
     preview_every: int = Field(
         1, ge=0, description="Log what people should see of an iteration's rollouts every N iterations (0: never): a "
         "samples table for text (prompt, response, reward, advantage), an image grid for flow models.",
@@ -299,7 +324,7 @@ class Recipe(Section):
     """A whole RL post-training run."""
 
     name: str = Field("recipe", description="Recipe name; the default run name (letters, digits, '.', '_', '-').")
-    seed: int = Field(0, description="Base seed for sampling.")
+    seed: int = Field(0, ge=0, description="Base seed for sampling.")
     model: ModelConfig = Field(default_factory=lambda: families.get("qwen3").config(), description="The policy model.")
     data: DataConfig = Field(default_factory=lambda: sources.get("arithmetic").config(), description="Prompt source.")
     rollout: RolloutConfig = Field(default_factory=lambda: policies.get("text").rollout_config(),
@@ -320,7 +345,7 @@ class Recipe(Section):
         "text and flow, `train` and `sft` its one optimizer and joint warm start; each stage's sampling and algorithm are "
         "here, so the recipe's own rollout and algorithm stay unset.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
-    iterations: int = Field(3, ge=1, description="RL iterations in the run.")
+    iterations: int = Field(3, ge=1, le=10_000_000, description="RL iterations in the run.")
     checkpoint_every: int = Field(1, ge=1, description="Save a checkpoint (and publish weights) every N iterations.")
 
     @property
@@ -452,13 +477,13 @@ class Recipe(Section):
         return yaml.safe_dump(self.model_dump(mode="json", exclude=unset), sort_keys=False)
 
 
-RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def check_run_name(name: str, field: str) -> str:
     """A run name is a plain folder name under the storage root: letters, digits, '.', '_', '-',
     not starting with '.' or '-' (no '/', '..', URL characters: it cannot leave the root)."""
-    if not RUN_NAME.match(name or "") or ".." in name:
+    if not RUN_NAME.fullmatch(name or "") or ".." in name:
         raise ValueError(f"{field}: {name!r} is not a plain run name; use letters, digits, '.', '_' and '-' "
                          "(at most 128, starting with a letter or digit)")
     return name
@@ -489,13 +514,21 @@ class RecipeError(ValueError):
         super().__init__(f"{source}: invalid recipe\n" + "\n".join(f"  {e}" for e in errors))
 
 
+MAX_OVERRIDE_BYTES = 64 << 10
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise RecipeError("overrides", [f"{text!r}: expected key.sub=value"])
     key, raw = text.split("=", 1)
     if not key or any(not part for part in key.split(".")):
         raise RecipeError("overrides", [f"{text!r}: expected key.sub=value"])
-    return key.split("."), yaml.safe_load(raw) if raw != "" else None
+    if raw == "":
+        return key.split("."), None
+    try:
+        return key.split("."), load_yaml(raw, f"override {text if len(text) <= 120 else text[:100] + '...'!r}", max_bytes=MAX_OVERRIDE_BYTES)
+    except YamlInputError as exc:
+        raise RecipeError("overrides", [str(exc)]) from None
 
 
 # Old field names an override may still use: `train.nproc=2` sets train.nproc_per_node (so it wins
@@ -583,8 +616,13 @@ def format_errors(exc: ValidationError, model: type[BaseModel] | None = None) ->
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
             if ":" in msg.split(" ")[0]:  # the validator already names its field (one line per problem)
-                lines.extend(msg.splitlines())
+                # a section's validator names its own field: put the section's path before it
+                lines.extend(line if not path or line.startswith(f"{path[0]}.") or line.startswith(f"{path[0]}:")
+                             else f"{where}.{line}" for line in msg.splitlines())
                 continue
+        if kind == "number_not_bool":  # a section's own check: the field is in ctx, not in the location
+            lines.append(f"{'.'.join([*path, err['ctx']['field']])}: expected a number, got {err['ctx']['value']}")
+            continue
         if kind == "extra_forbidden":
             allowed = sorted(section.model_fields) if section is not None else []
             msg = "unknown field" + (f" (allowed: {', '.join(allowed)})" if allowed else "")
@@ -616,9 +654,10 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not p.is_file():
             raise RecipeError(source, [f"no such recipe file: {p}"])
         try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
-            raise RecipeError(source, [f"not valid YAML: {exc}"]) from None
+            with p.open("rb") as f:  # no more than the bound: a huge file is refused unread
+                loaded = load_yaml(f.read(YAML_MAX_BYTES + 1), source)
+        except YamlInputError as exc:
+            raise RecipeError(source, [str(exc).removeprefix(f"{source}: ")]) from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

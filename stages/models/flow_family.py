@@ -73,7 +73,7 @@ class TinyFlow(Section):
     """What every tiny seeded flow model has (used only when `model.path` is empty)."""
 
     image_size: int = Field(16, ge=8, description="Side of generated images (or video frames) in pixels.")
-    seed: int = Field(0, description="Seed of the random initialisation.")
+    seed: int = Field(0, ge=0, description="Seed of the random initialisation.")
     num_layers: int = Field(1, ge=1, description="Transformer blocks.")
     num_heads: int = Field(2, ge=1, description="Attention heads per block.")
     head_dim: int = Field(16, ge=4, description="Width of one attention head (a multiple of 4).")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from unirl.stages.models.family import Family, families
 from unirl.stages.runtime.config_base import LoraConfig, Section
@@ -30,10 +30,17 @@ class TinyQwen3(Section):
     head_dim: int = Field(16, ge=4, description="Per-head width.")
     intermediate_size: int = Field(128, ge=8, description="MLP width.")
     max_position_embeddings: int = Field(256, ge=16, description="Longest sequence the model takes.")
-    seed: int = Field(0, description="Seed of the random initialisation.")
+    seed: int = Field(0, ge=0, description="Seed of the random initialisation.")
     charset: str = Field(
         "0123456789+-*=() ", min_length=1, description="Characters of the tiny model's character-level tokenizer."
     )
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> Any:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_key_value_heads: {self.num_key_value_heads} does not divide num_attention_heads "
+                             f"({self.num_attention_heads}); each key/value head serves a whole group of query heads")
+        return self
 
 
 class Qwen3ModelConfig(Section):

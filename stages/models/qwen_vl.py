@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from unirl.stages.models.family import Family
 from unirl.stages.models.tokenizer import CHARSET
@@ -35,6 +35,15 @@ class TinyVLText(Section):
     num_key_value_heads: int = Field(2, ge=1, description="Key/value heads (grouped-query attention).")
     intermediate_size: int = Field(128, ge=8, description="MLP width.")
     max_position_embeddings: int = Field(512, ge=16, description="Largest position the model takes.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> Any:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_key_value_heads: {self.num_key_value_heads} does not divide num_attention_heads "
+                             f"({self.num_attention_heads}); each key/value head serves a whole group of query heads")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"num_attention_heads: {self.num_attention_heads} does not divide hidden_size ({self.hidden_size})")
+        return self
 
 
 class TinyVLVision(Section):
@@ -55,7 +64,7 @@ class TinyVL(Section):
 
     text: TinyVLText = Field(default_factory=TinyVLText, description="Language model.")
     vision: TinyVLVision = Field(default_factory=TinyVLVision, description="Vision tower and image processor.")
-    seed: int = Field(0, description="Seed of the random initialisation.")
+    seed: int = Field(0, ge=0, description="Seed of the random initialisation.")
     charset: str = Field(CHARSET, min_length=1, description="Characters of the tiny model's character-level tokenizer.")
 
 

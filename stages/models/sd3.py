@@ -42,7 +42,7 @@ class TinySD3(Section):
     """Architecture of the seeded random SD3 used when `model.path` is empty."""
 
     image_size: int = Field(32, ge=8, description="Side of generated images in pixels.")
-    seed: int = Field(0, description="Seed of the random initialisation.")
+    seed: int = Field(0, ge=0, description="Seed of the random initialisation.")
     num_layers: int = Field(2, ge=1, description="MMDiT blocks of the transformer.")
     num_heads: int = Field(4, ge=1, description="Attention heads per block.")
     head_dim: int = Field(16, ge=4, description="Width of one attention head.")

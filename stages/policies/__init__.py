@@ -44,8 +44,8 @@ class DynamicSamplingConfig(Section):
 class RolloutBase(Section):
     """How samples are generated: the fields every policy shares."""
 
-    prompts_per_iteration: int = Field(8, ge=1, description="Prompt groups per iteration.")
-    group_size: int = Field(4, ge=1, description="Samples per prompt (the GRPO group).")
+    prompts_per_iteration: int = Field(8, ge=1, le=1 << 20, description="Prompt groups per iteration.")
+    group_size: int = Field(4, ge=1, le=4096, description="Samples per prompt (the GRPO group).")
     dynamic_sampling: DynamicSamplingConfig | None = Field(None, description="DAPO dynamic sampling.")
     engine: EngineConfig = Field(default_factory=lambda: engine_config_default(), description="Where rollouts are sampled.")
     behaviour_tolerance: float | None = Field(

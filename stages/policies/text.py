@@ -18,6 +18,7 @@ decoded from the shard's PNG bytes (stages/runtime/images.py). Text-only familie
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -110,6 +111,26 @@ class TextBatch:
         return float(self.mask.sum())
 
 
+def context_length(model: Any) -> int | None:
+    """The longest sequence a text family's model takes (`max_position_embeddings` of its tiny
+    architecture or of `config.json` under `model.path`, a VLM's from its text config); None when
+    not known (no config file yet: loading reports that)."""
+    import json
+
+    if getattr(model, "path", None):
+        config = Path(model.path) / "config.json"
+        try:
+            with config.open("rb") as f:
+                data = json.loads(f.read(1 << 20))
+        except (OSError, ValueError):
+            return None
+        data = data if isinstance(data, dict) else {}
+        found = data.get("max_position_embeddings") or (data.get("text_config") or {}).get("max_position_embeddings")
+        return found if isinstance(found, int) else None
+    tiny = getattr(model, "tiny", None)
+    return getattr(tiny, "max_position_embeddings", None) or getattr(getattr(tiny, "text", None), "max_position_embeddings", None)
+
+
 @policies.register("text")
 class TextPolicy(Policy):
     kind = "text"
@@ -132,6 +153,10 @@ class TextPolicy(Policy):
 
     @classmethod
     def check(cls, recipe: Any) -> None:
+        context = context_length(recipe.model)
+        if context is not None and recipe.rollout.max_new_tokens >= context:
+            raise ValueError(f"rollout.max_new_tokens: {recipe.rollout.max_new_tokens} does not fit the model's context of "
+                             f"{context} tokens (max_position_embeddings), prompt included; ask for fewer")
         overlong = recipe.reward.overlong
         if overlong.truncated == "soft" and overlong.buffer > recipe.rollout.max_new_tokens:
             raise ValueError(

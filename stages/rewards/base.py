@@ -159,7 +159,8 @@ def check_scorer_params(name: str, params: dict[str, Any]) -> list[str]:
             continue
         default = ... if param.default is param.empty else param.default
         fields[pname] = (hints.get(pname, Any), default)
-    model = create_model(f"{name}_params", __config__=ConfigDict(extra="forbid", arbitrary_types_allowed=True), **fields)
+    model = create_model(f"{name}_params", __config__=ConfigDict(extra="forbid", arbitrary_types_allowed=True, allow_inf_nan=False),
+                         **fields)
     try:
         model.model_validate(params)
     except ValidationError as exc:

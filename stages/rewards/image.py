@@ -8,7 +8,7 @@ but does change its weight in a `weighted_sum` with other scorers.
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -55,7 +55,7 @@ class GenEvalScorer:
 
         parse_prompt(text)
 
-    def __init__(self, mode: str = "strict") -> None:
+    def __init__(self, mode: Literal["strict", "mean", "partial"] = "strict") -> None:
         if mode not in GENEVAL_MODES:
             raise ValueError(f"geneval mode {mode!r} is not one of {', '.join(GENEVAL_MODES)}")
         self.mode = mode

@@ -28,6 +28,7 @@ import multiprocessing.pool
 import os
 import re
 import threading
+from typing import Literal
 
 import numpy as np
 
@@ -178,7 +179,7 @@ class MathVerify:
 
     name = "math_verify"
 
-    def __init__(self, fallback: str = "last_number") -> None:
+    def __init__(self, fallback: Literal["last_number", "none"] = "last_number") -> None:
         if fallback not in ("last_number", "none"):
             raise ValueError(f"scorer 'math_verify': fallback must be 'last_number' or 'none', got {fallback!r}")
         self.fallback = fallback

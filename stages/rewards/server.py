@@ -25,13 +25,14 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from unirl.stages.rewards.base import ScoreBatch, Scorer, ScorerError, ScoreResult, aggregate, build_scorer, run_scorer
 from unirl.stages.rewards.wire import WireError, decode_batch, result_to_json
+from unirl.stages.runtime.yaml_input import MAX_BYTES as YAML_MAX_BYTES
+from unirl.stages.runtime.yaml_input import YamlInputError, load_yaml
 
 log = logging.getLogger(__name__)
 
@@ -93,13 +94,21 @@ def load_config(path: str | Path, **overrides: Any) -> ServerConfig:
     """Read a YAML (or .json) server config; `overrides` (e.g. port=...) replace top-level fields."""
     path = Path(path)
     try:
-        text = path.read_text()
+        with path.open("rb") as f:  # no more than the bound: a huge file is refused unread
+            text = f.read(YAML_MAX_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"cannot read reward server config {path}: {exc}") from exc
     try:
-        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from exc
+        if path.suffix == ".json":
+            if len(text) > YAML_MAX_BYTES:
+                raise ConfigError(f"{path}: more than {YAML_MAX_BYTES} bytes")
+            raw = json.loads(text)
+        else:
+            raw = load_yaml(text, str(path))
+    except YamlInputError as exc:
+        raise ConfigError(str(exc)) from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ConfigError(f"{path} is not valid JSON: {type(exc).__name__}: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
     raw.update({k: v for k, v in overrides.items() if v is not None})

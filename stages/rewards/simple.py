@@ -5,6 +5,8 @@ reward-server tests and benchmark aggregate by hand.
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 
 from unirl.stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
@@ -30,7 +32,7 @@ class TextLength:
 
     name = "text_length"
 
-    def __init__(self, unit: str = "chars", max_length: int | None = None, field: str = "text") -> None:
+    def __init__(self, unit: Literal["chars", "words"] = "chars", max_length: int | None = None, field: str = "text") -> None:
         if unit not in ("chars", "words"):
             raise ValueError(f"scorer 'text_length': unit must be 'chars' or 'words', got {unit!r}")
         if max_length is not None and max_length <= 0:

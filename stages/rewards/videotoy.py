@@ -8,6 +8,8 @@ a mean over them lets RL trade motion for them). Components are logged either wa
 object, colour, count, direction, speed."""
 from __future__ import annotations
 
+from typing import Literal
+
 from unirl.stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
 
 VIDEOTOY_MODE_PARTS = {"strict": ("strict",), "mean": ("colour", "count", "direction", "speed"),
@@ -26,7 +28,7 @@ class VideoToyScorer:
 
         parse_prompt(text)
 
-    def __init__(self, mode: str = "strict") -> None:
+    def __init__(self, mode: Literal["strict", "mean", "motion"] = "strict") -> None:
         if mode not in VIDEOTOY_MODE_PARTS:
             raise ValueError(f"videotoy mode {mode!r} is not one of {', '.join(VIDEOTOY_MODE_PARTS)}")
         self.mode = mode

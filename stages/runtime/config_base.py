@@ -2,13 +2,47 @@
 the sections that several registries' entries share."""
 from __future__ import annotations
 
+import types
+import typing
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+INT64 = 1 << 63  # an integer field holds a signed 64-bit value (what torch, numpy and Arrow store)
+
+
+def _numeric(annotation: Any) -> bool:
+    """An int or float field (optional or not), not a bool one."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return bool(args) and all(a in (int, float) for a in args)
+    return annotation in (int, float)
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """Every recipe section: unknown fields are errors, assignments are validated, floats are
+    finite, a number field takes no `true`/`false` and an integer fits in 64 bits."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_as_numbers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name) if isinstance(name, str) else None
+                if isinstance(value, bool) and field is not None and _numeric(field.annotation):
+                    raise PydanticCustomError("number_not_bool", "{field}: expected a number, got {value}",
+                                              {"field": name, "value": str(value).lower()})
+        return data
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _integers_fit_64_bits(cls, value: Any) -> Any:
+        if type(value) is int and not -INT64 <= value < INT64:
+            raise ValueError("does not fit in a signed 64-bit integer")
+        return value
 
 
 class LoraConfig(Section):

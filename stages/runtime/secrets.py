@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import re
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import unquote_plus, urlsplit
 
 # Names of fields that hold credentials (a name ending in one of these words).
 SECRET_NAME = re.compile(r"(^|[_\-.])(token|secret|secrets|password|passwd|pwd|api[_\-]?key|apikey|access[_\-]?key|"
@@ -38,20 +38,27 @@ def literal_secrets(value: Any, path: str, also: tuple[str, ...] = ()) -> list[s
 
 
 def redact_url(url: str) -> str:
-    """`scheme://user:***@host/...` and credential-looking query values as ***."""
+    """`scheme://user:***@host/...` and credential-looking query values as ***; everything else
+    exactly as given (`sqlite:////abs/m.db` keeps its four slashes, `s3://` its two): only the
+    secret characters are replaced, the URL is never re-assembled."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return url
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
+    out = url
+    if "@" in parts.netloc:
+        userinfo, host = parts.netloc.rsplit("@", 1)
         netloc = f"{userinfo.split(':', 1)[0]}:{REDACTED}@{host}" if ":" in userinfo else f"{REDACTED}@{host}"
-    query = parts.query
-    if query:
-        query = urlencode([(k, REDACTED if is_secret_name(k) else v) for k, v in parse_qsl(query, keep_blank_values=True)],
-                          safe="*")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+        out = out.replace(f"//{parts.netloc}", f"//{netloc}", 1)
+    if parts.query:
+        start = out.index("?") + 1
+        end = start + len(parts.query)
+        pairs = []
+        for pair in parts.query.split("&"):
+            key, eq, value = pair.partition("=")
+            pairs.append(f"{key}={REDACTED}" if eq and value and is_secret_name(unquote_plus(key)) else pair)
+        out = out[:start] + "&".join(pairs) + out[end:]
+    return out
 
 
 _QUERY_SECRET = re.compile(r"([?&](?:[^=&\s\"']*[_\-.])?(?:token|secret|password|passwd|api[_\-]?key|apikey|access[_\-]?key|"

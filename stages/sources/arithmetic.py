@@ -20,7 +20,7 @@ class ArithmeticData(Section):
     max_value: int | None = Field(None, description="Largest operand, overriding the high end of `digits`.")
     template: str = Field("{expr}=", description="Prompt text; `{expr}` is replaced by the expression, e.g. 'What is {expr}? '.")
     heldout_size: int = Field(16, ge=0, description="Size of each of the dev and test splits (never trained on).")
-    seed: int = Field(1234, description="Seed of the prompt stream and the dev and test splits.")
+    seed: int = Field(1234, ge=0, description="Seed of the prompt stream and the dev and test splits.")
 
     @model_validator(mode="after")
     def _check_space(self) -> ArithmeticData:

@@ -33,7 +33,7 @@ class FileData(Section):
     test_path: str | None = Field(
         None, description="A separate test-split file with the same columns (instead of test_fraction); none of its "
         "prompts may be in heldout_path.")
-    seed: int = Field(1234, description="Seed of the per-epoch shuffles and of the dev and test draws.")
+    seed: int = Field(1234, ge=0, description="Seed of the per-epoch shuffles and of the dev and test draws.")
 
     @model_validator(mode="after")
     def _one_heldout(self) -> FileData:

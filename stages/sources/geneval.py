@@ -14,7 +14,7 @@ class GenEvalData(Section):
     """Procedural toy-GenEval prompts (objects, colours, counts, positions)."""
 
     name: Literal["geneval"] = "geneval"
-    seed: int = Field(1234, description="Seed of the prompt stream.")
+    seed: int = Field(1234, ge=0, description="Seed of the prompt stream.")
     heldout_size: int = Field(
         32, ge=0, description="Size of each of the dev and test splits (never trained on), drawn with replacement "
         "from toy GenEval's dev and test prompts (78 and 77, every kind in each).")

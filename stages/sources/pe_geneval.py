@@ -19,7 +19,7 @@ class PEGenEvalData(Section):
     """Paraphrased toy-GenEval prompts: the user's words for an intent the drawer knows."""
 
     name: Literal["pe_geneval"] = "pe_geneval"
-    seed: int = Field(1234, description="Seed of the prompt stream and of the dev and test draws.")
+    seed: int = Field(1234, ge=0, description="Seed of the prompt stream and of the dev and test draws.")
     heldout_size: int = Field(
         64, ge=0, description="Size of each of the dev and test splits (never trained on): distinct held-out phrasings "
         "of the same intents, drawn from a pool of 300 (single), 613 (count) or 913 (both).")

@@ -19,7 +19,7 @@ class ToyVQAData(Section):
     image_size: int = Field(32, ge=16, le=512, description="Side of the square scene images in pixels.")
     heldout_size: int = Field(40, ge=0, description="Size of each of the dev and test splits (never trained on): "
                               "images never trained on, no test image a dev image.")
-    seed: int = Field(1234, description="Seed of the question stream and the dev and test splits.")
+    seed: int = Field(1234, ge=0, description="Seed of the question stream and the dev and test splits.")
 
 
 @sources.register("toy_vqa")

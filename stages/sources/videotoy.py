@@ -15,7 +15,7 @@ class VideoToyData(Section):
     """Procedural toy video prompts: "two blue squares moving up quickly"."""
 
     name: Literal["videotoy"] = "videotoy"
-    seed: int = Field(1234, description="Seed of the prompt stream.")
+    seed: int = Field(1234, ge=0, description="Seed of the prompt stream.")
     heldout_size: int = Field(
         64, ge=0, description="Size of each of the dev and test splits (never trained on), drawn with replacement from "
         "the grammar's 8 dev and 7 test prompts.")

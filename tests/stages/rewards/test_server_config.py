@@ -32,7 +32,7 @@ def test_yaml_and_json_with_defaults(tmp_path):
     ("scorers: [{name: constant}]\nport: 0", "port: Input should be greater than or equal to 1"),
     ("scorers: [{name: constant, weight: .nan}]", "weight must be finite"),
     ("- just a list", "expected a mapping at the top level"),
-    ("scorers: [", "is not valid YAML"),
+    ("scorers: [", "not valid YAML: line 2, column 1"),
 ])
 def test_invalid_configs_name_the_field(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message) as err:
