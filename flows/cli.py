@@ -95,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    import signal
+
+    from unirl.stages.runtime.storage import interrupt
+
+    signal.signal(signal.SIGINT, interrupt)  # Ctrl-C also stops every thread's object-store retries
     if args.command == "agent":  # no Prefect here: the flow runs elsewhere
         startup.imports_done()
         return node_agent(recipe, args.run_name or recipe.name, args.group)

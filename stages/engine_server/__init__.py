@@ -16,7 +16,6 @@ import logging
 import os
 import socket
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -113,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     weights = args.weights
     if weights is None:
         from unirl.stages.models.family import get_family
+        from unirl.stages.runtime.scratch import scratch_dir
 
-        weights = str(get_family(recipe.model.kind).materialize(recipe.model, Path(tempfile.mkdtemp(prefix="unirl-engine-")) / "model"))
+        weights = str(get_family(recipe.model.kind).materialize(recipe.model, scratch_dir("unirl-engine-") / "model"))
     try:
         serve(recipe, weights, args.version, host=args.host, port=args.port, token=token, max_batch=args.max_batch,
               batch_wait_ms=args.batch_wait_ms, threads=args.threads)

@@ -23,6 +23,7 @@ from pydantic import Field
 from unirl.stages.engines import RolloutEngine
 from unirl.stages.engines.client import EngineClient, EngineError
 from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.scratch import scratch_dir
 
 
 class EngineVersionError(EngineError):
@@ -109,7 +110,7 @@ class DedicatedEngine(RolloutEngine):
         self._client: EngineClient | None = None
         self._version: int | None = None
         self.lora_name: str | None = None
-        self.scratch = Path(__import__("tempfile").mkdtemp(prefix=f"unirl-engine-{storage.run}-"))
+        self.scratch = scratch_dir(f"unirl-engine-{storage.run}-")
         self._wire: Any = None
 
     @property

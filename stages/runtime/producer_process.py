@@ -9,10 +9,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
+
+from unirl.stages.runtime.scratch import scratch_dir
 
 
 class ProducerGone(RuntimeError):
@@ -23,7 +23,7 @@ class ProducerProcess:
     def __init__(self, recipe: Any, run_name: str, *, api_url: str | None, restarts: int = 2,
                  log: Callable[[str], None] = print):
         self.recipe, self.run_name, self.api_url, self.restarts, self.log = recipe, run_name, api_url, restarts, log
-        self.scratch = Path(tempfile.mkdtemp(prefix=f"unirl-producer-{run_name}-"))
+        self.scratch = scratch_dir(f"unirl-producer-{run_name}-")
         self.log_path = self.scratch / "producer.log"
         self.proc: subprocess.Popen | None = None
         self.starts = 0

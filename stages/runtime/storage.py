@@ -13,6 +13,7 @@ import os
 import posixpath
 import re
 import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,9 @@ def join(*parts: str) -> str:
 
 # How long object-store calls are retried while the store is unreachable (an outage, a restart).
 RETRY_S = float(os.environ.get("UNIRL_STORAGE_RETRY_S", "300"))
+# Set when the process is being interrupted (Ctrl-C): retries of every thread stop at once and
+# their last error is raised, so an interrupt never waits for an outage to end.
+STOPPING = threading.Event()
 # botocore and aiohttp connection failures, matched by class name (aiohttp need not be installed).
 _TRANSIENT = {"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
               "ClientConnectorError", "ServerDisconnectedError", "ClientOSError"}
@@ -63,6 +67,8 @@ def transient(exc: BaseException) -> bool:
     that tells wins, and a missing file or a refused permission is never transient."""
     from botocore.exceptions import ClientError
 
+    if not isinstance(exc, Exception):  # an interrupt or an exit, whatever it interrupted
+        return False
     for e in _chain(exc):
         if isinstance(e, (FileNotFoundError, PermissionError)):
             return False
@@ -75,6 +81,13 @@ def transient(exc: BaseException) -> bool:
         if isinstance(e, (ConnectionError, TimeoutError)) or any(c.__name__ in _TRANSIENT for c in type(e).__mro__):
             return True
     return False
+
+
+def interrupt(signum: int, frame: Any) -> None:
+    """SIGINT handler of `unirl` commands: stop all object-store retries, then interrupt as Python
+    does (KeyboardInterrupt in the main thread)."""
+    STOPPING.set()
+    raise KeyboardInterrupt
 
 
 def no_space(exc: OSError, where: str) -> OSError:
@@ -136,7 +149,8 @@ class RunStorage:
 
         retrying = tenacity.Retrying(retry=tenacity.retry_if_exception(transient),
                                      wait=tenacity.wait_exponential(multiplier=1, min=1, max=15),
-                                     stop=tenacity.stop_before_delay(RETRY_S), before_sleep=say, reraise=True)
+                                     stop=tenacity.stop_before_delay(RETRY_S) | tenacity.stop_when_event_set(STOPPING),
+                                     sleep=STOPPING.wait, before_sleep=say, reraise=True)
         return retrying(fn, *args, **kwargs)
 
     def write_bytes(self, rel: str, data: bytes) -> str:

@@ -14,13 +14,12 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from unirl.stages.runtime.scratch import scratch_dir
 from unirl.stages.runtime.storage import RunStorage
 from unirl.stages.workers import rendezvous as rdzv
 from unirl.stages.workers.group import first_failure, kill_tree, spawn, threads_per_rank
@@ -66,7 +65,7 @@ def serve_node(storage: RunStorage, recipe: Any, *, group: str = "", log: Callab
                                   "joins a group before it starts: rerun the run and start the agent for its new group")
     token = rdzv.group_token(rdzv.control_secret(plan.nnodes), group)
     threads = threads_per_rank(plan.nproc_per_node)
-    scratch = Path(tempfile.mkdtemp(prefix=f"unirl-{storage.run}-node-"))
+    scratch = scratch_dir(f"unirl-{storage.run}-node-")
     pointer = scratch / "node.json"
     pointer.write_text(json.dumps(rdzv.node_pointer(storage, plan, scratch, threads)))
     from unirl.stages.models.family import get_family

@@ -22,7 +22,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from unirl.stages.recipe import Recipe
+from unirl.stages.runtime.scratch import scratch_dir
 from unirl.stages.runtime.storage import RunStorage, iter_dir, join
 from unirl.stages.workers import rendezvous as rdzv
 from unirl.stages.workers.control import recv_json, send_json
@@ -147,7 +147,7 @@ class WorkerGroup(ModelGroup):
         self.host = "127.0.0.1"
         self.port: int | None = None
         self.token = secrets.token_hex(16)
-        self.scratch = Path(tempfile.mkdtemp(prefix=f"unirl-{storage.run}-"))
+        self.scratch = scratch_dir(f"unirl-{storage.run}-")
         self.log_path = self.scratch / "workers.log"
         self._threads = threads_per_rank(recipe.train.nproc_per_node)
         self._lock = threading.Lock()

@@ -254,3 +254,30 @@ def test_urls_without_credentials_are_shown_exactly_as_given_and_accepted(url):
     assert redact_url(url) == url
     field = "tracking.mlflow_uri" if url.startswith(("sqlite", "http")) else "storage.root"
     assert getattr(load_recipe(TINY, [f"{field}={url}"]), field.split(".")[0]).model_dump()[field.split(".")[1]] == url
+
+
+def test_ctrl_c_stops_a_run_promptly_while_the_object_store_is_unreachable(tmp_path):
+    """SIGINT used to wait for the storage retries (up to RETRY_S, 300 s) to run out; now it stops
+    every retry at once and the run exits 130, resumable."""
+    import signal
+    import time
+
+    from unirl.stages.runtime.storage import transient
+
+    assert not transient(KeyboardInterrupt())
+    cmd = [sys.executable, "-m", "unirl.flows.cli", "run", str(TINY), "storage.root=s3://bucket/runs", "--run-name", "s",
+           "storage.options={client_kwargs: {endpoint_url: 'http://127.0.0.1:9'}}"]  # nothing listens on port 9
+    env = {**__import__("os").environ, "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "UNIRL_STORAGE_RETRY_S": "300"}
+    log = tmp_path / "out.log"
+    with open(log, "w") as out:
+        proc = zygote.popen(cmd, cwd=REPO, env=env, stdout=out, stderr=out)
+        try:
+            deadline = time.monotonic() + 120
+            while "retrying in" not in log.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=20) == 130, log.read_text()
+        finally:
+            proc.kill()
+    assert "interrupted; run the same command again to resume" in log.read_text()
