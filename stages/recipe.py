@@ -55,6 +55,21 @@ class ScorerSpec(Section):
     weight: float = Field(1.0, description="Weight in the weighted sum.")
     params: dict[str, Any] = Field(default_factory=dict, description="Scorer-specific options (checked against its schema).")
 
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        """Checked with the structural errors, not after they are fixed (what the scorer reads is
+        checked against the model later, in the recipe's own check)."""
+        from unirl.stages.rewards.base import scorer_names
+
+        if name not in scorer_names():
+            import difflib
+
+            close = difflib.get_close_matches(name, scorer_names(), n=1, cutoff=0.75)
+            raise ValueError(f"unknown scorer {name!r}{f'; did you mean {close[0]!r}?' if close else ''} "
+                             f"(allowed: {', '.join(scorer_names())})")
+        return name
+
     @property
     def component(self) -> str:
         return self.key or self.name
@@ -573,11 +588,13 @@ def _tag(model: Any, key: str = "name") -> Any:
     return field.default if field is not None else None
 
 
-def _walk(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], Any]:
-    """The user-facing path of a pydantic error location (union tags dropped) and the section
-    model that holds its last field (None when unknown)."""
+def _walk(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], Any, list[tuple[str, Any, Any]]]:
+    """The user-facing path of a pydantic error location (union tags dropped), the section model
+    that holds its last field (None when unknown), and, when that section is one variant of a
+    discriminated union, the other variants as (discriminator, tag, model)."""
     path: list[str] = []
     current: Any = model
+    siblings: list[tuple[str, Any, Any]] = []
     parts = list(loc)
     while parts:
         part = parts.pop(0)
@@ -589,6 +606,7 @@ def _walk(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], Any]
             continue
         annotation = field.annotation
         members = _union_members(annotation)
+        siblings = []
         if hasattr(annotation, "model_fields"):
             current = annotation
             if field.discriminator and parts and parts[0] == _tag(annotation, field.discriminator):
@@ -596,13 +614,34 @@ def _walk(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], Any]
         elif field.discriminator and parts and any(parts[0] == _tag(m, field.discriminator) for m in members):
             tag = parts.pop(0)
             current = next(m for m in members if _tag(m, field.discriminator) == tag)
+            siblings = [(field.discriminator, _tag(m, field.discriminator), m) for m in members if m is not current]
         elif members:
             current = members[0]
             if parts and isinstance(parts[0], int):
                 path.append(str(parts.pop(0)))
         else:
             current = None
-    return path, current
+    return path, current, siblings
+
+
+def _unknown_field(path: list[str], section: Any, siblings: list[tuple[str, Any, Any]]) -> str:
+    """`unknown field`, with what a person needs next: the variants that take the field (a flow
+    model's `sampler` in a text model's rollout), a near-miss's likely meaning, the allowed names."""
+    import difflib
+
+    name, owner = path[-1], ".".join(path[:-1])
+    allowed = sorted(section.model_fields) if section is not None else []
+    takers = [repr(tag) for _, tag, member in siblings if name in member.model_fields]
+    msg = "unknown field"
+    if takers:
+        key = siblings[0][0]
+        msg += (f" for {owner}.{key} {_tag(section, key)!r}; {owner}.{key} {', '.join(takers[:6])}{' ...' if len(takers) > 6 else ''} "
+                f"take{'s' if len(takers) == 1 else ''} it")
+    else:
+        close = difflib.get_close_matches(name, allowed, n=1, cutoff=0.75)
+        if close:
+            msg += f"; did you mean {close[0]!r}?"
+    return msg + (f" (allowed: {', '.join(allowed)})" if allowed else "")
 
 
 def format_errors(exc: ValidationError, model: type[BaseModel] | None = None) -> list[str]:
@@ -610,7 +649,7 @@ def format_errors(exc: ValidationError, model: type[BaseModel] | None = None) ->
     model = model or Recipe
     lines = []
     for err in exc.errors():
-        path, section = _walk(model, tuple(err["loc"]))
+        path, section, siblings = _walk(model, tuple(err["loc"]))
         where = ".".join(path) or "(recipe)"
         msg, kind, got = err["msg"], err["type"], err.get("input")
         if msg.startswith("Value error, "):
@@ -624,8 +663,7 @@ def format_errors(exc: ValidationError, model: type[BaseModel] | None = None) ->
             lines.append(f"{'.'.join([*path, err['ctx']['field']])}: expected a number, got {err['ctx']['value']}")
             continue
         if kind == "extra_forbidden":
-            allowed = sorted(section.model_fields) if section is not None else []
-            msg = "unknown field" + (f" (allowed: {', '.join(allowed)})" if allowed else "")
+            msg = _unknown_field(path, section, siblings)
         elif kind in ("literal_error", "enum"):
             msg = f"invalid value {got!r} (allowed: {err.get('ctx', {}).get('expected')})"
         elif kind == "union_tag_invalid":

@@ -112,3 +112,17 @@ def test_eval_scorer_params_are_checked_at_validate_time_and_reach_the_evaluatio
     assert (name, params) == ("keyword", {"keywords": ["4", "7"]})
     batch = ScoreBatch(["g/0", "g/1"], ["3+4=", "2+2="], texts=["47", "4"])
     np.testing.assert_allclose(build_scorer(name, **params)(batch).scores, [1.0, 0.5])
+
+
+def test_unknown_fields_say_which_variant_takes_them_or_what_was_meant():
+    """A flow model's `sampler` in a text model's rollout names the variant that takes it; a near
+    miss gets a suggestion; an unknown scorer is reported with the structural errors at once."""
+    errors = errors_of(["rollout.sampler={num_steps: 3}", "algorithm.clip_range=0.1", "train.lrr=0.1",
+                        "reward.scorers=[{name: exact_matc}]"])
+    assert any(e.startswith("rollout.sampler: unknown field for rollout.kind 'text'; rollout.kind 'flow' takes it (allowed: ")
+               for e in errors), errors
+    assert any(e.startswith("algorithm.clip_range: unknown field for algorithm.name 'grpo'; algorithm.name ") and "'flow_grpo'" in e
+               for e in errors), errors
+    assert any(e.startswith("train.lrr: unknown field; did you mean 'lr'? (allowed: ") for e in errors), errors
+    assert any(e.startswith("reward.scorers.0.name: unknown scorer 'exact_matc'; did you mean 'exact_match'?") for e in errors), errors
+    assert len(errors) == 4, errors
