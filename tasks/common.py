@@ -61,11 +61,19 @@ def announce(logger: Any) -> Callable[[str], None]:
     return log
 
 
+# Errors that the same inputs raise again: bad input or data (a ValueError: recipe, shard, image,
+# scorer input, behaviour mismatch of a replay is a RuntimeError and is retried), a wrong type or key.
+DETERMINISTIC = (ValueError, TypeError, KeyError)
+
+
 def say_retry(task: Any, task_run: Any, state: Any) -> bool:
     """A task's `retry_condition_fn`: Prefect logs a retried failure at INFO, which `unirl` keeps
     off the console, so each retry gets one line there (the error's first line; the whole of it is
-    in the run's log). Every failure retries: which tasks retry, and how often, is their `retries`."""
+    in the run's log). A failure retries unless it is deterministic (DETERMINISTIC: the same inputs
+    fail the same way, and a retry would only repeat it); how often is the task's `retries`."""
     data = getattr(state, "data", None)
+    if isinstance(data, DETERMINISTIC):
+        return False
     text = f"{type(data).__name__}: {data}" if isinstance(data, BaseException) else str(getattr(state, "message", "") or "")
     first = next((line for line in text.splitlines() if line.strip()), "(no message)")
     say(f"[unirl] {task.name} failed, retrying (attempt {int(task_run.run_count) + 1} of {int(task.retries) + 1}): {first[:500]}")
