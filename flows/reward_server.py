@@ -20,9 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML or JSON server config")
     parser.add_argument("--host", help="override the config's host")
     parser.add_argument("--port", type=int, help="override the config's port")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow `auth: false` on a non-loopback host (anyone who reaches it may score; logged as a warning)")
     args = parser.parse_args(argv)
     try:
-        config = load_config(args.config, host=args.host, port=args.port)
+        config = load_config(args.config, host=args.host, port=args.port, insecure=True if args.insecure else None)
         logging.basicConfig(
             level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )

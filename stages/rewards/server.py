@@ -4,15 +4,18 @@
     GET  /healthz    {"status": "ok", "scorers": [...], "aggregation": ..., "in_flight": n}; no token
 
 Status codes of /v1/score, each with a JSON body {"error": "<what went wrong>"}:
-    401 missing or wrong bearer token      413 body larger than max_body_bytes
-    400 malformed Arrow / columns / media  500 a scorer raised or returned a non-finite value
+    400 malformed Arrow / columns / media / metadata, or input a scorer cannot score (it raised ValueError)
+    401 missing or wrong bearer token
+    413 over a size limit: max_body_bytes, max_rows, max_decoded_bytes, max_images, max_pixels, max_metadata_bytes
+    500 a scorer failed otherwise or returned a non-finite value
     503 too many requests queued           504 scoring took longer than timeout_s
-A 500 also carries {"scorer": "<key>"}; a failure is never turned into a zero score.
+A scorer's 400 or 500 also carries {"scorer": "<key>"}; a failure is never turned into a zero score.
 Started by `unirl reward-server --config FILE` (flows/reward_server.py).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -29,12 +32,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from unirl.stages.rewards.base import ScoreBatch, Scorer, ScorerError, ScoreResult, aggregate, build_scorer, run_scorer
-from unirl.stages.rewards.wire import WireError, decode_batch, result_to_json
+from unirl.stages.rewards.base import ScoreBatch, Scorer, ScorerError, ScoreResult, aggregate, build_scorer, run_scorer, scorer_reads
+from unirl.stages.rewards.wire import Limits, TooLarge, WireError, decode_batch, result_to_json
 from unirl.stages.runtime.yaml_input import MAX_BYTES as YAML_MAX_BYTES
 from unirl.stages.runtime.yaml_input import YamlInputError, load_yaml
 
 log = logging.getLogger(__name__)
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # hosts where `auth: false` is allowed without `insecure: true`
 
 
 class ConfigError(ValueError):
@@ -70,9 +75,18 @@ class ServerConfig(BaseModel):
     aggregation: Literal["weighted_sum", "mean", "min", "max"] = "weighted_sum"
     host: str = Field("127.0.0.1", description="bind address; loopback by default")
     port: int = Field(8765, ge=1, le=65535)
-    auth: bool = Field(True, description="require a bearer token; false only when set explicitly")
+    auth: bool = Field(True, description="require a bearer token; false only when set explicitly, and on a loopback host")
+    insecure: bool = Field(False, description="allow `auth: false` on a non-loopback host (logged as a warning at start)")
     token_env: str = Field("UNIRL_REWARD_TOKEN", description="env var that holds the bearer token")
     max_body_bytes: int = Field(64 * 2**20, gt=0, description="larger request bodies get 413")
+    max_rows: int = Field(Limits.max_rows, gt=0, description="samples per request; more get 413")
+    max_decoded_bytes: int = Field(Limits.max_decoded_bytes, gt=0,
+                                   description="Arrow data of a request once decompressed, from its batch headers; more get 413")
+    max_images: int = Field(Limits.max_images, gt=0, description="images plus video frames per request; more get 413")
+    max_pixels: int = Field(Limits.max_pixels, gt=0,
+                            description="width * height summed over a request's images and frames, from their headers; more get 413")
+    max_metadata_bytes: int = Field(Limits.max_metadata_bytes, gt=0, description="metadata JSON of all samples of a request; more get 413")
+    max_metadata_depth: int = Field(Limits.max_metadata_depth, gt=0, description="nesting of one sample's metadata JSON; deeper get 400")
     timeout_s: float = Field(120.0, gt=0, description="per request, queueing included; then 504")
     max_concurrency: int = Field(2, ge=1, description="requests scored at the same time")
     max_queue: int = Field(128, ge=0, description="requests waiting beyond max_concurrency; more get 503")
@@ -122,8 +136,18 @@ def load_config(path: str | Path, **overrides: Any) -> ServerConfig:
 
 
 def resolve_token(config: ServerConfig) -> str | None:
-    """The bearer token from the config's env var, or None when auth is explicitly off."""
+    """The bearer token from the config's env var, or None when auth is explicitly off: on a
+    loopback host, or on another with `insecure: true`."""
     if not config.auth:
+        if config.host in LOOPBACK:
+            return None
+        if not config.insecure:
+            raise ConfigError(
+                f"auth: false with host {config.host}: anyone who reaches it could use the scorers; "
+                "serve loopback only without a token, or set `insecure: true` to accept that"
+            )
+        log.warning("INSECURE: auth is off and the server binds %s: anyone who can reach it can use the scorers "
+                    "(`insecure: true` in the config)", config.host)
         return None
     token = os.environ.get(config.token_env, "")
     if not token:
@@ -153,6 +177,10 @@ class ScoringService:
             except Exception as exc:  # noqa: BLE001 - reported with the config path
                 raise ConfigError(f"scorers.{i} ({spec.label}): {type(exc).__name__}: {exc}") from exc
         self.weights = {s.label: s.weight for s in config.scorers}
+        self.limits = Limits(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Limits)})
+        # The media the scorers read: an image or video column no scorer reads is not decoded.
+        reads = [scorer_reads(spec.name) for spec in config.scorers]
+        self.reads = None if None in reads else {media for r in reads if r is not None for media in r}
         self.executor = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="scorer")
         self._pending = 0
         self._lock = threading.Lock()
@@ -164,7 +192,9 @@ class ScoringService:
             try:
                 results[label] = run_scorer(scorer, batch)
             except ScorerError as exc:
-                raise _ScorerFailure(label, str(exc)) from exc
+                # Scorers raise ValueError for a sample they cannot score (no `answer` metadata, no
+                # text or images): the request's fault, which a retry cannot mend.
+                raise _ScorerFailure(label, str(exc), bad_input=isinstance(exc.__cause__, ValueError)) from exc
         return aggregate(results, self.weights, self.config.aggregation)
 
     @property
@@ -186,9 +216,9 @@ class ScoringService:
 
 
 class _ScorerFailure(RuntimeError):
-    def __init__(self, label: str, message: str) -> None:
+    def __init__(self, label: str, message: str, bad_input: bool) -> None:
         super().__init__(message)
-        self.label = label
+        self.label, self.bad_input = label, bad_input
 
 
 class _HttpError(Exception):
@@ -222,13 +252,15 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 def _decode_and_score(service: ScoringService, body: bytes) -> dict[str, Any]:
     try:
-        batch = decode_batch(body)
+        batch = decode_batch(body, service.limits, service.reads)
+    except TooLarge as exc:
+        raise _HttpError(413, f"request too large: {exc}") from exc
     except WireError as exc:
         raise _HttpError(400, f"malformed request: {exc}") from exc
     try:
         result = service.score(batch)
     except _ScorerFailure as exc:
-        raise _HttpError(500, str(exc), scorer=exc.label) from exc
+        raise _HttpError(400 if exc.bad_input else 500, str(exc), scorer=exc.label) from exc
     return result_to_json(batch.sample_ids, result, service.config.aggregation)
 
 
@@ -293,10 +325,12 @@ def create_app(service: ScoringService, token: str | None) -> FastAPI:
 def serve(config: ServerConfig) -> None:
     """Resolve the token, build the scorers, and serve until interrupted (SIGINT / SIGTERM)."""
     import uvicorn
+    from PIL import Image
 
     token = resolve_token(config)
-    if token is None and config.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("auth is off and the server binds %s: anyone who can reach it can use it", config.host)
+    # Pillow's own guard against decompression bombs, for an image opened anywhere in this process:
+    # past twice this it refuses to open one (wire.py checks every request's headers against max_pixels first).
+    Image.MAX_IMAGE_PIXELS = config.max_pixels
     service = ScoringService(config)
     app = create_app(service, token)
     log.info("reward server on http://%s:%d scorers=%s aggregation=%s",

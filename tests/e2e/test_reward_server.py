@@ -207,7 +207,8 @@ def test_malformed_arrow_is_400_naming_the_problem(servers, body, message):
         body = _stream(pa.table({"sample_id": ["a"], "text": ["t"]}))
     elif body == "png":
         body = _stream(pa.table({"sample_id": ["a"], "prompt": ["p"], "image": [b"\x89PNG broken"]}))
-    response = post(servers["weighted_sum"], body, AUTH)
+    server = servers["model"] if message.startswith("image") else servers["weighted_sum"]  # images are decoded where a scorer reads them
+    response = post(server, body, AUTH)
     assert response.status_code == 400
     assert message in response.json()["error"]
 
