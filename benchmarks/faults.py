@@ -382,6 +382,94 @@ def reward_server_row(bench: Bench) -> Row:
                 proc.kill()
 
 
+def _memory_growth_mb(pid: int, request: Callable[[], Any]) -> tuple[Any, float, float]:
+    """`request()`'s answer, the server's resident memory before it and how far its peak (VmHWM)
+    rose above that while it ran, in MB (writing 5 to clear_refs resets the peak to the current size)."""
+    def status(key: str) -> float:
+        text = Path(f"/proc/{pid}/status").read_text()
+        return int(next(line.split()[1] for line in text.splitlines() if line.startswith(key))) / 1024
+
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    before = status("VmRSS:")
+    answer = request()
+    return answer, before, status("VmHWM:") - before
+
+
+def reward_limit_rows(bench: Bench) -> list[Row]:
+    """What the reward server refuses (status and message) and how far its memory rose, for the
+    largest request its default limits accept and for requests past each limit; a normal request
+    still scores after each (a row fails when it does not)."""
+    import io
+
+    import httpx
+    import pyarrow as pa
+    from PIL import Image
+
+    from unirl.stages.rewards.base import ScoreBatch
+    from unirl.stages.rewards.wire import Limits, encode_batch
+
+    limits, port, token = Limits(), free_port(), "fault-table-token"
+    config = bench.work / "limits.yaml"
+    config.write_text(json.dumps({"port": port, "log_level": "warning", "scorers": [{"name": "brightness"}]}))
+    server = subprocess.Popen([sys.executable, "-m", "unirl.flows.reward_server", "--config", str(config)], cwd=REPO,
+                              env={**bench.env, "UNIRL_REWARD_TOKEN": token}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {token}"}
+
+    def post(body: bytes) -> httpx.Response:
+        return httpx.post(f"{url}/v1/score", content=body, headers=auth, timeout=600)
+
+    def png(side: int, colour: int = 128) -> bytes:
+        out = io.BytesIO()
+        Image.new("RGB", (side, side), (colour,) * 3).save(out, format="PNG")
+        return out.getvalue()
+
+    def images(n: int, side: int) -> bytes:
+        one = png(side)
+        return encode_batch(ScoreBatch([f"g/{i}" for i in range(n)], ["p"] * n, images=[one] * n))
+
+    def stream(table: pa.Table, compression: str | None = None) -> bytes:
+        sink = io.BytesIO()
+        with pa.ipc.new_stream(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression=compression)) as writer:
+            writer.write_table(table)
+        return sink.getvalue()
+
+    side = int((limits.max_pixels // limits.max_rows) ** 0.5)  # every row an image, together at the pixel limit
+    cases = [
+        (f"largest accepted: {limits.max_rows} rows, each a {side}x{side} PNG ({limits.max_rows * side * side / 1e6:.0f}M pixels)",
+         lambda: images(limits.max_rows, side)),
+        (f"{limits.max_rows + 1} rows (`max_rows`)", lambda: images(limits.max_rows + 1, 4)),
+        ("nine 4000x4000 PNGs (`max_pixels`)", lambda: images(9, 4000)),
+        ("10 KB of zstd Arrow expanding to 300 MB (`max_decoded_bytes`)",
+         lambda: stream(pa.table({"sample_id": ["a"], "prompt": ["x" * (300 << 20)]}), "zstd")),
+        ("metadata nested 100k deep (`max_metadata_depth`)",
+         lambda: stream(pa.table({"sample_id": ["a"], "prompt": ["p"], "metadata": ["[" * 100_000 + "]" * 100_000]}))),
+    ]
+    rows = []
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("the reward server did not start")
+            time.sleep(0.2)
+        for what, body in cases:
+            data = body()
+            answer, before, growth = _memory_growth_mb(server.pid, lambda data=data: post(data))
+            said = "200" if answer.status_code == 200 else f"{answer.status_code}: {answer.json()['error'][:140]}"
+            healthy = post(images(2, 8)).status_code == 200
+            rows.append(Row(f"reward server: {what}, {len(data) / 1e6:.1f} MB on the wire",
+                            f"{said}; resident memory {before:.0f} MB, peak +{growth:.0f} MB; "
+                            f"{'healthy after (a normal request scores)' if healthy else 'NOT healthy after'}",
+                            None if healthy else False))
+    finally:
+        server.kill()
+    return rows
+
+
 ROWS: dict[str, Callable[[Bench], list[Row]]] = {
     "kill": lambda b: kill_rows(b, chained=False),
     "rank": lambda b: [rank_row(b)],
@@ -390,6 +478,7 @@ ROWS: dict[str, Callable[[Bench], list[Row]]] = {
     "disk": lambda b: [disk_full_row(b)],
     "checkpoint": checkpoint_rows,
     "reward": lambda b: [reward_server_row(b)],
+    "limits": lambda b: reward_limit_rows(b),
 }
 
 
