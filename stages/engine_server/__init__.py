@@ -7,6 +7,8 @@ code. Started by the `engine_server` rollout engine (stages/engines/engine_serve
     python -m unirl.stages.engine_server --spec FILE     # as the rollout engine launches it
 
 It binds loopback by default and requires a bearer token (the variable `--token-env` names).
+What one request may ask (body bytes, prompts, tokens, steps, requests in flight) is bounded by the
+`--max-*` settings (stages/engine_server/limits.py; the spec takes the same names).
 """
 from __future__ import annotations
 
@@ -18,14 +20,17 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
+
+from unirl.stages.engine_server.limits import Limits
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def serve(recipe: Any, weights: str, version: str, *, host: str, port: int, token: str | None, max_batch: int,
-          batch_wait_ms: float, threads: int, ready_file: str | None = None, log_level: str = "warning") -> None:
+          batch_wait_ms: float, threads: int, limits: Limits, ready_file: str | None = None, log_level: str = "warning") -> None:
     """Load the model and serve until stopped. `port` 0 takes a free one; `ready_file` gets
     {"port", "pid"} once the server accepts connections."""
     import torch
@@ -37,7 +42,7 @@ def serve(recipe: Any, weights: str, version: str, *, host: str, port: int, toke
 
     torch.set_num_threads(max(1, threads))
     core = EngineCore(recipe, weights, version)
-    app = create_app(core, token, max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000.0)
+    app = create_app(core, token, max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000.0, limits=limits)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -59,6 +64,13 @@ def serve(recipe: Any, weights: str, version: str, *, host: str, port: int, toke
     server.run(sockets=[sock])
 
 
+LIMIT_HELP = {"max_request_bytes": "request body bytes at most (413 past it)",
+              "max_prompts": "prompts in one /generate at most",
+              "max_new_tokens": "max_new_tokens of a prompt at most (prompt + max_new_tokens must also fit the model's context)",
+              "max_steps": "num_inference_steps of a flow request at most",
+              "max_concurrent": "generation requests in flight at most (503 past it), and apart from them other requests"}
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="unirl engine-server", description="Serve a recipe's policy as a rollout engine.")
     p.add_argument("recipe", nargs="?", help="recipe YAML file (its model and rollout sections)")
@@ -71,9 +83,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token-env", default="UNIRL_ENGINE_TOKEN", help="variable holding the bearer token")
     p.add_argument("--no-auth", action="store_true", help="serve without a token (loopback only)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--max-batch", type=int, default=64, help="requests sampled together at most")
+    p.add_argument("--max-batch", type=int, default=64, help="requests (text) or outputs (flow) sampled together at most")
     p.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long a batch waits for more requests")
+    for f in fields(Limits):
+        p.add_argument(Limits.flag(f.name), type=int, default=f.default, help=f"{LIMIT_HELP[f.name]} (default %(default)s)")
     return p
+
+
+def limits_from(values: dict[str, Any]) -> Limits:
+    """Limits from the parsed flags or a launch spec (a missing key keeps its default); each at least 1."""
+    chosen = {f.name: int(values.get(f.name, f.default)) for f in fields(Limits)}
+    for name, value in chosen.items():
+        if value < 1:
+            raise ValueError(f"{Limits.flag(name)} {value}: at least 1")
+    return Limits(**chosen)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         serve(build_recipe(spec["recipe"]), spec["weights"], str(spec["version"]), host=spec.get("host", "127.0.0.1"),
               port=int(spec.get("port", 0)), token=os.environ.get("UNIRL_ENGINE_TOKEN") or None,
               max_batch=int(spec["max_batch"]), batch_wait_ms=float(spec["batch_wait_ms"]), threads=int(spec["threads"]),
-              ready_file=spec.get("ready_file"))
+              limits=limits_from(spec), ready_file=spec.get("ready_file"))
         return 0
     if not args.recipe:
         print("unirl engine-server: give a recipe (or --spec)", file=sys.stderr)
@@ -99,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        limits = limits_from(vars(args))
+    except ValueError as exc:
+        print(f"unirl engine-server: {exc}", file=sys.stderr)
         return 2
     token = None if args.no_auth else os.environ.get(args.token_env, "")
     if token == "":
@@ -117,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = str(get_family(recipe.model.kind).materialize(recipe.model, scratch_dir("unirl-engine-") / "model"))
     try:
         serve(recipe, weights, args.version, host=args.host, port=args.port, token=token, max_batch=args.max_batch,
-              batch_wait_ms=args.batch_wait_ms, threads=args.threads)
+              batch_wait_ms=args.batch_wait_ms, threads=args.threads, limits=limits)
     except KeyboardInterrupt:
         pass
     return 0

@@ -14,7 +14,10 @@ weight sync and async pipeline run against it and against SGLang.
     POST /get_weights_checksum                       sha256 of the loaded tensors (SGLang diffusion's API)
 
 Every route but the two GETs needs `Authorization: Bearer <token>` (constant-time compare); the
-token is never logged. Errors are JSON {"success": false, "message": ...} with status 400.
+token is never logged. Then each request passes the server's limits (stages/engine_server/limits.py:
+body bytes read with a cap, requests in flight) before any route parses it. Errors are JSON
+{"success": false, "message": ...} with status 400; over a limit 413 or 400 (or 503 with Retry-After
+for requests in flight), with "limit" naming the setting.
 """
 from __future__ import annotations
 
@@ -24,27 +27,36 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from unirl.stages.engine_server.core import EngineCore, EngineRequestError
+from unirl.stages.engine_server.limits import LimitError, Limits, RequestGate, required, text_field, version_text
 
 log = logging.getLogger("unirl.engine_server")
 OPEN_ROUTES = {"/health", "/health_generate", "/model_info", "/get_model_info"}
+GENERATION_ROUTES = {"/generate", "/rollout/generate"}
 
 
-def create_app(core: EngineCore, token: str | None, *, max_batch: int = 64, batch_wait_s: float = 0.005) -> FastAPI:
+def create_app(core: EngineCore, token: str | None, *, max_batch: int = 64, batch_wait_s: float = 0.005,
+               limits: Limits | None = None) -> FastAPI:
     """The app over `core`. `token` None: no auth (only when the operator turned it off)."""
-    from unirl.stages.engine_server.text import parse_requests
     from unirl.stages.engine_server.update_group import UpdateGroups
     from unirl.stages.runtime.registry import load_object
 
+    limits = limits or Limits()
     app = FastAPI(title="unirl engine server", docs_url=None, redoc_url=None, openapi_url=None)
     # The policy's backend answers its SGLang route (text: /generate, flow: /rollout/generate).
-    backend = load_object(core.policy.server_backend).serve(core, max_batch=max_batch, wait_s=batch_wait_s)
+    backend = load_object(core.policy.server_backend).serve(core, max_batch=max_batch, wait_s=batch_wait_s, limits=limits)
     text = backend if backend.route == "/generate" else None
     flow = backend if backend.route == "/rollout/generate" else None
     groups = UpdateGroups(core)
-    app.state.core, app.state.backend = core, backend
+    app.state.core, app.state.backend, app.state.limits = core, backend, limits
+    app.state.in_flight = {"generation": 0, "other": 0}
+    # Added before the token check, so it runs inside it: an unauthenticated body is never read.
+    app.add_middleware(RequestGate, limits=limits, generation=GENERATION_ROUTES, open_routes=OPEN_ROUTES,
+                       in_flight=app.state.in_flight)
 
     @app.middleware("http")
     async def auth(request: Request, call_next: Any) -> Any:
@@ -57,7 +69,17 @@ def create_app(core: EngineCore, token: str | None, *, max_batch: int = 64, batc
 
     @app.exception_handler(EngineRequestError)
     async def bad_request(request: Request, exc: EngineRequestError) -> JSONResponse:
+        if isinstance(exc, LimitError):
+            return JSONResponse({"success": False, "message": str(exc), "limit": exc.setting}, exc.status)
         return JSONResponse({"success": False, "message": str(exc)}, 400)
+
+    @app.exception_handler(RequestValidationError)
+    async def not_an_object(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"success": False, "message": "the request body must be a JSON object"}, 400)
+
+    @app.exception_handler(HTTPException)  # starlette's: FastAPI raises it for a body it cannot parse, 404, 405
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse({"success": False, "message": str(exc.detail)}, exc.status_code, headers=exc.headers)
 
     def refused(exc: Exception) -> JSONResponse:
         return JSONResponse({"success": False, "message": str(exc)}, 400)
@@ -79,9 +101,9 @@ def create_app(core: EngineCore, token: str | None, *, max_batch: int = 64, batc
             raise EngineRequestError(f"this engine serves a {core.policy.kind} model: POST {backend.route}")
         if body.get("stream"):
             raise EngineRequestError("stream: the engine server answers whole responses only")
-        single = isinstance(body.get("input_ids"), list) and body["input_ids"] and isinstance(body["input_ids"][0], int)
-        out = text.submit(parse_requests(body, core.policy.tokenizer.eos_token_id))
-        return out[0] if single else out
+        requests = text.parse(body)
+        out = text.submit(requests)
+        return out if isinstance(body["input_ids"][0], list) else out[0]
 
     @app.post("/rollout/generate")
     def rollout_generate(body: dict[str, Any]) -> Response:
@@ -97,8 +119,10 @@ def create_app(core: EngineCore, token: str | None, *, max_batch: int = 64, batc
     @app.post("/update_weights_from_disk")
     def update_weights_from_disk(body: dict[str, Any]) -> JSONResponse:
         try:
-            info = core.update_from_disk(str(body["model_path"]), body.get("weight_version"))
-        except (EngineRequestError, KeyError) as exc:
+            version = body.get("weight_version")
+            info = core.update_from_disk(text_field(required(body, "model_path"), "model_path"),
+                                         None if version is None else version_text(version, "weight_version"))
+        except EngineRequestError as exc:
             return JSONResponse({"success": False, "message": str(exc), "num_paused_requests": 0}, 400)
         log.info("weights %s loaded in %.3fs (version %s)", body["model_path"], info["seconds"], core.version)
         return JSONResponse({"success": True, "message": f"Succeeded to update model weights (version {core.version}, "
@@ -108,7 +132,7 @@ def create_app(core: EngineCore, token: str | None, *, max_batch: int = 64, batc
     def init_weights_update_group(body: dict[str, Any]) -> JSONResponse:
         try:
             groups.init(body)
-        except (EngineRequestError, RuntimeError, KeyError) as exc:
+        except (EngineRequestError, RuntimeError) as exc:
             return refused(exc)
         return JSONResponse({"success": True, "message": "Succeeded to initialize custom process group."})
 
@@ -116,35 +140,36 @@ def create_app(core: EngineCore, token: str | None, *, max_batch: int = 64, batc
     def update_weights_from_distributed(body: dict[str, Any]) -> JSONResponse:
         try:
             groups.receive(body)
-        except (EngineRequestError, RuntimeError, KeyError) as exc:
+        except (EngineRequestError, RuntimeError) as exc:
             return refused(exc)
         return JSONResponse({"success": True, "message": f"Succeeded to update parameter online (version {core.version})."})
 
     @app.post("/destroy_weights_update_group")
     def destroy_weights_update_group(body: dict[str, Any]) -> JSONResponse:
-        groups.destroy(str(body.get("group_name", "weight_update_group")))
+        groups.destroy(text_field(body.get("group_name", "weight_update_group"), "group_name"))
         return JSONResponse({"success": True, "message": "Succeeded to destroy custom process group."})
 
     @app.post("/update_weight_version")
     def update_weight_version(body: dict[str, Any]) -> JSONResponse:
+        version = version_text(required(body, "new_version"), "new_version")
         with core.lock:
-            core.version = str(body["new_version"])
+            core.version = version
         return JSONResponse({"success": True, "message": f"Weight version updated to {core.version}",
                              "new_version": core.version})
 
     @app.post("/load_lora_adapter")
     def load_lora_adapter(body: dict[str, Any]) -> JSONResponse:
         try:
-            core.load_adapter(str(body["lora_name"]), str(body["lora_path"]))
-        except (EngineRequestError, KeyError) as exc:
+            core.load_adapter(text_field(required(body, "lora_name"), "lora_name"), text_field(required(body, "lora_path"), "lora_path"))
+        except EngineRequestError as exc:
             return JSONResponse({"success": False, "error_message": str(exc)}, 400)
         return JSONResponse({"success": True, "error_message": None, "loaded_adapters": dict(core.adapters)})
 
     @app.post("/unload_lora_adapter")
     def unload_lora_adapter(body: dict[str, Any]) -> JSONResponse:
         try:
-            core.unload_adapter(str(body["lora_name"]))
-        except (EngineRequestError, KeyError) as exc:
+            core.unload_adapter(text_field(required(body, "lora_name"), "lora_name"))
+        except EngineRequestError as exc:
             return JSONResponse({"success": False, "error_message": str(exc)}, 400)
         return JSONResponse({"success": True, "error_message": None, "loaded_adapters": dict(core.adapters)})
 
@@ -181,6 +206,9 @@ def create_app(core: EngineCore, token: str | None, *, max_batch: int = 64, batc
 
     @app.post("/get_weights_checksum")
     def get_weights_checksum(body: dict[str, Any]) -> dict[str, str]:
-        return core.checksum(body.get("module_names"))
+        names = body.get("module_names")
+        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise EngineRequestError("module_names must be a list of names")
+        return core.checksum(names)
 
     return app

@@ -10,6 +10,8 @@ the version that produced it.
 from __future__ import annotations
 
 import gc
+import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -17,11 +19,10 @@ from typing import Any
 
 import torch
 
+from unirl.stages.engine_server.limits import EngineRequestError, shown
 from unirl.stages.runtime.weights_checksum import tensors_checksum
 
-
-class EngineRequestError(ValueError):
-    """A request the engine cannot serve (HTTP 400 with the message)."""
+log = logging.getLogger("unirl.engine_server")
 
 
 def verify_folder(path: Path) -> str | None:
@@ -36,9 +37,30 @@ def verify_folder(path: Path) -> str | None:
         return None
     try:
         verify_weights_dir(path)
-    except (ValueError, FileNotFoundError) as exc:
+        return hashlib.sha256(manifest.read_bytes()).hexdigest()
+    except (ValueError, OSError) as exc:
         raise EngineRequestError(f"refusing {path}: {exc}") from None
-    return hashlib.sha256(manifest.read_bytes()).hexdigest()
+    except (KeyError, TypeError, AttributeError):
+        raise EngineRequestError(f"refusing {path}: its {MANIFEST} is not a weights manifest") from None
+
+
+def client_folder(path: str, field: str, marker: str | None = None) -> Path:
+    """The folder a request names (`field`), holding the file `marker` when given. A missing path,
+    a file, a folder the engine may not read and a folder without `marker` get one answer that
+    repeats only what the client sent, so requests cannot probe what exists on the engine's host."""
+    folder = Path(path)
+    try:
+        found = folder.is_dir() and os.access(folder, os.R_OK | os.X_OK) and (marker is None or (folder / marker).is_file())
+    except (OSError, ValueError):  # unreadable parents; a NUL byte in the path
+        found = False
+    if not found:
+        raise unreadable(path, field)
+    return folder
+
+
+def unreadable(path: str, field: str) -> EngineRequestError:
+    return EngineRequestError(f"{field} {shown(path, 200)}: no folder the engine can load there (missing, not readable by "
+                              "the engine, or not what this route loads)")
 
 
 class EngineCore:
@@ -91,9 +113,7 @@ class EngineCore:
     def update_from_disk(self, model_path: str, version: str | None) -> dict[str, Any]:
         """Load the published folder `model_path` (checked against its manifest first) in place of
         the current weights, between batches; while released, on resume."""
-        path = Path(model_path)
-        if not path.is_dir():
-            raise EngineRequestError(f"model_path {model_path}: no such folder on the engine's host")
+        path = client_folder(model_path, "model_path")
         digest = verify_folder(path)
         version = str(version) if version is not None else self.version
         with self.lock:
@@ -101,7 +121,13 @@ class EngineCore:
                 self._pending = (model_path, version)
                 return {"manifest_sha256": digest, "seconds": 0.0}
             start = time.perf_counter()
-            self._load_into(path)
+            try:
+                self._load_into(path)
+            except EngineRequestError:
+                raise
+            except Exception:  # noqa: BLE001 - the cause names server paths: the operator's log has it, the client one answer
+                log.exception("loading weights from model_path %r failed", model_path)
+                raise unreadable(model_path, "model_path") from None
             self.model_path, self.version = model_path, version
             seconds = time.perf_counter() - start
             self.loads.append(seconds)
@@ -158,19 +184,21 @@ class EngineCore:
     # -- LoRA -------------------------------------------------------------------------------------
     def load_adapter(self, name: str, folder: str) -> None:
         """Hot-load the PEFT adapter in `folder` under `name` (a request with lora_path=name uses it)."""
-        path = Path(folder)
-        if not (path / "adapter_config.json").is_file():
-            raise EngineRequestError(f"lora_path {folder}: no adapter_config.json (a PEFT adapter folder)")
+        path = client_folder(folder, "lora_path", marker="adapter_config.json")
         verify_folder(path)
         from peft import PeftModel
 
         with self.lock:
             if name in self.adapters:
                 raise EngineRequestError(f"an adapter named {name!r} is loaded already; unload it first")
-            if isinstance(self.module, PeftModel):
-                self.module.load_adapter(str(path), adapter_name=name)
-            else:
-                self.bundle.module = PeftModel.from_pretrained(self.module, str(path), adapter_name=name)
+            try:
+                if isinstance(self.module, PeftModel):
+                    self.module.load_adapter(str(path), adapter_name=name)
+                else:
+                    self.bundle.module = PeftModel.from_pretrained(self.module, str(path), adapter_name=name)
+            except Exception:  # noqa: BLE001 - as for weights: the cause in the log, one answer to the client
+                log.exception("loading the adapter in lora_path %r failed", folder)
+                raise unreadable(folder, "lora_path") from None
             self.module.eval().requires_grad_(False)
             self.adapters[name] = folder
 

@@ -14,10 +14,12 @@ kernel SGLang does not have: `dance`).
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +27,7 @@ import torch
 
 from unirl.stages.diffusion.kernels import ODE, kernels
 from unirl.stages.engine_server.core import EngineCore, EngineRequestError
+from unirl.stages.engine_server.limits import SEED_BOUND, Limits, integer, number, over, shown, text_field
 from unirl.stages.runtime.seeds import derive_seed
 
 # SGLang's rollout_sde_type -> our SDE kernel (DESIGN.md section 5).
@@ -38,51 +41,133 @@ SERVED = {"prompt", "negative_prompt", "seed", "generator_device", "width", "hei
 
 @dataclass
 class FlowRequest:
+    """A RolloutRequest checked: what it asks for, in the types the sampler takes."""
+
     body: dict[str, Any]
+    steps: int
+    kind: str  # the SDE kernel, ODE for a deterministic request
+    eta: float
+    sde_indices: tuple[int, ...]
+    store: tuple[int, ...]  # steps whose x is kept (always the last)
+    outputs: int
+    seed: int
+    sde_seed: int | None
+    batch: tuple[str, int, int] | None  # unirl_batch (id, size, index)
     future: Future = field(default_factory=Future)
 
     @property
-    def extra(self) -> dict[str, Any]:
-        return self.body.get("extra_sampling_params") or {}
+    def settings(self) -> tuple[Any, ...]:
+        """What every request of one sampled batch shares."""
+        return self.steps, self.kind, self.eta, self.sde_indices, self.store
 
 
 class FlowBackend:
     route = "/rollout/generate"
 
     @classmethod
-    def serve(cls, core: EngineCore, *, max_batch: int, wait_s: float) -> FlowBackend:
-        """Flow requests are batched by the trainer's micro-batches (their `rollout_batch` ids), not
-        by a queue: `max_batch` and `wait_s` are the text backend's."""
-        return cls(core)
+    def serve(cls, core: EngineCore, *, max_batch: int, wait_s: float, limits: Limits) -> FlowBackend:
+        """Flow requests are batched by the trainer's micro-batches (their `unirl_batch` ids), not
+        by a queue: `wait_s` is the text backend's; `max_batch` bounds the outputs of one batch."""
+        return cls(core, max_batch=max_batch, limits=limits)
 
-    def __init__(self, core: EngineCore, *, batch_timeout_s: float = 120.0):
-        self.core = core
+    def __init__(self, core: EngineCore, *, max_batch: int, limits: Limits, batch_timeout_s: float = 120.0):
+        self.core, self.max_batch, self.limits = core, max_batch, limits
         self.batch_timeout_s = batch_timeout_s
+        # the recipe's sampling, fixed for the server's life (weight updates keep it), read without the weights
+        policy = core.policy
+        self.sampler, self.image_size, self.num_frames = policy.sampler, policy.image_size, policy.num_frames
         self._waiting: dict[str, list[FlowRequest]] = {}
         self._lock = threading.Lock()
         self.batches = 0
 
     def submit(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        req = self.check(body)
+        if req.batch is None:
+            self._run([req])
+            return req.future.result()
+        key, size, index = req.batch
+        with self._lock:
+            group = self._waiting.setdefault(key, [])
+            if group and (group[0].batch[1] != size or group[0].settings != req.settings):
+                raise EngineRequestError(f"unirl_batch {shown(key)}: its requests must share size, steps, SDE settings "
+                                         "and returned steps")
+            if any(r.batch[2] == index for r in group):
+                raise EngineRequestError(f"unirl_batch {shown(key)}: index {index} was sent already")
+            group.append(req)
+            complete = len(group) == size
+            if complete:
+                del self._waiting[key]
+        if complete:
+            self._run(sorted(group, key=lambda r: r.batch[2]))
+        try:
+            return req.future.result(timeout=self.batch_timeout_s)
+        except FutureTimeout:
+            with self._lock:
+                if self._waiting.get(key) is group:  # still incomplete: answer every member that came
+                    del self._waiting[key]
+                    for r in group:
+                        r.future.set_exception(EngineRequestError(
+                            f"unirl_batch {shown(key)}: {len(group)} of its {size} requests arrived within "
+                            f"{self.batch_timeout_s:.0f}s; send all of them"))
+            return req.future.result()  # else completed meanwhile: being sampled
+
+    def check(self, body: dict[str, Any]) -> FlowRequest:
+        """The request's fields checked against the served recipe and the server's limits before it
+        joins a batch: a bad request is refused alone."""
         unknown = sorted(k for k, v in body.items() if k not in SERVED and v is not None)
         if unknown:
-            raise EngineRequestError(f"RolloutRequest fields {unknown} are not served by the engine server")
-        if not body.get("prompt") and body.get("prompt") != "":
-            raise EngineRequestError("RolloutRequest.prompt is required")
-        req = FlowRequest(body)
-        batch = req.extra.get("unirl_batch")
-        if batch is None:
-            self._run([req])
-        else:
-            key, size = str(batch["id"]), int(batch["size"])
-            with self._lock:
-                group = self._waiting.setdefault(key, [])
-                group.append(req)
-                complete = len(group) == size
-                if complete:
-                    del self._waiting[key]
-            if complete:
-                self._run(sorted(group, key=lambda r: int(r.extra["unirl_batch"]["index"])))
-        return req.future.result(timeout=self.batch_timeout_s)
+            raise EngineRequestError(f"RolloutRequest fields {unknown[:5]} are not served by the engine server")
+        if not isinstance(body.get("prompt"), str):
+            raise EngineRequestError("RolloutRequest.prompt is required (a string)")
+        self._check_sampler(body)
+        extra = body.get("extra_sampling_params") or {}
+        if not isinstance(extra, dict):
+            raise EngineRequestError("extra_sampling_params must be an object")
+        steps = integer(body.get("num_inference_steps") or self.sampler.num_steps, "num_inference_steps", 1, 1 << 62)
+        if steps > self.limits.max_steps:
+            raise over("num_inference_steps", steps, "max_steps", self.limits.max_steps)
+        kind, eta, indices = self._sde(body, extra, steps)
+        want = body.get("rollout_return_step_indices")
+        if want is None:
+            want = range(steps)
+        elif not isinstance(want, list):
+            raise EngineRequestError("rollout_return_step_indices must be a list of steps")
+        store = tuple(sorted({integer(i, "rollout_return_step_indices", 0, steps + 1) for i in want} | {steps}))
+        outputs = integer(body.get("num_outputs_per_prompt") or 1, "num_outputs_per_prompt", 1, 1 << 62)
+        seed, sde_seed = body.get("seed"), extra.get("sde_seed")
+        seed = uuid.uuid4().int % (2**31) if seed is None else integer(seed, "seed", 0, SEED_BOUND)
+        sde_seed = None if sde_seed is None else integer(sde_seed, "extra_sampling_params.sde_seed", 0, SEED_BOUND)
+        batch = extra.get("unirl_batch")
+        if batch is not None:
+            if not isinstance(batch, dict):
+                raise EngineRequestError("extra_sampling_params.unirl_batch must be {id, size, index}")
+            size = integer(batch.get("size"), "unirl_batch.size", 1, 1 << 62)
+            batch = (text_field(batch.get("id"), "unirl_batch.id"), size, integer(batch.get("index"), "unirl_batch.index", 0, size))
+        size = batch[1] if batch is not None else 1
+        if outputs * size > self.max_batch:
+            raise over("outputs sampled in one batch (num_outputs_per_prompt x unirl_batch.size)", outputs * size,
+                       "max_batch", self.max_batch, 413)
+        return FlowRequest(body, steps, kind, eta, indices, store, outputs, seed, sde_seed, batch)
+
+    def _sde(self, body: dict[str, Any], extra: dict[str, Any], steps: int) -> tuple[str, float, tuple[int, ...]]:
+        """(kernel, eta, SDE steps) of a request; (ODE, 0.0, ()) when it samples deterministically."""
+        kind = extra.get("sde_kind")
+        if kind is None:
+            sde_type = body.get("rollout_sde_type", "sde")
+            if not isinstance(sde_type, str) or sde_type not in SDE_KINDS:
+                raise EngineRequestError(f"rollout_sde_type {shown(sde_type)} (served: {', '.join(SDE_KINDS)})")
+            kind = SDE_KINDS[sde_type]
+        if not isinstance(kind, str) or kind not in kernels:
+            raise EngineRequestError(f"extra_sampling_params.sde_kind {shown(kind)} (served: {', '.join(kernels.names())})")
+        eta = number(body.get("rollout_noise_level", 0.7), "rollout_noise_level", 0.0, math.inf)
+        if not body.get("rollout", True) or kernels.get(kind).deterministic or eta == 0:
+            return ODE, 0.0, ()
+        indices = body.get("rollout_sde_step_indices")
+        if indices is None:
+            return kind, eta, tuple(range(steps))
+        if not isinstance(indices, list):
+            raise EngineRequestError("rollout_sde_step_indices must be a list of steps")
+        return kind, eta, tuple(sorted(integer(i, f"rollout_sde_step_indices (of {steps} steps)", 0, steps) for i in indices))
 
     def _run(self, batch: list[FlowRequest]) -> None:
         try:
@@ -92,32 +177,15 @@ class FlowBackend:
                 if not r.future.done():
                     r.future.set_exception(exc)
 
-    def _plan(self, body: dict[str, Any], policy: Any) -> Any:
+    def _plan(self, r: FlowRequest, policy: Any) -> Any:
         from unirl.stages.diffusion.sampling import Plan
         from unirl.stages.diffusion.sde import dynamic_shift, shifted_sigmas, time_shift_sigmas
 
-        sampler = policy.sampler
-        steps = int(body.get("num_inference_steps") or sampler.num_steps)
-        if sampler.dynamic_shift:
-            sigmas = time_shift_sigmas(steps, dynamic_shift(policy.family.latent_tokens(policy.bundle, policy.shape)))
+        if self.sampler.dynamic_shift:
+            sigmas = time_shift_sigmas(r.steps, dynamic_shift(policy.family.latent_tokens(policy.bundle, policy.shape)))
         else:
-            sigmas = shifted_sigmas(steps, sampler.shift)
-        kind = body.get("extra_sampling_params", {}).get("sde_kind") if body.get("extra_sampling_params") else None
-        sde_type = body.get("rollout_sde_type", "sde")
-        if kind is None:
-            if sde_type not in SDE_KINDS:
-                raise EngineRequestError(f"rollout_sde_type {sde_type!r} (served: {', '.join(SDE_KINDS)})")
-            kind = SDE_KINDS[sde_type]
-        if kind not in kernels:
-            raise EngineRequestError(f"extra_sampling_params.sde_kind {kind!r} (served: {', '.join(kernels.names())})")
-        eta = float(body.get("rollout_noise_level", 0.7))
-        if not body.get("rollout", True) or kernels.get(kind).deterministic or eta == 0:
-            return Plan(sigmas, torch.zeros(0, dtype=torch.long), ODE, 0.0)
-        indices = body.get("rollout_sde_step_indices")
-        indices = list(range(steps)) if indices is None else sorted(int(i) for i in indices)
-        if any(not 0 <= i < steps for i in indices):
-            raise EngineRequestError(f"rollout_sde_step_indices {indices} outside [0, {steps})")
-        return Plan(sigmas, torch.tensor(indices, dtype=torch.long), kind, eta)
+            sigmas = shifted_sigmas(r.steps, self.sampler.shift)
+        return Plan(sigmas, torch.tensor(r.sde_indices, dtype=torch.long), r.kind, r.eta)
 
     def _sample(self, batch: list[FlowRequest]) -> None:
         from unirl.stages.diffusion.sampling import sample
@@ -129,29 +197,18 @@ class FlowBackend:
         start = time.perf_counter()
         with core.lock:
             policy = core.policy
-            first = batch[0].body
+            first = batch[0]
             plan = self._plan(first, policy)
-            for r in batch[1:]:
-                other = self._plan(r.body, policy)
-                if not (torch.equal(other.sigmas, plan.sigmas) and torch.equal(other.sde_indices, plan.sde_indices)
-                        and other.kind == plan.kind):
-                    raise EngineRequestError("requests of one unirl_batch must share steps and SDE settings")
-            self._check_sampler(first, policy)
             prompts, x0, seeds, members = [], [], [], []
             for r in batch:
-                n = int(r.body.get("num_outputs_per_prompt") or 1)
-                seed = int(r.body["seed"]) if r.body.get("seed") is not None else uuid.uuid4().int % (2**31)
-                for i in range(n):
+                for i in range(r.outputs):
                     prompts.append(r.body["prompt"])
-                    generator = torch.Generator().manual_seed(seed + i)  # SGLang: output i of a prompt uses seed + i
+                    generator = torch.Generator().manual_seed(r.seed + i)  # SGLang: output i of a prompt uses seed + i
                     x0.append(torch.randn(tuple(policy.shape), generator=generator, dtype=torch.float32))
-                    sde_seed = r.extra.get("sde_seed")
-                    seeds.append(int(sde_seed) + i if sde_seed is not None else derive_seed(seed + i, "sde"))
-                    members.append((r, seed + i))
+                    seeds.append(r.sde_seed + i if r.sde_seed is not None else derive_seed(r.seed + i, "sde"))
+                    members.append((r, r.seed + i))
             steps = plan.num_steps
-            want = first.get("rollout_return_step_indices")
-            store = sorted({int(i) for i in (want if want is not None else range(steps))} | {steps})
-            traj = sample(policy.velocity(core.module, prompts), torch.stack(x0).to(core.device), plan, seeds, store=store)
+            traj = sample(policy.velocity(core.module, prompts), torch.stack(x0).to(core.device), plan, seeds, store=list(first.store))
             images = policy.decode(traj.final)
             self.batches += 1
         logprobs = torch.zeros(len(prompts), steps)
@@ -172,17 +229,20 @@ class FlowBackend:
         for r in batch:
             r.future.set_result(by_request[id(r)])
 
-    @staticmethod
-    def _check_sampler(body: dict[str, Any], policy: Any) -> None:
-        """Guidance and the negative prompt are the served recipe's (its conditioning is cached
-        per prompt); a request asking for others is refused rather than silently ignored."""
-        sampler = policy.sampler
+    def _check_sampler(self, body: dict[str, Any]) -> None:
+        """Guidance, the negative prompt and the media's size are the served recipe's (its
+        conditioning is cached per prompt); a request asking for others is refused rather than
+        silently ignored."""
+        sampler = self.sampler
         gs = body.get("guidance_scale")
-        if gs is not None and float(gs) != float(sampler.guidance_scale):
+        if gs is not None and number(gs, "guidance_scale", -math.inf, math.inf) != float(sampler.guidance_scale):
             raise EngineRequestError(f"guidance_scale {gs}: this engine serves {sampler.guidance_scale} (its recipe)")
         neg = body.get("negative_prompt")
         if neg is not None and neg != sampler.negative_prompt:
-            raise EngineRequestError(f"negative_prompt {neg!r}: this engine serves {sampler.negative_prompt!r}")
+            raise EngineRequestError(f"negative_prompt {shown(neg)}: this engine serves {sampler.negative_prompt!r}")
         for side in ("width", "height"):
-            if body.get(side) is not None and int(body[side]) != policy.image_size:
-                raise EngineRequestError(f"{side} {body[side]}: this engine serves {policy.image_size}-pixel images")
+            if body.get(side) is not None and body[side] != self.image_size:
+                raise EngineRequestError(f"{side} {shown(body[side])}: this engine serves {self.image_size}-pixel images")
+        frames = body.get("num_frames")
+        if frames is not None and frames != self.num_frames:
+            raise EngineRequestError(f"num_frames {shown(frames)}: this engine serves {self.num_frames or 'no'} frames (its recipe)")

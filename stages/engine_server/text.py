@@ -3,10 +3,13 @@ LoRA adapter) from every concurrent /generate call queue up, and a batcher threa
 compatible ones together with the text policy's own sampler (stages/policies/text_sampling.py),
 so the behaviour log-probs are the quantity the trainer replays: log softmax(logits / T) at the
 sampled token, fp32. Each request draws from its own generator (`sampling_seed`), so a response
-does not depend on the batch it was sampled in.
+does not depend on the batch it was sampled in. Every prompt is checked (token ids, the model's
+context, the server's limits: stages/engine_server/limits.py) before it joins the queue, so a bad
+one is refused alone and never fails the batch it would have been sampled in.
 """
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -16,6 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unirl.stages.engine_server.core import EngineCore, EngineRequestError
+from unirl.stages.engine_server.limits import SEED_BOUND, Limits, integer, number, over, over_context, shown, text_field
+
+SAMPLING_PARAMS = ("temperature", "top_p", "max_new_tokens", "stop_token_ids", "sampling_seed")
 
 
 @dataclass
@@ -36,38 +42,16 @@ class TextRequest:
         return (self.temperature, self.top_p, self.max_new_tokens, self.eos_id, self.lora)
 
 
-def parse_requests(body: dict[str, Any], eos_id: int) -> list[TextRequest]:
-    """GenerateReqInput (the subset served: `input_ids`, one or a list; `sampling_params`, one
-    dict or one per prompt; `lora_path`; `rid`) -> one TextRequest per prompt."""
-    ids = body.get("input_ids")
-    if body.get("text") is not None or ids is None:
-        raise EngineRequestError("the engine server takes token ids: send `input_ids` (the client tokenizes)")
-    if ids and isinstance(ids[0], int):
-        ids = [ids]
-    params = body.get("sampling_params") or {}
-    params = params if isinstance(params, list) else [params] * len(ids)
-    loras = body.get("lora_path")
-    loras = loras if isinstance(loras, list) else [loras] * len(ids)
-    rids = body.get("rid")
-    rids = rids if isinstance(rids, list) else [f"{rids or uuid.uuid4().hex}-{i}" for i in range(len(ids))]
-    if not len(ids) == len(params) == len(loras) == len(rids):
-        raise EngineRequestError(f"{len(ids)} prompts, {len(params)} sampling_params, {len(loras)} lora_path, {len(rids)} rid")
-    out = []
-    for prompt, p, lora, rid in zip(ids, params, loras, rids):
-        unknown = sorted(set(p) - {"temperature", "top_p", "max_new_tokens", "stop_token_ids", "sampling_seed"})
-        if unknown:
-            raise EngineRequestError(f"sampling_params {unknown} are not served by the engine server "
-                                     "(served: temperature, top_p, max_new_tokens, stop_token_ids, sampling_seed)")
-        stops = list(p.get("stop_token_ids") or [eos_id])
-        if len(stops) != 1:
-            raise EngineRequestError(f"stop_token_ids {stops}: the engine server stops on one token")
-        if not prompt:
-            raise EngineRequestError(f"request {rid}: empty input_ids")
-        seed = p.get("sampling_seed")
-        out.append(TextRequest(list(prompt), float(p.get("temperature", 1.0)), float(p.get("top_p", 1.0)),
-                               int(p.get("max_new_tokens", 128)), int(stops[0]),
-                               int(seed) if seed is not None else uuid.uuid4().int % (2**63), lora, rid))
-    return out
+def context_of(module: Any) -> int | None:
+    """The longest sequence the served model takes: its config's max_position_embeddings (a VLM's
+    in its text config; max_text_len where a family names it so); None when the config does not say."""
+    config = getattr(module, "config", None)
+    for part in (config, getattr(config, "text_config", None)):
+        for name in ("max_position_embeddings", "max_text_len"):
+            found = getattr(part, name, None)
+            if isinstance(found, int):
+                return found
+    return None
 
 
 class TextBackend:
@@ -77,14 +61,76 @@ class TextBackend:
     route = "/generate"
 
     @classmethod
-    def serve(cls, core: EngineCore, *, max_batch: int, wait_s: float) -> TextBackend:
-        return cls(core, max_batch=max_batch, wait_s=wait_s)
+    def serve(cls, core: EngineCore, *, max_batch: int, wait_s: float, limits: Limits) -> TextBackend:
+        return cls(core, max_batch=max_batch, wait_s=wait_s, limits=limits)
 
-    def __init__(self, core: EngineCore, *, max_batch: int, wait_s: float):
-        self.core, self.max_batch, self.wait_s = core, max_batch, wait_s
+    def __init__(self, core: EngineCore, *, max_batch: int, wait_s: float, limits: Limits):
+        self.core, self.max_batch, self.wait_s, self.limits = core, max_batch, wait_s, limits
+        module = core.base_module()
+        self.vocab = module.get_input_embeddings().num_embeddings
+        self.context = context_of(module)
+        self.eos_id = core.policy.tokenizer.eos_token_id
         self.queue: queue.Queue[TextRequest] = queue.Queue()
         self.batches = 0
         threading.Thread(target=self._loop, name="engine-batcher", daemon=True).start()
+
+    def parse(self, body: dict[str, Any]) -> list[TextRequest]:
+        """GenerateReqInput (the subset served: `input_ids`, one or a list; `sampling_params`, one
+        dict or one per prompt; `lora_path`; `rid`) -> one checked TextRequest per prompt."""
+        ids = body.get("input_ids")
+        if body.get("text") is not None or ids is None:
+            raise EngineRequestError("the engine server takes token ids: send `input_ids` (the client tokenizes)")
+        if not isinstance(ids, list) or not ids:
+            raise EngineRequestError("input_ids: a list of token ids, or a list of such lists, is required")
+        if not isinstance(ids[0], list):
+            ids = [ids]
+        if len(ids) > self.limits.max_prompts:
+            raise over("input_ids: prompts in one request", len(ids), "max_prompts", self.limits.max_prompts, 413)
+        params = body.get("sampling_params") or {}
+        params = params if isinstance(params, list) else [params] * len(ids)
+        loras = body.get("lora_path")
+        loras = loras if isinstance(loras, list) else [loras] * len(ids)
+        rids = body.get("rid")
+        if not isinstance(rids, list):
+            base = text_field(rids, "rid") if rids else uuid.uuid4().hex
+            rids = [f"{base}-{i}" for i in range(len(ids))]
+        if not len(ids) == len(params) == len(loras) == len(rids):
+            raise EngineRequestError(f"{len(ids)} prompts, {len(params)} sampling_params, {len(loras)} lora_path, {len(rids)} rid")
+        return [self._request(prompt, p, lora, rid) for prompt, p, lora, rid in zip(ids, params, loras, rids)]
+
+    def _request(self, prompt: Any, p: Any, lora: Any, rid: Any) -> TextRequest:
+        """One prompt checked: everything that could fail its batch is refused here."""
+        where = f"request {shown(text_field(rid, 'rid'))}"
+        if not isinstance(p, dict):
+            raise EngineRequestError(f"{where}: sampling_params must be an object")
+        unknown = sorted(set(p) - set(SAMPLING_PARAMS))
+        if unknown:
+            raise EngineRequestError(f"sampling_params {unknown[:5]} are not served by the engine server "
+                                     f"(served: {', '.join(SAMPLING_PARAMS)})")
+        if not isinstance(prompt, list) or not prompt:
+            raise EngineRequestError(f"{where}: input_ids must be a non-empty list of token ids")
+        if not all(type(t) is int for t in prompt) or min(prompt) < 0 or max(prompt) >= self.vocab:
+            raise EngineRequestError(f"{where}: input_ids must be token ids in [0, {self.vocab}) (the served model's vocabulary)")
+        if self.context is not None and len(prompt) > self.context:
+            raise over_context(f"{where}: a prompt of {len(prompt)} tokens", self.context, 413)
+        new = integer(p.get("max_new_tokens", 128), f"{where}: sampling_params.max_new_tokens", 1, 1 << 62)
+        if new > self.limits.max_new_tokens:
+            raise over(f"{where}: sampling_params.max_new_tokens", new, "max_new_tokens", self.limits.max_new_tokens)
+        if self.context is not None and len(prompt) + new > self.context:
+            raise over_context(f"{where}: {len(prompt)} prompt tokens + max_new_tokens {new}", self.context, 400)
+        stops = p.get("stop_token_ids") or [self.eos_id]
+        if not isinstance(stops, list) or len(stops) != 1:
+            raise EngineRequestError(f"{where}: stop_token_ids {shown(stops)}: the engine server stops on one token")
+        top_p = number(p.get("top_p", 1.0), f"{where}: sampling_params.top_p", 0.0, 1.0)
+        if top_p == 0.0:
+            raise EngineRequestError(f"{where}: sampling_params.top_p must be above 0")
+        if lora is not None and text_field(lora, f"{where}: lora_path") not in self.core.adapters:
+            raise EngineRequestError(f"lora_path {shown(lora)} is not a loaded adapter (loaded: {sorted(self.core.adapters)})")
+        seed = p.get("sampling_seed")
+        return TextRequest(list(prompt), number(p.get("temperature", 1.0), f"{where}: sampling_params.temperature", 0.0, math.inf),
+                           top_p, new, integer(stops[0], f"{where}: stop_token_ids", 0, self.vocab),
+                           uuid.uuid4().int % SEED_BOUND if seed is None else integer(seed, f"{where}: sampling_seed", 0, SEED_BOUND),
+                           lora, rid)
 
     def submit(self, requests: list[TextRequest]) -> list[dict[str, Any]]:
         for r in requests:

@@ -39,6 +39,25 @@ class EngineError(RuntimeError):
     """The engine answered a request with an error (the message names the engine and the route)."""
 
 
+GENERATE_CHUNK_PROMPTS = 512
+GENERATE_CHUNK_BYTES = 4 << 20  # JSON of one /generate; engine_server refuses 16 MiB (--max-request-bytes)
+
+
+def generate_chunks(lengths: list[int], max_prompts: int = GENERATE_CHUNK_PROMPTS,
+                    max_bytes: int = GENERATE_CHUNK_BYTES) -> list[tuple[int, int]]:
+    """[start, end) ranges of prompts (token counts `lengths`) for one /generate each: at most
+    `max_prompts`, and about `max_bytes` of JSON (8 bytes a token id, 256 for its sampling params)."""
+    chunks, start, size = [], 0, 0
+    for i, n in enumerate(lengths):
+        cost = 8 * n + 256
+        if i > start and (i - start >= max_prompts or size + cost > max_bytes):
+            chunks.append((start, i))
+            start, size = i, 0
+        size += cost
+    chunks.append((start, len(lengths)))
+    return chunks
+
+
 class EngineUnreachable(EngineError):
     """No engine answers at the configured URL."""
 
@@ -54,6 +73,7 @@ class EngineClient:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0))
         self.sent: list[tuple[str, str, Any]] | None = None  # (method, route, body) when recording (contract tests)
+        self.chunk_prompts, self.chunk_bytes = GENERATE_CHUNK_PROMPTS, GENERATE_CHUNK_BYTES  # one /generate at most
 
     def close(self) -> None:
         self._http.close()
@@ -119,15 +139,29 @@ class EngineClient:
     # -- text -------------------------------------------------------------------------------------
     def generate(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]], *,
                  lora_path: str | None = None, rid: str | None = None) -> list[dict[str, Any]]:
-        """One batched /generate (GenerateReqInput with a list of prompts): per prompt
-        {"output_ids", "meta_info": {"finish_reason", "weight_version", "output_token_logprobs", ...}}."""
-        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True}
-        if lora_path is not None:
-            body["lora_path"] = [lora_path] * len(input_ids)
-        if rid is not None:
-            body["rid"] = rid
-        out = self._call("POST", "/generate", body)
-        return out if isinstance(out, list) else [out]
+        """Batched /generate (GenerateReqInput with a list of prompts): per prompt {"output_ids",
+        "meta_info": {"finish_reason", "weight_version", "output_token_logprobs", ...}}. A large
+        batch goes as several requests at once (at most `chunk_prompts` prompts and about
+        `chunk_bytes` each, under what an engine accepts in one request); answers in order."""
+        chunks = generate_chunks([len(ids) for ids in input_ids], self.chunk_prompts, self.chunk_bytes)
+
+        def one(k: int, start: int, end: int) -> list[dict[str, Any]]:
+            body: dict[str, Any] = {"input_ids": input_ids[start:end], "sampling_params": sampling_params[start:end],
+                                    "return_logprob": True}
+            if lora_path is not None:
+                body["lora_path"] = [lora_path] * (end - start)
+            if rid is not None:
+                body["rid"] = rid if len(chunks) == 1 else f"{rid}-{k}"
+            out = self._call("POST", "/generate", body)
+            return out if isinstance(out, list) else [out]
+
+        if len(chunks) == 1:
+            return one(0, *chunks[0])
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(8, len(chunks))) as pool:
+            parts = list(pool.map(lambda chunk: one(*chunk), [(k, s, e) for k, (s, e) in enumerate(chunks)]))
+        return [out for part in parts for out in part]
 
     # -- weights ----------------------------------------------------------------------------------
     def update_weights_from_disk(self, model_path: str, weight_version: str | None) -> dict[str, Any]:

@@ -26,6 +26,21 @@ from unirl.stages.engines.client import EngineClient, EngineUnreachable
 from unirl.stages.engines.dedicated import DedicatedConfig, DedicatedEngine
 
 
+def run_limits(recipe: Any) -> dict[str, int]:
+    """The engine server's request limits (stages/engine_server/limits.py) raised where a run asks
+    for more than their defaults, for its launch spec: a run's own requests are never refused."""
+    from unirl.stages.engine_server.limits import Limits
+
+    rollout, default = recipe.rollout, Limits()
+    out = {}
+    if getattr(rollout, "max_new_tokens", 0) > default.max_new_tokens:
+        out["max_new_tokens"] = rollout.max_new_tokens
+    sampler = getattr(rollout, "sampler", None)
+    if sampler is not None and sampler.num_steps > default.max_steps:
+        out["max_steps"] = sampler.num_steps
+    return out
+
+
 class EngineServerConfig(DedicatedConfig):
     """unirl's own engine process (transformers / diffusers), launched by the run or at `url`."""
 
@@ -86,7 +101,8 @@ class EngineServer(DedicatedEngine):
         ready.unlink(missing_ok=True)
         spec = {"recipe": self.recipe.model_dump(mode="json"), "weights": str(self.local(self.storage.weights_rel(base))),
                 "version": base, "host": "127.0.0.1", "port": 0, "ready_file": str(ready), "max_batch": self.cfg.max_batch,
-                "batch_wait_ms": self.cfg.batch_wait_ms, "threads": self.cfg.threads, "cpus": list(self.cfg.cpus)}
+                "batch_wait_ms": self.cfg.batch_wait_ms, "threads": self.cfg.threads, "cpus": list(self.cfg.cpus),
+                **run_limits(self.recipe)}
         spec_path = self.scratch / "engine-spec.json"
         spec_path.write_text(json.dumps(spec))
         env = {**os.environ, "UNIRL_ENGINE_TOKEN": token, "OMP_NUM_THREADS": str(self.cfg.threads),
