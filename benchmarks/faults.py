@@ -470,6 +470,67 @@ def reward_limit_rows(bench: Bench) -> list[Row]:
     return rows
 
 
+def engine_limit_rows(bench: Bench) -> list[Row]:
+    """What `unirl engine-server` (the tiny Qwen3 of recipes/ar/tiny.yaml, a 256-token context)
+    refuses past each default limit and how far its memory rose, for the largest request its limits
+    accept and for requests past them; a normal request still samples after each."""
+    import httpx
+
+    from unirl.stages.engine_server.limits import Limits
+
+    limits, port, token = Limits(), free_port(), "fault-table-token"
+    server = subprocess.Popen([sys.executable, "-m", "unirl.flows.cli", "engine-server", str(REPO / "recipes" / "ar" / "tiny.yaml"),
+                               "--port", str(port)], cwd=REPO, env={**bench.env, "UNIRL_ENGINE_TOKEN": token},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+
+    def generate(prompts: int, tokens: int, new: int = 1) -> bytes:
+        ids = [[3 + (i % 7) for i in range(tokens)]] * prompts
+        return json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": new, "temperature": 1.0}}).encode()
+
+    def huge() -> Any:  # 26M tokens with no declared length: the body is counted as it is read
+        chunk = ("3," * 500_000).encode()
+        yield b'{"input_ids": ['
+        for _ in range(52):
+            yield chunk
+        yield b'3], "sampling_params": {"max_new_tokens": 1}}'
+
+    cases = [
+        (f"largest accepted: {limits.max_prompts} prompts of 255 tokens (the context), 1 new token each", lambda: generate(limits.max_prompts, 255)),
+        (f"{limits.max_prompts + 1} prompts (`--max-prompts`)", lambda: generate(limits.max_prompts + 1, 4)),
+        ("one prompt of 26M tokens, streamed without a length (`--max-request-bytes`)", huge),
+        ("a prompt past the model's context (256 tokens)", lambda: generate(1, 300)),
+        (f"max_new_tokens {limits.max_new_tokens + 1} (`--max-new-tokens`)", lambda: generate(1, 4, limits.max_new_tokens + 1)),
+        ("input_ids a string (malformed field)", lambda: b'{"input_ids": "abc"}'),
+    ]
+    rows = []
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("the engine server did not start")
+            time.sleep(0.2)
+        for what, body in cases:
+            data = body()
+            size = f"{len(data) / 1e6:.1f} MB" if isinstance(data, bytes) else "52 MB"
+            answer, before, growth = _memory_growth_mb(
+                server.pid, lambda data=data: httpx.post(f"{url}/generate", content=data, headers=auth, timeout=600))
+            said = "200" if answer.status_code == 200 else f"{answer.status_code}: {str(answer.json().get('message'))[:140]}"
+            healthy = httpx.post(f"{url}/generate", content=generate(1, 4, 2), headers=auth, timeout=60).status_code == 200
+            rows.append(Row(f"engine server: {what}, {size} on the wire",
+                            f"{said}; resident memory {before:.0f} MB, peak +{growth:.0f} MB; "
+                            f"{'healthy after (a normal request samples)' if healthy else 'NOT healthy after'}",
+                            None if healthy else False))
+    finally:
+        server.kill()
+    return rows
+
+
 ROWS: dict[str, Callable[[Bench], list[Row]]] = {
     "kill": lambda b: kill_rows(b, chained=False),
     "rank": lambda b: [rank_row(b)],
@@ -478,7 +539,7 @@ ROWS: dict[str, Callable[[Bench], list[Row]]] = {
     "disk": lambda b: [disk_full_row(b)],
     "checkpoint": checkpoint_rows,
     "reward": lambda b: [reward_server_row(b)],
-    "limits": lambda b: reward_limit_rows(b),
+    "limits": lambda b: reward_limit_rows(b) + engine_limit_rows(b),
 }
 
 
