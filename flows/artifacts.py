@@ -29,6 +29,7 @@ from prefect.artifacts import (
 
 from unirl.stages.recipe import Recipe
 from unirl.stages.runtime.storage import RunStorage, iter_dir, join
+from unirl.stages.runtime.tracking import browse
 
 # (column, metric key): the columns of the iterations table, in order.
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -78,11 +79,9 @@ def iteration_row(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def mlflow_link(uri: str, experiment_id: str | None, run_id: str) -> str:
-    """A browsable address for an MLflow server, else the tracking URI itself (open it with
-    `mlflow ui --backend-store-uri URI`)."""
-    if uri.startswith(("http://", "https://")) and experiment_id is not None:
-        return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
-    return uri
+    """A browsable address of the run: an MLflow server's run page, or for a local store the page
+    `mlflow ui --backend-store-uri URI` serves (the artifact's description gives the command)."""
+    return browse(uri, experiment_id, run_id)[0]
 
 
 def summary_markdown(recipe: Recipe, run_name: str, storage_url: str, rows: list[dict[str, Any]],
@@ -162,11 +161,12 @@ class RunArtifacts:
             key=artifact_key(self.run_name, "progress"), description=self._progress_text(done),
         )
         experiment_id = self._try("MLflow link", lambda: self.tracker.client.get_run(self.tracker.run_id).info.experiment_id)
-        link = mlflow_link(self.tracker.uri, experiment_id, self.tracker.run_id)
+        link, command = browse(self.tracker.uri, experiment_id, self.tracker.run_id)
         self._try(
             "MLflow link", create_link_artifact, link=link, link_text=f"MLflow run {self.tracker.run_id}",
             key=artifact_key(self.run_name, "mlflow"),
-            description=f"MLflow run of {self.run_name} (tracking URI `{self.tracker.uri}`, run id `{self.tracker.run_id}`)",
+            description=f"MLflow run of {self.run_name} (run id `{self.tracker.run_id}`)"
+                        + (f"; serve it first with `{command}`" if command else ""),
         )
 
     def iteration(self, summary: dict[str, Any]) -> None:

@@ -36,6 +36,23 @@ def flatten(prefix: str, value: Any, out: dict[str, str]) -> dict[str, str]:
     return out
 
 
+MLFLOW_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
+
+
+def browse(uri: str, experiment_id: str | None, run_id: str) -> tuple[str, str | None]:
+    """(the run's page, the command that serves it first or None): an MLflow server's own page; a
+    local store (sqlite, a folder) is served by `mlflow ui --backend-store-uri URI` on MLFLOW_UI."""
+    import shlex
+
+    from unirl.stages.runtime.secrets import redact_url
+
+    uri = redact_url(uri)
+    page = f"#/experiments/{experiment_id}/runs/{run_id}" if experiment_id is not None else f"#/runs/{run_id}"
+    if uri.startswith(("http://", "https://")):
+        return f"{uri.rstrip('/')}/{page}", None
+    return f"{MLFLOW_UI}/{page}", f"mlflow ui --backend-store-uri {shlex.quote(uri)}"
+
+
 class Tracker:
     """One MLflow run per unirl run; resumed runs keep logging into the same MLflow run, and a
     step that already has metrics is not logged again."""
@@ -162,7 +179,14 @@ class Tracker:
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
 
-    def link(self) -> str:
-        from unirl.stages.runtime.secrets import redact_url
+    def experiment_id(self) -> str | None:
+        try:
+            return str(self.client.get_run(self.run_id).info.experiment_id)
+        except Exception:  # noqa: BLE001 - an address without the experiment is still an address
+            return None
 
-        return f"{redact_url(self.uri)} run {self.run_id}"
+    def link(self) -> str:
+        """Where a person opens this run: a tracking server's run page, or for a local store the
+        command that serves it and the page it then shows (credentials redacted)."""
+        page, command = browse(self.uri, self.experiment_id(), self.run_id)
+        return page if command is None else f"{command}  then {page}"

@@ -42,7 +42,27 @@ def test_row_has_every_column_and_no_nan() -> None:
 
 def test_mlflow_link_points_into_a_tracking_server() -> None:
     assert mlflow_link("http://mlflow:5000/", "3", "abc") == "http://mlflow:5000/#/experiments/3/runs/abc"
-    assert mlflow_link("sqlite:////runs/tiny/mlflow.db", "3", "abc") == "sqlite:////runs/tiny/mlflow.db"
+    assert mlflow_link("sqlite:////runs/tiny/mlflow.db", "3", "abc") == "http://127.0.0.1:5000/#/experiments/3/runs/abc"
+
+
+def test_a_local_mlflow_store_is_shown_as_the_command_that_serves_it(tmp_path) -> None:
+    """The console and the artifact give what a person can paste: the exact `mlflow ui` command
+    (a four-slash absolute sqlite URI kept as it is) and the page it then serves."""
+    import subprocess
+    import sys
+
+    from unirl.stages.runtime.tracking import browse
+
+    uri = f"sqlite:///{tmp_path / 'my runs' / 'mlflow.db'}"
+    page, command = browse(uri, "1", "abc")
+    assert command == f"mlflow ui --backend-store-uri 'sqlite:///{tmp_path}/my runs/mlflow.db'" and uri.startswith("sqlite:////")
+    assert page == "http://127.0.0.1:5000/#/experiments/1/runs/abc"
+    assert browse("https://bob:pw@mlflow.example.com/", "2", "r") == ("https://bob:***@mlflow.example.com/#/experiments/2/runs/r", None)
+    # the command's URI opens the store: MLflow reads it back
+    (tmp_path / "my runs").mkdir()
+    code = "import sys; from mlflow.tracking import MlflowClient; print(MlflowClient(tracking_uri=sys.argv[1]).create_experiment('e'))"
+    made = subprocess.run([sys.executable, "-c", code, __import__("shlex").split(command)[-1]], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0 and made.stdout.strip(), made.stderr[-2000:]
 
 
 def test_summary_compares_first_and_last_iteration() -> None:
