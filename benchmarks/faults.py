@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -458,7 +459,7 @@ def reward_limit_rows(bench: Bench) -> list[Row]:
             time.sleep(0.2)
         for what, body in cases:
             data = body()
-            answer, before, growth = _memory_growth_mb(server.pid, lambda data=data: post(data))
+            answer, before, growth = _memory_growth_mb(server.pid, partial(post, data))
             said = "200" if answer.status_code == 200 else f"{answer.status_code}: {answer.json()['error'][:140]}"
             healthy = post(images(2, 8)).status_code == 200
             rows.append(Row(f"reward server: {what}, {len(data) / 1e6:.1f} MB on the wire",
@@ -519,7 +520,7 @@ def engine_limit_rows(bench: Bench) -> list[Row]:
             data = body()
             size = f"{len(data) / 1e6:.1f} MB" if isinstance(data, bytes) else "52 MB"
             answer, before, growth = _memory_growth_mb(
-                server.pid, lambda data=data: httpx.post(f"{url}/generate", content=data, headers=auth, timeout=600))
+                server.pid, partial(httpx.post, f"{url}/generate", content=data, headers=auth, timeout=600))
             said = "200" if answer.status_code == 200 else f"{answer.status_code}: {str(answer.json().get('message'))[:140]}"
             healthy = httpx.post(f"{url}/generate", content=generate(1, 4, 2), headers=auth, timeout=60).status_code == 200
             rows.append(Row(f"engine server: {what}, {size} on the wire",

@@ -647,7 +647,7 @@ def _unknown_field(path: list[str], section: Any, siblings: list[tuple[str, Any,
 def format_errors(exc: ValidationError, model: type[BaseModel] | None = None) -> list[str]:
     """One `field.path: message (allowed: ...)` line per pydantic error."""
     model = model or Recipe
-    lines = []
+    lines: list[str] = []
     for err in exc.errors():
         path, section, siblings = _walk(model, tuple(err["loc"]))
         where = ".".join(path) or "(recipe)"

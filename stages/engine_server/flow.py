@@ -61,6 +61,12 @@ class FlowRequest:
         return self.steps, self.kind, self.eta, self.sde_indices, self.store
 
 
+def batch_of(req: FlowRequest) -> tuple[str, int, int]:
+    """The (id, size, index) of a request that came as a member of a client-declared batch."""
+    assert req.batch is not None, "only batch members wait for their batch"
+    return req.batch
+
+
 class FlowBackend:
     route = "/rollout/generate"
 
@@ -88,17 +94,17 @@ class FlowBackend:
         key, size, index = req.batch
         with self._lock:
             group = self._waiting.setdefault(key, [])
-            if group and (group[0].batch[1] != size or group[0].settings != req.settings):
+            if group and (size != batch_of(group[0])[1] or group[0].settings != req.settings):
                 raise EngineRequestError(f"unirl_batch {shown(key)}: its requests must share size, steps, SDE settings "
                                          "and returned steps")
-            if any(r.batch[2] == index for r in group):
+            if any(batch_of(r)[2] == index for r in group):
                 raise EngineRequestError(f"unirl_batch {shown(key)}: index {index} was sent already")
             group.append(req)
             complete = len(group) == size
             if complete:
                 del self._waiting[key]
         if complete:
-            self._run(sorted(group, key=lambda r: r.batch[2]))
+            self._run(sorted(group, key=lambda r: batch_of(r)[2]))
         try:
             return req.future.result(timeout=self.batch_timeout_s)
         except FutureTimeout:

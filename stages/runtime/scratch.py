@@ -38,7 +38,7 @@ def sweep(parent: Path | None = None) -> list[Path]:
     """Remove the scratch folders under `parent` (the system temp dir) whose owner process is gone;
     returns what was removed."""
     parent = Path(parent or tempfile.gettempdir())
-    removed = []
+    removed: list[Path] = []
     try:
         candidates = [p for p in parent.iterdir() if p.name.startswith(PREFIX) and (p / OWNER_FILE).is_file()]
     except OSError:

@@ -83,6 +83,11 @@ def transient(exc: BaseException) -> bool:
     return False
 
 
+def _sleep(seconds: float) -> None:
+    """A retry's wait, cut short when the process is being interrupted."""
+    STOPPING.wait(seconds)
+
+
 def interrupt(signum: int, frame: Any) -> None:
     """SIGINT handler of `unirl` commands: stop all object-store retries, then interrupt as Python
     does (KeyboardInterrupt in the main thread)."""
@@ -150,7 +155,7 @@ class RunStorage:
         retrying = tenacity.Retrying(retry=tenacity.retry_if_exception(transient),
                                      wait=tenacity.wait_exponential(multiplier=1, min=1, max=15),
                                      stop=tenacity.stop_before_delay(RETRY_S) | tenacity.stop_when_event_set(STOPPING),
-                                     sleep=STOPPING.wait, before_sleep=say, reraise=True)
+                                     sleep=_sleep, before_sleep=say, reraise=True)
         return retrying(fn, *args, **kwargs)
 
     def write_bytes(self, rel: str, data: bytes) -> str:

@@ -17,6 +17,7 @@ MAKE = ("import sys, time; from unirl.stages.runtime.scratch import scratch_dir;
 def _start(tmp_path, sleep: float) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-c", MAKE, str(sleep)], cwd=REPO, env={**os.environ, "TMPDIR": str(tmp_path)},
                             stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
     return proc, proc.stdout.readline().strip()
 
 
