@@ -396,6 +396,21 @@ def _memory_growth_mb(pid: int, request: Callable[[], Any]) -> tuple[Any, float,
     return answer, before, status("VmHWM:") - before
 
 
+def _wait_healthy(health_url: str, proc: subprocess.Popen, what: str, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(health_url, timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError(f"{what} did not start")
+        time.sleep(0.2)
+
+
 def reward_limit_rows(bench: Bench) -> list[Row]:
     """What the reward server refuses (status and message) and how far its memory rose, for the
     largest request its default limits accept and for requests past each limit; a normal request
@@ -447,16 +462,7 @@ def reward_limit_rows(bench: Bench) -> list[Row]:
     ]
     rows = []
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("the reward server did not start")
-            time.sleep(0.2)
+        _wait_healthy(f"{url}/healthz", server, "the reward server", 120)
         for what, body in cases:
             data = body()
             answer, before, growth = _memory_growth_mb(server.pid, partial(post, data))
@@ -506,16 +512,7 @@ def engine_limit_rows(bench: Bench) -> list[Row]:
     ]
     rows = []
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("the engine server did not start")
-            time.sleep(0.2)
+        _wait_healthy(f"{url}/health", server, "the engine server", 180)
         for what, body in cases:
             data = body()
             size = f"{len(data) / 1e6:.1f} MB" if isinstance(data, bytes) else "52 MB"
