@@ -194,7 +194,8 @@ def test_deployment_run_completes_with_artifacts(server: Deployments) -> None:
     (progress,) = by_key["unirl-tiny-progress"]
     assert float(progress.data) == 100.0
     (link,) = by_key["unirl-tiny-mlflow"]
-    assert info["mlflow_run_id"] in str(link.data) and "mlflow.db" in str(link.data)
+    assert f"http://127.0.0.1:5000/#/experiments/1/runs/{info['mlflow_run_id']}" in str(link.data)  # what `mlflow ui` serves
+    assert f"mlflow ui --backend-store-uri sqlite:///{run_dir / 'mlflow.db'}" in str(link.description)
     (summary,) = by_key["unirl-tiny-summary"]
     assert "iter-000000" in summary.data and "iter-000001" in summary.data
     assert str(run_dir / "weights" / "v000002") in summary.data
