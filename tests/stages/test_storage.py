@@ -123,11 +123,11 @@ def test_connection_and_timeout_errors_are_transient():
 
 
 def test_io_retries_an_outage_with_doubling_waits_and_says_so(monkeypatch, capsys):
-    import time
+    from unirl.stages.runtime import storage as storage_mod
 
     s = RunStorage(f"memory://retry-{os.getpid()}", "r1")
     sleeps, failures = [], [client_error("SlowDown"), ConnectionRefusedError("store down")]
-    monkeypatch.setattr(time, "sleep", sleeps.append)
+    monkeypatch.setattr(storage_mod, "_sleep", sleeps.append)
 
     def flaky():
         if failures:
@@ -139,6 +139,27 @@ def test_io_retries_an_outage_with_doubling_waits_and_says_so(monkeypatch, capsy
     err = capsys.readouterr().err
     assert "unreachable (read a: ClientError); retrying in 1s" in err
     assert "unreachable (read a: ConnectionRefusedError); retrying in 2s" in err
+
+
+def test_io_stops_retrying_at_once_when_the_process_is_interrupted(monkeypatch):
+    import threading
+
+    from unirl.stages.runtime import storage as storage_mod
+
+    stopping = threading.Event()
+    monkeypatch.setattr(storage_mod, "STOPPING", stopping)
+    s = RunStorage(f"memory://stop-{os.getpid()}", "r1")
+    calls = []
+
+    def down():
+        calls.append(1)
+        if len(calls) == 2:
+            stopping.set()  # Ctrl-C arrives (storage.interrupt) while the store is down
+        raise ConnectionRefusedError("store down")
+
+    with pytest.raises(ConnectionRefusedError):
+        s.io("read a", down)
+    assert len(calls) == 2  # no attempt after the interrupt, and no wait for the outage to end
 
 
 def test_io_gives_up_after_retry_s_with_the_original_error(monkeypatch):
