@@ -8,6 +8,8 @@ from prefect.settings import PREFECT_API_SSL_CERT_FILE, PREFECT_API_URL, tempora
 
 from unirl.tasks.common import say_retry
 
+pytestmark = pytest.mark.slow  # a real Prefect server (the session's), started on first use
+
 
 @pytest.mark.parametrize("error,attempts", [(ValueError("reward.scorers.0.weight is nan"), 1), (KeyError("answer"), 1),
                                             (RuntimeError("worker group died"), 3)])

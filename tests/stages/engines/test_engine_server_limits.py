@@ -18,6 +18,8 @@ from tests.engine_helpers import TOKEN, serve_app
 from tests.tiny import TINY, merged
 from unirl.stages.engine_server.limits import Limits
 
+pytestmark = pytest.mark.slow  # real servers with tiny models; about 30 s of the suite
+
 LIMITS = Limits(max_request_bytes=64 << 10, max_prompts=4, max_new_tokens=16, max_steps=8, max_concurrent=4)
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 CONTEXT = 256  # max_position_embeddings of the tiny Qwen3 (stages/models/qwen3.py)
