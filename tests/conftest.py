@@ -18,10 +18,15 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 # Every process the suite starts records the recipe fields its run code reads (stages/runtime/config_base.py);
 # `pytest_sessionfinish` below fails the whole suite on a field no run read (tests/recipe_fields.py).
-os.environ.setdefault("UNIRL_FIELD_TRACE", tempfile.mkdtemp(prefix="unirl-field-trace-"))
+_MADE: list[str] = []  # the session's temp folders this process made (its pytest workers inherit them), removed at its end
+if "UNIRL_FIELD_TRACE" not in os.environ:
+    os.environ["UNIRL_FIELD_TRACE"] = tempfile.mkdtemp(prefix="unirl-field-trace-")
+    _MADE.append(os.environ["UNIRL_FIELD_TRACE"])
 # Tiny models are built once per `model:` section for the whole session, in every process the
 # suite starts (stages/runtime/run.py `materialize_model`); a run's weights v000000 are copied from there.
-os.environ.setdefault("UNIRL_TINY_CACHE", tempfile.mkdtemp(prefix="unirl-tiny-cache-"))
+if "UNIRL_TINY_CACHE" not in os.environ:
+    os.environ["UNIRL_TINY_CACHE"] = tempfile.mkdtemp(prefix="unirl-tiny-cache-")
+    _MADE.append(os.environ["UNIRL_TINY_CACHE"])
 TINY = REPO / "recipes" / "ar" / "tiny.yaml"
 
 
@@ -57,14 +62,25 @@ def whole_suite(config: pytest.Config) -> bool:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """A pytest-xdist worker writes the recipe fields it read; the session's own process (after
     its workers) judges them, when the whole suite ran and passed: a field nothing read fails it."""
-    from tests.recipe_fields import dump_reads, unread_fields
+    from tests.recipe_fields import dump_reads
 
     trace = Path(os.environ["UNIRL_FIELD_TRACE"])
     if hasattr(session.config, "workerinput"):
         dump_reads(trace)
         return
-    if exitstatus != 0 or not whole_suite(session.config):
-        return
+    try:
+        if exitstatus == 0 and whole_suite(session.config):
+            _judge_fields(session, trace)
+    finally:
+        import shutil
+
+        for folder in _MADE:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _judge_fields(session: pytest.Session, trace: Path) -> None:
+    from tests.recipe_fields import unread_fields
+
     unread = unread_fields(trace)
     if unread:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
