@@ -92,8 +92,42 @@ def log_to_run_folder(local_dir: Path | None) -> Path | None:
     return path
 
 
+def _run_logger() -> logging.LoggerAdapter | None:
+    """The current Prefect flow or task run's logger (its records reach the run's Logs tab in the
+    UI through the API), or None outside a run."""
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    if FlowRunContext.get() is None and TaskRunContext.get() is None:
+        return None
+    from prefect.logging import get_run_logger
+
+    try:
+        return get_run_logger()
+    except Exception:  # noqa: BLE001 - a line for the console must never fail the run
+        return None
+
+
+def _console_shows(logger: logging.LoggerAdapter) -> bool:
+    """Whether an INFO record of `logger` reaches a console handler (a deployment's worker shows
+    run logs on its terminal; `unirl run` keeps Prefect's console at WARNING, QUIET_ENV)."""
+    node: logging.Logger | None = logger.logger
+    while node is not None:
+        for handler in node.handlers:
+            if (isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+                    and handler.level <= logging.INFO):
+                return True
+        node = node.parent if node.propagate else None
+    return False
+
+
 def say(text: str, stream: TextIO | None = None) -> None:
-    """A line of `unirl`'s own, above the live progress line if there is one."""
+    """A line of `unirl`'s own, above the live progress line if there is one; inside a Prefect run
+    also in the run's logs (the Logs tab of a run started from the UI), printed once either way."""
+    logger = _run_logger()
+    if logger is not None:
+        logger.info(text)
+        if stream is None and _console_shows(logger):
+            return
     Progress.clear_line(stream or sys.stdout)
     print(text, file=stream or sys.stdout, flush=True)
 
@@ -128,8 +162,11 @@ class Progress:
 
     def iteration(self, i: int, m: dict[str, float]) -> None:
         if not self.tty:
-            print(iteration_line(i, self.total, m), file=self.stream, flush=True)
+            say(iteration_line(i, self.total, m), self.stream if self.stream is not sys.stdout else None)
             return
+        logger = _run_logger()
+        if logger is not None:  # the run's logs get the full line; the terminal the live one
+            logger.info(iteration_line(i, self.total, m))
         done = i + 1 - self.first
         per = (time.monotonic() - self.started) / max(done, 1)
         left = per * (self.total - i - 1)

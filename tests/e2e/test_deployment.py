@@ -160,7 +160,7 @@ def test_invalid_parameters_are_rejected_before_a_run_starts(server: Deployments
 
 
 def test_deployment_run_completes_with_artifacts(server: Deployments) -> None:
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId, LogFilter, LogFilterFlowRunId
 
     started = time.monotonic()
     out = server.cli("deployment", "run", "rl-train/tiny", "--param", "iterations=2", "--watch", timeout=600)
@@ -176,6 +176,10 @@ def test_deployment_run_completes_with_artifacts(server: Deployments) -> None:
         artifacts = c.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
         iterations = c.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])))
         tasks = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in iterations])))
+        logs = [log.message for log in c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))]
+    # the run's own lines are in its Logs tab, not only on the worker's terminal
+    assert any(m.startswith("[unirl] run tiny at ") and "mlflow ui --backend-store-uri" in m for m in logs), logs
+    assert any(m.startswith("[unirl] iter-000001 (2/2)  reward ") for m in logs), logs
     by_key: dict[str, list[Any]] = {}
     for art in artifacts:
         by_key.setdefault(art.key, []).append(art)

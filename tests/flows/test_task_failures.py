@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow  # a real Prefect server (the session's), started 
 
 @pytest.mark.parametrize("error,attempts", [(ValueError("reward.scorers.0.weight is nan"), 1), (KeyError("answer"), 1),
                                             (RuntimeError("worker group died"), 3)])
-def test_only_failures_a_retry_could_change_are_retried(prefect_server, error, attempts, capsys):
+def test_only_failures_a_retry_could_change_are_retried(prefect_server, error, attempts):
     tried = []
 
     @task(retries=2, retry_delay_seconds=0, retry_condition_fn=say_retry)
@@ -30,7 +30,6 @@ def test_only_failures_a_retry_could_change_are_retried(prefect_server, error, a
     with temporary_settings(updates=settings), pytest.raises(type(error)):
         run()
     assert len(tried) == attempts
-    assert (capsys.readouterr().out.count("failed, retrying (attempt") == attempts - 1)
 
 
 def test_a_run_named_with_dots_publishes_its_evaluation(prefect_server):
