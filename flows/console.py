@@ -92,7 +92,7 @@ def log_to_run_folder(local_dir: Path | None) -> Path | None:
     return path
 
 
-def _run_logger() -> logging.LoggerAdapter | None:
+def _run_logger() -> logging.Logger | logging.LoggerAdapter | None:
     """The current Prefect flow or task run's logger (its records reach the run's Logs tab in the
     UI through the API), or None outside a run."""
     from prefect.context import FlowRunContext, TaskRunContext
@@ -107,10 +107,10 @@ def _run_logger() -> logging.LoggerAdapter | None:
         return None
 
 
-def _console_shows(logger: logging.LoggerAdapter) -> bool:
+def _console_shows(logger: logging.Logger | logging.LoggerAdapter) -> bool:
     """Whether an INFO record of `logger` reaches a console handler (a deployment's worker shows
     run logs on its terminal; `unirl run` keeps Prefect's console at WARNING, QUIET_ENV)."""
-    node: logging.Logger | None = logger.logger
+    node: logging.Logger | None = logger.logger if isinstance(logger, logging.LoggerAdapter) else logger
     while node is not None:
         for handler in node.handlers:
             if (isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
