@@ -51,8 +51,9 @@ def sweep(parent: Path | None = None) -> list[Path]:
 
 
 def scratch_dir(prefix: str) -> Path:
-    """A new folder `<tmp>/<prefix>XXXX` owned by this process (prefix starts with "unirl-"),
-    removed at its exit; stale folders of dead processes are swept first."""
+    """A new folder in the temp dir, named `prefix` plus mkdtemp's random suffix (prefix starts
+    with "unirl-"), owned by this process and removed at its exit; stale folders of dead
+    processes are swept first."""
     assert prefix.startswith(PREFIX), prefix
     sweep()
     folder = Path(tempfile.mkdtemp(prefix=prefix))

@@ -58,6 +58,7 @@ def _check_events(text: str, source: str, max_depth: int, max_nodes: int) -> Non
     """Depth, expanded size and document count from the event stream, without building a tree."""
     anchors: dict[str, int] = {}
     stack: list[list[Any]] = [[0, None]]  # [expanded nodes so far, anchor] per open collection
+    total = 0  # expanded nodes of the whole document so far (the sum over the stack)
     documents = 0
     try:
         for event in yaml.parse(text, Loader=_Loader):
@@ -76,15 +77,18 @@ def _check_events(text: str, source: str, max_depth: int, max_nodes: int) -> Non
                 if anchor is not None:
                     anchors[anchor] = size
                 stack[-1][0] += size
+                total += 1
             elif isinstance(event, yaml.ScalarEvent):
                 if event.anchor is not None:
                     anchors[event.anchor] = 1
                 stack[-1][0] += 1
+                total += 1
             elif isinstance(event, yaml.AliasEvent):
                 stack[-1][0] += anchors.get(event.anchor, 1)
+                total += anchors.get(event.anchor, 1)
             else:
                 continue
-            if sum(frame[0] for frame in stack) > max_nodes:
+            if total > max_nodes:
                 mark = event.start_mark
                 raise YamlInputError(f"{source}: line {mark.line + 1}: more than {max_nodes} values with its aliases expanded; "
                                      "write the values out or use fewer aliases")
