@@ -103,7 +103,7 @@ def evaluate_run(recipe: Recipe, run_name: str = "", version: int | None = None,
     try:
         result = staged(shape.evaluate)(recipe, run_name, version, split)
     finally:
-        for store in {storage.url(), *(store.url() for store, _ in shape.models(recipe, run_name, storage).values())}:
+        for store in {storage.url(), *(store.url() for store, _, _ in shape.models(recipe, run_name, storage).values())}:
             close_engine(store)
             close_group(store)
     tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"))

@@ -23,14 +23,15 @@ from unirl.flows.console import Progress, log_to_run_folder, say
 from unirl.flows.evaluate import eval_artifact, eval_preview, report_test, summary, test_split
 from unirl.flows.hooks import stop_worker_group
 from unirl.flows.shapes import Models, RunShape, rl_iteration, shape_of
-from unirl.stages.recipe import Recipe
+from unirl.stages.models.family import families
+from unirl.stages.recipe import MAX_OVERRIDES, Recipe, with_overrides
 from unirl.stages.runtime.data import build_prompt_source
 from unirl.stages.runtime.evaluation import eval_dir
 from unirl.stages.runtime.faults import fault_point
 from unirl.stages.runtime.lease import RunLease
 from unirl.stages.runtime.run import open_run, update_run_info
 from unirl.stages.runtime.storage import iter_dir, join
-from unirl.stages.runtime.tracking import Tracker
+from unirl.stages.runtime.tracking import Tracker, model_card
 from unirl.stages.train.manifests import MANIFEST
 from unirl.stages.workers.group import close_group
 from unirl.tasks.common import close_engine, run_tags, staged, start_producer, stop_producer, storage_of
@@ -50,7 +51,8 @@ def starts_ahead() -> bool:
 @flow(name="rl-train", flow_run_name="{recipe.name}/{run_name}",
       on_cancellation=[stop_worker_group], on_crashed=[stop_worker_group])
 def rl_train(
-    recipe: Recipe, run_name: str = "", iterations: Annotated[int | None, Field(ge=1)] = None
+    recipe: Recipe, run_name: str = "", iterations: Annotated[int | None, Field(ge=1)] = None,
+    overrides: Annotated[list[str] | None, Field(max_length=MAX_OVERRIDES)] = None,
 ) -> dict[str, Any]:
     """Run (or resume) `recipe` as run `run_name` (default: the recipe's name).
 
@@ -59,7 +61,11 @@ def rl_train(
         run_name: Run folder name (default: the recipe's name); the same name resumes the run.
         iterations: Overrides `recipe.iterations` (e.g. `--param iterations=2`); more than the
             run has finished extends it.
+        overrides: `key.sub=value` changes to the recipe, applied as `unirl run` applies them
+            (e.g. `train.lr=3e-4`, `reward.scorers=[{name: exact_match}]`), so one field changes
+            without rewriting the recipe.
     """
+    recipe = with_overrides(recipe, overrides or [])  # a bad override fails here, naming it
     run_name = run_name or recipe.name
     if iterations is not None:
         recipe = recipe.model_copy(update={"iterations": iterations})
@@ -146,7 +152,7 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
     finally:
         if progress is not None:
             progress.close()
-        for store in {storage.url(), *(store.url() for store, _ in models.values())}:
+        for store in {storage.url(), *(store.url() for store, _, _ in models.values())}:
             stop_producer(store)
             close_engine(store)
             close_group(store)
@@ -202,10 +208,24 @@ def register(recipe: Recipe, tracker: Tracker, run_name: str, models: Models, ve
     `checkpoint_every` iterations, and a frozen one only v000000."""
     if not recipe.tracking.registry:
         return
-    for name, (store, trains) in models.items():
+    for name, (store, trains, model) in models.items():
         rel = store.weights_rel(version)
         if (version == 0 or trains) and store.exists(join(rel, MANIFEST)):
+            if not store.exists(join(rel, "MLmodel")):  # what the registry page shows it takes and gives
+                for file, data in model_card(families.get(model.kind), example_prompt(recipe)).items():
+                    store.write_bytes(join(rel, file), data)
             tracker.register_version(name, run_name, version, store.url(rel), store.read_json(join(rel, MANIFEST)))
+
+
+_EXAMPLES: dict[str, str] = {}  # a prompt source's JSON -> its first training prompt
+
+
+def example_prompt(recipe: Recipe) -> str:
+    """The first training prompt: a registered version's input example (each source built once)."""
+    key = recipe.data.model_dump_json()
+    if key not in _EXAMPLES:
+        _EXAMPLES[key] = str(build_prompt_source(recipe.data).batch(0, 1)[0].text)
+    return _EXAMPLES[key]
 
 
 def held_out(shape: RunShape, recipe: Recipe, run_name: str, version: int, tracker: Tracker, models: Models, label: str,

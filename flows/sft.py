@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from prefect import flow, get_run_logger
+from pydantic import Field
 
 from unirl.flows.console import say
 from unirl.stages.compose.unified import write_sft_data as unified_sft_data
-from unirl.stages.recipe import Recipe
+from unirl.stages.recipe import MAX_OVERRIDES, Recipe, with_overrides
 from unirl.stages.runtime.faults import fault_point
 from unirl.stages.runtime.run import materialize_model, open_run, update_run_info
 from unirl.stages.runtime.storage import RunStorage, join
@@ -80,8 +81,16 @@ def run_sft(recipe: Recipe, storage: RunStorage, tracker: Tracker | None = None)
 
 
 @flow(name="sft", flow_run_name="{recipe.name}/{run_name}")
-def sft(recipe: Recipe, run_name: str = "") -> dict[str, Any]:
-    """Run only the warm start of `recipe` (its `sft` section) as run `run_name`."""
+def sft(recipe: Recipe, run_name: str = "",
+        overrides: Annotated[list[str] | None, Field(max_length=MAX_OVERRIDES)] = None) -> dict[str, Any]:
+    """Run only the warm start of `recipe` (its `sft` section) as run `run_name`.
+
+    Args:
+        recipe: The whole run; its `sft` section is what runs.
+        run_name: Run folder name (default: the recipe's name).
+        overrides: `key.sub=value` changes to the recipe, applied as `unirl sft` applies them.
+    """
+    recipe = with_overrides(recipe, overrides or [])
     if recipe.sft is None:
         raise ValueError("the recipe has no `sft` section; add one (see recipes/ar/quickstart.yaml)")
     run_name = run_name or recipe.name

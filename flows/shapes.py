@@ -45,8 +45,8 @@ from unirl.tasks.unified import advantages as stage_advantages
 from unirl.tasks.unified import compose as compose_stages
 from unirl.tasks.unified import evaluate_unified, generate_stage
 
-# A registered model name -> (its run's storage, whether it trains): what a run publishes.
-Models = dict[str, tuple[RunStorage, bool]]
+# A registered model name -> (its run's storage, whether it trains, its `model` section): what a run publishes.
+Models = dict[str, tuple[RunStorage, bool, Any]]
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def rl_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any
 
 
 def one_model(recipe: Recipe, run_name: str, storage: RunStorage) -> Models:
-    return {recipe.name: (storage, True)}
+    return {recipe.name: (storage, True, recipe.model)}
 
 
 def prepare_one(recipe: Recipe, storage: RunStorage) -> None:
@@ -204,8 +204,9 @@ def unified_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str
 
 def pipeline_models(recipe: Recipe, run_name: str, storage: RunStorage) -> Models:
     """Each part's run, registered as `<recipe name>-<side>`."""
-    return {f"{recipe.name}-{side}": (pipeline.part_storage(recipe, run_name, side), pipeline.trains(recipe, side))
-            for side in pipeline.SIDES}
+    assert recipe.pe is not None
+    return {f"{recipe.name}-{side}": (pipeline.part_storage(recipe, run_name, side), pipeline.trains(recipe, side),
+                                      getattr(recipe.pe, side).model) for side in pipeline.SIDES}
 
 
 def warm_start_parts(recipe: Recipe, run_name: str, storage: RunStorage, tracker: Tracker) -> None:

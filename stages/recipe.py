@@ -530,6 +530,7 @@ class RecipeError(ValueError):
 
 
 MAX_OVERRIDE_BYTES = 64 << 10
+MAX_OVERRIDES = 256  # per flow run's `overrides` parameter
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -680,6 +681,14 @@ def build_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
         return Recipe.model_validate(data)
     except ValidationError as exc:
         raise RecipeError(source, format_errors(exc)) from None
+
+
+def with_overrides(recipe: Recipe, overrides: list[str], source: str = "overrides") -> Recipe:
+    """`recipe` with `key.sub=value` overrides applied as `unirl run` applies them (to the fields
+    the recipe gives, so a composed recipe's unset sections stay unset), validated again."""
+    if not overrides:
+        return recipe
+    return build_recipe(apply_overrides(recipe.model_dump(mode="json", exclude_unset=True), list(overrides)), source)
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:

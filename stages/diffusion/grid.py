@@ -9,6 +9,7 @@ import io
 import textwrap
 from typing import Any
 
+from unirl.stages.policies import first_of_groups
 from unirl.stages.runtime.sample import read_rollouts, read_shard, scoring_view
 from unirl.stages.runtime.storage import RunStorage, join
 
@@ -42,17 +43,6 @@ def clip_grid(clips: list[list[bytes]], captions: list[str], *, columns: int = 4
     return [image_grid([c[min(k, len(c) - 1)] for c in clips], captions, columns=columns, cell=cell) for k in range(length)]
 
 
-def _pick(table: Any, max_items: int) -> list[int]:
-    """The first `max_items` rows, one per group first, so prompts vary."""
-    first_of_group: list[int] = []
-    rest: list[int] = []
-    seen: set[Any] = set()
-    for i, g in enumerate(table.column("group_id").to_pylist()):
-        (rest if g in seen else first_of_group).append(i)
-        seen.add(g)
-    return (first_of_group + rest)[:max_items]
-
-
 def rollout_grid(storage: RunStorage, rollouts: list[str], rewards: str | None = None, *, max_images: int = 16,
                  columns: int = 4) -> Any:
     """The grid of the first `max_images` rollouts (one per group first), with their rewards when
@@ -64,7 +54,7 @@ def rollout_grid(storage: RunStorage, rollouts: list[str], rewards: str | None =
     if rewards is not None:
         r = read_shard(storage, rewards, "rewards")
         reward = dict(zip(r.column("sample_id").to_pylist(), r.column("reward").to_pylist()))
-    pick = _pick(table, max_images)
+    pick = first_of_groups(table.column("group_id").to_pylist(), max_images)
     prompts = table.column("prompt").to_pylist()
     rewrites = table.column("text").to_pylist() if "text" in table.column_names else None  # a pipeline's rewrite
     captions = [prompts[i] + (f" -> {rewrites[i]}" if rewrites else "") + (f"  r={reward[ids[i]]:.2f}" if ids[i] in reward else "")

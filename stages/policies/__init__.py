@@ -119,6 +119,48 @@ class Policy(ABC):
         return None
 
 
+PREVIEW_ROWS = 16  # rollouts in an iteration's samples table
+
+
+def first_of_groups(groups: list[Any], n: int) -> list[int]:
+    """The indices of the first `n` rows, the first row of every group before any second, so prompts vary."""
+    first: list[int] = []
+    rest: list[int] = []
+    seen: set[Any] = set()
+    for i, g in enumerate(groups):
+        (rest if g in seen else first).append(i)
+        seen.add(g)
+    return (first + rest)[:n]
+
+
+def samples_table(storage: Any, iteration: int, read: list[str], cells: Any, rows: int = PREVIEW_ROWS) -> dict[str, list[Any]] | None:
+    """The table of an iteration's first rollouts (one per group first) that people read in MLflow:
+    sample_id, prompt, what `cells(table, i)` gives of row i (the response; the image), reward,
+    advantage and the policy version that sampled it. `read`: the rollout columns `cells` needs.
+    None until the iteration's rollouts are committed."""
+    from unirl.stages.runtime.sample import read_rollouts, read_shard, scoring_view
+
+    gen = storage.stage_manifest(iteration, "generate")
+    if gen is None:
+        return None
+    table = scoring_view(read_rollouts(storage, gen["files"], columns=["sample_id", "group_id", "prompt", "policy_version", *read]))
+    ids = table.column("sample_id").to_pylist()
+    pick = first_of_groups(table.column("group_id").to_pylist(), rows)
+    prompts, versions = table.column("prompt").to_pylist(), table.column("policy_version").to_pylist()
+    columns: dict[str, list[Any]] = {"sample_id": [ids[i] for i in pick], "prompt": [prompts[i] for i in pick]}
+    for i in pick:
+        for name, value in cells(table, i).items():
+            columns.setdefault(name, []).append(value)
+    for stage, column in (("score", "reward"), ("advantage", "advantage")):
+        manifest = storage.stage_manifest(iteration, stage)
+        if manifest is not None:
+            shard = read_shard(storage, manifest["files"][0], "rewards" if stage == "score" else "advantages")
+            by_id = dict(zip(shard.column("sample_id").to_pylist(), shard.column(column).to_pylist()))
+            columns[column] = [by_id.get(ids[i]) for i in pick]
+    columns["version"] = [versions[i] for i in pick]
+    return columns
+
+
 def policy_for(recipe: Any) -> type[Policy]:
     """The policy a recipe's model runs as: its `rollout.kind` (the family's policy, or one of
     those a unified family offers)."""

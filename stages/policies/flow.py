@@ -21,7 +21,7 @@ import torch
 from pydantic import Field, model_validator
 
 from unirl.stages.diffusion.kernels import kernels
-from unirl.stages.policies import Policy, RolloutBase, policies
+from unirl.stages.policies import Policy, RolloutBase, policies, samples_table
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.seeds import derive_seed
 
@@ -118,6 +118,30 @@ class FlowRollout(RolloutBase):
     sampler: FlowSampler = Field(default_factory=FlowSampler, description="Latent sampling.")
 
 
+def media_cell(table: Any, i: int) -> dict[str, Any]:
+    """A flow rollout's picture for its table row: the PNG image, or the clip as an animated GIF."""
+    import io
+
+    from PIL import Image
+
+    from unirl.stages.runtime.media import decode_png, to_gif
+    from unirl.stages.runtime.tracking import Media
+
+    def seen(png: bytes) -> Any:  # a tiny model's 16-pixel sample, enlarged to be seen (nearest: no blur)
+        image = decode_png(png)
+        scale = max(1, TABLE_CELL // max(image.size))
+        return image.resize((image.width * scale, image.height * scale), Image.Resampling.NEAREST)
+
+    frames = table.column("media_frames")[i].as_py() if "media_frames" in table.column_names else None
+    if frames:
+        return {"video": Media(to_gif([seen(f) for f in frames]), "gif")}
+    buf = io.BytesIO()
+    seen(table.column("media_png")[i].as_py()).save(buf, format="PNG")
+    return {"image": Media(buf.getvalue(), "png")}
+
+
+TABLE_CELL = 128  # pixels a table's picture is enlarged to, at least
+
 @policies.register("flow")
 class FlowPolicy(Policy):
     kind = "flow"
@@ -182,10 +206,16 @@ class FlowPolicy(Policy):
 
     @classmethod
     def log_preview(cls, recipe: Any, tracker: Any, storage: Any, iteration: int) -> str | None:
-        """An image grid (an animated GIF grid for video) of the iteration's rollouts, with rewards."""
+        """An image grid (an animated GIF grid for video) of the iteration's rollouts, with rewards,
+        and the table of its first samples with each image (clip) in its row: prompt, image,
+        reward, advantage, version (MLflow `tables/samples/step-N.json`)."""
         from unirl.stages.diffusion.grid import log_iteration_grid
 
-        return log_iteration_grid(tracker, storage, iteration)
+        grid = log_iteration_grid(tracker, storage, iteration)
+        columns = samples_table(storage, iteration, ["media_png", "media_frames"], media_cell)
+        if columns is not None:
+            tracker.log_table(iteration, columns, "samples")
+        return grid
 
     @classmethod
     def log_eval_preview(cls, recipe: Any, tracker: Any, storage: Any, version: int) -> str | None:

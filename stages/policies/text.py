@@ -25,10 +25,8 @@ import pyarrow as pa
 import torch
 from pydantic import Field
 
-from unirl.stages.policies import Policy, RolloutBase, policies
+from unirl.stages.policies import Policy, RolloutBase, policies, samples_table
 from unirl.stages.runtime.seeds import derive_seed
-
-PREVIEW_ROWS = 16
 
 
 class TextRollout(RolloutBase):
@@ -167,28 +165,9 @@ class TextPolicy(Policy):
     @classmethod
     def log_preview(cls, recipe: Any, tracker: Any, storage: Any, iteration: int) -> str | None:
         """A table of the iteration's first samples, one per group first: prompt, response, reward,
-        advantage (MLflow `tables/samples/step-N.json`)."""
-        from unirl.stages.runtime.sample import read_rollouts, read_shard
-
-        gen = storage.stage_manifest(iteration, "generate")
-        if gen is None:
-            return None
-        table = read_rollouts(storage, gen["files"], columns=["sample_id", "group_id", "prompt", "text"])
-        values = {}
-        for stage, column in (("score", "reward"), ("advantage", "advantage")):
-            manifest = storage.stage_manifest(iteration, stage)
-            if manifest is not None:
-                shard = read_shard(storage, manifest["files"][0], "rewards" if stage == "score" else "advantages")
-                values[column] = dict(zip(shard.column("sample_id").to_pylist(), shard.column(column).to_pylist()))
-        ids, groups = table.column("sample_id").to_pylist(), table.column("group_id").to_pylist()
-        first = [groups.index(g) for g in dict.fromkeys(groups)]
-        pick = (first + [i for i in range(len(ids)) if i not in first])[:PREVIEW_ROWS]
-        prompts, texts = table.column("prompt").to_pylist(), table.column("text").to_pylist()
-        columns = {"sample_id": [ids[i] for i in pick], "prompt": [prompts[i] for i in pick],
-                   "response": [texts[i] for i in pick]}
-        for column, by_id in values.items():
-            columns[column] = [by_id.get(ids[i]) for i in pick]
-        return tracker.log_table(iteration, columns, "samples")
+        advantage, version (MLflow `tables/samples/step-N.json`)."""
+        columns = samples_table(storage, iteration, ["text"], lambda table, i: {"response": table.column("text")[i].as_py()})
+        return None if columns is None else tracker.log_table(iteration, columns, "samples")
 
     @classmethod
     def samples(cls, requests: pa.Table, where: str) -> list[tuple[Any, ...]]:

@@ -11,10 +11,20 @@ import hashlib
 import json
 import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from unirl.stages.recipe import Recipe
 from unirl.stages.runtime.storage import RunStorage
+
+
+def artifact_root(uri: str) -> str | None:
+    """Where a new experiment of a SQLite store keeps its artifacts: `mlartifacts` beside the
+    database (for a run's own store, in the run folder) instead of MLflow's default, ./mlruns in
+    whatever folder the process started in. A tracking server or a folder store decides itself."""
+    if uri.startswith("sqlite:///"):
+        return os.path.join(os.path.dirname(uri[len("sqlite:///"):]) or ".", "mlartifacts")
+    return None
 
 
 def tracking_uri(recipe: Recipe, storage: RunStorage) -> str:
@@ -53,6 +63,40 @@ def browse(uri: str, experiment_id: str | None, run_id: str) -> tuple[str, str |
     return f"{MLFLOW_UI}/{page}", f"mlflow ui --backend-store-uri {shlex.quote(uri)}"
 
 
+@dataclass(frozen=True)
+class Media:
+    """A table cell's picture: encoded bytes and their file extension (png, gif)."""
+
+    data: bytes
+    ext: str
+
+
+def model_card(family: Any, example: str) -> dict[str, bytes]:
+    """What a registered version shows of what it takes and gives: MLflow's `MLmodel` with the
+    signature of a `family` model as unirl samples it (a prompt, and its images for a
+    vision-language model; a response for each text policy, a PNG image or a GIF clip for a flow
+    policy) and `example` as its input example. Files by name, written beside the weights."""
+    import tempfile
+    from pathlib import Path
+
+    from mlflow.models import Model, ModelSignature
+    from mlflow.models.utils import _save_example
+    from mlflow.types import ColSpec, Schema
+
+    inputs: list[Any] = [ColSpec("string", "prompt")] + ([ColSpec("binary", "images", required=False)] if family.takes_images else [])
+    outputs: list[Any] = []
+    for policy in family.offers():
+        if policy == "text":
+            outputs.append(ColSpec("string", "response"))
+        else:
+            outputs.append(ColSpec("binary", "video" if "video" in family.produces else "image"))
+    model = Model(signature=ModelSignature(inputs=Schema(inputs), outputs=Schema(outputs)))
+    with tempfile.TemporaryDirectory(prefix="unirl-card-") as tmp:
+        _save_example(model, {"prompt": [example]}, tmp)
+        model.save(str(Path(tmp) / "MLmodel"))
+        return {p.name: p.read_bytes() for p in Path(tmp).iterdir()}
+
+
 class Tracker:
     """One MLflow run per unirl run; resumed runs keep logging into the same MLflow run, and a
     step that already has metrics is not logged again."""
@@ -67,13 +111,15 @@ class Tracker:
         self.client = MlflowClient(tracking_uri=self.uri)
         if mlflow_run_id is None:
             exp = self.client.get_experiment_by_name(recipe.tracking.experiment)
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(recipe.tracking.experiment)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(
+                recipe.tracking.experiment, artifact_location=artifact_root(self.uri))
             run = self.client.create_run(exp_id, run_name=run_name, tags={"unirl.run": run_name, "unirl.storage": storage.url()})
             self.run_id = run.info.run_id
             self.log_params(recipe)
         else:
             self.run_id = mlflow_run_id
         self.logged_steps: dict[str, set[int]] = {}  # metric key -> steps already in MLflow
+        self.tables: list[str] | None = None  # the tables MLflow's table views list (read once, then kept)
 
     def log_params(self, recipe: Recipe) -> None:
         from mlflow.entities import Param
@@ -113,25 +159,54 @@ class Tracker:
 
     def log_bytes(self, step: int, data: bytes, key: str, ext: str) -> str:
         """Log a file's bytes (an animated GIF preview) as `images/<key>/step-<step>.<ext>`; returns its path."""
+        return self.log_file(data, f"images/{key}", f"step-{step:06d}.{ext}")
+
+    def log_table(self, step: int, columns: dict[str, list[Any]], key: str) -> str:
+        """Log a table (column -> values) as `tables/<key>/step-<step>.json` in MLflow's table
+        layout, listed where MLflow's table views look (the run's `mlflow.loggedArtifacts` tag);
+        returns its path. A `Media` value is logged as its own file beside the table and shown as
+        an image in its cell (a GIF for a video). Not `MlflowClient.log_table`, which reads the
+        run and lists its artifacts on every call, a cost per iteration that grows with the run;
+        the tag lists the newest tables that fit MLflow's tag size (older ones stay artifacts)."""
+        folder = f"tables/{key}"
+        path = f"{folder}/step-{step:06d}.json"
+        names = list(columns)
+        rows = []
+        for r, values in enumerate(zip(*(columns[n] for n in names))):
+            row = []
+            for name, value in zip(names, values):
+                if isinstance(value, Media):
+                    media = self.log_file(value.data, f"{folder}/media", f"step-{step:06d}-{r:03d}-{name}.{value.ext}")
+                    value = {"type": "image", "filepath": media, "compressed_filepath": media}
+                row.append(value)
+            rows.append(row)
+        self.client.log_dict(self.run_id, {"columns": names, "data": rows}, artifact_file=path)
+        self.list_table(path)
+        return path
+
+    def log_file(self, data: bytes, folder: str, name: str) -> str:
         import tempfile
         from pathlib import Path
 
         with tempfile.TemporaryDirectory(prefix="unirl-artifact-") as tmp:
-            local = Path(tmp) / f"step-{step:06d}.{ext}"
+            local = Path(tmp) / name
             local.write_bytes(data)
-            self.client.log_artifact(self.run_id, str(local), artifact_path=f"images/{key}")
-        return f"images/{key}/step-{step:06d}.{ext}"
+            self.client.log_artifact(self.run_id, str(local), artifact_path=folder)
+        return f"{folder}/{name}"
 
-    def log_table(self, step: int, columns: dict[str, list[Any]], key: str) -> str:
-        """Log a table (column -> values) as `tables/<key>/step-<step>.json` in MLflow's table
-        layout ({"columns": [...], "data": [[row], ...]}); returns its path. Written as a plain
-        artifact: `MlflowClient.log_table` also reads the run and lists its artifacts to update a
-        tag naming every table, a cost per iteration that grows with the run."""
-        path = f"tables/{key}/step-{step:06d}.json"
-        names = list(columns)
-        rows = [list(values) for values in zip(*(columns[n] for n in names))]
-        self.client.log_dict(self.run_id, {"columns": names, "data": rows}, artifact_file=path)
-        return path
+    def list_table(self, path: str) -> None:
+        from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
+        from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
+
+        if self.tables is None:
+            listed = json.loads(self.client.get_run(self.run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+            self.tables = [t["path"] for t in listed if t.get("type") == "table"]
+        if path in self.tables:
+            return
+        self.tables.append(path)
+        while len(tag := json.dumps([{"path": p, "type": "table"} for p in self.tables])) > MAX_TAG_VAL_LENGTH:
+            self.tables.pop(0)
+        self.client.set_tag(self.run_id, MLFLOW_LOGGED_ARTIFACTS, tag)
 
     # -- the model registry ----------------------------------------------------------------------
     def register_version(self, model: str, run_name: str, policy_version: int, source: str, manifest: dict[str, Any]) -> str:

@@ -73,6 +73,16 @@ def check_run(run: Path, case: str, algo: str, env: dict[str, str], iterations: 
     client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
     previews = [a.path for a in client.list_artifacts(info["mlflow_run_id"], "images/rollouts")]
     assert f"images/rollouts/step-000000.{'gif' if video else 'png'}" in previews
+    # The samples table: MLflow's table layout, each row's picture (a GIF for a clip) a file beside it
+    # that the table view shows in its cell, enlarged from the model's 16 pixels.
+    table = json.loads(Path(client.download_artifacts(info["mlflow_run_id"], "tables/samples/step-000000.json", str(run))).read_text())
+    picture = "video" if video else "image"
+    assert table["columns"] == ["sample_id", "prompt", picture, "reward", "advantage", "version"]
+    cell = table["data"][0][2]
+    assert cell["type"] == "image" and cell["filepath"].endswith(".gif" if video else ".png")
+    shown = Image.open(client.download_artifacts(info["mlflow_run_id"], cell["filepath"], str(run)))
+    assert shown.size == (128, 128) and getattr(shown, "n_frames", 1) == (5 if video else 1)
+    assert {row[-1] for row in table["data"]} == {0}
 
 
 @pytest.mark.parametrize("case", sorted(RUNS))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -148,7 +149,20 @@ def test_four_iterations_layout_shards_advantages_and_mlflow(tmp_path, reference
     assert dev and test and not dev & test and not (dev | test) & trained
     local = client.download_artifacts(info["mlflow_run_id"], "tables/samples/step-000003.json", str(tmp_path))
     table = json.loads(Path(local).read_text())
-    assert table["columns"] == ["sample_id", "prompt", "response", "reward", "advantage"] and len(table["data"]) == 16
+    assert table["columns"] == ["sample_id", "prompt", "response", "reward", "advantage", "version"] and len(table["data"]) == 16
+    assert {row[-1] for row in table["data"]} == {3}  # sampled by the weights after 3 train steps
+    # MLflow's table views list it (the tag its own log_table keeps), and its artifacts are in the run folder.
+    listed = json.loads(mlrun.data.tags["mlflow.loggedArtifacts"])
+    assert {"path": "tables/samples/step-000003.json", "type": "table"} in listed
+    assert mlrun.info.artifact_uri.startswith(str(run / "mlartifacts"))
+    assert any((run / "mlartifacts").rglob("step-000003.json"))
+    # The registry page shows what a version takes and gives: MLflow's own reader finds its signature and example.
+    from mlflow.models import Model
+
+    card = Model.load(f"{versions[4].source}/MLmodel")  # what the page reads: the MLmodel at the version's source
+    assert card.signature.inputs.input_names() == ["prompt"] and card.signature.outputs.input_names() == ["response"]
+    example = json.loads((run / "weights/v000004" / card.saved_input_example_info["artifact_path"]).read_text())
+    assert re.fullmatch(r"\d\+\d=", example["prompt"][0])  # a training prompt of the recipe's sums
     # checkpoint_every=3: a checkpoint after iteration 2 and the final one after iteration 3
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["000003", "000004"]
     assert (run / "weights" / "v000004" / "model.safetensors").is_file()

@@ -1,0 +1,192 @@
+"""The Prefect UI's Run form of a deployed recipe: its own model, data, rollout and algorithm.
+
+`Recipe`'s varying sections are discriminated unions over the registries (every family, prompt
+source, policy, engine and algorithm), which the UI renders as raw JSON editors or as tabs with the
+first variant preselected: a qwen3 recipe's Model tab would show FLUX.2's fields. A deployment's
+form is for its own recipe, so each deployment's entrypoint names the variants of its recipe:
+
+    unirl.flows.forms:rl_train__model_is_qwen3__data_is_arithmetic__rollout_is_text__...
+
+and this module's `__getattr__` answers that name with the base flow (`rl-train`, the same
+function) whose `recipe` parameter keeps `Recipe`'s validation but shows the JSON schema narrowed
+to those variants: each union becomes its variant's fields, with their descriptions, and a typo
+inside one is refused by the server's schema check naming the field ("Additional properties are
+not allowed ('lrr' was unexpected)"). `python -m unirl.flows.deploy write` writes these names.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from typing import Annotated, Any
+
+from prefect import Flow
+from pydantic import WithJsonSchema
+
+from unirl.stages.recipe import Recipe
+
+SEP, IS = "__", "_is_"
+
+
+@functools.cache
+def recipe_schema() -> dict[str, Any]:
+    return Recipe.model_json_schema()
+
+
+@functools.cache
+def union_paths() -> dict[str, str]:
+    """Every discriminated union in `Recipe` as (dotted path -> discriminator), unions inside
+    union variants included (`rollout.engine`)."""
+    schema = recipe_schema()
+    defs = schema["$defs"]
+    out: dict[str, str] = {}
+
+    def walk(node: dict[str, Any], path: str, seen: tuple[str, ...]) -> None:
+        ref = node.get("$ref")
+        if ref is not None:
+            name = ref.rsplit("/", 1)[-1]
+            if name not in seen:
+                walk(defs[name], path, (*seen, name))
+            return
+        if "discriminator" in node and "oneOf" in node:
+            out[path] = node["discriminator"]["propertyName"]
+        for branch in node.get("oneOf", []) + node.get("anyOf", []) + node.get("allOf", []):
+            walk(branch, path, seen)
+        for key, sub in node.get("properties", {}).items():
+            walk(sub, f"{path}.{key}" if path else key, seen)
+
+    walk(schema, "", ())
+    names = {p.replace(".", "_"): p for p in out}
+    if len(names) != len(out):  # two paths would read the same in an attribute name
+        raise RuntimeError(f"union paths collide once '.' reads '_': {sorted(out)}")
+    return out
+
+
+def variants(recipe: Recipe) -> dict[str, str]:
+    """The recipe's variant at every union it has (path -> tag), e.g. {"model": "qwen3", ...}. A
+    composed recipe's own model, rollout and algorithm stay unset (its parts carry them): the
+    sections it does not give are left out, and with them off its form."""
+    data = recipe.model_dump(mode="json")
+    given = recipe.model_fields_set if recipe.shape != "single" else set(Recipe.model_fields)
+    out: dict[str, str] = {}
+    for path, key in union_paths().items():
+        if path.split(".")[0] not in given:
+            continue
+        node: Any = data
+        for part in path.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and isinstance(node.get(key), str):
+            out[path] = node[key]
+    return out
+
+
+def form_name(base: str, recipe: Recipe) -> str:
+    """The attribute of this module that is `base`'s flow with `recipe`'s form."""
+    return base + "".join(f"{SEP}{path.replace('.', '_')}{IS}{tag}" for path, tag in sorted(variants(recipe).items()))
+
+
+def parse_name(name: str) -> tuple[str, dict[str, str]]:
+    """(base flow, variants) from a form name; ValueError naming what is wrong."""
+    base, *items = name.split(SEP)
+    paths = {p.replace(".", "_"): p for p in union_paths()}
+    chosen: dict[str, str] = {}
+    for item in items:
+        under, sep, tag = item.partition(IS)
+        if not sep or under not in paths:
+            raise ValueError(f"{name}: {item!r} is not <section>{IS}<variant> for a section that varies "
+                             f"({', '.join(sorted(paths))})")
+        chosen[paths[under]] = tag
+    return base, chosen
+
+
+def narrowed_schema(chosen: dict[str, str]) -> dict[str, Any]:
+    """`Recipe`'s JSON schema with every union in `chosen` replaced by its variant's fields, and
+    every reference inlined (the schema is embedded in the flow's parameter schema, whose own
+    definitions it cannot add to)."""
+    schema = recipe_schema()
+    defs = schema["$defs"]
+
+    def build(node: dict[str, Any], path: str, stack: tuple[str, ...]) -> dict[str, Any]:
+        node = dict(node)
+        ref = node.pop("$ref", None)
+        if ref is not None:
+            name = ref.rsplit("/", 1)[-1]
+            if name in stack:
+                raise RuntimeError(f"recursive schema at {path or 'recipe'}: {' -> '.join((*stack, name))}")
+            return build({**copy.deepcopy(defs[name]), **node}, path, (*stack, name))
+        if "discriminator" in node and "oneOf" in node:
+            mapping = node["discriminator"]["mapping"]
+            tag = chosen.get(path)
+            if tag is not None:
+                if tag not in mapping:
+                    raise ValueError(f"{path}: no variant {tag!r} (known: {', '.join(sorted(mapping))})")
+                node.pop("oneOf")
+                node.pop("discriminator")
+                return build({**node, "$ref": mapping[tag]}, path, stack)
+        for key in ("oneOf", "anyOf", "allOf"):
+            if key in node:
+                node[key] = [build(b, path, stack) for b in node[key]]
+        if "properties" in node:
+            props = {k: (f"{path}.{k}" if path else k, v) for k, v in node["properties"].items()}
+            node["properties"] = {k: build(v, sub, stack) for k, (sub, v) in props.items() if not unset(sub)}
+        if isinstance(node.get("items"), dict):
+            node["items"] = build(node["items"], path, stack)
+        if isinstance(node.get("additionalProperties"), dict):
+            node["additionalProperties"] = build(node["additionalProperties"], path, stack)
+        return node
+
+    def unset(path: str) -> bool:
+        """A section whose fields vary by variant that the recipe leaves empty (a prompt enhancer's
+        `pe` in a single model's recipe): not on the form; a recipe of that shape is its own deployment."""
+        inside = [p for p in union_paths() if p == path or p.startswith(path + ".")]
+        return bool(inside) and not any(p in chosen for p in inside)
+
+    body = {k: v for k, v in schema.items() if k != "$defs"}
+    for path in chosen:
+        if path not in union_paths():
+            raise ValueError(f"{path}: not a section that varies (known: {', '.join(sorted(union_paths()))})")
+    return build(body, "", ())
+
+
+def base_flows() -> dict[str, Any]:
+    from unirl.flows.rl import rl_train
+    from unirl.flows.sft import sft
+
+    return {"rl_train": rl_train, "sft": sft}
+
+
+@functools.cache
+def form_flow(name: str) -> Any:
+    """The flow behind form `name`: the base flow's function and options, its `recipe` parameter
+    shown with the narrowed schema (validated as `Recipe` all the same)."""
+    base_name, chosen = parse_name(name)
+    bases = base_flows()
+    if base_name not in bases:
+        raise ValueError(f"{name}: no base flow {base_name!r} (known: {', '.join(bases)})")
+    base = bases[base_name]
+    schema = narrowed_schema(chosen)
+    schema["title"] = "Recipe"
+
+    @functools.wraps(base.fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return base.fn(*args, **kwargs)
+
+    signature = inspect.signature(base.fn, eval_str=True)
+    params = [p.replace(annotation=Annotated[Recipe, WithJsonSchema(schema)]) if p.name == "recipe" else p
+              for p in signature.parameters.values()]
+    run.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    run.__annotations__ = {p.name: p.annotation for p in params} | {"return": signature.return_annotation}
+    run.__name__ = run.__qualname__ = name
+    run.__module__ = __name__
+    return Flow(run, name=base.name, flow_run_name=base.flow_run_name, description=base.description,
+                on_cancellation=base.on_cancellation_hooks, on_crashed=base.on_crashed_hooks,
+                validate_parameters=base.should_validate_parameters)
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("__"):
+        raise AttributeError(name)
+    try:
+        return form_flow(name)
+    except ValueError as exc:
+        raise AttributeError(f"module {__name__!r} has no flow {name!r}: {exc}") from None

@@ -1,0 +1,91 @@
+"""A deployment's Run form (flows/forms.py): the recipe's own variants with their descriptions,
+typos refused naming the field by the same schema check the Prefect server runs, the same flow
+behind it, and the `overrides` parameter applied as the CLI applies it."""
+from __future__ import annotations
+
+import pytest
+from prefect.utilities.callables import parameter_schema
+from prefect.utilities.schema_tools.validation import ValidationError, validate
+
+from tests.conftest import REPO
+from unirl.flows import forms
+from unirl.flows.rl import rl_train
+from unirl.stages.recipe import RecipeError, load_recipe, with_overrides
+
+TINY = REPO / "recipes" / "ar" / "tiny.yaml"
+SD3 = REPO / "recipes" / "diffusion" / "quickstart.yaml"
+
+
+def form_schema(path, base: str = "rl_train") -> tuple[str, dict]:
+    name = forms.form_name(base, load_recipe(path))
+    return name, parameter_schema(getattr(forms, name)).model_dump()
+
+
+def test_the_form_shows_the_recipes_own_model_with_descriptions() -> None:
+    name, schema = form_schema(TINY)
+    assert name.startswith("rl_train__") and "model_is_qwen3" in name
+    recipe = schema["properties"]["recipe"]
+    model = recipe["properties"]["model"]
+    assert "oneOf" not in model and "discriminator" not in model
+    assert model["properties"]["kind"]["const"] == "qwen3"
+    assert model["properties"]["tiny"]["properties"]["hidden_size"]["description"]
+    assert "sampler" not in recipe["properties"]["rollout"]["properties"]  # a flow policy's field
+    assert recipe["properties"]["rollout"]["properties"]["max_new_tokens"]["description"]
+    assert "pe" not in recipe["properties"] and "unified" not in recipe["properties"]  # another shape's sections
+
+    _, sd3 = form_schema(SD3)
+    model = sd3["properties"]["recipe"]["properties"]["model"]
+    assert model["properties"]["kind"]["const"] == "sd3"
+    assert "sampler" in sd3["properties"]["recipe"]["properties"]["rollout"]["properties"]
+
+
+def test_a_typo_inside_a_section_is_refused_naming_the_field() -> None:
+    """The check `enforce_parameter_schema` makes on the server, on the generated deployment parameters."""
+    _, schema = form_schema(TINY)
+    recipe = load_recipe(TINY).model_dump(mode="json", exclude_unset=True)
+    validate({"recipe": recipe}, schema, raise_on_error=True)  # the shipped recipe passes
+    recipe["model"]["tiny"]["hiden_size"] = 32
+    with pytest.raises(ValidationError, match=r"recipe\.model\.tiny.*'hiden_size' was unexpected"):
+        validate({"recipe": recipe}, schema, raise_on_error=True)
+    recipe = load_recipe(TINY).model_dump(mode="json", exclude_unset=True)
+    recipe["model"]["kind"] = "flux2_klein"  # another deployment's model
+    with pytest.raises(ValidationError, match=r"recipe\.model\.kind.*'qwen3' was expected"):
+        validate({"recipe": recipe}, schema, raise_on_error=True)
+
+
+def test_the_form_is_the_same_flow() -> None:
+    name, _ = form_schema(TINY)
+    flow = getattr(forms, name)
+    assert flow.name == rl_train.name == "rl-train"
+    assert flow.flow_run_name == rl_train.flow_run_name
+    assert flow.on_cancellation_hooks == rl_train.on_cancellation_hooks
+    assert flow.fn.__wrapped__ is rl_train.fn
+    assert getattr(forms, name) is flow  # built once
+
+
+def test_a_bad_form_name_says_what_is_wrong() -> None:
+    with pytest.raises(AttributeError, match="'nothing' is not <section>_is_<variant>"):
+        forms.rl_train__nothing  # noqa: B018
+    with pytest.raises(AttributeError, match="model: no variant 'gpt9'"):
+        forms.rl_train__model_is_gpt9  # noqa: B018
+    with pytest.raises(AttributeError, match="no base flow 'train'"):
+        forms.train__model_is_qwen3  # noqa: B018
+
+
+def test_overrides_apply_as_the_cli_applies_them() -> None:
+    recipe = load_recipe(TINY)
+    changed = with_overrides(recipe, ["train.lr=3e-4", "reward.scorers=[{name: integer_format}]"])
+    assert changed == load_recipe(TINY, ["train.lr=3e-4", "reward.scorers=[{name: integer_format}]"])
+    assert changed.train.lr == 3e-4 and recipe.train.lr == 1e-3
+    with pytest.raises(RecipeError, match=r"train\.lrr: unknown field; did you mean 'lr'"):
+        with_overrides(recipe, ["train.lrr=1"])
+    with pytest.raises(RecipeError, match="expected key.sub=value"):
+        with_overrides(recipe, ["lr"])
+
+
+def test_a_composed_recipe_shows_its_parts_not_the_unset_sections() -> None:
+    _, schema = form_schema(REPO / "recipes" / "pe" / "quickstart.yaml")
+    recipe = schema["properties"]["recipe"]["properties"]
+    assert "model" not in recipe and "rollout" not in recipe  # its parts carry them
+    assert recipe["pe"]["anyOf"][0]["properties"]["ar"]["properties"]["model"]["properties"]["kind"]["const"] == "qwen3"
+    assert recipe["pe"]["anyOf"][0]["properties"]["diffusion"]["properties"]["model"]["properties"]["kind"]["const"] == "sd3"
