@@ -3,21 +3,29 @@
 `Recipe`'s varying sections are discriminated unions over the registries (every family, prompt
 source, policy, engine and algorithm), which the UI renders as raw JSON editors or as tabs with the
 first variant preselected: a qwen3 recipe's Model tab would show FLUX.2's fields. A deployment's
-form is for its own recipe, so each deployment's entrypoint names the variants of its recipe:
+form is for its own recipe, so each deployment's entrypoint names the variants of its recipe as a
+module of this package:
 
-    unirl.flows.forms:rl_train__model_is_qwen3__data_is_arithmetic__rollout_is_text__...
+    unirl.flows.forms.algorithm_is_grpo__data_is_arithmetic__model_is_qwen3__...:rl_train
 
-and this module's `__getattr__` answers that name with the base flow (`rl-train`, the same
-function) whose `recipe` parameter keeps `Recipe`'s validation but shows the JSON schema narrowed
-to those variants: each union becomes its variant's fields, with their descriptions, and a typo
-inside one is refused by the server's schema check naming the field ("Additional properties are
-not allowed ('lrr' was unexpected)"). `python -m unirl.flows.deploy write` writes these names.
+Such a module is made on import (a finder on `sys.meta_path`, installed with this module); its
+`rl_train` (or `sft`) is the base flow (`rl-train`, the same function, hooks and options) whose
+`recipe` parameter keeps `Recipe`'s validation but shows the JSON schema narrowed to those
+variants: each union becomes its variant's fields, with their descriptions, and a typo inside one
+is refused by the server's schema check naming the field ("Additional properties are not allowed
+('lrr' was unexpected)"). The function keeps its name, so `prefect deploy --name rl-train/tiny`
+finds the deployment. `python -m unirl.flows.deploy write` writes these entrypoints.
 """
 from __future__ import annotations
 
 import copy
 import functools
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import inspect
+import sys
+import types
 from typing import Annotated, Any
 
 from prefect import Flow
@@ -37,9 +45,15 @@ def recipe_schema() -> dict[str, Any]:
 def union_paths() -> dict[str, str]:
     """Every discriminated union in `Recipe` as (dotted path -> discriminator), unions inside
     union variants included (`rollout.engine`)."""
+    return {path: key for path, (key, _) in unions().items()}
+
+
+@functools.cache
+def unions() -> dict[str, tuple[str, frozenset[str]]]:
+    """Every discriminated union in `Recipe`: dotted path -> (discriminator, its variants' tags)."""
     schema = recipe_schema()
     defs = schema["$defs"]
-    out: dict[str, str] = {}
+    out: dict[str, tuple[str, frozenset[str]]] = {}
 
     def walk(node: dict[str, Any], path: str, seen: tuple[str, ...]) -> None:
         ref = node.get("$ref")
@@ -49,7 +63,8 @@ def union_paths() -> dict[str, str]:
                 walk(defs[name], path, (*seen, name))
             return
         if "discriminator" in node and "oneOf" in node:
-            out[path] = node["discriminator"]["propertyName"]
+            tags = frozenset(node["discriminator"]["mapping"]) | out.get(path, ("", frozenset()))[1]
+            out[path] = (node["discriminator"]["propertyName"], tags)
         for branch in node.get("oneOf", []) + node.get("anyOf", []) + node.get("allOf", []):
             walk(branch, path, seen)
         for key, sub in node.get("properties", {}).items():
@@ -80,23 +95,31 @@ def variants(recipe: Recipe) -> dict[str, str]:
     return out
 
 
-def form_name(base: str, recipe: Recipe) -> str:
-    """The attribute of this module that is `base`'s flow with `recipe`'s form."""
-    return base + "".join(f"{SEP}{path.replace('.', '_')}{IS}{tag}" for path, tag in sorted(variants(recipe).items()))
+def form_module(recipe: Recipe) -> str:
+    """The module of this package whose flows show `recipe`'s form (its variants, in path order)."""
+    return __name__ + "." + SEP.join(f"{path.replace('.', '_')}{IS}{tag}" for path, tag in sorted(variants(recipe).items()))
 
 
-def parse_name(name: str) -> tuple[str, dict[str, str]]:
-    """(base flow, variants) from a form name; ValueError naming what is wrong."""
-    base, *items = name.split(SEP)
+def entrypoint(base: str, recipe: Recipe) -> str:
+    """The deployment entrypoint of flow function `base` (`rl_train`, `sft`) with `recipe`'s form."""
+    return f"{form_module(recipe)}:{base}"
+
+
+def parse_variants(module: str) -> dict[str, str]:
+    """The variants a form module's name gives; ValueError naming what is wrong."""
+    name = module.removeprefix(__name__ + ".")
     paths = {p.replace(".", "_"): p for p in union_paths()}
     chosen: dict[str, str] = {}
-    for item in items:
+    for item in name.split(SEP):
         under, sep, tag = item.partition(IS)
         if not sep or under not in paths:
-            raise ValueError(f"{name}: {item!r} is not <section>{IS}<variant> for a section that varies "
+            raise ValueError(f"{module}: {item!r} is not <section>{IS}<variant> for a section that varies "
                              f"({', '.join(sorted(paths))})")
+        known = unions()[paths[under]][1]
+        if tag not in known:
+            raise ValueError(f"{module}: {paths[under]}: no variant {tag!r} (known: {', '.join(sorted(known))})")
         chosen[paths[under]] = tag
-    return base, chosen
+    return chosen
 
 
 def narrowed_schema(chosen: dict[str, str]) -> dict[str, Any]:
@@ -156,15 +179,14 @@ def base_flows() -> dict[str, Any]:
 
 
 @functools.cache
-def form_flow(name: str) -> Any:
-    """The flow behind form `name`: the base flow's function and options, its `recipe` parameter
-    shown with the narrowed schema (validated as `Recipe` all the same)."""
-    base_name, chosen = parse_name(name)
+def form_flow(base_name: str, module: str) -> Any:
+    """Flow `base_name` of form module `module`: the base flow's function and options, its `recipe`
+    parameter shown with the narrowed schema (validated as `Recipe` all the same)."""
     bases = base_flows()
     if base_name not in bases:
-        raise ValueError(f"{name}: no base flow {base_name!r} (known: {', '.join(bases)})")
+        raise AttributeError(f"module {module!r} has no flow {base_name!r} (its flows: {', '.join(bases)})")
     base = bases[base_name]
-    schema = narrowed_schema(chosen)
+    schema = narrowed_schema(parse_variants(module))
     schema["title"] = "Recipe"
 
     @functools.wraps(base.fn)
@@ -176,17 +198,42 @@ def form_flow(name: str) -> Any:
               for p in signature.parameters.values()]
     run.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
     run.__annotations__ = {p.name: p.annotation for p in params} | {"return": signature.return_annotation}
-    run.__name__ = run.__qualname__ = name
-    run.__module__ = __name__
+    run.__module__ = module
     return Flow(run, name=base.name, flow_run_name=base.flow_run_name, description=base.description,
                 on_cancellation=base.on_cancellation_hooks, on_crashed=base.on_crashed_hooks,
                 validate_parameters=base.should_validate_parameters)
 
 
-def __getattr__(name: str) -> Any:
-    if name.startswith("__"):
-        raise AttributeError(name)
-    try:
-        return form_flow(name)
-    except ValueError as exc:
-        raise AttributeError(f"module {__name__!r} has no flow {name!r}: {exc}") from None
+# This module is a package of generated modules, one per set of variants.
+__path__: list[str] = []
+
+
+class FormModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Makes `unirl.flows.forms.<variants>` on import: a module whose attributes are the base flows
+    with that form. A name that is not a set of variants is an ImportError saying why."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname.rpartition(".")[0] != __name__:
+            return None
+        try:
+            parse_variants(fullname)
+        except ValueError as exc:
+            raise ImportError(str(exc), name=fullname) from None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None  # the default module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        name = module.__name__
+
+        def flows(attr: str) -> Any:
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return form_flow(attr, name)
+
+        module.__getattr__ = flows  # type: ignore[method-assign]
+
+
+if not any(isinstance(f, FormModules) for f in sys.meta_path):
+    sys.meta_path.append(FormModules())

@@ -237,7 +237,7 @@ class TrackingConfig(Section):
     experiment: str = Field("unirl", min_length=1, description="MLflow experiment name.")
     preview_every: int = Field(
         1, ge=0, description="Log what people should see of an iteration's rollouts every N iterations (0: never): a "
-        "samples table for text (prompt, response, reward, advantage), an image grid for flow models.",
+        "samples table (prompt, response or picture, reward, advantage, version), and an image grid for flow models.",
     )
     registry: bool = Field(
         True, description="Register every published weights version in the MLflow Model Registry under the recipe's name.")

@@ -126,12 +126,13 @@ def test_deployments_carry_the_recipe_schema_and_the_schedule(server: Deployment
     assert dep.enforce_parameter_schema and dep.work_pool_name == "cpu"
     assert {"unirl", "rl-train"} <= set(dep.tags)
     schema = dep.parameter_openapi_schema
-    assert {"recipe", "run_name", "iterations"} <= set(schema["properties"])
-    recipe = schema["definitions"]["Recipe"]
+    assert {"recipe", "run_name", "iterations", "overrides"} <= set(schema["properties"])
+    recipe = schema["properties"]["recipe"]  # the recipe's own variants (flows/forms.py), inline
     for section in ("model", "data", "rollout", "reward", "advantage", "algorithm", "train", "storage", "tracking"):
         assert recipe["properties"][section]["description"], section
-    assert schema["definitions"]["TrainConfig"]["properties"]["lr"]["description"] == "AdamW learning rate."
-    assert schema["definitions"]["TrainConfig"]["properties"]["lr"]["exclusiveMinimum"] == 0
+    assert recipe["properties"]["model"]["properties"]["kind"]["const"] == "qwen3"
+    assert recipe["properties"]["train"]["properties"]["lr"]["description"] == "AdamW learning rate."
+    assert recipe["properties"]["train"]["properties"]["lr"]["exclusiveMinimum"] == 0
     # The deployment's default parameters are the shipped recipe (here with the temp run folder).
     assert dep.parameters["recipe"]["algorithm"] == {"name": "grpo", "clip_low": 0.2, "clip_high": 0.28}
 
@@ -156,6 +157,11 @@ def test_invalid_parameters_are_rejected_before_a_run_starts(server: Deployments
     assert "recipe.train.lr" in out.stdout + out.stderr
     out = server.cli("deployment", "run", "rl-train/tiny", "--param", "iterations=0", check=False)
     assert out.returncode != 0 and "iterations" in out.stdout + out.stderr
+    # a typo inside a section is named (the form's schema is the recipe's own model, not a union)
+    typo = tiny_recipe(**{"storage.root": str(server.runs)})
+    typo["model"]["tiny"]["hiden_size"] = 32
+    out = server.cli("deployment", "run", "rl-train/tiny", "--params", json.dumps({"recipe": typo}), check=False)
+    assert out.returncode != 0 and "'hiden_size' was unexpected" in out.stdout + out.stderr
     assert len(server.flow_runs("rl-train/tiny")) == before
 
 
@@ -163,7 +169,8 @@ def test_deployment_run_completes_with_artifacts(server: Deployments) -> None:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId, LogFilter, LogFilterFlowRunId
 
     started = time.monotonic()
-    out = server.cli("deployment", "run", "rl-train/tiny", "--param", "iterations=2", "--watch", timeout=600)
+    out = server.cli("deployment", "run", "rl-train/tiny", "--param", "iterations=2",
+                     "--param", 'overrides=["train.lr=2e-3", "rollout.temperature=0.9"]', "--watch", timeout=600)
     seconds = time.monotonic() - started
     assert "Completed" in out.stdout, out.stdout[-3000:]
     (run,) = server.flow_runs("rl-train/tiny")
@@ -171,6 +178,8 @@ def test_deployment_run_completes_with_artifacts(server: Deployments) -> None:
     run_dir = server.runs / "tiny"
     assert all((run_dir / f"iter-{i:06d}" / "_SUCCESS").exists() for i in range(2))
     info = json.loads((run_dir / "run.json").read_text())
+    ran = yaml.safe_load((run_dir / "recipe.yaml").read_text())  # the overrides, applied as the CLI applies them
+    assert ran["train"]["lr"] == 2e-3 and ran["rollout"]["temperature"] == 0.9
 
     with server.client() as c:
         artifacts = c.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
@@ -200,6 +209,15 @@ def test_deployment_run_completes_with_artifacts(server: Deployments) -> None:
     (link,) = by_key["unirl-tiny-mlflow"]
     assert f"http://127.0.0.1:5000/#/experiments/1/runs/{info['mlflow_run_id']}" in str(link.data)  # what `mlflow ui` serves
     assert f"mlflow ui --backend-store-uri sqlite:///{run_dir / 'mlflow.db'}" in str(link.description)
+    # The link's store opens the run; its samples table is one MLflow's table views list, with its columns.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=str(link.description).split("--backend-store-uri ")[1].split()[0].strip("`'"))
+    mlrun = client.get_run(info["mlflow_run_id"])
+    assert [m.step for m in client.get_metric_history(mlrun.info.run_id, "rollout/reward_mean")] == [0, 1]
+    assert {"path": "tables/samples/step-000000.json", "type": "table"} in json.loads(mlrun.data.tags["mlflow.loggedArtifacts"])
+    table = json.loads(Path(client.download_artifacts(mlrun.info.run_id, "tables/samples/step-000000.json", str(run_dir))).read_text())
+    assert table["columns"] == ["sample_id", "prompt", "response", "reward", "advantage", "version"]
     (summary,) = by_key["unirl-tiny-summary"]
     assert "iter-000000" in summary.data and "iter-000001" in summary.data
     assert str(run_dir / "weights" / "v000002") in summary.data

@@ -7,7 +7,7 @@ on every iteration (text: within 1e-4; flow: bit for bit). A change that stops R
 fails here.
 
 rise = mean training reward (rewards.arrow) of the last 3 of 10 iterations - mean of the first 3.
-The margins below (ar 0.15, vlm 0.12, diffusion 0.015, video 0.015) are about half the worst rise
+The margins below (ar 0.13, vlm 0.12, diffusion 0.015, video 0.015) are about half the worst rise
 of 5 seeds, and an lr-tiny control fails every track: the 5-seed runs, the control and the
 command that re-measures them are in benchmarks/README.md, "Learning gate".
 """
@@ -49,9 +49,9 @@ class Track:
 
 
 TRACKS = {
-    # A seeded random Qwen3 learns to answer sums with a number (any number: the format reward).
-    "ar": Track("recipes/ar/tiny.yaml", ["reward.scorers=[{name: integer_format}]", "train.lr=3.0e-3"],
-                margin=0.15, tolerance=1e-4),
+    # The `tiny` deployment's recipe as shipped: a seeded random Qwen3 learns to answer sums with a
+    # number (the format reward; exact answers are worth as much again).
+    "ar": Track("recipes/ar/tiny.yaml", [], margin=0.13, tolerance=1e-4),
     # A seeded random Qwen2.5-VL (vision tower trained too) learns to answer toy-VQA count
     # questions, each shown with its scene, with one digit.
     "vlm": Track("recipes/vlm/quickstart.yaml",

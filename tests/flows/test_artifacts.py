@@ -66,7 +66,7 @@ def test_a_local_mlflow_store_is_shown_as_the_command_that_serves_it(tmp_path) -
 
 
 def test_summary_compares_first_and_last_iteration() -> None:
-    recipe = load_recipe(TINY)
+    recipe = load_recipe(TINY, ["iterations=3"])
     rows = [iteration_row(summary(i, r)) for i, r in enumerate((0.25, 0.5))]
     text = summary_markdown(recipe, "tiny", "/runs/tiny", rows, summary(0, 0.25), summary(1, 0.5),
                             "/runs/tiny/weights/v000002", None, "`sqlite://` run `x`")

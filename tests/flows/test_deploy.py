@@ -16,7 +16,7 @@ from prefect.flows import load_flow_from_entrypoint
 
 from tests.conftest import REPO, TINY
 from unirl.flows.deploy import k8s_gpu_template, main, recipe_deployments, render, update
-from unirl.flows.forms import form_name
+from unirl.flows.forms import entrypoint
 from unirl.flows.hooks import run_storage_url, stop_workers, worker_processes
 from unirl.stages.recipe import Recipe, load_recipe
 
@@ -34,7 +34,7 @@ def test_every_shipped_recipe_is_a_schema_enforced_deployment() -> None:
     for path in recipes:
         recipe = load_recipe(path)
         dep = deployments[recipe.name]
-        assert dep["entrypoint"] == f"unirl.flows.forms:{form_name('sft' if path.parent.name == 'sft' else 'rl_train', recipe)}"
+        assert dep["entrypoint"] == entrypoint("sft" if path.parent.name == "sft" else "rl_train", recipe)
         assert dep["enforce_parameter_schema"] is True
         assert dep["work_pool"]["name"] == "cpu"
         assert Recipe.model_validate(dep["parameters"]["recipe"]) == recipe

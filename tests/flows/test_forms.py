@@ -3,7 +3,11 @@ typos refused naming the field by the same schema check the Prefect server runs,
 behind it, and the `overrides` parameter applied as the CLI applies it."""
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 import pytest
+from prefect.flows import load_flow_from_entrypoint
 from prefect.utilities.callables import parameter_schema
 from prefect.utilities.schema_tools.validation import ValidationError, validate
 
@@ -17,13 +21,13 @@ SD3 = REPO / "recipes" / "diffusion" / "quickstart.yaml"
 
 
 def form_schema(path, base: str = "rl_train") -> tuple[str, dict]:
-    name = forms.form_name(base, load_recipe(path))
-    return name, parameter_schema(getattr(forms, name)).model_dump()
+    point = forms.entrypoint(base, load_recipe(path))
+    return point, parameter_schema(load_flow_from_entrypoint(point, use_placeholder_flow=False)).model_dump()
 
 
 def test_the_form_shows_the_recipes_own_model_with_descriptions() -> None:
     name, schema = form_schema(TINY)
-    assert name.startswith("rl_train__") and "model_is_qwen3" in name
+    assert name.startswith("unirl.flows.forms.") and name.endswith(":rl_train") and "model_is_qwen3" in name
     recipe = schema["properties"]["recipe"]
     model = recipe["properties"]["model"]
     assert "oneOf" not in model and "discriminator" not in model
@@ -53,30 +57,34 @@ def test_a_typo_inside_a_section_is_refused_naming_the_field() -> None:
         validate({"recipe": recipe}, schema, raise_on_error=True)
 
 
-def test_the_form_is_the_same_flow() -> None:
+def test_the_form_is_the_same_flow_and_prefect_deploy_finds_it_by_flow_name() -> None:
+    from prefect.cli.deploy._config import _filter_matching_deploy_config
+
     name, _ = form_schema(TINY)
-    flow = getattr(forms, name)
+    flow: Any = load_flow_from_entrypoint(name, use_placeholder_flow=False)
     assert flow.name == rl_train.name == "rl-train"
     assert flow.flow_run_name == rl_train.flow_run_name
     assert flow.on_cancellation_hooks == rl_train.on_cancellation_hooks
     assert flow.fn.__wrapped__ is rl_train.fn
-    assert getattr(forms, name) is flow  # built once
+    assert load_flow_from_entrypoint(name, use_placeholder_flow=False) is flow  # built once
+    # `prefect deploy --name rl-train/tiny` matches a prefect.yaml entry by its entrypoint's function
+    assert _filter_matching_deploy_config("rl-train/tiny", [{"name": "tiny", "entrypoint": name}])
 
 
-def test_a_bad_form_name_says_what_is_wrong() -> None:
-    with pytest.raises(AttributeError, match="'nothing' is not <section>_is_<variant>"):
-        forms.rl_train__nothing  # noqa: B018
-    with pytest.raises(AttributeError, match="model: no variant 'gpt9'"):
-        forms.rl_train__model_is_gpt9  # noqa: B018
-    with pytest.raises(AttributeError, match="no base flow 'train'"):
-        forms.train__model_is_qwen3  # noqa: B018
+def test_a_bad_form_module_says_what_is_wrong() -> None:
+    with pytest.raises(ImportError, match="'nothing' is not <section>_is_<variant>"):
+        importlib.import_module("unirl.flows.forms.nothing")
+    with pytest.raises(ImportError, match="model: no variant 'gpt9'"):
+        importlib.import_module("unirl.flows.forms.model_is_gpt9")
+    with pytest.raises(Exception, match="Flow function with name 'train' not found"):
+        load_flow_from_entrypoint("unirl.flows.forms.model_is_qwen3:train", use_placeholder_flow=False)
 
 
 def test_overrides_apply_as_the_cli_applies_them() -> None:
     recipe = load_recipe(TINY)
     changed = with_overrides(recipe, ["train.lr=3e-4", "reward.scorers=[{name: integer_format}]"])
     assert changed == load_recipe(TINY, ["train.lr=3e-4", "reward.scorers=[{name: integer_format}]"])
-    assert changed.train.lr == 3e-4 and recipe.train.lr == 1e-3
+    assert changed.train.lr == 3e-4 and recipe.train.lr == 3e-3
     with pytest.raises(RecipeError, match=r"train\.lrr: unknown field; did you mean 'lr'"):
         with_overrides(recipe, ["train.lrr=1"])
     with pytest.raises(RecipeError, match="expected key.sub=value"):

@@ -1,0 +1,77 @@
+"""The Run form a person fills in, as Prefect's default UI renders it in headless Chromium, for a
+qwen3 deployment and an sd3 deployment (docs/deploy.md section 4): the model section shows the
+recipe's own family's fields, each with its description, and no other family's. A real `prefect
+server start` with its UI, `prefect deploy` from prefect.yaml, the page read back as its DOM and
+saved as a screenshot (to $UNIRL_SCREENSHOTS when set, e.g. docs/images; else the test's temp dir).
+
+Skipped where no Chromium is installed (Debian: `apt-get install chromium`): CI's machine has none.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, isolated_env
+from tests.prefect_server import PrefectServer
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = next((path for name in ("chromium", "chromium-browser", "google-chrome") if (path := shutil.which(name))), None)
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (apt-get install chromium): "
+                                    "the Run form is only seen in a browser")
+
+# deployment -> (what its model section must show, what only another family's would)
+FORMS = {
+    "tiny": (["Width of the residual stream.", "Key/value heads (grouped-query attention).", "Kind is a const"],
+             ["MMDiT blocks of the transformer.", "Transformer blocks."]),
+    "diffusion-quickstart": (["MMDiT blocks of the transformer.", "Side of generated images in pixels.", "Kind is a const"],
+                             ["Width of the residual stream.", "Transformer blocks."]),
+}
+
+
+@pytest.fixture(scope="module")
+def ui(tmp_path_factory: pytest.TempPathFactory):
+    if CHROMIUM is None:
+        pytest.skip("no Chromium")
+    tmp = tmp_path_factory.mktemp("prefect-ui")
+    server = PrefectServer(tmp, isolated_env(tmp, forked=False), REPO)
+    server.env.update({"PREFECT_SERVER_UI_ENABLED": "true", "PREFECT_UI_API_URL": server.url})
+    server.serve()
+    try:
+        server.cli("work-pool", "create", "cpu", "--type", "process")
+        server.cli("--no-prompt", "deploy", *[a for name in FORMS for a in ("--name", name)], timeout=300)
+        yield server
+    finally:
+        server.stop_all()
+
+
+def chromium(*args: str, url: str) -> subprocess.CompletedProcess:
+    assert CHROMIUM is not None
+    return subprocess.run([CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                           "--window-size=1400,2400", "--virtual-time-budget=20000", *args, url],
+                          capture_output=True, text=True, timeout=180, check=True)
+
+
+@needs_chromium
+@pytest.mark.parametrize("deployment", sorted(FORMS))
+def test_the_run_form_shows_the_recipes_own_model_fields(ui: PrefectServer, deployment: str, tmp_path: Path) -> None:
+    with ui.client() as c:
+        dep = c.read_deployment_by_name(f"rl-train/{deployment}")
+    page = f"{ui.url.removesuffix('/api')}/deployments/deployment/{dep.id}/run"
+    dom = chromium("--dump-dom", url=page).stdout
+    own, others = FORMS[deployment]
+    for text in own:
+        assert text in dom, f"{deployment}'s Run form lacks {text!r}"
+    for text in others:
+        assert text not in dom, f"{deployment}'s Run form shows another family's field: {text!r}"
+    assert "Overrides" in dom  # the key=value list, beside the recipe
+    folder = Path(os.environ.get("UNIRL_SCREENSHOTS") or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    shot = folder / f"run-form-{deployment}.png"
+    chromium(f"--screenshot={shot}", url=page)
+    assert shot.stat().st_size > 10_000
+    print(f"\n[run form] {deployment}: {shot}")
