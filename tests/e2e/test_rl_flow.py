@@ -114,7 +114,7 @@ def test_four_iterations_layout_shards_advantages_and_mlflow(tmp_path, reference
     info = json.loads((run / "run.json").read_text())
     client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
     mlrun = client.get_run(info["mlflow_run_id"])
-    assert mlrun.data.params["train.lr"] == "0.001"
+    assert mlrun.data.params["train.lr"] == "0.003"
     assert mlrun.data.params["rollout.group_size"] == "4"
     for key in ["rollout/reward_mean", "rollout/reward_std", "rollout/zero_std_group_frac", "train/loss",
                 "train/clip_frac", "train/approx_kl", "train/grad_norm", "time/generate_s", "time/train_s"]:
@@ -244,7 +244,7 @@ def test_a_run_killed_between_checkpoints_and_extended_replays_at_the_rates_it_t
     last checkpoint is 2), then the same command with iterations=8: the replayed step and every
     step taken keep their learning rates, and past the first length the schedule stays at its end."""
     root = tmp_path / "runs"
-    args = ["run", str(TINY), "train.lr_schedule=cosine", "checkpoint_every=2", "eval.enabled=false",
+    args = ["run", str(TINY), "train.lr=1e-3", "train.lr_schedule=cosine", "checkpoint_every=2", "eval.enabled=false",
             "reward.scorers=[{name: text_length, weight: 1.0}]", f"storage.root={root}", "--run-name", "ext"]
     killed = run_unirl([*args, "iterations=5"], {**unirl_env, "UNIRL_FAULTS": "train@3"}, check=False)
     assert killed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), killed.stderr[-2000:]
