@@ -204,6 +204,17 @@ def pin_worker_group(cpus: set[int], others: set[int]) -> None:
     WorkerGroup.start = pinned_start  # type: ignore[method-assign]
 
 
+def keep_tags() -> None:
+    """Every module's `staged` returns the task as it is, tags and all (the A/B of tasks/common.py `staged`)."""
+    import unirl.flows.rl  # noqa: F401 - imports every module that calls `staged`
+    from unirl.tasks import common
+
+    original = common.staged
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("unirl.") and getattr(module, "staged", None) is original:
+            module.staged = lambda task: task  # type: ignore[attr-defined]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe")
@@ -212,6 +223,9 @@ def main() -> int:
     parser.add_argument("--ahead", choices=("on", "off"), default="on",
                         help="start each iteration's flow run while the previous one works (flows/ahead.py; the "
                         "default, as in unirl run) or not: the A/B of starting them ahead")
+    parser.add_argument("--tags", choices=("untagged", "tagged"), default="untagged",
+                        help="tasks on the ephemeral API run untagged (tasks/common.py `staged`, as in unirl run) or "
+                        "keep their tags (`gpu`: a concurrency-slot request per task run): the A/B of `staged`")
     parser.add_argument("--pin-worker", type=int, default=None, metavar="CPU",
                         help="the worker group on core CPU (one thread per rank), the flow and Prefect on the others")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. sft=null eval.enabled=false")
@@ -231,6 +245,9 @@ def main() -> int:
         pin_worker_group({args.pin_worker}, set(range(os.cpu_count() or 1)) - {args.pin_worker})
     os.environ["UNIRL_OVERLAP_ITERATIONS"] = args.ahead
     from unirl.flows.cli import main as cli
+
+    if args.tags == "tagged":
+        keep_tags()
 
     code = cli(["run", args.recipe, f"storage.root={work}", "--run-name", "profile", f"iterations={args.iterations}",
                 f"checkpoint_every={args.iterations}", *args.overrides])

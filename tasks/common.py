@@ -28,7 +28,10 @@ def on_server() -> bool:
 
 
 def staged(task: T) -> T:
-    """The task as a flow calls it. On a server it keeps its tags (`gpu` takes a slot of the global
+    """Pays a little at the quickstart geometry: 37 against 66 ms of fixed orchestration per AR
+    quickstart iteration (benchmarks/README.md, "Untagged tasks on the ephemeral API").
+
+    The task as a flow calls it. On a server it keeps its tags (`gpu` takes a slot of the global
     concurrency limit `tag:gpu`, docs/deploy.md). On the ephemeral API no limit can be set and the UI
     is gone when the run ends, yet every tagged task run asks the API for concurrency slots before it
     starts: 0.1-1 s per task run while the API's SQLite is busy (benchmarks/README.md), so there

@@ -9,6 +9,18 @@ from typing import Any
 
 from unirl.stages.runtime.registry import Registry
 
+# The sides of both composed shapes, in sampling order, and the policy each side samples with.
+SIDES = ("ar", "diffusion")
+POLICY_OF = {"ar": "text", "diffusion": "flow"}
+
+
+def segment_of(side: str) -> str:
+    """The segment kind side `side` produces and trains (its policy's: `text`, `latent`)."""
+    from unirl.stages.policies import policies
+
+    return str(policies.get(POLICY_OF[side]).segment)
+
+
 # recipe shape -> its recipe's errors (one `field.path: ...` line each); run by Recipe's validator
 checks: Registry[Callable[[Any], list[str]]] = Registry("composed recipe shape", "unirl.stages.compose", "recipe")
 

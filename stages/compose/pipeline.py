@@ -24,14 +24,11 @@ from typing import Any
 import numpy as np
 
 from unirl.stages.algorithms.advantage import group_advantages
-from unirl.stages.compose import checks, part_of, parts_errors, per_part_errors, sequential_errors
+from unirl.stages.compose import POLICY_OF, SIDES, checks, part_of, parts_errors, per_part_errors, segment_of, sequential_errors
 from unirl.stages.recipe import Recipe
 from unirl.stages.runtime.sample import composed_table, namespaced, read_rollouts, read_shard, table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage, iter_dir, join
 
-SIDES = ("ar", "diffusion")
-KIND_OF = {"ar": "text", "diffusion": "latent"}  # the segment each side produces
-POLICY_OF = {"ar": "text", "diffusion": "flow"}
 UNSET = ("model", "rollout", "algorithm", "train", "sft")  # a pipeline's parts carry these
 
 
@@ -120,6 +117,7 @@ def compose(storage: RunStorage, rel: str, ar: RunStorage, ar_files: list[str], 
     """One composed row per image: the rewrite that caused it and the image, namespaced by kind."""
     from unirl.stages.runtime.sample import PART_COLUMNS, segment_columns
 
+    kinds = [segment_of(side) for side in SIDES]  # [text, latent]
     texts = read_rollouts(ar, ar_files).to_pylist()
     by_id = {r["sample_id"]: r for r in texts}
     rows = []
@@ -129,13 +127,13 @@ def compose(storage: RunStorage, rel: str, ar: RunStorage, ar_files: list[str], 
             raise ValueError(f"{flow.url()}: image {image['sample_id']!r} names rewrite {image['group_id']!r}, which "
                              f"{ar.url()} does not hold; rerun the iteration's generate tasks")
         row = {"sample_id": image["sample_id"], "group_id": rewrite["group_id"], "iteration": image["iteration"],
-               "policy_version": rewrite["policy_version"], "parts": ["text", "latent"],
+               "policy_version": rewrite["policy_version"], "parts": kinds,
                "metadata": rewrite["metadata"], "prompt": rewrite["prompt"]}
-        for kind, part in (("text", rewrite), ("latent", image)):
+        for kind, part in zip(kinds, (rewrite, image)):
             for name in (*PART_COLUMNS, *segment_columns()[kind]):
                 row[namespaced(kind, name)] = part[name]
         rows.append(row)
-    return {**write_shard(storage, rel, composed_table(rows, ["text", "latent"])), "files": [rel]}
+    return {**write_shard(storage, rel, composed_table(rows, kinds)), "files": [rel]}
 
 
 def advantage_rows(recipe: Recipe, storage: RunStorage, composed: list[str], rewards: list[str],

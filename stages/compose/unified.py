@@ -27,12 +27,10 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from unirl.stages.compose import checks, part_of, parts_errors, per_part_errors, sequential_errors
-from unirl.stages.compose.pipeline import SIDES
+from unirl.stages.compose import POLICY_OF, SIDES, checks, part_of, parts_errors, per_part_errors, segment_of, sequential_errors
 from unirl.stages.recipe import Recipe
 from unirl.stages.runtime.storage import RunStorage
 
-POLICY_OF = {"ar": "text", "diffusion": "flow"}
 ROLE = {"ar": "writes the plan", "diffusion": "draws the plan"}
 TEXT_RECORDS = "sft/data-ar.arrow"
 IMAGE_RECORDS = "sft/data-diffusion.arrow"
@@ -73,7 +71,7 @@ def unified_errors(recipe: Recipe) -> list[str]:
     given = [side for side in SIDES if getattr(u, side).algorithm is not None]
     for side in SIDES:
         if getattr(u, side).algorithm is None:
-            segment = "text" if side == "ar" else "latent"
+            segment = segment_of(side)
             fits = [n for n, a in algorithms.items() if a.segment == segment]
             other = f"unified.{given[0]}.algorithm is given, but " if given else ""
             errors.append(f"unified.{side}.algorithm: {other}a unified model trains both stages in one step (the "
@@ -157,7 +155,7 @@ class JointSFT:
 def split_by_kind(tables: list[pa.Table]) -> dict[str, pa.Table]:
     """Rollout shards by the stage that wrote them (their `parts`: text -> ar, latent -> diffusion);
     a shard of another kind is an error naming it."""
-    side_of = {"text": "ar", "latent": "diffusion"}
+    side_of = {segment_of(side): side for side in SIDES}
     out: dict[str, list[pa.Table]] = {}
     for table in tables:
         kinds = {tuple(p) for p in table.column("parts").to_pylist()} if table.num_rows else set()
