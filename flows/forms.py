@@ -42,15 +42,9 @@ def recipe_schema() -> dict[str, Any]:
 
 
 @functools.cache
-def union_paths() -> dict[str, str]:
-    """Every discriminated union in `Recipe` as (dotted path -> discriminator), unions inside
-    union variants included (`rollout.engine`)."""
-    return {path: key for path, (key, _) in unions().items()}
-
-
-@functools.cache
 def unions() -> dict[str, tuple[str, frozenset[str]]]:
-    """Every discriminated union in `Recipe`: dotted path -> (discriminator, its variants' tags)."""
+    """Every discriminated union in `Recipe`, unions inside union variants included
+    (`rollout.engine`): dotted path -> (discriminator, its variants' tags)."""
     schema = recipe_schema()
     defs = schema["$defs"]
     out: dict[str, tuple[str, frozenset[str]]] = {}
@@ -71,10 +65,16 @@ def unions() -> dict[str, tuple[str, frozenset[str]]]:
             walk(sub, f"{path}.{key}" if path else key, seen)
 
     walk(schema, "", ())
-    names = {p.replace(".", "_"): p for p in out}
-    if len(names) != len(out):  # two paths would read the same in an attribute name
-        raise RuntimeError(f"union paths collide once '.' reads '_': {sorted(out)}")
     return out
+
+
+@functools.cache
+def by_name() -> dict[str, str]:
+    """Each union's path as a form module's name spells it ('.' reads '_') -> its dotted path."""
+    names = {p.replace(".", "_"): p for p in unions()}
+    if len(names) != len(unions()):  # two paths would read the same in a module name
+        raise RuntimeError(f"union paths collide once '.' reads '_': {sorted(unions())}")
+    return names
 
 
 def variants(recipe: Recipe) -> dict[str, str]:
@@ -84,7 +84,7 @@ def variants(recipe: Recipe) -> dict[str, str]:
     data = recipe.model_dump(mode="json")
     given = recipe.model_fields_set if recipe.shape != "single" else set(Recipe.model_fields)
     out: dict[str, str] = {}
-    for path, key in union_paths().items():
+    for path, (key, _) in unions().items():
         if path.split(".")[0] not in given:
             continue
         node: Any = data
@@ -108,7 +108,7 @@ def entrypoint(base: str, recipe: Recipe) -> str:
 def parse_variants(module: str) -> dict[str, str]:
     """The variants a form module's name gives; ValueError naming what is wrong."""
     name = module.removeprefix(__name__ + ".")
-    paths = {p.replace(".", "_"): p for p in union_paths()}
+    paths = by_name()
     chosen: dict[str, str] = {}
     for item in name.split(SEP):
         under, sep, tag = item.partition(IS)
@@ -123,9 +123,9 @@ def parse_variants(module: str) -> dict[str, str]:
 
 
 def narrowed_schema(chosen: dict[str, str]) -> dict[str, Any]:
-    """`Recipe`'s JSON schema with every union in `chosen` replaced by its variant's fields, and
-    every reference inlined (the schema is embedded in the flow's parameter schema, whose own
-    definitions it cannot add to)."""
+    """`Recipe`'s JSON schema with every union in `chosen` (checked by `parse_variants`) replaced
+    by its variant's fields, and every reference inlined (the schema is embedded in the flow's
+    parameter schema, whose own definitions it cannot add to)."""
     schema = recipe_schema()
     defs = schema["$defs"]
 
@@ -141,8 +141,6 @@ def narrowed_schema(chosen: dict[str, str]) -> dict[str, Any]:
             mapping = node["discriminator"]["mapping"]
             tag = chosen.get(path)
             if tag is not None:
-                if tag not in mapping:
-                    raise ValueError(f"{path}: no variant {tag!r} (known: {', '.join(sorted(mapping))})")
                 node.pop("oneOf")
                 node.pop("discriminator")
                 return build({**node, "$ref": mapping[tag]}, path, stack)
@@ -161,14 +159,10 @@ def narrowed_schema(chosen: dict[str, str]) -> dict[str, Any]:
     def unset(path: str) -> bool:
         """A section whose fields vary by variant that the recipe leaves empty (a prompt enhancer's
         `pe` in a single model's recipe): not on the form; a recipe of that shape is its own deployment."""
-        inside = [p for p in union_paths() if p == path or p.startswith(path + ".")]
+        inside = [p for p in unions() if p == path or p.startswith(path + ".")]
         return bool(inside) and not any(p in chosen for p in inside)
 
-    body = {k: v for k, v in schema.items() if k != "$defs"}
-    for path in chosen:
-        if path not in union_paths():
-            raise ValueError(f"{path}: not a section that varies (known: {', '.join(sorted(union_paths()))})")
-    return build(body, "", ())
+    return build({k: v for k, v in schema.items() if k != "$defs"}, "", ())
 
 
 def base_flows() -> dict[str, Any]:

@@ -43,12 +43,16 @@ def clip_grid(clips: list[list[bytes]], captions: list[str], *, columns: int = 4
     return [image_grid([c[min(k, len(c) - 1)] for c in clips], captions, columns=columns, cell=cell) for k in range(length)]
 
 
+GRID_COLUMNS = ["sample_id", "group_id", "prompt", "text", "media_png", "media_frames"]  # what a grid reads of rollouts
+
+
 def rollout_grid(storage: RunStorage, rollouts: list[str], rewards: str | None = None, *, max_images: int = 16,
-                 columns: int = 4) -> Any:
+                 columns: int = 4, table: Any = None) -> Any:
     """The grid of the first `max_images` rollouts (one per group first), with their rewards when
-    `rewards` (rewards.arrow) is given: a PIL image, or for videos the list of its frames."""
-    table = scoring_view(read_rollouts(storage, rollouts, columns=["sample_id", "group_id", "prompt", "text", "media_png",
-                                                                   "media_frames"]))
+    `rewards` (rewards.arrow) is given: a PIL image, or for videos the list of its frames. `table`:
+    the rollouts' scoring view (at least GRID_COLUMNS) when the caller has read them already."""
+    if table is None:
+        table = scoring_view(read_rollouts(storage, rollouts, columns=GRID_COLUMNS))
     ids = table.column("sample_id").to_pylist()
     reward = {}
     if rewards is not None:
@@ -75,13 +79,14 @@ def log_grid(tracker: Any, step: int, grid: Any, key: str) -> str:
     return tracker.log_image(step, grid, key)
 
 
-def log_iteration_grid(tracker: Any, storage: RunStorage, iteration: int) -> str | None:
-    """Log iteration `iteration`'s grid to MLflow; returns the artifact path."""
+def log_iteration_grid(tracker: Any, storage: RunStorage, iteration: int, table: Any = None) -> str | None:
+    """Log iteration `iteration`'s grid to MLflow (`table`: its rollouts, if read already); returns the artifact path."""
     gen = storage.stage_manifest(iteration, "generate")
     scored = storage.stage_manifest(iteration, "score")
     if gen is None:
         return None
-    return log_grid(tracker, iteration, rollout_grid(storage, gen["files"], scored["files"][0] if scored else None), "rollouts")
+    grid = rollout_grid(storage, gen["files"], scored["files"][0] if scored else None, table=table)
+    return log_grid(tracker, iteration, grid, "rollouts")
 
 
 def log_eval_grid(tracker: Any, storage: RunStorage, version: int) -> str | None:

@@ -133,17 +133,30 @@ def first_of_groups(groups: list[Any], n: int) -> list[int]:
     return (first + rest)[:n]
 
 
-def samples_table(storage: Any, iteration: int, read: list[str], cells: Any, rows: int = PREVIEW_ROWS) -> dict[str, list[Any]] | None:
-    """The table of an iteration's first rollouts (one per group first) that people read in MLflow:
-    sample_id, prompt, what `cells(table, i)` gives of row i (the response; the image), reward,
-    advantage and the policy version that sampled it. `read`: the rollout columns `cells` needs.
-    None until the iteration's rollouts are committed."""
-    from unirl.stages.runtime.sample import read_rollouts, read_shard, scoring_view
+SAMPLES_COLUMNS = ["sample_id", "group_id", "prompt", "policy_version"]  # what a samples table reads, besides its cells'
+
+
+def iteration_rollouts(storage: Any, iteration: int, read: list[str]) -> Any:
+    """The scoring view of iteration `iteration`'s committed rollouts, columns `read` (None until committed)."""
+    from unirl.stages.runtime.sample import read_rollouts, scoring_view
 
     gen = storage.stage_manifest(iteration, "generate")
-    if gen is None:
+    return None if gen is None else scoring_view(read_rollouts(storage, gen["files"], columns=read))
+
+
+def samples_table(storage: Any, iteration: int, read: list[str], cells: Any, rows: int = PREVIEW_ROWS,
+                  table: Any = None) -> dict[str, list[Any]] | None:
+    """The table of an iteration's first rollouts (one per group first) that people read in MLflow:
+    sample_id, prompt, what `cells(table, i)` gives of row i (the response; the image), reward,
+    advantage and the policy version that sampled it. `read`: the rollout columns `cells` needs;
+    `table`: the rollouts (at least SAMPLES_COLUMNS and `read`) when the caller has read them.
+    None until the iteration's rollouts are committed."""
+    from unirl.stages.runtime.sample import read_shard
+
+    if table is None:
+        table = iteration_rollouts(storage, iteration, [*SAMPLES_COLUMNS, *read])
+    if table is None:
         return None
-    table = scoring_view(read_rollouts(storage, gen["files"], columns=["sample_id", "group_id", "prompt", "policy_version", *read]))
     ids = table.column("sample_id").to_pylist()
     pick = first_of_groups(table.column("group_id").to_pylist(), rows)
     prompts, versions = table.column("prompt").to_pylist(), table.column("policy_version").to_pylist()

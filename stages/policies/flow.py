@@ -21,7 +21,7 @@ import torch
 from pydantic import Field, model_validator
 
 from unirl.stages.diffusion.kernels import kernels
-from unirl.stages.policies import Policy, RolloutBase, policies, samples_table
+from unirl.stages.policies import SAMPLES_COLUMNS, Policy, RolloutBase, iteration_rollouts, policies, samples_table
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.seeds import derive_seed
 
@@ -118,6 +118,9 @@ class FlowRollout(RolloutBase):
     sampler: FlowSampler = Field(default_factory=FlowSampler, description="Latent sampling.")
 
 
+TABLE_CELL = 128  # pixels a table's picture is enlarged to, at least
+
+
 def media_cell(table: Any, i: int) -> dict[str, Any]:
     """A flow rollout's picture for its table row: the PNG image, or the clip as an animated GIF."""
     import io
@@ -139,8 +142,6 @@ def media_cell(table: Any, i: int) -> dict[str, Any]:
     seen(table.column("media_png")[i].as_py()).save(buf, format="PNG")
     return {"image": Media(buf.getvalue(), "png")}
 
-
-TABLE_CELL = 128  # pixels a table's picture is enlarged to, at least
 
 @policies.register("flow")
 class FlowPolicy(Policy):
@@ -209,10 +210,13 @@ class FlowPolicy(Policy):
         """An image grid (an animated GIF grid for video) of the iteration's rollouts, with rewards,
         and the table of its first samples with each image (clip) in its row: prompt, image,
         reward, advantage, version (MLflow `tables/samples/step-N.json`)."""
-        from unirl.stages.diffusion.grid import log_iteration_grid
+        from unirl.stages.diffusion.grid import GRID_COLUMNS, log_iteration_grid
 
-        grid = log_iteration_grid(tracker, storage, iteration)
-        columns = samples_table(storage, iteration, ["media_png", "media_frames"], media_cell)
+        table = iteration_rollouts(storage, iteration, list(dict.fromkeys([*GRID_COLUMNS, *SAMPLES_COLUMNS])))
+        if table is None:
+            return None
+        grid = log_iteration_grid(tracker, storage, iteration, table)  # the media read once for both
+        columns = samples_table(storage, iteration, [], media_cell, table=table)
         if columns is not None:
             tracker.log_table(iteration, columns, "samples")
         return grid
