@@ -1,9 +1,9 @@
-"""The text side of the flow families other than SD3: a tiny tokenizer and tiny text encoders built
-in code (seeded; the same classes a real checkpoint's folder names, so a tiny folder loads through
-the same `from_pretrained` path), and the encoding steps their pipelines share: a prompt template
-whose prefix is cropped off, padding to a fixed length with an attention mask, a chosen hidden
-layer. Every prompt is encoded alone and padded to the same length, so its conditioning is the same
-bits in whatever batch it later appears (stages/diffusion/model.py caches it)."""
+"""The text side of the flow families: tiny tokenizers and tiny text encoders built in code (seeded;
+the same classes a real checkpoint's folder names, so a tiny folder loads through the same
+`from_pretrained` path), and the encoding steps their pipelines share: a prompt template whose
+prefix is cropped off, padding to a fixed length with an attention mask, a chosen hidden layer.
+Every prompt is encoded alone and padded to the same length, so its conditioning is the same bits
+in whatever batch it later appears (stages/diffusion/model.py caches it)."""
 from __future__ import annotations
 
 import logging
@@ -57,6 +57,60 @@ def build_tiny_tokenizer(words: Sequence[str] | None = None, *, templates: Seque
                                   model_max_length=model_max_length)
     tok.chat_template = CHAT_TEMPLATE
     return tok
+
+
+def learn_bpe(words: list[str], alphabet: list[str]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """BPE merges learned on `words` until every word is one token (`</w>` marks a word's end):
+    each round merges the most frequent adjacent pair, ties broken by the pair itself, so the
+    same words give the same vocabulary in every process (the `tokenizers` trainer breaks ties by
+    hash order, which changes between processes). The vocabulary: the special tokens, the
+    alphabet, each character as a word end, then the merges in order."""
+    from collections import Counter
+
+    vocab: dict[str, int] = {}
+    for token in ["<|startoftext|>", "<|endoftext|>", *alphabet, *(ch + "</w>" for ch in alphabet)]:
+        vocab.setdefault(token, len(vocab))
+    counts = Counter(words)
+    pieces = {w: [*w[:-1], w[-1] + "</w>"] for w in counts}
+    merges: list[tuple[str, str]] = []
+    while True:
+        pairs: Counter[tuple[str, str]] = Counter()
+        for w, seq in pieces.items():
+            for pair in zip(seq, seq[1:]):
+                pairs[pair] += counts[w]
+        if not pairs:
+            return vocab, merges
+        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
+        merges.append(best)
+        vocab.setdefault(best[0] + best[1], len(vocab))
+        for w, seq in pieces.items():
+            out, i = [], 0
+            while i < len(seq):
+                if i + 1 < len(seq) and (seq[i], seq[i + 1]) == best:
+                    out.append(seq[i] + seq[i + 1])
+                    i += 2
+                else:
+                    out.append(seq[i])
+                    i += 1
+            pieces[w] = out
+
+
+def build_tiny_clip_tokenizer(words: Sequence[str] | None = None, model_max_length: int = 16) -> Any:
+    """A CLIP BPE tokenizer (byte-level alphabet, `</w>` word ends) whose merges are learned in code,
+    deterministically, on `words` (default: the toy-GenEval vocabulary), so each of those words is
+    one token and any other text still tokenizes character by character. Single characters that
+    end a word ("a", ",") are in the vocabulary, or they would map to the unknown token, which
+    CLIP shares with end-of-text (where the pooled embedding is read)."""
+    from tokenizers import pre_tokenizers
+    from transformers import CLIPTokenizer
+
+    if words is None:
+        from unirl.stages.toys.geneval.dataset import WORDS
+
+        words = WORDS
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab, merges = learn_bpe(list(words), alphabet)
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)  # type: ignore[arg-type]
 
 
 def seeded(seed: int, build: Any) -> Any:
@@ -149,18 +203,35 @@ def tiny_llama(tokenizer: Any, *, hidden: int, layers: int, seed: int) -> Any:
     return seeded(seed, lambda: LlamaModel(cfg))
 
 
+def tiny_clip(tokenizer: Any, *, hidden: int, seed: int, projection: bool = True) -> Any:
+    """A tiny CLIP text encoder (2 layers, 2 heads, projection `hidden` wide, as many positions as
+    the tokenizer's length): CLIPTextModelWithProjection (SD3's CLIP-L and CLIP-G) or, without
+    `projection`, CLIPTextModel (HunyuanVideo 1.0's pooled encoder)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    cfg = CLIPTextConfig(vocab_size=len(tokenizer), max_position_embeddings=tokenizer.model_max_length,
+                         bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, hidden_size=hidden, intermediate_size=2 * hidden,
+                         projection_dim=hidden, num_hidden_layers=2, num_attention_heads=2)
+    model = CLIPTextModelWithProjection if projection else CLIPTextModel
+    return seeded(seed, lambda: model(cfg))
+
+
+def tiny_t5(tokenizer: Any, *, hidden: int, seed: int) -> Any:
+    """A tiny T5EncoderModel (SD3's third text encoder): one layer, 4 heads, gated-gelu like T5 v1.1, no dropout."""
+    from transformers import T5Config, T5EncoderModel
+
+    cfg = T5Config(vocab_size=len(tokenizer), d_model=hidden, d_kv=hidden // 4, d_ff=2 * hidden, num_layers=1,  # type: ignore[call-arg]
+                   num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
+                   feed_forward_proj="gated-gelu", dropout_rate=0.0, pad_token_id=tokenizer.pad_token_id,
+                   eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id)
+    return seeded(seed, lambda: T5EncoderModel(cfg))
+
+
 def tiny_clip_text(*, hidden: int, seed: int, max_length: int = 16) -> tuple[Any, Any]:
     """A tiny CLIPTextModel and its tokenizer (HunyuanVideo 1.0's pooled text encoder)."""
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    from unirl.stages.models.sd3_text import build_tiny_tokenizer as clip_tokenizer
-    from unirl.stages.models.sd3_text import tiny_clip_config
-
-    tok = clip_tokenizer(toy_words(), model_max_length=max_length)
-    cfg = CLIPTextConfig(vocab_size=len(tok), max_position_embeddings=max_length, bos_token_id=tok.bos_token_id,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                         **tiny_clip_config(hidden_size=hidden, projection_dim=hidden))
-    return seeded(seed, lambda: CLIPTextModel(cfg)), tok
+    tok = build_tiny_clip_tokenizer(toy_words(), model_max_length=max_length)
+    return tiny_clip(tok, hidden=hidden, seed=seed, projection=False), tok
 
 
 def tiny_byt5(*, hidden: int, seed: int) -> tuple[Any, Any]:

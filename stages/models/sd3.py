@@ -1,38 +1,42 @@
-"""The `sd3` family: Stable Diffusion 3 (an MMDiT transformer, a VAE and SD3's text encoders),
-loaded from one local diffusers-layout directory (stable-diffusion-3-medium-diffusers, or a tiny
-one `unirl.stages.models.sd3_tiny.build_tiny_sd3` writes), run as the flow-matching policy. The operations on a loaded bundle
-(velocity, latents <-> images, LoRA, export) are in stages/models/sd3_ops.py.
+"""The `sd3` family: Stable Diffusion 3 (diffusers SD3Transformer2DModel, an MMDiT; AutoencoderKL; two
+CLIP text encoders and a T5), from a local diffusers folder (stable-diffusion-3-medium-diffusers,
+StableDiffusion3Pipeline) or a tiny seeded one built in code.
 
-Conventions (rectified flow, as SD3 is trained):
-  x_sigma = (1 - sigma) * x0 + sigma * noise, sigma in [0, 1] (1 = pure noise);
-  the transformer predicts v = dx/dsigma = noise - x0, so an Euler step is x + v * (sigma_next - sigma);
-  it is called with timestep = sigma * 1000 (the scheduler's num_train_timesteps), not an integer index.
+Latents (C, H/f, W/f): the VAE's, normalized x = (z - shift_factor) * scaling_factor (flow_vae.py
+`ShiftScale`); the transformer patchifies them itself (patch p, at most `pos_embed_max_size` patches
+a side) and takes timestep = sigma * 1000 (the scheduler's num_train_timesteps), not an integer index.
+Text, per prompt:
+  embeds (L_clip + L_t5, D_joint) = cat_seq(pad_to_D_joint(cat_feat(clip_l[-2], clip_g[-2])), t5)
+  pooled (P,) = cat_feat(clip_l.text_embeds, clip_g.text_embeds)
+where clip[-2] is the penultimate hidden state, D_joint the transformer's joint_attention_dim, both
+CLIPs read the first tokenizer's length and T5 min(256, its tokenizer's) tokens; a folder without T5
+gets 256 zero rows in its place, as diffusers' pipeline does.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from unirl.stages.models.family import families
-from unirl.stages.models.flow_family import FlowFamily, FlowModelBase
+from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase
 from unirl.stages.models.flow_geometry import FlowGeometry, check_image_side
 from unirl.stages.models.flow_vae import ShiftScale
-from unirl.stages.models.sd3_text import DEFAULT_T5_LENGTH
 from unirl.stages.runtime.config_base import Section
 
-TIMESTEP_SCALE = 1000.0
-REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer")
-OPTIONAL_PAIRS = (("text_encoder_2", "tokenizer_2"), ("text_encoder_3", "tokenizer_3"))
 # The attention projections of every MMDiT block (image and text streams), as Flow-GRPO targets.
 SD3_LORA_TARGETS = (
     "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
 )
+# SD3's pipeline default for the T5 sequence (and the zero rows that replace a missing T5).
+T5_LENGTH = 256
+# The tiny model's text side: CLIP width (T5 and the joint attention are twice it) and tokens per prompt.
+TINY_CLIP_HIDDEN = 32
+TINY_TEXT_LENGTH = 16
 
 
 # ---------------------------------------------------------------------------- recipe section
@@ -68,15 +72,6 @@ class TinySD3(Section):
         check_image_side("model.tiny.image_size", self.image_size, self.vae_factor, self.patch_size)
         return self
 
-    def build_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of `build_tiny_sd3` for this architecture."""
-        return {
-            "seed": self.seed, "image_size": self.image_size, "with_t5": self.with_t5,
-            "num_layers": self.num_layers, "num_heads": self.num_heads, "head_dim": self.head_dim,
-            "patch_size": self.patch_size, "vae_channels": tuple(self.vae_channels),
-            "latent_channels": self.latent_channels, "vae_mid_attention": self.vae_mid_attention,
-        }
-
 
 class SD3ModelConfig(FlowModelBase):
     """Stable Diffusion 3 architecture (diffusers SD3Transformer2DModel + AutoencoderKL + text encoders)."""
@@ -85,170 +80,47 @@ class SD3ModelConfig(FlowModelBase):
     tiny: TinySD3 = Field(default_factory=TinySD3, description="Tiny architecture, used only without `path`.")
 
 
-# ---------------------------------------------------------------------------- bundle
+# ---------------------------------------------------------------------------- configs and sizes
 
 
-@dataclass
-class SD3Bundle:
-    """Everything one SD3 policy needs. `text_encoders`/`tokenizers`: the CLIP pair (L, G) in
-    order; `t5_encoder`/`t5_tokenizer` may be None; `max_sequence_length`: T5 tokens per prompt
-    (or zero rows standing in for a missing T5)."""
-
-    transformer: Any
-    vae: Any
-    text_encoders: list[Any]
-    tokenizers: list[Any]
-    t5_encoder: Any | None
-    t5_tokenizer: Any | None
-    scheduler: Any | None
-    directory: Path
-    max_sequence_length: int
-
-    @property
-    def module(self) -> Any:
-        """What trains: the transformer."""
-        return self.transformer
-
-    @module.setter
-    def module(self, value: Any) -> None:
-        self.transformer = value
-
-    @property
-    def device(self) -> Any:
-        return self.transformer.device
-
-    @property
-    def dtype(self) -> Any:
-        return self.transformer.dtype
-
-    @property
-    def vae_scale_factor(self) -> int:
-        return 2 ** (len(self.vae.config.block_out_channels) - 1)
-
-    @property
-    def patch_size(self) -> int:
-        return int(self.transformer.config.patch_size)
-
-    @property
-    def latent_channels(self) -> int:
-        return int(self.transformer.config.in_channels)
-
-    @property
-    def default_image_size(self) -> int:
-        return int(self.transformer.config.sample_size) * self.vae_scale_factor
+def tiny_vae_config(tiny: TinySD3) -> dict[str, Any]:
+    """AutoencoderKL kwargs of the tiny model, with SD3's own VAE normalization so its path is the real one."""
+    blocks = len(tiny.vae_channels)
+    return {"in_channels": 3, "out_channels": 3, "latent_channels": tiny.latent_channels,
+            "down_block_types": ["DownEncoderBlock2D"] * blocks, "up_block_types": ["UpDecoderBlock2D"] * blocks,
+            "block_out_channels": list(tiny.vae_channels), "layers_per_block": 1, "norm_num_groups": 8,
+            "sample_size": tiny.image_size, "use_quant_conv": False, "use_post_quant_conv": False,
+            "mid_block_add_attention": tiny.vae_mid_attention, "scaling_factor": 1.5305, "shift_factor": 0.0609}
 
 
-# ---------------------------------------------------------------------------- image sizes
+def tiny_transformer_config(tiny: TinySD3) -> dict[str, Any]:
+    """SD3Transformer2DModel kwargs of the tiny model; its position table covers twice `image_size`."""
+    latent = tiny.image_size // tiny.vae_factor
+    return {"sample_size": latent, "patch_size": tiny.patch_size, "in_channels": tiny.latent_channels,
+            "out_channels": tiny.latent_channels, "num_layers": tiny.num_layers, "attention_head_dim": tiny.head_dim,
+            "num_attention_heads": tiny.num_heads, "joint_attention_dim": 2 * TINY_CLIP_HIDDEN,
+            "caption_projection_dim": tiny.num_heads * tiny.head_dim, "pooled_projection_dim": 2 * TINY_CLIP_HIDDEN,
+            "pos_embed_max_size": 2 * latent // tiny.patch_size}
 
 
-def geometry(bundle: SD3Bundle) -> FlowGeometry:
+def geometry_of(vae: dict[str, Any], transformer: dict[str, Any], where: str) -> FlowGeometry:
     """Pixels -> latents (the VAE's factor) -> tokens (the patch, up to the position table's side)."""
-    return FlowGeometry(channels=bundle.latent_channels, spatial=bundle.vae_scale_factor, patch=bundle.patch_size,
-                        max_patches=bundle.transformer.config.pos_embed_max_size, what=f"the SD3 model in {bundle.directory}")
+    return FlowGeometry(channels=int(transformer.get("in_channels", 16)), spatial=vae_factor(vae),
+                        patch=int(transformer.get("patch_size", 2)), max_patches=transformer.get("pos_embed_max_size", 96),
+                        what=f"the SD3 model in {where}")
 
 
-def check_image_size(bundle: SD3Bundle, height: int, width: int | None = None) -> None:
-    """Raise ValueError, saying which sizes work, unless the VAE and transformer take H x W."""
-    geo = geometry(bundle)
-    for side in (height, height if width is None else width):
-        geo.check_side(int(side))
+def vae_factor(vae: dict[str, Any]) -> int:
+    return 2 ** (len(vae.get("block_out_channels", (128, 256, 512, 512))) - 1)
 
 
-def latent_shape(bundle: SD3Bundle, height: int, width: int | None = None) -> tuple[int, int, int]:
-    """(C, H / f, W / f) of the latents for an H x W image, f = vae_scale_factor (size checked)."""
-    width = height if width is None else width
-    check_image_size(bundle, height, width)
-    f = bundle.vae_scale_factor
-    return bundle.latent_channels, height // f, width // f
-
-
-# ---------------------------------------------------------------------------- loading
-
-
-def _listed(index: dict[str, Any], name: str) -> bool:
-    entry = index.get(name)
-    return isinstance(entry, list) and len(entry) == 2 and entry[0] is not None
-
-
-def _load(root: Path, name: str, loader: Any, **kwargs: Any) -> Any:
-    try:
-        return loader(root / name, **kwargs)
-    except (OSError, ValueError) as exc:
-        raise OSError(f"could not load {name!r} of the SD3 checkpoint {root} from {root / name}: {exc}") from exc
-
-
-def load_sd3(directory: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-             max_sequence_length: int | None = None) -> SD3Bundle:
-    """Load an SD3 diffusers directory (model_index.json + transformer/, vae/, text_encoder[_2,_3]/,
-    tokenizer[_2,_3]/, scheduler/). Text encoders and VAE are frozen; the transformer keeps
-    requires_grad for full fine-tuning (add_lora freezes it). `max_sequence_length`: T5 tokens,
-    default min(256, tokenizer_3's max length), or 256 zero rows without T5 (diffusers' rule)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
-
-    root = Path(directory)
-    index_path = root / "model_index.json"
-    if not index_path.is_file():
-        raise FileNotFoundError(
-            f"{root} is not a diffusers SD3 directory: {index_path} is missing "
-            "(expected the stable-diffusion-3-medium-diffusers layout, or one written by build_tiny_sd3)"
-        )
-    index = json.loads(index_path.read_text())
-    wanted = list(REQUIRED)
-    for name in REQUIRED:
-        if not _listed(index, name):
-            raise ValueError(f"{index_path} lists no {name!r}; an SD3 checkpoint needs {', '.join(REQUIRED)}")
-    for encoder, tokenizer in OPTIONAL_PAIRS:
-        if _listed(index, encoder) != _listed(index, tokenizer):
-            raise ValueError(f"{index_path} lists only one of {encoder!r} and {tokenizer!r}; they come in pairs")
-        if _listed(index, encoder):
-            wanted += [encoder, tokenizer]
-    wanted += ["scheduler"] if _listed(index, "scheduler") else []
-    for name in wanted:
-        if not (root / name).is_dir():
-            raise FileNotFoundError(
-                f"SD3 checkpoint {root}: model_index.json lists {name!r} but the subfolder {root / name} is missing"
-            )
-
-    transformer = _load(root, "transformer", SD3Transformer2DModel.from_pretrained, torch_dtype=dtype)
-    vae = _load(root, "vae", AutoencoderKL.from_pretrained, torch_dtype=dtype)
-    encoders, tokenizers = [], []
-    for suffix in ("", "_2"):
-        if "text_encoder" + suffix in wanted:
-            clip = CLIPTextModelWithProjection.from_pretrained
-            encoders.append(_load(root, "text_encoder" + suffix, clip, dtype=dtype))
-            tokenizers.append(_load(root, "tokenizer" + suffix, AutoTokenizer.from_pretrained))
-    t5 = t5_tokenizer = None
-    if "text_encoder_3" in wanted:
-        t5 = _load(root, "text_encoder_3", T5EncoderModel.from_pretrained, dtype=dtype)
-        t5_tokenizer = _load(root, "tokenizer_3", AutoTokenizer.from_pretrained)
-    scheduler = None
-    if "scheduler" in wanted:
-        scheduler = _load(root, "scheduler", FlowMatchEulerDiscreteScheduler.from_pretrained)
-    if max_sequence_length is None:
-        max_sequence_length = DEFAULT_T5_LENGTH
-        if t5_tokenizer is not None:
-            max_sequence_length = min(DEFAULT_T5_LENGTH, t5_tokenizer.model_max_length)
-
-    for model in [vae, *encoders, *([t5] if t5 is not None else [])]:
-        model.requires_grad_(False).eval().to(device)
-    transformer.eval().to(device)
-    return SD3Bundle(
-        transformer, vae, encoders, tokenizers, t5, t5_tokenizer, scheduler, root, int(max_sequence_length)
-    )
+def image_side(vae: dict[str, Any], transformer: dict[str, Any]) -> int:
+    """The image side a folder is made for: the transformer's sample_size latent pixels times the
+    VAE's factor (the pipeline's default height)."""
+    return int(transformer.get("sample_size", 128)) * vae_factor(vae)
 
 
 # ---------------------------------------------------------------------------- the family
-
-
-def native_image_size(cfg: SD3ModelConfig) -> int:
-    """The image side a model of `cfg` is made for, read from its configs (no weights loaded)."""
-    if not cfg.path:
-        return cfg.tiny.image_size
-    root = Path(cfg.path)
-    vae = json.loads((root / "vae" / "config.json").read_text())
-    transformer = json.loads((root / "transformer" / "config.json").read_text())
-    return int(transformer["sample_size"]) * 2 ** (len(vae["block_out_channels"]) - 1)
 
 
 @families.register("sd3")
@@ -262,62 +134,115 @@ class SD3(FlowFamily):
                "transformers.models.clip.modeling_clip", "transformers.models.t5.modeling_t5", "peft")
 
     @classmethod
-    def check(cls, recipe: Any) -> None:
-        size = recipe.rollout.sampler.image_size
-        if size is not None and not recipe.model.path:
-            tiny = recipe.model.tiny
-            check_image_side("rollout.sampler.image_size", size, tiny.vae_factor, tiny.patch_size)
-        super().check(recipe)
+    def recipe_geometry(cls, cfg: SD3ModelConfig) -> FlowGeometry | None:
+        from unirl.stages.models.flow_folder import config_of
+
+        if cfg.path:
+            if not (Path(cfg.path) / "vae" / "config.json").is_file():
+                return None
+            return geometry_of(config_of(Path(cfg.path), "vae"), config_of(Path(cfg.path), "transformer"), cfg.path)
+        return geometry_of(tiny_vae_config(cfg.tiny), tiny_transformer_config(cfg.tiny), "model.tiny")
 
     @classmethod
     def native_media(cls, cfg: SD3ModelConfig) -> tuple[int, int | None]:
-        return native_image_size(cfg), None
+        # An SD3 folder's configs say its image side (image_side), so SD3 needs no defaults file:
+        # its tiny folders write none, as a checkpoint has none, and the base would answer 1024.
+        from unirl.stages.models.flow_folder import config_of
+
+        if not cfg.path:
+            return super().native_media(cfg)
+        return image_side(config_of(Path(cfg.path), "vae"), config_of(Path(cfg.path), "transformer")), None
+
+    # -- the folder -----------------------------------------------------------------------------
+    @classmethod
+    def build_tiny(cls, directory: Path, tiny: TinySD3) -> Path:
+        """Every part seeded from `tiny.seed * 100 + k`, k over text_encoder, text_encoder_2,
+        text_encoder_3, vae, transformer (k = 2 is skipped without T5); all three text encoders
+        read one CLIP tokenizer, saved once per tokenizer folder."""
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+        from unirl.stages.models import flow_text as T
+        from unirl.stages.models.flow_folder import write_index
+
+        root = Path(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        seed = tiny.seed * 100
+        tok = T.build_tiny_clip_tokenizer(model_max_length=TINY_TEXT_LENGTH)
+        encoders = {"text_encoder": T.tiny_clip(tok, hidden=TINY_CLIP_HIDDEN, seed=seed),
+                    "text_encoder_2": T.tiny_clip(tok, hidden=TINY_CLIP_HIDDEN, seed=seed + 1)}
+        if tiny.with_t5:
+            encoders["text_encoder_3"] = T.tiny_t5(tok, hidden=2 * TINY_CLIP_HIDDEN, seed=seed + 2)
+        for name, encoder in encoders.items():
+            encoder.save_pretrained(root / name)
+            tok.save_pretrained(root / name.replace("text_encoder", "tokenizer"))
+        T.seeded(seed + 3, lambda: AutoencoderKL(**tiny_vae_config(tiny))).save_pretrained(root / "vae")
+        T.seeded(seed + 4, lambda: SD3Transformer2DModel(**tiny_transformer_config(tiny))).save_pretrained(root / "transformer")
+        FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0).save_pretrained(root / "scheduler")  # type: ignore[attr-defined]
+        clip, t5 = ("transformers", "CLIPTextModelWithProjection"), ("transformers", "T5EncoderModel")
+        tokenizer = ("transformers", "CLIPTokenizer")
+        write_index(root, "StableDiffusion3Pipeline", {
+            "transformer": ("diffusers", "SD3Transformer2DModel"), "vae": ("diffusers", "AutoencoderKL"),
+            "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"), "image_encoder": None, "feature_extractor": None,
+            "text_encoder": clip, "tokenizer": tokenizer, "text_encoder_2": clip, "tokenizer_2": tokenizer,
+            "text_encoder_3": t5 if tiny.with_t5 else None, "tokenizer_3": tokenizer if tiny.with_t5 else None,
+        })
+        return root
 
     @classmethod
-    def materialize(cls, cfg: SD3ModelConfig, scratch: Path) -> Path:
-        if cfg.path:
-            d = Path(cfg.path)
-            if not (d / "model_index.json").is_file():
-                raise FileNotFoundError(f"model.path {d}: no model_index.json (expected a diffusers SD3 folder)")
-            return super().materialize(cfg, scratch)
-        from unirl.stages.models.sd3_tiny import build_tiny_sd3
+    def load(cls, directory: Path, cfg: SD3ModelConfig, device: Any) -> FlowBundle:
+        """Both CLIPs always, T5 where the index lists it; settings: `image_size` (image_side) and
+        `text_length`, T5's tokens per prompt or the zero rows standing in for it."""
+        from unirl.stages.models.flow_folder import listed, read_index
 
-        return build_tiny_sd3(scratch, **cfg.tiny.build_kwargs())
+        index = read_index(Path(directory))
+        t5 = listed(index, "text_encoder_3") or listed(index, "tokenizer_3")
+        text = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", *(("text_encoder_3", "tokenizer_3") if t5 else ()))
+        parts = cls.load_parts(directory, cfg, device, text=text)
+        (transformer,) = parts.transformers
+        vae, config = dict(parts.vae.config), dict(transformer.config)
+        t5_tokenizer = parts.text.get("tokenizer_3")
+        settings = {"image_size": image_side(vae, config),
+                    "text_length": T5_LENGTH if t5_tokenizer is None else min(T5_LENGTH, t5_tokenizer.model_max_length)}
+        return FlowBundle(transformer, parts.vae, parts.text, parts.root, parts.index, geometry_of(vae, config, str(parts.root)),
+                          settings)
 
+    # -- what the flow policy asks --------------------------------------------------------------
     @classmethod
-    def load(cls, directory: Path, cfg: SD3ModelConfig, device: Any) -> SD3Bundle:
-        return load_sd3(directory, dtype=getattr(torch, cfg.dtype), device=device)
-
-    @classmethod
-    def lora_what(cls, bundle: SD3Bundle) -> str:
-        return f"the SD3 transformer in {bundle.directory}"
-
-    # -- what the flow policy asks of a flow family (stages/models/flow_family.py) -------------
-    @classmethod
-    def geometry(cls, bundle: SD3Bundle) -> FlowGeometry:
-        return geometry(bundle)
-
-    @classmethod
-    def codec(cls, bundle: SD3Bundle) -> ShiftScale:
+    def codec(cls, bundle: FlowBundle) -> ShiftScale:
         return ShiftScale()
 
     @classmethod
-    def default_image_size(cls, bundle: SD3Bundle) -> int:
-        return bundle.default_image_size
+    @torch.no_grad()
+    def encode_prompt(cls, bundle: FlowBundle, text: str) -> tuple[torch.Tensor, ...]:
+        """(embeds (L_clip + L_t5, D_joint), pooled (P,)) of one prompt (module docstring)."""
+        from unirl.stages.models.flow_text import ids_and_mask
+
+        device, joint = bundle.device, bundle.transformer.config.joint_attention_dim
+        clip_length = bundle.text["tokenizer"].model_max_length  # both CLIPs use the first one's, as in SD3
+        hidden, pooled = [], []
+        for suffix in ("", "_2"):
+            ids, _ = ids_and_mask(bundle.text["tokenizer" + suffix], text, clip_length)
+            out = bundle.text["text_encoder" + suffix](ids.to(device), output_hidden_states=True)
+            hidden.append(out.hidden_states[-2][0])
+            pooled.append(out.text_embeds[0])
+        clip = torch.cat(hidden, dim=-1)
+        if clip.shape[-1] > joint:
+            raise ValueError(f"the CLIP encoders in {bundle.directory} give {clip.shape[-1]} features, more than the "
+                             f"transformer's joint_attention_dim {joint}")
+        clip = F.pad(clip, (0, joint - clip.shape[-1]))
+        length = bundle.settings["text_length"]
+        if "text_encoder_3" in bundle.text:
+            ids, _ = ids_and_mask(bundle.text["tokenizer_3"], text, length)
+            t5 = bundle.text["text_encoder_3"](ids.to(device))[0][0].to(clip.dtype)
+        else:
+            t5 = clip.new_zeros(length, joint)
+        return torch.cat([clip, t5]).to(bundle.dtype), torch.cat(pooled).to(bundle.dtype)
 
     @classmethod
-    def encode_prompt(cls, bundle: SD3Bundle, text: str) -> tuple[torch.Tensor, ...]:
-        """(embeds (L, D), pooled (P,)) of one prompt."""
-        from unirl.stages.models.sd3_text import encode_prompts
-
-        e = encode_prompts(bundle, [text])
-        return e.embeds[0], e.pooled[0]
-
-    @classmethod
-    def forward(cls, bundle: SD3Bundle, module: Any, x: torch.Tensor, sigma: torch.Tensor, cond: tuple[torch.Tensor, ...],
+    def forward(cls, bundle: FlowBundle, module: Any, x: torch.Tensor, sigma: torch.Tensor, cond: tuple[torch.Tensor, ...],
                 guidance: float | None) -> torch.Tensor:
         """SD3's MMDiT on (B, C, h, w) latents, timestep = sigma * 1000."""
         embeds, pooled = cond
         dtype = module.dtype
-        return module(hidden_states=x.to(dtype), timestep=sigma * TIMESTEP_SCALE, encoder_hidden_states=embeds.to(dtype),
+        return module(hidden_states=x.to(dtype), timestep=sigma * cls.timestep_scale, encoder_hidden_states=embeds.to(dtype),
                       pooled_projections=pooled.to(dtype), return_dict=False)[0].float()

@@ -71,10 +71,10 @@ def test_quickstart_sft_then_flow_grpo_on_s3(tmp_path, unirl_env):
     info = json.loads((run / "run.json").read_text())
     client = MlflowClient(tracking_uri=unirl_env["MLFLOW_TRACKING_URI"])
     assert [a.path for a in client.list_artifacts(info["mlflow_run_id"], "images/rollouts")] == ["images/rollouts/step-000000.png"]
-    from unirl.stages.models.sd3 import load_sd3
+    from unirl.stages.models.sd3 import SD3, SD3ModelConfig
 
-    bundle = load_sd3(run / "weights" / "v000002")
-    assert bundle.default_image_size == 32
+    bundle = SD3.load(run / "weights" / "v000002", SD3ModelConfig(), "cpu")
+    assert SD3.default_image_size(bundle) == 32
 
 
 @pytest.mark.parametrize("recipe", ["nft.yaml", "flow_dppo.yaml"])

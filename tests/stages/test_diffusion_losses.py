@@ -21,7 +21,7 @@ from unirl.stages.algorithms.flow_likelihood import transition_means
 from unirl.stages.algorithms.nft import NFT, NFTConfig, nft_points
 from unirl.stages.diffusion.sampling import make_plan, replay_step, sample, stored_steps
 from unirl.stages.diffusion.trajectory import LatentBatch
-from unirl.stages.models.sd3_ops import merge_lora
+from unirl.stages.models.flow_lora import merge_lora
 from unirl.stages.policies.flow import FlowSampler
 
 SHAPE = (2, 4, 4)

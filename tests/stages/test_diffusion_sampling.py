@@ -8,8 +8,7 @@ import torch
 from unirl.stages.diffusion.model import PromptCache, bind
 from unirl.stages.diffusion.sampling import make_plan, replay_step, sample, stored_steps
 from unirl.stages.diffusion.sde import sde_step, shifted_sigmas
-from unirl.stages.models.sd3 import SD3, load_sd3
-from unirl.stages.models.sd3_tiny import build_tiny_sd3
+from unirl.stages.models.sd3 import SD3, SD3ModelConfig, TinySD3
 from unirl.stages.policies.flow import FlowSampler
 
 PROMPTS = ["two red circles", "a blue square on the left of a green triangle", "a yellow triangle"]
@@ -17,7 +16,8 @@ PROMPTS = ["two red circles", "a blue square on the left of a green triangle", "
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    return load_sd3(build_tiny_sd3(tmp_path_factory.mktemp("sd3") / "tiny", seed=0))
+    tiny = TinySD3(vae_channels=[32, 32], patch_size=2, vae_mid_attention=True)
+    return SD3.load(SD3.build_tiny(tmp_path_factory.mktemp("sd3") / "tiny", tiny), SD3ModelConfig(), "cpu")
 
 
 def sampler(**kw) -> FlowSampler:

@@ -78,7 +78,7 @@ def one_iteration(w, storage, r, i=0):
 
 
 def test_flow_grpo_generate_train_checkpoint_publish(mesh, tmp_path):
-    from unirl.stages.models.sd3 import load_sd3
+    from unirl.stages.models.sd3 import SD3
 
     r = recipe(tmp_path, **{"rollout.sampler.sde_steps": {"mode": "window", "window_size": 2, "num_sde_steps": 2},
                             "reward.scorers": [{"name": "brightness"}]})  # varies on a random model: the step moves weights
@@ -101,7 +101,7 @@ def test_flow_grpo_generate_train_checkpoint_publish(mesh, tmp_path):
     published = w.publish()
     folder = storage.local_path(published["path"])
     mine = {k: full(v) for k, v in w.stack.module.state_dict().items()}
-    loaded = load_sd3(folder).transformer.state_dict()
+    loaded = SD3.load(folder, r.model, "cpu").transformer.state_dict()
     assert all(torch.equal(loaded[k], mine[k]) for k in loaded)
     again, _ = worker(r, tmp_path, checkpoint=1)
     assert again.version == 1 and again.stack.opt_steps == 1
@@ -187,9 +187,9 @@ def test_sft_warms_up_the_vae_then_flow_matching(mesh, tmp_path):
     folder = storage.local_path(w.publish()["path"])
     vae = json.loads((folder / "vae" / "config.json").read_text())
     assert vae["scaling_factor"] == pytest.approx(first["vae_scaling_factor"])
-    from unirl.stages.models.sd3 import load_sd3
+    from unirl.stages.models.sd3 import SD3
 
-    published = load_sd3(folder).transformer.state_dict()
+    published = SD3.load(folder, r.model, "cpu").transformer.state_dict()
     for name, shadow in w.stack.ema.shadow.items():  # SFT publishes the EMA of its weights
         assert torch.equal(published[name], full(shadow)), name
     assert not all(torch.equal(published[n], full(p)) for n, p in w.stack.module.named_parameters())
@@ -243,7 +243,8 @@ def test_lora_sft_publishes_its_ema_merged(mesh, tmp_path):
     """Regression: LoRA + flow-matching SFT merged the adapters of the raw weights and dropped the EMA."""
     from safetensors.torch import load_file
 
-    from unirl.stages.models.sd3_ops import TRANSFORMER_FILE, merge_lora
+    from unirl.stages.models.flow_folder import TRANSFORMER_FILE
+    from unirl.stages.models.flow_lora import merge_lora
 
     w, storage = sft_worker(tmp_path, **{"sft": {"steps": 3, "lr": 1e-2}, "model.lora": {"rank": 2, "alpha": 4},
                                          "model.flow_matching": {"schedule": "constant", "warmup_steps": 0, "ema": 0.5}})

@@ -1,8 +1,9 @@
-"""Every flow family beyond SD3 (FLUX.2 klein, Qwen-Image, Wan 2.1/2.2, HunyuanVideo 1.0/1.5) on its
-tiny seeded folder: the folder is a diffusers checkpoint its own pipeline class loads, the
-conditioning of a prompt is fixed, the transformer is called with the timestep convention and
-guidance the family states, Wan 2.2's experts switch at the boundary, LoRA starts at the base and
-its disabled state is the reference, and an exported folder loads back to the same velocity."""
+"""Every flow family (SD3, FLUX.2 klein, Qwen-Image, Wan 2.1/2.2, HunyuanVideo 1.0/1.5) on its tiny
+seeded folder: the folder is a diffusers checkpoint its own pipeline class loads, the conditioning
+of a prompt is fixed, the transformer is called with the timestep convention and guidance the
+family states, Wan 2.2's experts switch at the boundary, LoRA starts at the base and its disabled
+state is the reference, and an exported folder loads back to the same velocity (SD3 against
+diffusers' own pipeline, image for image: tests/stages/test_sd3_bundle.py)."""
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ def diffusers_ships(kind: str) -> bool:
 
 
 FLOW_CASES = sorted(c for c in CASES if families.get(CASES[c]["model"]["kind"]).policy == "flow"
-                    and CASES[c]["model"]["kind"] != "sd3" and diffusers_ships(CASES[c]["model"]["kind"]))
+                    and diffusers_ships(CASES[c]["model"]["kind"]))
 PROMPT = "two blue squares moving up quickly"
 
 

@@ -1,42 +1,74 @@
-"""The SD3 bundle on a tiny, seeded SD3 saved and loaded in diffusers layout."""
+"""The SD3 family on a tiny, seeded SD3 saved and loaded in diffusers layout."""
 from __future__ import annotations
 
 import io
 import json
 import shutil
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from unirl.stages.models.sd3 import TIMESTEP_SCALE, latent_shape, load_sd3
-from unirl.stages.models.sd3_ops import add_lora, decode_latents, encode_images, predict_velocity, reference_policy
-from unirl.stages.models.sd3_text import encode_prompts
-from unirl.stages.models.sd3_tiny import build_tiny_sd3
+from unirl.stages.models.flow_text import build_tiny_clip_tokenizer
+from unirl.stages.models.sd3 import SD3, SD3ModelConfig, TinySD3
+from unirl.stages.runtime.config_base import LoraConfig
 from unirl.stages.runtime.media import to_pil, to_png_bytes
 from unirl.stages.toys.geneval import WORDS, all_prompts
 
 PROMPTS = ["two red circles", "a blue square on the left of a green triangle"]
+# Two VAE blocks (factor 2), patch 2 and the VAE's mid attention: SD3's real layout in small.
+TINY = {"image_size": 32, "vae_channels": [32, 32], "patch_size": 2, "vae_mid_attention": True}
+
+
+def build(directory, **over):
+    return SD3.build_tiny(directory, TinySD3(**{**TINY, **over}))
+
+
+def load(directory):
+    return SD3.load(directory, SD3ModelConfig(), "cpu")
+
+
+@dataclass
+class Embeds:
+    """The conditioning of PROMPTS (B = 2) and of the negative prompt "" broadcast to them."""
+
+    embeds: torch.Tensor
+    pooled: torch.Tensor
+    neg_embeds: torch.Tensor
+    neg_pooled: torch.Tensor
+
+
+def encode(bundle, prompts, negative="") -> Embeds:
+    cond = [SD3.encode_prompt(bundle, p) for p in prompts]
+    neg = SD3.encode_prompt(bundle, negative)
+    return Embeds(torch.stack([c[0] for c in cond]), torch.stack([c[1] for c in cond]),
+                  neg[0].expand(len(prompts), *neg[0].shape), neg[1].expand(len(prompts), *neg[1].shape))
+
+
+def velocity(bundle, x, sigma, embeds, pooled, guidance_scale=1.0, neg_embeds=None, neg_pooled=None):
+    neg = None if neg_embeds is None else (neg_embeds, neg_pooled)
+    return SD3.velocity(bundle, bundle.module, x, sigma, (embeds, pooled), guidance_scale, neg)
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return build_tiny_sd3(tmp_path_factory.mktemp("sd3") / "tiny", seed=0, image_size=32)
+    return build(tmp_path_factory.mktemp("sd3") / "tiny")
 
 
 @pytest.fixture()
 def bundle(tiny_dir):
-    return load_sd3(tiny_dir, dtype=torch.float32, device="cpu")
+    return load(tiny_dir)
 
 
 @pytest.fixture()
 def embeds(bundle):
-    return encode_prompts(bundle, PROMPTS, negative_prompt="")
+    return encode(bundle, PROMPTS)
 
 
 def _noise(bundle, n=2, seed=0):
-    return torch.randn(n, *latent_shape(bundle, 32), generator=torch.Generator().manual_seed(seed))
+    return torch.randn(n, *SD3.latent_shape(bundle, 32), generator=torch.Generator().manual_seed(seed))
 
 
 def test_tiny_checkpoint_has_the_diffusers_sd3_layout_and_is_seeded(tiny_dir, tmp_path):
@@ -45,13 +77,18 @@ def test_tiny_checkpoint_has_the_diffusers_sd3_layout_and_is_seeded(tiny_dir, tm
     for name in ("transformer", "vae", "scheduler", "text_encoder", "text_encoder_2", "text_encoder_3",
                  "tokenizer", "tokenizer_2", "tokenizer_3"):
         assert index[name][0] is not None and (tiny_dir / name).is_dir(), name
-    a, b = load_sd3(tiny_dir), load_sd3(build_tiny_sd3(tmp_path / "same", seed=0))
-    other = load_sd3(build_tiny_sd3(tmp_path / "other", seed=1))
+    a, b = load(tiny_dir), load(build(tmp_path / "same", seed=0))
+    other = load(build(tmp_path / "other", seed=1))
     for name, p in a.transformer.state_dict().items():
         assert torch.equal(p, b.transformer.state_dict()[name]), name
     assert not torch.equal(a.vae.state_dict()["encoder.conv_in.weight"], other.vae.state_dict()["encoder.conv_in.weight"])
-    assert a.vae_scale_factor == 2 and a.patch_size == 2 and a.default_image_size == 32
-    assert a.max_sequence_length == 16
+    geo = SD3.geometry(a)
+    assert geo.vae_factor == 2 and geo.patch == 2 and SD3.default_image_size(a) == 32
+    assert a.settings["text_length"] == 16
+    # the recipe's geometry and image side, read without loading weights, are the loaded model's
+    for cfg in (SD3ModelConfig(tiny=TINY), SD3ModelConfig(path=str(tiny_dir))):
+        assert replace(SD3.recipe_geometry(cfg), what="") == replace(geo, what="")
+    assert SD3.native_image_size(SD3ModelConfig(path=str(tiny_dir))) == 32
 
 
 def test_tiny_checkpoint_runs_in_diffusers_own_pipeline_and_we_reproduce_it(bundle, tiny_dir):
@@ -61,7 +98,7 @@ def test_tiny_checkpoint_runs_in_diffusers_own_pipeline_and_we_reproduce_it(bund
 
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_dir)
     pe, ne, pp, npp = pipe.encode_prompt(PROMPTS, None, None, negative_prompt="", max_sequence_length=16, device="cpu")
-    ours = encode_prompts(bundle, PROMPTS, negative_prompt="")
+    ours = encode(bundle, PROMPTS)
     for theirs, mine in [(pe, ours.embeds), (pp, ours.pooled), (ne, ours.neg_embeds), (npp, ours.neg_pooled)]:
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
     noise = _noise(bundle)
@@ -71,31 +108,32 @@ def test_tiny_checkpoint_runs_in_diffusers_own_pipeline_and_we_reproduce_it(bund
     x = noise
     with torch.no_grad():
         for i in range(3):
-            v = predict_velocity(bundle, x, float(sigmas[i]), ours.embeds, ours.pooled, guidance_scale=4.0,
-                                 neg_embeds=ours.neg_embeds, neg_pooled=ours.neg_pooled)
+            v = velocity(bundle, x, float(sigmas[i]), ours.embeds, ours.pooled, guidance_scale=4.0,
+                         neg_embeds=ours.neg_embeds, neg_pooled=ours.neg_pooled)
             x = x + v * (sigmas[i + 1] - sigmas[i])
     expected = torch.from_numpy((out.images * 255).round().astype(np.uint8))
-    assert (decode_latents(bundle, x).int() - expected.int()).abs().max() <= 1
+    assert (SD3.decode(bundle, x).int() - expected.int()).abs().max() <= 1
 
 
 def test_load_errors_name_the_directory_and_the_missing_part(tiny_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="model_index.json"):
-        load_sd3(tmp_path)
+        load(tmp_path)
     broken = tmp_path / "broken"
     shutil.copytree(tiny_dir, broken)
     shutil.rmtree(broken / "vae")
     with pytest.raises(FileNotFoundError) as err:
-        load_sd3(broken)
+        load(broken)
     assert str(broken) in str(err.value) and "'vae'" in str(err.value)
+    shutil.copytree(tiny_dir / "vae", broken / "vae")
     index = json.loads((tiny_dir / "model_index.json").read_text())
-    index["text_encoder"] = [None, None]
-    (broken / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(ValueError, match="text_encoder"):
-        load_sd3(broken)
+    for missing in ("text_encoder", "tokenizer_3"):
+        (broken / "model_index.json").write_text(json.dumps({**index, missing: [None, None]}))
+        with pytest.raises(ValueError, match=f"lists no '{missing}'"):
+            load(broken)
 
 
 def test_tiny_tokenizer_reads_every_toy_prompt_word_as_one_token(bundle):
-    tok = bundle.tokenizers[0]
+    tok = bundle.text["tokenizer"]
     for word in WORDS:
         assert len(tok(word, add_special_tokens=False).input_ids) == 1, word
     longest = max(all_prompts(), key=len)
@@ -103,33 +141,38 @@ def test_tiny_tokenizer_reads_every_toy_prompt_word_as_one_token(bundle):
     assert tok.unk_token_id not in tok("zebra, 42!", add_special_tokens=False).input_ids
 
 
-def test_encode_prompts_shapes_and_negative_prompt_broadcast(bundle, embeds):
+def test_encode_prompt_shapes_and_negative_prompt_broadcast(bundle, embeds):
+    from unirl.stages.diffusion.model import PromptCache
+    from unirl.stages.policies.flow import FlowSampler
+
     joint = bundle.transformer.config.joint_attention_dim
     assert embeds.embeds.shape == (2, 16 + 16, joint) and embeds.pooled.shape == (2, 64)
-    per_prompt = encode_prompts(bundle, PROMPTS, negative_prompt=["", ""])
-    torch.testing.assert_close(per_prompt.neg_embeds, embeds.neg_embeds)
-    assert encode_prompts(bundle, PROMPTS).neg_embeds is None
+    # the conditioning of a prompt is the same bits alone or among others
+    together = PromptCache(SD3, bundle)(PROMPTS, FlowSampler(guidance_scale=4.0))
+    torch.testing.assert_close(together.cond, (embeds.embeds, embeds.pooled), atol=0, rtol=0)
+    torch.testing.assert_close(together.neg, (embeds.neg_embeds, embeds.neg_pooled), atol=0, rtol=0)
+    assert PromptCache(SD3, bundle)(PROMPTS, FlowSampler(guidance_scale=1.0)).neg is None
     assert not torch.allclose(embeds.embeds[0], embeds.embeds[1])
 
 
-def test_predict_velocity_is_deterministic_and_takes_per_sample_sigma(bundle, embeds):
+def test_velocity_is_deterministic_and_takes_per_sample_sigma(bundle, embeds):
     x = _noise(bundle)
     with torch.no_grad():
-        v = predict_velocity(bundle, x, 0.7, embeds.embeds, embeds.pooled)
+        v = velocity(bundle, x, 0.7, embeds.embeds, embeds.pooled)
         assert v.shape == x.shape and v.dtype == torch.float32
-        torch.testing.assert_close(predict_velocity(bundle, x, 0.7, embeds.embeds, embeds.pooled), v, atol=0, rtol=0)
-        torch.testing.assert_close(predict_velocity(bundle, x, torch.tensor([0.7, 0.7]), embeds.embeds, embeds.pooled), v)
-        mixed = predict_velocity(bundle, x, torch.tensor([0.7, 0.2]), embeds.embeds, embeds.pooled)
-        low = predict_velocity(bundle, x, 0.2, embeds.embeds, embeds.pooled)
+        torch.testing.assert_close(velocity(bundle, x, 0.7, embeds.embeds, embeds.pooled), v, atol=0, rtol=0)
+        torch.testing.assert_close(velocity(bundle, x, torch.tensor([0.7, 0.7]), embeds.embeds, embeds.pooled), v)
+        mixed = velocity(bundle, x, torch.tensor([0.7, 0.2]), embeds.embeds, embeds.pooled)
+        low = velocity(bundle, x, 0.2, embeds.embeds, embeds.pooled)
         # SD3's convention: the transformer's timestep is sigma * 1000.
-        direct = bundle.transformer(hidden_states=x, timestep=torch.full((2,), 0.7 * TIMESTEP_SCALE),
+        direct = bundle.transformer(hidden_states=x, timestep=torch.full((2,), 0.7 * SD3.timestep_scale),
                                     encoder_hidden_states=embeds.embeds, pooled_projections=embeds.pooled).sample
     torch.testing.assert_close(mixed[0], v[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mixed[1], low[1], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(v[1], low[1])
     torch.testing.assert_close(direct, v)
     with pytest.raises(ValueError, match="sigma"):
-        predict_velocity(bundle, x, torch.tensor([0.1, 0.2, 0.3]), embeds.embeds, embeds.pooled)
+        velocity(bundle, x, torch.tensor([0.1, 0.2, 0.3]), embeds.embeds, embeds.pooled)
 
 
 def test_cfg_is_uncond_plus_scale_times_difference_in_one_batched_forward(bundle, embeds):
@@ -137,25 +180,25 @@ def test_cfg_is_uncond_plus_scale_times_difference_in_one_batched_forward(bundle
     calls = []
     hook = bundle.transformer.register_forward_hook(lambda m, a, kw, out: calls.append(kw["hidden_states"].shape[0]), with_kwargs=True)
     with torch.no_grad():
-        guided = predict_velocity(bundle, x, 0.5, embeds.embeds, embeds.pooled, guidance_scale=g,
-                                  neg_embeds=embeds.neg_embeds, neg_pooled=embeds.neg_pooled)
+        guided = velocity(bundle, x, 0.5, embeds.embeds, embeds.pooled, guidance_scale=g,
+                          neg_embeds=embeds.neg_embeds, neg_pooled=embeds.neg_pooled)
         hook.remove()
-        cond = predict_velocity(bundle, x, 0.5, embeds.embeds, embeds.pooled)
-        uncond = predict_velocity(bundle, x, 0.5, embeds.neg_embeds, embeds.neg_pooled)
-        one = predict_velocity(bundle, x, 0.5, embeds.embeds, embeds.pooled, guidance_scale=1.0,
-                               neg_embeds=embeds.neg_embeds, neg_pooled=embeds.neg_pooled)
+        cond = velocity(bundle, x, 0.5, embeds.embeds, embeds.pooled)
+        uncond = velocity(bundle, x, 0.5, embeds.neg_embeds, embeds.neg_pooled)
+        one = velocity(bundle, x, 0.5, embeds.embeds, embeds.pooled, guidance_scale=1.0,
+                       neg_embeds=embeds.neg_embeds, neg_pooled=embeds.neg_pooled)
     assert calls == [4]
     torch.testing.assert_close(guided, uncond + g * (cond - uncond), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(guided, cond, atol=1e-3)
     torch.testing.assert_close(one, cond, atol=0, rtol=0)
     with pytest.raises(ValueError, match="negative_prompt"):
-        predict_velocity(bundle, x, 0.5, embeds.embeds, embeds.pooled, guidance_scale=g)
+        velocity(bundle, x, 0.5, embeds.embeds, embeds.pooled, guidance_scale=g)
     with pytest.raises(ValueError, match="guidance_scale"):
-        predict_velocity(bundle, x, 0.5, embeds.embeds, embeds.pooled, guidance_scale=0.5)
+        velocity(bundle, x, 0.5, embeds.embeds, embeds.pooled, guidance_scale=0.5)
 
 
 def test_velocity_keeps_gradients_for_training(bundle, embeds):
-    v = predict_velocity(bundle, _noise(bundle), 0.5, embeds.embeds, embeds.pooled)
+    v = velocity(bundle, _noise(bundle), 0.5, embeds.embeds, embeds.pooled)
     v.square().mean().backward()
     assert bundle.transformer.proj_out.weight.grad is not None
     assert all(p.grad is None for p in bundle.vae.parameters())
@@ -163,7 +206,7 @@ def test_velocity_keeps_gradients_for_training(bundle, embeds):
 
 def test_decode_and_encode_images_apply_the_vae_scale_and_shift(bundle):
     latents = _noise(bundle)
-    images = decode_latents(bundle, latents)
+    images = SD3.decode(bundle, latents)
     assert images.shape == (2, 32, 32, 3) and images.dtype == torch.uint8
     vae, scale, shift = bundle.vae, bundle.vae.config.scaling_factor, bundle.vae.config.shift_factor
     with torch.no_grad():
@@ -171,11 +214,11 @@ def test_decode_and_encode_images_apply_the_vae_scale_and_shift(bundle):
         z = vae.encode(images.permute(0, 3, 1, 2).float() / 127.5 - 1).latent_dist.mean
     expected = ((raw.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
     assert torch.equal(images, expected)
-    encoded = encode_images(bundle, images)
+    encoded = SD3.encode_images(bundle, images)
     assert encoded.shape == latents.shape
     torch.testing.assert_close(encoded, (z - shift) * scale)
-    torch.testing.assert_close(encode_images(bundle, to_pil(images)), encoded)
-    sampled = encode_images(bundle, images, sample=True, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(SD3.encode_images(bundle, to_pil(images)), encoded)
+    sampled = SD3.codec(bundle).encode(bundle.vae, images, video=False, sample=True, generator=torch.Generator().manual_seed(0))
     assert sampled.shape == latents.shape and not torch.allclose(sampled, encoded)
     png = to_png_bytes(images)
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(png[1]))), images[1].numpy())
@@ -183,52 +226,62 @@ def test_decode_and_encode_images_apply_the_vae_scale_and_shift(bundle):
 
 def test_lora_starts_at_the_base_and_reference_policy_disables_it(bundle, embeds):
     x = _noise(bundle)
-    velocity = lambda: predict_velocity(bundle, x, 0.6, embeds.embeds, embeds.pooled)  # noqa: E731
+    from peft.tuners.lora import LoraLayer
+
+    v = lambda: velocity(bundle, x, 0.6, embeds.embeds, embeds.pooled)  # noqa: E731
     with torch.no_grad():
-        base = velocity()
-        layers = add_lora(bundle, rank=4, alpha=8)
+        base = v()
+        SD3.add_lora(bundle, LoraConfig(rank=4, alpha=8))
+        layers = [n for n, m in bundle.transformer.named_modules() if isinstance(m, LoraLayer)]
         assert len(layers) == 8 * bundle.transformer.config.num_layers - 1  # last block has no to_add_out
         trainable = [n for n, p in bundle.transformer.named_parameters() if p.requires_grad]
         assert trainable and all("lora_" in n for n in trainable)
-        torch.testing.assert_close(velocity(), base, atol=0, rtol=0)
+        torch.testing.assert_close(v(), base, atol=0, rtol=0)
         for name, p in bundle.transformer.named_parameters():
             if "lora_B" in name:
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
-        tuned = velocity()
-        with reference_policy(bundle):
-            torch.testing.assert_close(velocity(), base, atol=0, rtol=0)
-            with reference_policy(bundle):
+        tuned = v()
+        with SD3.reference(bundle):
+            torch.testing.assert_close(v(), base, atol=0, rtol=0)
+            with SD3.reference(bundle):
                 pass
-            torch.testing.assert_close(velocity(), base, atol=0, rtol=0)
-        torch.testing.assert_close(velocity(), tuned, atol=0, rtol=0)
+            torch.testing.assert_close(v(), base, atol=0, rtol=0)
+        torch.testing.assert_close(v(), tuned, atol=0, rtol=0)
     assert not torch.allclose(tuned, base, atol=1e-4)
 
 
 def test_lora_errors(bundle):
     with pytest.raises(ValueError, match="reference_policy needs a LoRA adapter"):
-        with reference_policy(bundle):
+        with SD3.reference(bundle):
             pass
     with pytest.raises(ValueError) as err:
-        add_lora(bundle, rank=4, alpha=4, target_modules=["attn.to_q", "attn.to_qq"])
+        SD3.add_lora(bundle, LoraConfig(rank=4, alpha=4, target_modules=["attn.to_q", "attn.to_qq"]))
     assert "attn.to_qq" in str(err.value) and "to_k" in str(err.value)
 
 
 def test_an_image_size_the_model_cannot_take_is_a_clear_error(bundle, tmp_path):
     for size in (30, 2, 72):
         with pytest.raises(ValueError, match="multiples of 4 up to 64"):
-            latent_shape(bundle, size)
-    assert latent_shape(bundle, 64) == (4, 32, 32) and latent_shape(bundle, 16, 24) == (4, 8, 12)
+            SD3.latent_shape(bundle, size)
+    assert SD3.latent_shape(bundle, 64) == (4, 32, 32)
+    SD3.check_image_size(bundle, 16, 24)
     with pytest.raises(ValueError, match="image size 30"):
-        encode_images(bundle, np.zeros((1, 30, 30, 3), dtype=np.uint8))
-    with pytest.raises(ValueError, match="multiples of 4"):
-        build_tiny_sd3(tmp_path / "bad", image_size=30)
+        SD3.check_image_size(bundle, 16, 30)
+    with pytest.raises(ValueError, match="image size 30"):
+        SD3.encode_images(bundle, np.zeros((1, 30, 30, 3), dtype=np.uint8))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        build(tmp_path / "bad", image_size=30)
 
 
 def test_without_t5_zero_rows_stand_in(tmp_path):
-    bundle = load_sd3(build_tiny_sd3(tmp_path / "no_t5", seed=0, with_t5=False), max_sequence_length=3)
-    assert bundle.t5_encoder is None and len(bundle.text_encoders) == 2
-    e = encode_prompts(bundle, PROMPTS)
-    assert e.embeds.shape == (2, 16 + 3, 64) and torch.count_nonzero(e.embeds[:, 16:]) == 0
+    root = build(tmp_path / "no_t5", with_t5=False)
+    assert json.loads((root / "model_index.json").read_text())["text_encoder_3"] == [None, None]
+    bundle = load(root)
+    assert sorted(bundle.text) == ["text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"]
+    assert bundle.settings["text_length"] == 256  # diffusers' rule: max_sequence_length zero rows
+    e = encode(bundle, PROMPTS)
+    assert e.embeds.shape == (2, 16 + 256, 64) and torch.count_nonzero(e.embeds[:, 16:]) == 0
+    assert torch.count_nonzero(e.embeds[:, :16]) > 0
 
 
 def test_tiny_tokenizer_is_the_same_in_every_process():
@@ -238,13 +291,11 @@ def test_tiny_tokenizer_is_the_same_in_every_process():
     import subprocess
     import sys
 
-    code = ("from unirl.stages.models.sd3_text import build_tiny_tokenizer; import json; "
-            "print(json.dumps(build_tiny_tokenizer().get_vocab(), sort_keys=True))")
+    code = ("from unirl.stages.models.flow_text import build_tiny_clip_tokenizer; import json; "
+            "print(json.dumps(build_tiny_clip_tokenizer().get_vocab(), sort_keys=True))")
     vocabs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2, 3)}
     assert len(vocabs) == 1
-    from unirl.stages.models.sd3_text import build_tiny_tokenizer
-
-    tok = build_tiny_tokenizer()
+    tok = build_tiny_clip_tokenizer()
     for word in WORDS:
         assert len(tok(word, add_special_tokens=False).input_ids) == 1, word
