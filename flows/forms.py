@@ -13,7 +13,9 @@ Such a module is made on import (a finder on `sys.meta_path`, installed with thi
 `recipe` parameter keeps `Recipe`'s validation but shows the JSON schema narrowed to those
 variants: each union becomes its variant's fields, with their descriptions, and a typo inside one
 is refused by the server's schema check naming the field ("Additional properties are not allowed
-('lrr' was unexpected)"). The function keeps its name, so `prefect deploy --name rl-train/tiny`
+('lrr' was unexpected)"). A union inside a list (a composed recipe's `compose.parts[].model`) has
+one schema for every item, so it is narrowed to the variants its items use
+(`compose_parts_model_is_qwen3_or_sd3`), and each part picks its own there. The function keeps its name, so `prefect deploy --name rl-train/tiny`
 finds the deployment. `python -m unirl.flows.deploy write` writes these entrypoints.
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pydantic import WithJsonSchema
 
 from unirl.stages.recipe import Recipe
 
-SEP, IS = "__", "_is_"
+SEP, IS, OR = "__", "_is_", "_or_"
 
 
 @functools.cache
@@ -43,8 +45,8 @@ def recipe_schema() -> dict[str, Any]:
 
 @functools.cache
 def unions() -> dict[str, tuple[str, frozenset[str]]]:
-    """Every discriminated union in `Recipe`, unions inside union variants included
-    (`rollout.engine`): dotted path -> (discriminator, its variants' tags)."""
+    """Every discriminated union in `Recipe`, unions inside union variants and list items included
+    (`rollout.engine`, `compose.parts.model`): dotted path -> (discriminator, its variants' tags)."""
     schema = recipe_schema()
     defs = schema["$defs"]
     out: dict[str, tuple[str, frozenset[str]]] = {}
@@ -61,10 +63,15 @@ def unions() -> dict[str, tuple[str, frozenset[str]]]:
             out[path] = (node["discriminator"]["propertyName"], tags)
         for branch in node.get("oneOf", []) + node.get("anyOf", []) + node.get("allOf", []):
             walk(branch, path, seen)
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], path, seen)
         for key, sub in node.get("properties", {}).items():
             walk(sub, f"{path}.{key}" if path else key, seen)
 
     walk(schema, "", ())
+    joined = sorted(tag for _, tags in out.values() for tag in tags if OR in tag)
+    if joined:  # a module name joins a list's variants with it
+        raise RuntimeError(f"variant names contain {OR!r}, which form module names join variants with: {joined}")
     return out
 
 
@@ -77,27 +84,30 @@ def by_name() -> dict[str, str]:
     return names
 
 
-def variants(recipe: Recipe) -> dict[str, str]:
-    """The recipe's variant at every union it has (path -> tag), e.g. {"model": "qwen3", ...}. A
-    composed recipe's own model, rollout and algorithm stay unset (its parts carry them): the
-    sections it does not give are left out, and with them off its form."""
+def variants(recipe: Recipe) -> dict[str, tuple[str, ...]]:
+    """The recipe's variants at every union it has (path -> tags), e.g. {"model": ("qwen3",), ...};
+    a union inside a list, the variants its items use. A composed recipe's own model, rollout and
+    algorithm stay unset (its parts carry them): the sections it does not give are left out, and
+    with them off its form."""
     data = recipe.model_dump(mode="json")
     given = recipe.model_fields_set if recipe.shape != "single" else set(Recipe.model_fields)
-    out: dict[str, str] = {}
+    out: dict[str, tuple[str, ...]] = {}
     for path, (key, _) in unions().items():
         if path.split(".")[0] not in given:
             continue
-        node: Any = data
+        nodes: list[Any] = [data]
         for part in path.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and isinstance(node.get(key), str):
-            out[path] = node[key]
+            nodes = [n.get(part) for n in nodes if isinstance(n, dict)]
+            nodes = [item for n in nodes for item in (n if isinstance(n, list) else [n])]
+        tags = sorted({n[key] for n in nodes if isinstance(n, dict) and isinstance(n.get(key), str)})
+        if tags:
+            out[path] = tuple(tags)
     return out
 
 
 def form_module(recipe: Recipe) -> str:
     """The module of this package whose flows show `recipe`'s form (its variants, in path order)."""
-    return __name__ + "." + SEP.join(f"{path.replace('.', '_')}{IS}{tag}" for path, tag in sorted(variants(recipe).items()))
+    return __name__ + "." + SEP.join(f"{path.replace('.', '_')}{IS}{OR.join(tags)}" for path, tags in sorted(variants(recipe).items()))
 
 
 def entrypoint(base: str, recipe: Recipe) -> str:
@@ -105,27 +115,29 @@ def entrypoint(base: str, recipe: Recipe) -> str:
     return f"{form_module(recipe)}:{base}"
 
 
-def parse_variants(module: str) -> dict[str, str]:
+def parse_variants(module: str) -> dict[str, tuple[str, ...]]:
     """The variants a form module's name gives; ValueError naming what is wrong."""
     name = module.removeprefix(__name__ + ".")
     paths = by_name()
-    chosen: dict[str, str] = {}
+    chosen: dict[str, tuple[str, ...]] = {}
     for item in name.split(SEP):
-        under, sep, tag = item.partition(IS)
+        under, sep, tags = item.partition(IS)
         if not sep or under not in paths:
             raise ValueError(f"{module}: {item!r} is not <section>{IS}<variant> for a section that varies "
                              f"({', '.join(sorted(paths))})")
         known = unions()[paths[under]][1]
-        if tag not in known:
-            raise ValueError(f"{module}: {paths[under]}: no variant {tag!r} (known: {', '.join(sorted(known))})")
-        chosen[paths[under]] = tag
+        for tag in tags.split(OR):
+            if tag not in known:
+                raise ValueError(f"{module}: {paths[under]}: no variant {tag!r} (known: {', '.join(sorted(known))})")
+        chosen[paths[under]] = tuple(tags.split(OR))
     return chosen
 
 
-def narrowed_schema(chosen: dict[str, str]) -> dict[str, Any]:
+def narrowed_schema(chosen: dict[str, tuple[str, ...]]) -> dict[str, Any]:
     """`Recipe`'s JSON schema with every union in `chosen` (checked by `parse_variants`) replaced
-    by its variant's fields, and every reference inlined (the schema is embedded in the flow's
-    parameter schema, whose own definitions it cannot add to)."""
+    by its variant's fields (a list item's union: by its chosen variants), and every reference
+    inlined (the schema is embedded in the flow's parameter schema, whose own definitions it
+    cannot add to)."""
     schema = recipe_schema()
     defs = schema["$defs"]
 
@@ -139,11 +151,14 @@ def narrowed_schema(chosen: dict[str, str]) -> dict[str, Any]:
             return build({**copy.deepcopy(defs[name]), **node}, path, (*stack, name))
         if "discriminator" in node and "oneOf" in node:
             mapping = node["discriminator"]["mapping"]
-            tag = chosen.get(path)
-            if tag is not None:
+            tags = chosen.get(path)
+            if tags is not None and len(tags) == 1:
                 node.pop("oneOf")
                 node.pop("discriminator")
-                return build({**node, "$ref": mapping[tag]}, path, stack)
+                return build({**node, "$ref": mapping[tags[0]]}, path, stack)
+            if tags is not None:  # a list's items: the variants they use (each variant's `kind` tells them apart)
+                node.pop("discriminator")
+                node["oneOf"] = [{"$ref": mapping[tag]} for tag in tags]
         for key in ("oneOf", "anyOf", "allOf"):
             if key in node:
                 node[key] = [build(b, path, stack) for b in node[key]]

@@ -54,10 +54,10 @@ def run_sft(recipe: Recipe, storage: RunStorage, tracker: Tracker | None = None)
                                   {"version": 0, "source": recipe.model.path or "tiny"})
         manifest = storage.read_json("sft/manifest.json") if storage.exists("sft/manifest.json") else None
         if manifest is None:
-            manifest = write_sft_data(storage, recipe) if recipe.unified is None else unified_sft_data(storage, recipe)
+            manifest = unified_sft_data(storage, recipe) if recipe.shape == "unified" else write_sft_data(storage, recipe)
             storage.write_json("sft/manifest.json", manifest)
-        data: Any = manifest["files"][0] if recipe.unified is None else manifest["files"]
-        stages = {"stages": manifest["stages"]} if recipe.unified is not None else {}
+        data: Any = manifest["files"] if recipe.shape == "unified" else manifest["files"][0]
+        stages = {"stages": manifest["stages"]} if recipe.shape == "unified" else {}
         group.start(None)
         warm: Any = getattr(recipe.model, "vae_warmup", None)
         warm_steps = warm.resolved_steps(bool(recipe.model.path)) if warm is not None else 0

@@ -1,16 +1,17 @@
 """The shapes a run can have, as data for the one run loop (flows/rl.py `train_run`).
 
-A shape says what differs between a single model, a prompt-enhancer pipeline (two models in
-sequence, stages/compose/pipeline.py) and a unified model (one backbone, two losses,
+A shape says what differs between a single model, a pipeline (models in sequence,
+stages/compose/pipeline.py) and a unified model (one backbone in stages, one joint loss,
 stages/compose/unified.py): its iteration flow, its held-out evaluation task, the models it
 publishes and registers, its warm start and what people see of its rollouts. Everything else
 (resume, bookkeeping, held-out and test evaluation, artifacts, starting iterations ahead, closing
-the worker groups) is the loop's, the same for every shape. A recipe's shape is `Recipe.shape`.
+the worker groups) is the loop's, the same for every shape. A recipe's shape is `Recipe.shape`;
+a composed recipe's parts are named by it and run in its order.
 
     single      rl-iteration:      generate -> score -> advantage -> train -> sync
-    pipeline    pe-iteration:      generate-ar -> generate-diffusion -> compose -> score -> advantage
+    pipeline    pe-iteration:      generate-<part> for each part in order -> compose -> score -> advantage
                                    -> train-<part>, sync-<part> for each part that trains
-    unified     unified-iteration: generate-ar -> generate-diffusion -> compose -> score -> advantage
+    unified     unified-iteration: generate-<stage> for each stage in order -> compose -> score -> advantage
                                    -> train (one joint step) -> sync
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from prefect.states import Cancelled, State
 from unirl.flows.ahead import hand_over, wait_turn
 from unirl.flows.console import say
 from unirl.flows.sft import run_sft
-from unirl.stages.compose import pipeline
+from unirl.stages.compose import members, names, pipeline
 from unirl.stages.recipe import Recipe
 from unirl.stages.runtime.run import initial_weights, open_run
 from unirl.stages.runtime.storage import RunStorage, iter_dir
@@ -124,8 +125,8 @@ def warm_start_one(recipe: Recipe, run_name: str, storage: RunStorage, tracker: 
     if recipe.sft is None:
         initial_weights(storage, recipe)
         return
-    if recipe.unified is not None:
-        say(f"[unirl] warm start of both stages ({recipe.model.kind}, {recipe.sft.steps} joint steps)")
+    if recipe.shape == "unified":
+        say(f"[unirl] warm start of {', '.join(names(recipe))} ({recipe.model.kind}, {recipe.sft.steps} joint steps)")
     run_sft(recipe, storage, tracker)
 
 
@@ -144,26 +145,34 @@ def policy_eval_preview(recipe: Recipe, tracker: Tracker, storage: RunStorage, v
 # -- two models in sequence, or one backbone in two stages ----------------------------------------
 
 
-# Each part's task under its own name in the flow run. Made once: `staged` keeps its untagged copy
-# of a task by the task's identity, which a task made per call would not keep.
-NAMED: dict[str, Any] = {f"{task.name}-{side}": task.with_options(name=f"{task.name}-{side}")
-                         for task in (generate_part, train, sync) for side in pipeline.SIDES}
-STAGE_NAMED: dict[str, Any] = {f"generate-{side}": generate_stage.with_options(name=f"generate-{side}") for side in pipeline.SIDES}
+_NAMED: dict[str, Any] = {}
 
 
-def composed_rollouts(recipe: Recipe, run_name: str, iteration: int, generate: dict[str, Any], compose: Any,
+def named(task: Any, part: str) -> Any:
+    """`task` under part `part`'s name in the flow run (`generate-<part>`). Made once per name:
+    `staged` keeps its untagged copy of a task by the task's identity, which a task made per call
+    would not keep."""
+    key = f"{task.name}-{part}"
+    if key not in _NAMED:
+        _NAMED[key] = task.with_options(name=key)
+    return _NAMED[key]
+
+
+def composed_rollouts(recipe: Recipe, run_name: str, iteration: int, generate: Any, compose: Any,
                       advantages: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, float]]:
-    """What a composed iteration does before it trains: each side's generate (the drawer's from the
-    writer's outputs), the composed rows, their scores and each part's advantages. Returns the
-    generates by side, the advantage manifest and the metrics so far."""
-    first = staged(generate["generate-ar"])(recipe, run_name, iteration, "ar")
-    second = staged(generate["generate-diffusion"])(recipe, run_name, iteration, "diffusion", first["files"])
-    composed = staged(compose)(recipe, run_name, iteration, first["files"], second["files"])
+    """What a composed iteration does before it trains: each part's generate in order (a later
+    part's from the samples of the one before it), the composed rows, their scores and each
+    part's advantages. Returns the generates by part, the advantage manifest and the metrics so far."""
+    gens: dict[str, Any] = {}
+    upstream: list[str] | None = None
+    for name in names(recipe):
+        gens[name] = staged(named(generate, name))(recipe, run_name, iteration, name, upstream)
+        upstream = gens[name]["files"]
+    composed = staged(compose)(recipe, run_name, iteration, {name: gen["files"] for name, gen in gens.items()})
     scored = staged(score)(recipe, run_name, iteration, composed["files"])
     adv = staged(advantages)(recipe, run_name, iteration, composed["files"], scored["files"])
-    gens = {"ar": first, "diffusion": second}
     metrics: dict[str, float] = {**scored["metrics"], **adv["metrics"]}
-    metrics.update({f"time/generate_{side}_s": float(gen.get("seconds", 0.0)) for side, gen in gens.items()})
+    metrics.update({f"time/generate_{name}_s": float(gen.get("seconds", 0.0)) for name, gen in gens.items()})
     return gens, adv, metrics
 
 
@@ -172,14 +181,15 @@ def pe_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any
     if not wait_turn(run_name, iteration):
         return stopped(run_name, iteration)
     start = time.perf_counter()
-    gens, adv, metrics = composed_rollouts(recipe, run_name, iteration, NAMED, compose_parts, part_advantages)
-    for side, rel in adv["parts"].items():
-        part = pipeline.part_recipe(recipe, side, run_name)
-        trained = staged(NAMED[f"train-{side}"])(part, side, iteration, gens[side]["files"], rel)
-        synced = staged(NAMED[f"sync-{side}"])(part, side, iteration)
-        metrics.update({f"train/{side}/{k}": float(v) for k, v in trained["metrics"].items()})
-        metrics[f"time/train_{side}_s"] = float(trained.get("seconds", 0.0))
-        metrics[f"time/sync_{side}_s"] = float(synced.get("seconds", 0.0))
+    gens, adv, metrics = composed_rollouts(recipe, run_name, iteration, generate_part, compose_parts, part_advantages)
+    for name in [n for n in names(recipe) if n in adv["parts"]]:  # in the recipe's order (a manifest's keys are sorted)
+        rel = adv["parts"][name]
+        part = pipeline.part_recipe(recipe, name, run_name)
+        trained = staged(named(train, name))(part, name, iteration, gens[name]["files"], rel)
+        synced = staged(named(sync, name))(part, name, iteration)
+        metrics.update({f"train/{name}/{k}": float(v) for k, v in trained["metrics"].items()})
+        metrics[f"time/train_{name}_s"] = float(trained.get("seconds", 0.0))
+        metrics[f"time/sync_{name}_s"] = float(synced.get("seconds", 0.0))
     metrics["time/iteration_s"] = time.perf_counter() - start
     return hand_over(run_name, iteration, {"iteration": iteration, "metrics": metrics})
 
@@ -189,8 +199,8 @@ def unified_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str
     if not wait_turn(run_name, iteration):
         return stopped(run_name, iteration)
     start = time.perf_counter()
-    gens, adv, metrics = composed_rollouts(recipe, run_name, iteration, STAGE_NAMED, compose_stages, stage_advantages)
-    rollouts = gens["ar"]["files"] + gens["diffusion"]["files"]
+    gens, adv, metrics = composed_rollouts(recipe, run_name, iteration, generate_stage, compose_stages, stage_advantages)
+    rollouts = [f for gen in gens.values() for f in gen["files"]]
     trained = staged(train)(recipe, run_name, iteration, rollouts, adv["files"][0])
     synced = staged(sync)(recipe, run_name, iteration)
     metrics.update({f"train/{k}": float(v) for k, v in trained["metrics"].items()})
@@ -203,29 +213,27 @@ def unified_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str
 
 
 def pipeline_models(recipe: Recipe, run_name: str, storage: RunStorage) -> Models:
-    """Each part's run, registered as `<recipe name>-<side>`."""
-    assert recipe.pe is not None
-    return {f"{recipe.name}-{side}": (pipeline.part_storage(recipe, run_name, side), pipeline.trains(recipe, side),
-                                      getattr(recipe.pe, side).model) for side in pipeline.SIDES}
+    """Each part's run, registered as `<recipe name>-<part>`."""
+    return {f"{recipe.name}-{part.name}": (pipeline.part_storage(recipe, run_name, part.name), not part.freeze, part.model)
+            for part in members(recipe)}
 
 
 def warm_start_parts(recipe: Recipe, run_name: str, storage: RunStorage, tracker: Tracker) -> None:
-    """Each part's warm start (or initial weights) in its own run; with `pe.placement: shared`, the
-    one worker group that holds both parts, which every task of a part then uses."""
-    assert recipe.pe is not None
-    parts = {side: pipeline.part_recipe(recipe, side, run_name) for side in pipeline.SIDES}
+    """Each part's warm start (or initial weights) in its own run; with `compose.placement:
+    shared`, the one worker group that holds every part, which every task of a part then uses."""
+    parts = {name: pipeline.part_recipe(recipe, name, run_name) for name in names(recipe)}
     stores = {}
-    for side, part in parts.items():
-        stores[side], _ = open_run(part, side)
+    for name, part in parts.items():
+        stores[name], _ = open_run(part, name)
         if part.sft is not None:
-            say(f"[unirl] {side}: warm start ({part.model.kind}, {part.sft.steps} steps)")
-            run_sft(part, stores[side])
+            say(f"[unirl] {name}: warm start ({part.model.kind}, {part.sft.steps} steps)")
+            run_sft(part, stores[name])
         else:
-            initial_weights(stores[side], part)
-    if recipe.pe.placement == "shared":
-        shared = SharedGroup(storage, {side: (part, stores[side], stores[side].weights_rel(0)) for side, part in parts.items()},
+            initial_weights(stores[name], part)
+    if recipe.compose.placement == "shared":
+        shared = SharedGroup(storage, {name: (part, stores[name], stores[name].weights_rel(0)) for name, part in parts.items()},
                              log=announce(get_run_logger()))
-        share_group({stores[side].url(): member for side, member in shared.members.items()})
+        share_group({stores[name].url(): member for name, member in shared.members.items()})
 
 
 def nothing_early(recipe: Recipe, storage: RunStorage) -> None:
@@ -243,7 +251,7 @@ def composed_preview(recipe: Recipe, tracker: Tracker, storage: RunStorage, iter
         return None  # not committed (a preview is for people)
     composed, rewards = composed_["files"], scored["files"][0]
     grid = log_grid(tracker, iteration, rollout_grid(storage, composed, rewards), "rollouts")
-    tracker.log_table(iteration, text_table(storage, composed, rewards, grid), "rewrites" if recipe.pe else "plans")
+    tracker.log_table(iteration, text_table(storage, composed, rewards, grid), "rewrites" if recipe.shape == "pipeline" else "plans")
     return grid
 
 

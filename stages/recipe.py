@@ -260,21 +260,42 @@ def _fill_rollout_kind(data: Any) -> Any:
     return data
 
 
-class PipelinePart(Section):
-    """One part of a prompt-enhancer pipeline: its own model family, sampling, algorithm,
-    optimizer and warm start, trained by its own worker group (stages/compose/pipeline.py)."""
+PART_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
+
+def check_part_name(name: str) -> str:
+    """A part's name is a folder under the run's `parts/`, a column namespace and a metric key:
+    lower-case letters, digits and '_', starting with a letter."""
+    if not PART_NAME.fullmatch(name or ""):
+        raise ValueError(f"{name!r} is not a part name; use lower-case letters, digits and '_' (at most 32, starting "
+                         "with a letter)")
+    return name
+
+
+class PipelinePart(Section):
+    """One part of a pipeline: its own model family, sampling, algorithm, optimizer and warm
+    start, trained by its own worker group (stages/compose/pipeline.py)."""
+
+    name: str = Field(description="The part's name: its run folder (`parts/<name>`), its columns in composed rows, its "
+                      "metrics (`train/<name>/...`) and tasks (`generate-<name>`).")
     model: ModelConfig = Field(description="The part's model (its family decides its policy: text or flow).")
     rollout: RolloutConfig | None = Field(
-        None, description="Its sampling (fields of the family's policy). ar: group_size is the rewrites per prompt; "
-        "diffusion: group_size is the images per rewrite, one group per rewrite (prompts_per_iteration follows "
-        "from the ar side).")
+        None, description="Its sampling (fields of the family's policy). The first part: group_size samples per user "
+        "prompt; each later part: group_size samples per sample of the part before it, one group each "
+        "(prompts_per_iteration follows from the parts before).")
     algorithm: AlgorithmConfig = Field(description="Its policy loss (one that trains the family's segment kind).")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Its optimizer and worker group.")
     sft: SFTConfig | None = Field(None, description="Its supervised warm start (empty: none).")
     data: DataConfig | None = Field(
-        None, description="The prompt source of its warm start's synthetic records (empty: the recipe's `data`); the "
-        "diffusion side's drawer learns canonical prompts here (data.name: geneval).")
+        None, description="The prompt source of its warm start's synthetic records (empty: the recipe's `data`); a "
+        "drawer learns canonical prompts here (data.name: geneval). The first part's is also where the run's prompts "
+        "and held-out prompts come from.")
+    freeze: bool = Field(False, description="Do not train this part (its weights stay v000000).")
+
+    @field_validator("name")
+    @classmethod
+    def _part_name(cls, name: str) -> str:
+        return check_part_name(name)
 
     @model_validator(mode="before")
     @classmethod
@@ -283,17 +304,17 @@ class PipelinePart(Section):
 
 
 class PipelineConfig(Section):
-    """A prompt-enhancer pipeline: a language model rewrites each prompt (the `ar` part), a
-    flow-matching model draws each rewrite (the `diffusion` part); the reward on the image trains
-    the rewriter, and the drawer too unless frozen (docs/pipelines.md)."""
+    """Models in sequence: the first samples from the user's prompts, each later one from the
+    texts of the part before it (a prompt enhancer: a language model rewrites each prompt, a
+    flow-matching model draws each rewrite); the reward on the last part's samples trains every
+    part that is not frozen (docs/pipelines.md)."""
 
-    ar: PipelinePart = Field(description="The rewriter (a text family).")
-    diffusion: PipelinePart = Field(description="The drawer (a flow family).")
-    freeze_llm: bool = Field(False, description="Do not train the rewriter (its weights stay v000000).")
-    freeze_diffusion: bool = Field(True, description="Do not train the drawer (its weights stay v000000).")
+    kind: Literal["pipeline"] = "pipeline"
+    parts: list[PipelinePart] = Field(min_length=2, max_length=8, description="The parts, in sampling order; every part "
+                                      "but the last writes text (the next part's prompts).")
     placement: Literal["separate", "shared"] = Field(
         "separate", description="Where the parts train and sample: `separate`, each in its own worker group (each with its "
-        "part's `train` placement); `shared`, both in one worker group on one machine (its ranks hold both models; the "
+        "part's `train` placement); `shared`, all in one worker group on one machine (its ranks hold every model; the "
         "parts' `train.nproc_per_node` and `train.backend` must agree and `train.nnodes` be 1).")
 
 
@@ -301,38 +322,48 @@ class UnifiedStage(Section):
     """One stage of a unified model (stages/compose/unified.py): how it samples, its policy loss, the records
     of its share of the joint warm start and the weight of its loss in the joint step."""
 
+    name: str = Field(description="The stage's name: its rollout folder (`rollouts/<name>`), its columns in composed "
+                      "rows, its metrics (`train/<name>/...`) and tasks (`generate-<name>`).")
     rollout: RolloutConfig | None = Field(
-        None, description="Its sampling. ar: group_size is the plans per prompt; diffusion: group_size is the images "
-        "per plan, one group per plan (prompts_per_iteration follows from the ar stage).")
+        None, description="Its sampling, with `kind` (the policy: one the model's family offers). The first stage: "
+        "group_size samples per user prompt; each later stage: group_size samples per sample of the stage before it, "
+        "one group each (prompts_per_iteration follows from the stages before).")
     algorithm: AlgorithmConfig | None = Field(
-        None, description="Its policy loss (a text algorithm for ar, a flow algorithm for diffusion); both stages need one.")
+        None, description="Its policy loss (one that trains its policy's segment kind); every stage needs one.")
     sft: SFTConfig | None = Field(
         None, description="Its records in the joint warm start (source, path, examples, noise, batch_size per step); the "
         "warm start's steps, lr and seed are the recipe's `sft`. Empty: the stage adds no loss to the warm start.")
     data: DataConfig | None = Field(
-        None, description="The prompt source of its warm-start records (empty: the recipe's `data`); the diffusion "
-        "stage learns to draw canonical prompts here (data.name: geneval).")
+        None, description="The prompt source of its warm-start records (empty: the recipe's `data`); an image stage "
+        "learns to draw canonical prompts here (data.name: geneval).")
     loss_weight: float = Field(1.0, gt=0, description="Weight of its loss in the joint optimizer step (RL and warm start).")
 
-
-class UnifiedConfig(Section):
-    """A unified model: one backbone (a family offering both policies) writes a plan (`ar`), then draws
-    it (`diffusion`); both losses go into one optimizer step on the shared weights (docs/unified.md)."""
-
-    ar: UnifiedStage = Field(default_factory=UnifiedStage, description="The text stage: prompt -> plan.")
-    diffusion: UnifiedStage = Field(default_factory=UnifiedStage, description="The image stage: plan -> image.")
+    @field_validator("name")
+    @classmethod
+    def _part_name(cls, name: str) -> str:
+        return check_part_name(name)
 
     @model_validator(mode="before")
     @classmethod
-    def _rollout_kinds(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        out = dict(data)
-        for side, kind in (("ar", "text"), ("diffusion", "flow")):
-            stage = out.get(side)
-            if isinstance(stage, dict) and isinstance(stage.get("rollout"), dict) and "kind" not in stage["rollout"]:
-                out[side] = {**stage, "rollout": {**stage["rollout"], "kind": kind}}
-        return out
+    def _rollout_kind(cls, data: Any) -> Any:
+        rollout = data.get("rollout") if isinstance(data, dict) else None
+        if isinstance(rollout, dict) and "kind" not in rollout:
+            raise ValueError(f"rollout.kind: missing; give stage {data.get('name')!r}'s policy (one the model's family "
+                             f"offers: {', '.join(policies.names())})")
+        return data
+
+
+class UnifiedConfig(Section):
+    """A unified model: one backbone (a family offering several policies) runs its stages in
+    sequence (it writes a plan, then draws it); every stage's loss goes into one optimizer step
+    on the shared weights (docs/unified.md)."""
+
+    kind: Literal["unified"] = "unified"
+    stages: list[UnifiedStage] = Field(min_length=2, max_length=8, description="The stages, in sampling order; every "
+                                       "stage but the last writes text (the next stage's prompts).")
+
+
+Composition = Union[PipelineConfig, UnifiedConfig]  # noqa: UP007 - discriminated by `kind` (Recipe.compose)
 
 
 class Recipe(Section):
@@ -351,22 +382,21 @@ class Recipe(Section):
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Run storage.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Experiment tracking.")
     sft: SFTConfig | None = Field(None, description="Supervised warm start before RL (empty: none).")
-    pe: PipelineConfig | None = Field(
-        None, description="A prompt-enhancer pipeline (rewriter, then drawer) instead of one model: its parts "
-        "give the models, sampling, algorithms, optimizers and warm starts, so the recipe's own model, rollout, "
-        "algorithm, train and sft stay unset.")
-    unified: UnifiedConfig | None = Field(
-        None, description="A unified model (one backbone that writes a plan, then draws it): `model` is a family offering "
-        "text and flow, `train` and `sft` its one optimizer and joint warm start; each stage's sampling and algorithm are "
-        "here, so the recipe's own rollout and algorithm stay unset.")
+    compose: Composition | None = Field(
+        None, discriminator="kind", description="A composed run instead of one model. `kind: pipeline`: models in sequence (a prompt "
+        "enhancer: a rewriter, then a drawer), whose parts give the models, sampling, algorithms, optimizers and warm "
+        "starts, so the recipe's own model, rollout, algorithm, train and sft stay unset. `kind: unified`: one backbone "
+        "in stages (it writes a plan, then draws it): `model` is a family offering each stage's policy, `train` and "
+        "`sft` its one optimizer and joint warm start; each stage's sampling and algorithm are here, so the recipe's "
+        "own rollout and algorithm stay unset.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     iterations: int = Field(3, ge=1, le=10_000_000, description="RL iterations in the run.")
     checkpoint_every: int = Field(1, ge=1, description="Save a checkpoint (and publish weights) every N iterations.")
 
     @property
     def shape(self) -> str:
-        """The run's shape (flows/shapes.py): `single`, `pipeline` (a `pe` section) or `unified`."""
-        return "pipeline" if self.pe is not None else "unified" if self.unified is not None else "single"
+        """The run's shape (flows/shapes.py): `single`, or the `compose` section's kind (`pipeline`, `unified`)."""
+        return "single" if self.compose is None else self.compose.kind
 
     @field_validator("name")
     @classmethod
@@ -376,7 +406,7 @@ class Recipe(Section):
     @model_validator(mode="before")
     @classmethod
     def _rollout_kind(cls, data: Any) -> Any:
-        if isinstance(data, dict) and (data.get("pe") is not None or data.get("unified") is not None):
+        if isinstance(data, dict) and data.get("compose") is not None:
             return data  # the parts (stages) carry their rollout sections
         return _fill_rollout_kind(data)
 
@@ -479,16 +509,14 @@ class Recipe(Section):
                      "sharded_load"}
         exclude: dict[str, Any] = {"storage": {"root", "options", "shared"}, "tracking": True, "iterations": True,
                                    "train": placement}
-        if self.pe is not None:
-            exclude["pe"] = {"ar": {"train": placement}, "diffusion": {"train": placement}}
+        if isinstance(self.compose, PipelineConfig):
+            exclude["compose"] = {"parts": {"__all__": {"train": placement}}}
         data = self.model_dump(mode="json", exclude=exclude)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def to_yaml(self) -> str:
         """The resolved recipe; a pipeline's without the one-model sections its parts replace."""
-        unset = {"model", "rollout", "algorithm", "train", "sft"} if self.pe is not None else None
-        if self.unified is not None:
-            unset = {"rollout", "algorithm"}
+        unset = {"pipeline": {"model", "rollout", "algorithm", "train", "sft"}, "unified": {"rollout", "algorithm"}}.get(self.shape)
         return yaml.safe_dump(self.model_dump(mode="json", exclude=unset), sort_keys=False)
 
 

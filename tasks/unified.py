@@ -1,7 +1,7 @@
-"""A unified model's own tasks (stages/compose/unified.py): each stage's generate on the one worker group
-(plans from the user's prompts, images from the plans), compose, both stages' advantages in one
-file, and held-out evaluation. Score, train and sync are the one-model tasks on the unified
-recipe: its train step is the joint one."""
+"""A unified model's own tasks (stages/compose/unified.py): each stage's generate on the one worker
+group (the first stage from the user's prompts, each later one from the texts of the stage before
+it), compose, every stage's advantages in one file, and held-out evaluation. Score, train and sync
+are the one-model tasks on the unified recipe: its train step is the joint one."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,62 +9,61 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from unirl.stages.compose import pipeline
+from unirl.stages.compose import names, pipeline, upstream_of
 from unirl.stages.compose.unified import stage_recipe
 from unirl.stages.recipe import Recipe
 from unirl.stages.runtime import iteration as it
 from unirl.stages.runtime.sample import table_from_rows, write_shard
 from unirl.stages.runtime.storage import iter_dir, join
 from unirl.tasks.common import group_of, say_retry, storage_of
-from unirl.tasks.pe import evaluate_composed
-
-OUT = {"ar": ("generate", "plans"), "diffusion": ("generate-image", "images")}
+from unirl.tasks.pe import chain, evaluate_composed
 
 
 @task(name="generate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1,
       retry_condition_fn=say_retry)
-def generate_stage(recipe: Recipe, run_name: str, iteration: int, side: str, upstream: list[str] | None = None
+def generate_stage(recipe: Recipe, run_name: str, iteration: int, name: str, upstream: list[str] | None = None
                    ) -> dict[str, Any]:
-    """The stage's requests and rollouts: the plans of the user's prompts (stage `generate`), or
-    the images of the plans in `upstream` (stage `generate-image`), sampled by the weights of
-    version `iteration`."""
+    """Stage `name`'s requests and rollouts (stage `generate-<name>`, in rollouts/<name>): the
+    first stage's of the user's prompts, a later stage's of the samples in `upstream` (the rollout
+    files of the stage before it), sampled by the weights of version `iteration`."""
     storage = storage_of(recipe, run_name)
-    part = stage_recipe(recipe, side)
-    if side == "ar":
+    part = stage_recipe(recipe, name)
+    up = upstream_of(recipe, name)
+    if up is None:
         requests = it.committed(storage, iteration, "requests", lambda: it.write_requests(storage, part, iteration))
     else:
-        rel = join(iter_dir(iteration), "image-requests.arrow")
-        requests = it.committed(storage, iteration, "image-requests", lambda: pipeline.flow_requests(
+        rel = join(iter_dir(iteration), f"requests-{name}.arrow")
+        requests = it.committed(storage, iteration, f"requests-{name}", lambda: pipeline.next_requests(
             storage, list(upstream or []), storage, iteration, part.rollout.group_size, rel))
-    stage, folder = OUT[side]
 
     def make() -> dict[str, Any]:
         group = group_of(recipe, storage)
         group.ensure(iteration)
         return group.call("generate", iteration=iteration, requests=requests["files"][0],
-                          out_dir=join(iter_dir(iteration), "rollouts", folder), stage=side)
+                          out_dir=join(iter_dir(iteration), "rollouts", name), stage=name)
 
-    return it.committed(storage, iteration, stage, make)
+    return it.committed(storage, iteration, f"generate-{name}", make)
 
 
 @task(name="compose", cache_policy=NO_CACHE)
-def compose(recipe: Recipe, run_name: str, iteration: int, plans: list[str], images: list[str]) -> dict[str, Any]:
-    """iter-N/rollouts/composed.arrow: one row per image with the plan that caused it."""
+def compose(recipe: Recipe, run_name: str, iteration: int, files: dict[str, list[str]]) -> dict[str, Any]:
+    """iter-N/rollouts/composed.arrow: one row per last-stage sample with every stage's sample that led to it."""
     storage = storage_of(recipe, run_name)
     rel = join(iter_dir(iteration), "rollouts", "composed.arrow")
-    return it.committed(storage, iteration, "compose", lambda: pipeline.compose(storage, rel, storage, plans, storage, images))
+    stores = dict.fromkeys(names(recipe), storage)
+    return it.committed(storage, iteration, "compose", lambda: pipeline.compose(storage, rel, chain(recipe, stores, files)))
 
 
 @task(name="advantage", cache_policy=NO_CACHE)
 def advantages(recipe: Recipe, run_name: str, iteration: int, composed: list[str], rewards: list[str]) -> dict[str, Any]:
-    """iter-N/advantages.arrow: every plan's (among the plans of its prompt) and every image's
-    (among the images of its plan), the rows the joint train step reads."""
+    """iter-N/advantages.arrow: every stage's rows, each within its own groups (a plan's among the
+    plans of its prompt, an image's among the images of its plan), which the joint train step reads."""
     storage = storage_of(recipe, run_name)
 
     def make() -> dict[str, Any]:
-        rows = pipeline.advantage_rows(recipe, storage, composed, rewards, list(pipeline.SIDES))
+        rows = pipeline.advantage_rows(recipe, storage, composed, rewards, names(recipe))
         rel = join(iter_dir(iteration), "advantages.arrow")
-        write_shard(storage, rel, table_from_rows([r for side in pipeline.SIDES for r in rows[side]], "advantages"))
+        write_shard(storage, rel, table_from_rows([r for name in names(recipe) for r in rows[name]], "advantages"))
         return {"files": [rel], "rows": sum(len(v) for v in rows.values()), "metrics": pipeline.advantage_metrics(rows)}
 
     return it.committed(storage, iteration, "advantage", make)
@@ -73,8 +72,9 @@ def advantages(recipe: Recipe, run_name: str, iteration: int, composed: list[str
 @task(name="evaluate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1,
       retry_condition_fn=say_retry)
 def evaluate_unified(recipe: Recipe, run_name: str, version: int, split: str = "dev") -> dict[str, Any]:
-    """Held-out results at `version`: the greedy plan drawn by the ODE sampler, and `eval.k`
-    sampled plans with one sampled image each, scored against the user's intent."""
+    """Held-out results at `version`: every stage's greedy sample (an image stage's by the ODE
+    sampler), and `eval.k` samples of the first stage per prompt with one sample of each later
+    stage each, scored against the user's intent."""
     from unirl.stages.runtime.evaluation import eval_dir
 
     storage = storage_of(recipe, run_name)
@@ -83,12 +83,13 @@ def evaluate_unified(recipe: Recipe, run_name: str, version: int, split: str = "
         return storage.read_json(rel)
     group = group_of(recipe, storage)
 
-    def draw(side: str, requests: str, folder: str, greedy: bool) -> list[str]:
+    def draw(name: str, requests: str, folder: str, greedy: bool) -> list[str]:
         group.ensure(version)
         return group.call("generate", iteration=version, requests=requests, out_dir=folder, greedy=greedy,
-                          seed_tag="eval", stage=side)["files"]
+                          seed_tag="eval", stage=name)["files"]
 
-    result = evaluate_composed(recipe, storage, version, stage_recipe(recipe, "ar"), {"ar": storage, "diffusion": storage},
+    first = names(recipe)[0]
+    result = evaluate_composed(recipe, storage, version, stage_recipe(recipe, first), dict.fromkeys(names(recipe), storage),
                                draw, split)
     storage.write_json(rel, result)
     return result

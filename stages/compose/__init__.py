@@ -1,7 +1,9 @@
-"""Composed runs: a prompt-enhancer pipeline (two models in sequence, pipeline.py) and a unified
-model (one backbone, two losses, unified.py). Each part (stage) of a composed recipe is also a
-one-model recipe (`part_of`), which its policy, algorithm, prompt source and tasks read; each
-composed shape registers the validator `unirl validate` runs on its recipes (`checks`)."""
+"""Composed runs, as data in the recipe's `compose` section: a pipeline (models in sequence,
+pipeline.py) and a unified model (one backbone in stages, one joint loss, unified.py). Parts
+(stages) are named by the recipe and run in its order: the first samples from the user's
+prompts, each later one from the texts of the one before it. Each part of a composed recipe is
+also a one-model recipe (`part_of`), which its policy, algorithm, prompt source and tasks read;
+each composed shape registers the validator `unirl validate` runs on its recipes (`checks`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,36 +11,65 @@ from typing import Any
 
 from unirl.stages.runtime.registry import Registry
 
-# The sides of both composed shapes, in sampling order, and the policy each side samples with.
-SIDES = ("ar", "diffusion")
-POLICY_OF = {"ar": "text", "diffusion": "flow"}
+
+def members(recipe: Any) -> list[Any]:
+    """The parts (a pipeline's) or stages (a unified model's) of a composed recipe, in order."""
+    compose = recipe.compose
+    assert compose is not None, "a composed recipe has a compose section"
+    return list(compose.parts if compose.kind == "pipeline" else compose.stages)
 
 
-def segment_of(side: str) -> str:
-    """The segment kind side `side` produces and trains (its policy's: `text`, `latent`)."""
+def names(recipe: Any) -> list[str]:
+    """The names of a composed recipe's parts (stages), in sampling order."""
+    return [m.name for m in members(recipe)]
+
+
+def member(recipe: Any, name: str) -> tuple[int, Any]:
+    """(index, section) of the part (stage) called `name`."""
+    for i, m in enumerate(members(recipe)):
+        if m.name == name:
+            return i, m
+    raise ValueError(f"the composed recipe has no part {name!r} (it has {', '.join(names(recipe))})")
+
+
+def upstream_of(recipe: Any, name: str) -> str | None:
+    """The part whose samples part `name` samples from (None: the first part, from the user's prompts)."""
+    i, _ = member(recipe, name)
+    return None if i == 0 else members(recipe)[i - 1].name
+
+
+def where(recipe: Any, name: str) -> str:
+    """The recipe path of part `name`: `compose.parts.0`, `compose.stages.1`."""
+    i, _ = member(recipe, name)
+    return f"compose.{'parts' if recipe.compose.kind == 'pipeline' else 'stages'}.{i}"
+
+
+def text_policies() -> list[str]:
+    """The policy kinds whose samples are text another part can take as its prompts."""
     from unirl.stages.policies import policies
 
-    return str(policies.get(POLICY_OF[side]).segment)
+    return [n for n, p in policies.items() if "text" in p.columns]
 
 
 # recipe shape -> its recipe's errors (one `field.path: ...` line each); run by Recipe's validator
 checks: Registry[Callable[[Any], list[str]]] = Registry("composed recipe shape", "unirl.stages.compose", "recipe")
 
 
-def part_of(recipe: Any, side: str, *, model: Any, rollout: dict[str, Any], upstream: Any, train: Any, sft: Any,
+def part_of(recipe: Any, name: str, *, model: Any, rollout: dict[str, Any], upstream: Any, train: Any, sft: Any,
             algorithm: Any, data: Any, scored: bool, storage_root: str | None = None) -> Any:
-    """The one-model recipe of part `side` of a composed recipe: the recipe's seed, advantages,
+    """The one-model recipe of part `name` of a composed recipe: the recipe's seed, advantages,
     storage, tracking (no previews, no registry: the composed run does those) and counts, with
     the part's model, sampling, optimizer, warm start, algorithm and data. A part that samples
-    from an `upstream` part's outputs takes one prompt per upstream sample; a part that is not
-    `scored` scores nothing itself (`constant`: its reward is what it leads to)."""
+    from an `upstream` part's outputs (the upstream's one-model recipe) takes one prompt per
+    upstream sample; a part that is not `scored` scores nothing itself (`constant`: its reward is
+    what it leads to)."""
     from unirl.stages.recipe import Recipe
 
     if upstream is not None:
-        rollout = {**rollout, "prompts_per_iteration": upstream.prompts_per_iteration * upstream.group_size}
+        rollout = {**rollout, "prompts_per_iteration": upstream.rollout.prompts_per_iteration * upstream.rollout.group_size}
     storage = recipe.storage.model_dump(mode="json")
     data_: dict[str, Any] = {
-        "name": f"{recipe.name}-{side}", "seed": recipe.seed, "model": model.model_dump(mode="json"), "rollout": rollout,
+        "name": f"{recipe.name}-{name}", "seed": recipe.seed, "model": model.model_dump(mode="json"), "rollout": rollout,
         "train": train.model_dump(mode="json"), "sft": sft, "data": data.model_dump(mode="json"),
         "reward": recipe.reward.model_dump(mode="json") if scored else {"scorers": [{"name": "constant"}]},
         "advantage": recipe.advantage.model_dump(mode="json"),
@@ -51,38 +82,63 @@ def part_of(recipe: Any, side: str, *, model: Any, rollout: dict[str, Any], upst
     return Recipe.model_validate(data_)
 
 
-def per_part_errors(recipe: Any, names: tuple[str, ...], section: str, sides: tuple[str, ...], what: str,
-                    part: str = "part") -> list[str]:
+def per_part_errors(recipe: Any, fields: tuple[str, ...], what: str) -> list[str]:
     """A top-level section a composed recipe gives per part (a unified model's: per stage) instead, set anyway."""
     from unirl.stages.recipe import Recipe
 
     defaults = Recipe()
-    where = ", ".join(f"{section}.{side}.<name>" for side in sides)
-    return [f"{name}: {what} gives it per {part} ({where.replace('<name>', name)}); remove the top-level one"
-            for name in names if getattr(recipe, name) != getattr(defaults, name)]
+    each = ", ".join(f"{where(recipe, n)}.<name>" for n in names(recipe))
+    return [f"{field}: {what} gives it per part ({each.replace('<name>', field)}); remove the top-level one"
+            for field in fields if getattr(recipe, field) != getattr(defaults, field)]
 
 
-def sequential_errors(section: str, side: str, rollout: Any, why: str) -> list[str]:
+def chain_errors(recipe: Any, policy_of: Callable[[str], str]) -> list[str]:
+    """Parts that cannot feed the next: every part but the last must write text (the next part's
+    prompts). `policy_of(name)`: the policy kind part `name` samples with."""
+    texts = text_policies()
+    out = []
+    for name in names(recipe)[:-1]:
+        if policy_of(name) not in texts:
+            nxt = names(recipe)[names(recipe).index(name) + 1]
+            out.append(f"{where(recipe, name)}: part {name!r} samples with the {policy_of(name)} policy, whose samples "
+                       f"are not text, so part {nxt!r} cannot take them as prompts; only the last part may be of a "
+                       f"policy other than {', '.join(texts)}")
+    return out
+
+
+def sequential_errors(recipe: Any, name: str, rollout: Any, why: str) -> list[str]:
     """Sampling a composed part cannot do: its parts sample each iteration in order."""
     errors = []
     if rollout.mode != "sync":
-        errors.append(f"{section}.{side}.rollout.mode: {why}; async rollout is not offered (set it to sync)")
+        errors.append(f"{where(recipe, name)}.rollout.mode: {why}; async rollout is not offered (set it to sync)")
     if rollout.dynamic_sampling is not None:
-        errors.append(f"{section}.{side}.rollout.dynamic_sampling: not offered for composed runs (a refill would "
-                      "redraw the other part too); remove it")
+        errors.append(f"{where(recipe, name)}.rollout.dynamic_sampling: not offered for composed runs (a refill would "
+                      "redraw the other parts too); remove it")
     return errors
 
 
-def parts_errors(section: str, sides: tuple[str, ...], build: Callable[[str], Any]) -> list[str]:
-    """Each part's one-model recipe's own errors, under the part's section."""
+def duplicate_errors(recipe: Any) -> list[str]:
+    """Two parts (stages) with one name: their folders, columns and metrics would collide."""
+    section = f"compose.{'parts' if recipe.compose.kind == 'pipeline' else 'stages'}"
+    first: dict[str, int] = {}
+    out = []
+    for i, name in enumerate(names(recipe)):
+        if name in first:
+            out.append(f"{section}.{i}.name: {name!r} is also {section}.{first[name]}'s name; give each its own")
+        first.setdefault(name, i)
+    return out
+
+
+def parts_errors(recipe: Any, build: Callable[[str], Any]) -> list[str]:
+    """Each part's one-model recipe's own errors, under the part's path."""
     from pydantic import ValidationError
 
     from unirl.stages.recipe import format_errors
 
     errors: list[str] = []
-    for side in sides:
+    for name in names(recipe):
         try:
-            build(side)
+            build(name)
         except ValidationError as exc:
-            errors += [f"{section}.{side}.{line}" for line in format_errors(exc)]
+            errors += [f"{where(recipe, name)}.{line}" for line in format_errors(exc)]
     return errors

@@ -1,24 +1,26 @@
-"""Unified models: one backbone that writes a plan (its text stage, `ar`), then draws it (its image
-stage, `diffusion`), both losses in one optimizer step on the same weights (docs/unified.md).
+"""Unified models: one backbone in stages, run in the recipe's order (for stages `plan` then
+`image`: it writes a plan for the user's prompt, then draws the plan); every stage's loss goes
+into one optimizer step on the same weights (docs/unified.md).
 
-A unified recipe gives `model` (a family that offers the text and the flow policy, such as
-`transfusion`), `train` (the one optimizer and worker group) and `sft` (the joint warm start's steps,
-lr and seed); each stage gives its sampling, algorithm, warm-start records and loss weight under
-`unified.ar` / `unified.diffusion`. Each stage is also a one-model recipe (`stage_recipe`) that its
-policy, algorithm and prompt source read, as a pipeline part is (stages/compose/pipeline.py), but there is
-one run, one worker group and one line of weights versions:
+A unified recipe gives `model` (a family that offers each stage's policy, such as
+`transfusion`), `train` (the one optimizer and worker group) and `sft` (the joint warm start's
+steps, lr and seed); each stage under `compose.stages` gives its name, sampling (with its policy
+`kind`), algorithm, warm-start records and loss weight. Each stage is also a one-model recipe
+(`stage_recipe`) that its policy, algorithm and prompt source read, as a pipeline part is
+(stages/compose/pipeline.py), but there is one run, one worker group and one line of weights
+versions:
 
-    iter-N/requests.arrow            the user's prompts, N plans each (the ar group)
-    iter-N/rollouts/plans/...        the plans (text segments, behaviour log-probs)   stage generate
-    iter-N/image-requests.arrow      one group per plan: M images of it (the flow group)
-    iter-N/rollouts/images/...       the images (latent segments)                      stage generate-image
-    iter-N/rollouts/composed.arrow   one row per image: its plan and its image, namespaced by kind
+    iter-N/requests.arrow            the user's prompts, N plans each (the first stage's groups)
+    iter-N/rollouts/plan/...         the plans (text segments, behaviour log-probs)   stage generate-plan
+    iter-N/requests-image.arrow      one group per plan: M images of it
+    iter-N/rollouts/image/...        the images (latent segments)                     stage generate-image
+    iter-N/rollouts/composed.arrow   one row per image: its plan and its image, each under its stage's name
     iter-N/rewards.arrow             the image's reward against the user's intent
-    iter-N/advantages.arrow          both stages' rows, each within its own groups
+    iter-N/advantages.arrow          every stage's rows, each within its own groups
 
-The worker's train step reads the plans and the images (`split_by_kind`), and `joint_update`
-accumulates the text algorithm's loss and the flow algorithm's into each optimizer step, with
-the on-policy check of both.
+Each stage's rollout shards name their stage (schema metadata `unirl.stage`); the worker's train
+step reads them by stage (`split_by_stage`), and `joint_update` accumulates every stage's
+algorithm's loss into each optimizer step, with the on-policy check of each.
 """
 from __future__ import annotations
 
@@ -27,92 +29,104 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from unirl.stages.compose import POLICY_OF, SIDES, checks, part_of, parts_errors, per_part_errors, segment_of, sequential_errors
+from unirl.stages.compose import (
+    chain_errors,
+    checks,
+    duplicate_errors,
+    member,
+    members,
+    names,
+    part_of,
+    parts_errors,
+    per_part_errors,
+    sequential_errors,
+    upstream_of,
+    where,
+)
 from unirl.stages.recipe import Recipe
-from unirl.stages.runtime.storage import RunStorage
+from unirl.stages.runtime.storage import RunStorage, join
 
-ROLE = {"ar": "writes the plan", "diffusion": "draws the plan"}
-TEXT_RECORDS = "sft/data-ar.arrow"
-IMAGE_RECORDS = "sft/data-diffusion.arrow"
+STAGE_KEY = b"unirl.stage"  # a unified stage's rollout shard: the stage that sampled it
 
 
-def stage_recipe(recipe: Recipe, side: str) -> Recipe:
-    """The one-model recipe of a stage (`part_of`): the unified recipe's model, optimizer and
-    storage with the stage's sampling, algorithm, data and warm-start records (the recipe's `sft`
-    steps, lr and seed). The image stage samples one group per plan; the plan's reward is its
-    images'."""
-    u = recipe.unified
-    assert u is not None
-    stage = getattr(u, side)
-    rollout = stage.rollout.model_dump(mode="json") if stage.rollout is not None else {"kind": POLICY_OF[side]}
+def sft_records(name: str) -> str:
+    """Where stage `name`'s warm-start records are written."""
+    return join("sft", f"data-{name}.arrow")
+
+
+def stage_recipe(recipe: Recipe, name: str) -> Recipe:
+    """The one-model recipe of stage `name` (`part_of`): the unified recipe's model, optimizer
+    and storage with the stage's sampling, algorithm, data and warm-start records (the recipe's
+    `sft` steps, lr and seed). A later stage samples one group per sample of the stage before it;
+    only the last stage is scored (the others' reward is what they lead to)."""
+    _, stage = member(recipe, name)
     sft = None
     if stage.sft is not None and recipe.sft is not None:
         sft = {**stage.sft.model_dump(mode="json"), "steps": recipe.sft.steps, "lr": recipe.sft.lr, "seed": recipe.sft.seed}
-    return part_of(recipe, side, model=recipe.model, rollout=rollout,
-                   upstream=u.ar.rollout if side == "diffusion" else None, train=recipe.train, sft=sft,
-                   algorithm=stage.algorithm, data=stage.data or recipe.data, scored=side == "diffusion")
+    up = upstream_of(recipe, name)
+    rollout = stage.rollout.model_dump(mode="json") if stage.rollout is not None else {}
+    return part_of(recipe, name, model=recipe.model, rollout=rollout,
+                   upstream=stage_recipe(recipe, up) if up is not None else None, train=recipe.train, sft=sft,
+                   algorithm=stage.algorithm, data=stage.data or recipe.data, scored=name == names(recipe)[-1])
 
 
 @checks.register("unified")
 def unified_errors(recipe: Recipe) -> list[str]:
     """What `unirl validate` reports of a unified recipe, one `field.path: ...` line each."""
-    from unirl.stages.algorithms.base import algorithms
     from unirl.stages.engines import engines
     from unirl.stages.models.family import families
 
-    u = recipe.unified
-    assert u is not None
-    errors = per_part_errors(recipe, ("rollout", "algorithm"), "unified", SIDES, "a unified recipe", "stage")
+    stages = members(recipe)
+    errors = duplicate_errors(recipe) + per_part_errors(recipe, ("rollout", "algorithm"), "a unified recipe")
     family = families.get(recipe.model.kind)
-    if set(POLICY_OF.values()) - set(family.offers()):
-        fits = [n for n, f in families.items() if set(POLICY_OF.values()) <= set(f.offers())]
-        errors.append(f"model.kind: {family.name!r} runs only as a {'/'.join(family.offers())} policy; a unified model "
-                      f"writes and draws with one backbone (allowed: {', '.join(fits)})")
-    given = [side for side in SIDES if getattr(u, side).algorithm is not None]
-    for side in SIDES:
-        if getattr(u, side).algorithm is None:
-            segment = segment_of(side)
-            fits = [n for n, a in algorithms.items() if a.segment == segment]
-            other = f"unified.{given[0]}.algorithm is given, but " if given else ""
-            errors.append(f"unified.{side}.algorithm: {other}a unified model trains both stages in one step (the "
-                          f"{side} stage {ROLE[side]}); give it one of {', '.join(fits)}")
-    for side in SIDES:
-        rollout = getattr(u, side).rollout
-        if rollout is None:
-            errors.append(f"unified.{side}.rollout: missing; give the {side} stage's sampling")
-            continue
-        if rollout.kind != POLICY_OF[side]:
-            errors.append(f"unified.{side}.rollout.kind: the {side} stage samples {POLICY_OF[side]}, not {rollout.kind}; "
-                          "remove rollout.kind")
-        errors += sequential_errors("unified", side, rollout, "a unified model samples its stages in order with the "
-                                    "weights it trains")
-        if engines.get(rollout.engine.name).own_weights:
-            errors.append(f"unified.{side}.rollout.engine.name: a unified model samples inside its worker group "
-                          "(trainside); dedicated engines serve one policy per model")
-    if recipe.train.updates_per_batch != 1:
-        errors.append("train.updates_per_batch: a unified model takes one joint step per batch; set it to 1")
-    if recipe.sft is not None and u.ar.sft is None and u.diffusion.sft is None:
-        errors.append("sft: the joint warm start has no records; give unified.ar.sft and/or unified.diffusion.sft")
+    missing = [s for s in stages if s.rollout is None]
+    for stage in missing:
+        errors.append(f"{where(recipe, stage.name)}.rollout: missing; give stage {stage.name!r}'s sampling, with its "
+                      f"policy `kind` (model.kind {family.name!r} offers {', '.join(family.offers())})")
     if errors:
         return errors
-    errors += recipe.scorer_errors(family.produces, f"model.kind {recipe.model.kind!r}")
-    return errors + parts_errors("unified", SIDES, lambda side: stage_recipe(recipe, side))
+    if len(family.offers()) < 2:
+        fits = [n for n, f in families.items() if len(f.offers()) > 1]
+        errors.append(f"model.kind: {family.name!r} runs only as a {'/'.join(family.offers())} policy; a unified model "
+                      f"runs its stages on one backbone (allowed: {', '.join(fits)})")
+    for stage in stages:
+        if stage.rollout.kind not in family.offers():
+            errors.append(f"{where(recipe, stage.name)}.rollout.kind: model.kind {family.name!r} does not sample with "
+                          f"the {stage.rollout.kind} policy (it offers {', '.join(family.offers())})")
+        if stage.algorithm is None:
+            errors.append(f"{where(recipe, stage.name)}.algorithm: missing; a unified model trains every stage in one "
+                          f"step, so give stage {stage.name!r} a policy loss for its {stage.rollout.kind} samples")
+        errors += sequential_errors(recipe, stage.name, stage.rollout, "a unified model samples its stages in order with "
+                                    "the weights it trains")
+        if engines.get(stage.rollout.engine.name).own_weights:
+            errors.append(f"{where(recipe, stage.name)}.rollout.engine.name: a unified model samples inside its worker "
+                          "group (trainside); dedicated engines serve one policy per model")
+    errors += chain_errors(recipe, lambda name: member(recipe, name)[1].rollout.kind)
+    if recipe.train.updates_per_batch != 1:
+        errors.append("train.updates_per_batch: a unified model takes one joint step per batch; set it to 1")
+    if recipe.sft is not None and all(s.sft is None for s in stages):
+        errors.append("sft: the joint warm start has no records; give one or more stages an `sft` section")
+    if errors:
+        return errors
+    errors += recipe.scorer_errors(family.produced_by(stages[-1].rollout.kind), f"model.kind {recipe.model.kind!r}")
+    return errors + parts_errors(recipe, lambda name: stage_recipe(recipe, name))
 
 
 def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
-    """Each stage's warm-start records (its own shard): the ar stage's (prompt, plan) text, the
-    diffusion stage's (canonical prompt, image). `stages` names the stage of each file."""
+    """Each stage's warm-start records (its own shard, `sft_records`): a plan stage's (prompt,
+    plan) text, an image stage's (canonical prompt, image). `stages` names the stage of each file."""
     from unirl.stages.runtime.sample import table_from_rows, write_shard
-    from unirl.stages.train.sft import sft_records
+    from unirl.stages.train.sft import sft_records as records
 
     files, stages = [], []
-    for side, rel in (("ar", TEXT_RECORDS), ("diffusion", IMAGE_RECORDS)):
-        part = stage_recipe(recipe, side)
+    for name in names(recipe):
+        part = stage_recipe(recipe, name)
         if part.sft is None:
             continue
-        write_shard(storage, rel, table_from_rows(sft_records(part), "sft"))
+        rel = sft_records(name)
+        write_shard(storage, rel, table_from_rows(records(part), "sft"))
         files.append(rel)
-        stages.append(side)
+        stages.append(name)
     return {"files": files, "stages": stages}
 
 
@@ -124,19 +138,19 @@ class JointSFT:
     weight_name = "samples"
 
     def __init__(self, stages: dict[str, Any], recipe: Recipe):
-        self.stages = stages  # side -> (policy, weight)
+        self.stages = stages  # name -> (policy, weight)
         self.recipe = recipe
         self.batch_sizes: dict[str, int] = {}
 
     def sft_setup(self, tables: dict[str, pa.Table], where: dict[str, str], stack: Any, seed: int) -> dict[str, Any]:
         info: dict[str, Any] = {}
-        # The image stage first: a tiny model's VAE is warmed up there, before anything is encoded.
-        for side in sorted(tables, key=lambda s: s != "diffusion"):
-            policy, _ = self.stages[side]
-            info.update(policy.sft_setup(tables[side], where[side], stack, seed))
-            part = stage_recipe(self.recipe, side)
+        # A stage whose policy must prepare the backbone first (`Policy.sft_first`) goes first.
+        for name in sorted(tables, key=lambda n: not self.stages[n][0].sft_first):
+            policy, _ = self.stages[name]
+            info.update(policy.sft_setup(tables[name], where[name], stack, seed))
+            part = stage_recipe(self.recipe, name)
             assert part.sft is not None
-            self.batch_sizes[side] = part.sft.batch_size
+            self.batch_sizes[name] = part.sft.batch_size
         return info
 
     def sft_loss(self, module: Any, step: int, *, seed: int, batch_size: int, stack: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,24 +158,28 @@ class JointSFT:
         ranks likewise."""
         total: Any = 0.0
         value: Any = 0.0
-        for side, size in self.batch_sizes.items():
-            policy, weight = self.stages[side]
+        for name, size in self.batch_sizes.items():
+            policy, weight = self.stages[name]
             loss, v = policy.sft_loss(module, step, seed=seed, batch_size=size, stack=stack)
             total = total + weight * loss
             value = value + weight * torch.as_tensor(v, dtype=torch.float64).detach()
         return total, value
 
 
-def split_by_kind(tables: list[pa.Table]) -> dict[str, pa.Table]:
-    """Rollout shards by the stage that wrote them (their `parts`: text -> ar, latent -> diffusion);
-    a shard of another kind is an error naming it."""
-    side_of = {segment_of(side): side for side in SIDES}
+def with_stage(table: pa.Table, stage: str) -> pa.Table:
+    """A rollout shard marked as stage `stage`'s (`split_by_stage` reads it)."""
+    return table.replace_schema_metadata({**(table.schema.metadata or {}), STAGE_KEY: stage.encode()})
+
+
+def split_by_stage(tables: list[pa.Table], where: str) -> dict[str, pa.Table]:
+    """Rollout shards by the stage that sampled them (`with_stage`); a shard that names none is an
+    error naming it."""
     out: dict[str, list[pa.Table]] = {}
     for table in tables:
-        kinds = {tuple(p) for p in table.column("parts").to_pylist()} if table.num_rows else set()
-        if not kinds:
-            continue
-        if len(kinds) != 1 or len(next(iter(kinds))) != 1 or next(iter(kinds))[0] not in side_of:
-            raise ValueError(f"a unified train step reads plan (text) and image (latent) shards, not parts {sorted(kinds)}")
-        out.setdefault(side_of[next(iter(kinds))[0]], []).append(table)
-    return {side: pa.concat_tables(parts, promote_options="default") for side, parts in out.items()}
+        stage = (table.schema.metadata or {}).get(STAGE_KEY)
+        if stage is None:
+            raise ValueError(f"{where}: a unified train step reads each stage's rollout shards, and a shard names no "
+                             f"stage (schema metadata {STAGE_KEY.decode()}); rerun the iteration's generate tasks")
+        if table.num_rows:
+            out.setdefault(stage.decode(), []).append(table)
+    return {name: pa.concat_tables(parts, promote_options="default") for name, parts in out.items()}

@@ -84,6 +84,9 @@ class Policy(ABC):
     # stages/engines/) and of its backend in unirl's engine server (`serve`, stages/engine_server/).
     wire: ClassVar[str]
     server_backend: ClassVar[str]
+    # Its SFT setup runs before the other stages' on a backbone it shares (a unified model): the
+    # flow policy warms a tiny model's VAE up there, before any stage encodes media.
+    sft_first: ClassVar[bool] = False
 
     @abstractmethod
     def __init__(self, family: Any, bundle: Any, recipe: Any, device: Any):

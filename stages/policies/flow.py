@@ -165,6 +165,7 @@ class FlowPolicy(Policy):
     }
     wire = "unirl.stages.engines.flow_wire:FlowWire"
     server_backend = "unirl.stages.engine_server.flow:FlowBackend"
+    sft_first = True
 
     @classmethod
     def default_tolerance(cls, dtype: str) -> float:

@@ -28,10 +28,13 @@ def eval_dir(version: int, split: str = "dev") -> str:
 
 
 def eval_data(recipe: Recipe) -> Any:
-    """The `data` section whose held-out prompts an evaluation draws: a pipeline's or a unified
-    model's text part's (its own, else the recipe's), else the recipe's."""
-    composed = recipe.pe or recipe.unified
-    return getattr(composed.ar, "data", None) or recipe.data if composed is not None else recipe.data
+    """The `data` section whose held-out prompts an evaluation draws: a composed recipe's first
+    part's (its own, else the recipe's), else the recipe's."""
+    if recipe.compose is None:
+        return recipe.data
+    from unirl.stages.compose import members
+
+    return members(recipe)[0].data or recipe.data
 
 
 def has_split(recipe: Recipe, split: str) -> bool:

@@ -23,7 +23,7 @@ import pyarrow.ipc as ipc
 from unirl.stages.runtime.images import IMAGE_COLUMNS
 from unirl.stages.runtime.storage import RunStorage
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: composed shards namespace each part by its name (`unirl.parts`)
 
 _LIST_I32 = pa.list_(pa.int32())
 _LIST_F32 = pa.list_(pa.float32())
@@ -173,70 +173,90 @@ def validate(table: pa.Table, kind: str, where: str) -> None:
 
 
 # A composed row (a pipeline's rewrite, then its image) carries one segment per part, each under
-# its kind's namespace: `text/response_ids`, `latent/sigmas`, ..., with the part's own identity
-# (`text/sample_id`, `text/group_id`, `text/policy_version`, `text/prompt`). Its base columns
-# describe the row as a whole: `sample_id` and `group_id` are the last part's sample and the
-# user's prompt group, `prompt` the user's prompt, `parts` the kinds in order.
+# its part's name: `rewriter/response_ids`, `drawer/sigmas`, ..., with the part's own identity
+# (`rewriter/sample_id`, `rewriter/group_id`, `rewriter/policy_version`, `rewriter/prompt`). Its
+# base columns describe the row as a whole: `sample_id` and `group_id` are the last part's sample
+# and the user's prompt group, `prompt` the user's prompt, `parts` the part names in order. The
+# schema's `unirl.parts` metadata gives each part's segment kind.
 NS = "/"
 PART_COLUMNS: dict[str, pa.DataType] = {"sample_id": pa.string(), "group_id": pa.string(),
                                          "policy_version": pa.int32(), "prompt": pa.string()}
+PARTS_KEY = b"unirl.parts"
 
 
-def namespaced(kind: str, column: str) -> str:
-    return f"{kind}{NS}{column}"
+def namespaced(part: str, column: str) -> str:
+    return f"{part}{NS}{column}"
 
 
-def composed_kinds(table: pa.Table) -> list[str]:
-    """The segment kinds a composed shard namespaces (empty for a one-part shard)."""
-    names = set(table.schema.names)
-    return [k for k in segment_columns() if namespaced(k, "sample_id") in names]
+def composed_parts(table: pa.Table) -> list[str]:
+    """The part names a composed shard namespaces, in order (empty for a one-part shard)."""
+    out: list[str] = []
+    for column in table.schema.names:
+        if NS in column and (name := column.split(NS, 1)[0]) not in out:
+            out.append(name)
+    return out
+
+
+def part_kinds(table: pa.Table, where: str) -> dict[str, str]:
+    """Each part's segment kind, from the composed shard's schema."""
+    raw = (table.schema.metadata or {}).get(PARTS_KEY)
+    if raw is None:
+        raise ShardSchemaError(f"{where}: a composed shard without its parts' kinds (schema metadata "
+                               f"{PARTS_KEY.decode()}), as an older unirl wrote them; rerun the iteration's compose task")
+    return {str(name): str(kind) for name, kind in json.loads(raw)}
 
 
 def validate_namespaced(table: pa.Table, where: str) -> None:
-    """Every namespaced segment of a composed shard complete and of its types, and each row's
-    `parts` naming exactly the kinds it carries, in order."""
-    kinds = composed_kinds(table)
-    if not kinds:
+    """Every namespaced segment of a composed shard complete and of its kind's types, and each
+    row's `parts` naming exactly the parts it carries, in order."""
+    names = composed_parts(table)
+    if not names:
         return
-    for kind in kinds:
+    kinds = part_kinds(table, where)
+    if list(kinds) != names:
+        raise ShardSchemaError(f"{where}: the schema names the parts {list(kinds)}, but the columns carry {names}")
+    for name, kind in kinds.items():
+        if kind not in segment_columns():
+            raise ShardSchemaError(f"{where}: part {name!r} is of kind {kind!r}, not one of {sorted(segment_columns())}")
         part = {**PART_COLUMNS, **segment_columns()[kind]}
-        for name, dtype in part.items():
-            col = namespaced(kind, name)
+        for column, dtype in part.items():
+            col = namespaced(name, column)
             if col not in table.schema.names:
-                raise ShardSchemaError(f"{where}: column {col!r} is missing (a composed shard's {kind} part needs "
-                                       f"{sorted(namespaced(kind, n) for n in part)})")
+                raise ShardSchemaError(f"{where}: column {col!r} is missing (a composed shard's {kind} part {name!r} needs "
+                                       f"{sorted(namespaced(name, n) for n in part)})")
             if table.schema.field(col).type != dtype:
                 raise ShardSchemaError(f"{where}: column {col!r} has type {table.schema.field(col).type}, expected {dtype}")
     for sid, parts in zip(table.column("sample_id").to_pylist(), table.column("parts").to_pylist()):
-        if sorted(parts or []) != sorted(kinds):
-            raise ShardSchemaError(f"{where}: sample {sid!r}: column 'parts' is {parts}, but the shard carries the "
-                                   f"segments {kinds}")
+        if list(parts or []) != names:
+            raise ShardSchemaError(f"{where}: sample {sid!r}: column 'parts' is {parts}, but the shard carries the parts "
+                                   f"{names}")
 
 
-def composed_table(rows: list[dict[str, Any]], kinds: list[str]) -> pa.Table:
-    """A composed rollouts shard from rows holding the base columns and, per kind, the part's
-    identity and segment columns under its namespace."""
+def composed_table(rows: list[dict[str, Any]], parts: list[tuple[str, str]]) -> pa.Table:
+    """A composed rollouts shard from rows holding the base columns and, per part (name, segment
+    kind), the part's identity and segment columns under its name."""
     fields = [pa.field(n, t) for n, t in BASE_COLUMNS.items()]
-    for kind in kinds:
-        fields += [pa.field(namespaced(kind, n), t) for n, t in {**PART_COLUMNS, **segment_columns()[kind]}.items()]
-    schema = pa.schema(fields, metadata={"unirl.schema_version": str(SCHEMA_VERSION), "unirl.kind": "rollouts"})
+    for name, kind in parts:
+        fields += [pa.field(namespaced(name, n), t) for n, t in {**PART_COLUMNS, **segment_columns()[kind]}.items()]
+    schema = pa.schema(fields, metadata={"unirl.schema_version": str(SCHEMA_VERSION), "unirl.kind": "rollouts",
+                                         PARTS_KEY.decode(): json.dumps([list(p) for p in parts])})
     return rows_to_table(rows, schema)
 
 
-def part_view(table: pa.Table, kind: str) -> pa.Table:
-    """One part of a composed shard as a one-part rollouts table (its own sample and group ids,
+def part_view(table: pa.Table, name: str) -> pa.Table:
+    """Part `name` of a composed shard as a one-part rollouts table (its own sample and group ids,
     segment columns without the namespace), one row per distinct part sample, in first-seen
-    order; `metadata` comes along. A one-part shard of that kind is returned as it is."""
-    kinds = composed_kinds(table)
-    if not kinds:
+    order; `metadata` comes along. A one-part shard is returned as it is."""
+    names = composed_parts(table)
+    if not names:
         return table
-    if kind not in kinds:
-        raise ShardSchemaError(f"a composed shard of parts {kinds} has no {kind} part")
-    ids = table.column(namespaced(kind, "sample_id")).to_pylist()
-    first = list({sid: i for i, sid in reversed(list(enumerate(ids)))}.values())
-    first.sort()
+    if name not in names:
+        raise ShardSchemaError(f"a composed shard of parts {names} has no part {name!r}")
+    kind = part_kinds(table, "the composed shard")[name]
+    ids = table.column(namespaced(name, "sample_id")).to_pylist()
+    first = sorted({sid: i for i, sid in reversed(list(enumerate(ids)))}.values())
     taken = table.take(pa.array(first, type=pa.int64()))
-    columns = {n: taken.column(namespaced(kind, n)) for n in {**PART_COLUMNS, **segment_columns()[kind]}}
+    columns = {n: taken.column(namespaced(name, n)) for n in {**PART_COLUMNS, **segment_columns()[kind]}}
     columns.update(iteration=taken.column("iteration"), metadata=taken.column("metadata"),
                    parts=pa.array([[kind]] * taken.num_rows, type=pa.list_(pa.string())))
     return pa.table(columns)
@@ -244,17 +264,18 @@ def part_view(table: pa.Table, kind: str) -> pa.Table:
 
 def scoring_view(table: pa.Table) -> pa.Table:
     """What scorers and evaluation read of a composed shard: the row as a whole (its sample id,
-    the user's prompt and metadata) with the un-namespaced columns of every part, later parts
-    winning (the image of the last part is what is scored; the rewrite is `text`). A one-part
-    shard is returned as it is."""
-    kinds = composed_kinds(table)
-    if not kinds:
+    the user's prompt and metadata) with the un-namespaced segment columns of every part, later
+    parts winning (the image of the last part is what is scored; the rewrite is `text`). A
+    one-part shard is returned as it is."""
+    names = composed_parts(table)
+    if not names:
         return table
     columns = {n: table.column(n) for n in BASE_COLUMNS if n in table.schema.names}
-    for kind in kinds:
-        for n in segment_columns()[kind]:
-            if namespaced(kind, n) in table.schema.names:
-                columns[n] = table.column(namespaced(kind, n))
+    for name in names:
+        for column in table.schema.names:
+            base = column.split(NS, 1)[1] if column.startswith(name + NS) else None
+            if base is not None and base not in PART_COLUMNS:
+                columns[base] = table.column(column)
     return pa.table(columns)
 
 

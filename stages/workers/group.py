@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -115,9 +116,10 @@ class ModelGroup(ABC):
 
     def replay(self, iteration: int) -> dict[str, Any]:
         """Redo iteration `iteration`'s train step from its committed rollouts and advantages."""
+        # generate, then its refill rounds generate-r1, ... (a unified model's: generate-<stage>, in any order)
         rounds = sorted(
             (n[:-len(".json")] for n in self.storage.listdir(join(iter_dir(iteration), "manifests")) if n.startswith("generate")),
-            key=lambda name: int(name.split("-r")[1]) if "-r" in name else 0,
+            key=lambda name: int(m.group(1)) if (m := re.fullmatch(r"generate-r(\d+)", name)) else 0,
         )
         gens = [self.storage.stage_manifest(iteration, name) for name in rounds]
         adv = self.storage.stage_manifest(iteration, "advantage")

@@ -16,8 +16,8 @@ import pyarrow.compute as pc
 import torch
 
 from unirl.stages.algorithms.base import get_algorithm
-from unirl.stages.compose.pipeline import SIDES
-from unirl.stages.compose.unified import JointSFT, split_by_kind, stage_recipe
+from unirl.stages.compose import members
+from unirl.stages.compose.unified import JointSFT, split_by_stage, stage_recipe, with_stage
 from unirl.stages.models.family import get_family
 from unirl.stages.policies import policies
 from unirl.stages.recipe import Recipe
@@ -71,15 +71,17 @@ class Worker:
         self.family = get_family(recipe.model.kind)
         sharded = self.world > 1 and recipe.train.sharded_load
         bundle = load_bundle(self.family, self.base_dir, recipe.model, device, sharded=sharded)
-        # Each policy the group runs, by stage: one ("", the recipe's) or a unified model's two on
-        # the same bundle ("ar", "diffusion"; stages/compose/unified.py).
+        # Each policy the group runs, by stage: one ("", the recipe's) or a unified model's stages on
+        # the same bundle, by name (stages/compose/unified.py).
         self.stages: dict[str, Stage] = {}
-        parts = {"": recipe} if recipe.unified is None else {side: stage_recipe(recipe, side) for side in SIDES}
-        for side, part in parts.items():
+        unified = recipe.shape == "unified"
+        weights = {m.name: m.loss_weight for m in members(recipe)} if unified else {"": 1.0}
+        parts = {name: stage_recipe(recipe, name) for name in weights} if unified else {"": recipe}
+        for name, part in parts.items():
             policy_cls = policies.get(part.rollout.kind)
-            self.stages[side] = Stage(policy_cls(self.family, bundle, part, device), get_algorithm(part.algorithm.name)(part.algorithm, part),
-                                      self._tolerance(part, policy_cls), 1.0 if not side else getattr(recipe.unified, side).loss_weight)
-        self._main = main = self.stages["diffusion" if recipe.unified is not None else ""]
+            self.stages[name] = Stage(policy_cls(self.family, bundle, part, device), get_algorithm(part.algorithm.name)(part.algorithm, part),
+                                      self._tolerance(part, policy_cls), weights[name])
+        self._main = main = list(self.stages.values())[-1]  # a unified model's last stage
         self.policy, self.algorithm = main.policy, main.algorithm
         if self.mode == "sft":
             opt, decay = type(self.policy).sft_spec(recipe)
@@ -99,7 +101,7 @@ class Worker:
 
     @property
     def tolerance(self) -> float:
-        """The behaviour tolerance of the recipe's policy (a unified model's: its image stage's)."""
+        """The behaviour tolerance of the recipe's policy (a unified model's: its last stage's)."""
         return self._main.tolerance
 
     @tolerance.setter
@@ -148,7 +150,7 @@ class Worker:
                  stage: str = "") -> dict[str, Any]:
         """`group_size` samples per request; each rank writes `out_dir/part-{rank:03d}.arrow`.
         greedy: the policy's deterministic sampler (evaluation). Rows record the policy version.
-        `stage`: a unified model's "ar" (plans) or "diffusion" (images)."""
+        `stage`: the name of a unified model's stage (its shards name it, `with_stage`)."""
         start = time.perf_counter()
         policy, algorithm = self._stage(stage).policy, self._stage(stage).algorithm
         req = read_shard(self.storage, requests, "requests")
@@ -160,8 +162,8 @@ class Worker:
         for row in rows:
             row.update(iteration=iteration, policy_version=self.version, parts=[segment])
         images = [c for c in IMAGE_COLUMNS if c in req.schema.names]  # copied into every row, on every rank's shard
-        write_shard(self.storage, join(out_dir, f"part-{self.rank:03d}.arrow"),
-                    table_from_rows(rows, "rollouts", [segment], extra=images))
+        table = table_from_rows(rows, "rollouts", [segment], extra=images)
+        write_shard(self.storage, join(out_dir, f"part-{self.rank:03d}.arrow"), with_stage(table, stage) if stage else table)
         counters = {"rows": len(rows), **policy.counters(rows)}
         totals = torch.tensor(list(counters.values()), dtype=torch.int64, device=self.device)
         self.stack.all_reduce(totals)
@@ -176,16 +178,15 @@ class Worker:
         start = time.perf_counter()
         adv_table = read_shard(self.storage, advantages, "advantages")
         where = self.storage.url(rollouts[0]) + (" ..." if len(rollouts) > 1 else "")
-        if self.recipe.unified is None:
+        if self.recipe.shape != "unified":
             tables = {"": read_rollouts(self.storage, rollouts)}
         else:
-            tables = split_by_kind([read_shard(self.storage, f, "rollouts") for f in rollouts])
+            tables = split_by_stage([read_shard(self.storage, f, "rollouts") for f in rollouts], where)
         t = self.recipe.train
         parts = []
-        for side, table in sorted(tables.items()):
-            stage = self._stage(side)
-            table = table.sort_by("sample_id")
-            if adv_table.num_rows < table.num_rows and not side:  # dynamic sampling dropped groups
+        for name in [n for n in self.stages if n in tables]:  # the stages in the recipe's order
+            stage, table = self._stage(name), tables[name].sort_by("sample_id")
+            if adv_table.num_rows < table.num_rows and not name:  # dynamic sampling dropped groups
                 table = table.filter(pc.is_in(table.column("sample_id"), value_set=adv_table.column("sample_id")))
             table = join_on_sample_id(table, adv_table, ["advantage"], self.storage.url(advantages))
             groups, counts = self.stack.cut(self.stack.my_share(range(table.num_rows)), t.micro_batch_size, t.updates_per_batch)
@@ -195,7 +196,7 @@ class Worker:
             if first is not None:
                 stage.policy.check_batch(first, iteration, stage.algorithm, where)
             parts.append(UpdatePart(stage.policy, stage.algorithm, batches, counts, stage.tolerance, stage.weight,
-                                    f"{side}/" if side else ""))
+                                    f"{name}/" if name else ""))
         metrics = joint_update(self.stack, parts, iteration=iteration, seed=self.recipe.seed)
         self.version += 1
         return {"iteration": iteration, "policy_version": self.version, "metrics": metrics, "seconds": time.perf_counter() - start}
@@ -209,12 +210,12 @@ class Worker:
             raise ValueError("the sft command needs a worker group started for SFT (mode 'sft')")
         info: dict[str, Any] = {}
         policy: Any = self.policy
-        if self.recipe.unified is not None:  # one shard per stage, the stages' losses in one step
+        if self.recipe.shape == "unified":  # one shard per stage, the stages' losses in one step
             files = dict(zip(stages or [], [data] if isinstance(data, str) else data))
             policy = self._joint = getattr(self, "_joint", None) or JointSFT(
-                {side: (self._stage(side).policy, self._stage(side).weight) for side in files}, self.recipe)
+                {name: (self._stage(name).policy, self._stage(name).weight) for name in files}, self.recipe)
             if self._sft_info is None:
-                tables = {side: read_shard(self.storage, rel, "sft") for side, rel in files.items()}
+                tables = {name: read_shard(self.storage, rel, "sft") for name, rel in files.items()}
                 self._sft_info = info = policy.sft_setup(tables, {s: self.storage.url(r) for s, r in files.items()}, self.stack, seed)
         elif self._sft_info is None:
             rel = data if isinstance(data, str) else data[0]

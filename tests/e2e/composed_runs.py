@@ -55,14 +55,16 @@ def killed_and_resumed(recipe: Path, name: str, root: Path, env: dict[str, str],
     return run, out
 
 
-def composed_rollouts(run: Path, rows: int) -> dict[str, Any]:
+def composed_rollouts(run: Path, rows: int, parts: tuple[str, ...]) -> Any:
     """The last iteration's composed rollout shard, opened with plain pyarrow: `rows` rows, each
-    holding the text part (prompt -> plan or rewrite) and the latent part that drew it."""
+    holding every part's sample under its name (prompt -> plan or rewrite -> ... -> the image that
+    drew the last text), each part's prompt the text of the one before it."""
     import pyarrow.ipc as ipc
 
     composed = ipc.open_file(str(run / "iter-000002" / "rollouts" / "composed.arrow")).read_all()
     assert composed.num_rows == rows
     row = composed.slice(0, 1).to_pylist()[0]
-    assert row["parts"] == ["text", "latent"] and row["latent/prompt"] == row["text/text"].strip()
-    assert row["latent/group_id"] == row["text/sample_id"] and row["latent/media_png"][:4] == b"\x89PNG"
+    assert row["parts"] == list(parts) and row[f"{parts[-1]}/media_png"][:4] == b"\x89PNG"
+    for before, after in zip(parts, parts[1:]):
+        assert row[f"{after}/prompt"] == row[f"{before}/text"].strip() and row[f"{after}/group_id"] == row[f"{before}/sample_id"]
     return composed

@@ -35,7 +35,7 @@ def test_the_form_shows_the_recipes_own_model_with_descriptions() -> None:
     assert model["properties"]["tiny"]["properties"]["hidden_size"]["description"]
     assert "sampler" not in recipe["properties"]["rollout"]["properties"]  # a flow policy's field
     assert recipe["properties"]["rollout"]["properties"]["max_new_tokens"]["description"]
-    assert "pe" not in recipe["properties"] and "unified" not in recipe["properties"]  # another shape's sections
+    assert "compose" not in recipe["properties"]  # another shape's section
 
     _, sd3 = form_schema(SD3)
     model = sd3["properties"]["recipe"]["properties"]["model"]
@@ -92,8 +92,19 @@ def test_overrides_apply_as_the_cli_applies_them() -> None:
 
 
 def test_a_composed_recipe_shows_its_parts_not_the_unset_sections() -> None:
-    _, schema = form_schema(REPO / "recipes" / "pe" / "quickstart.yaml")
+    path = REPO / "recipes" / "pe" / "quickstart.yaml"
+    _, schema = form_schema(path)
     recipe = schema["properties"]["recipe"]["properties"]
     assert "model" not in recipe and "rollout" not in recipe  # its parts carry them
-    assert recipe["pe"]["anyOf"][0]["properties"]["ar"]["properties"]["model"]["properties"]["kind"]["const"] == "qwen3"
-    assert recipe["pe"]["anyOf"][0]["properties"]["diffusion"]["properties"]["model"]["properties"]["kind"]["const"] == "sd3"
+    compose = next(b for b in recipe["compose"]["anyOf"] if b.get("type") == "object")
+    assert compose["properties"]["kind"]["const"] == "pipeline"  # not the unified shape's fields
+    part = compose["properties"]["parts"]["items"]
+    kinds = sorted(v["properties"]["kind"]["const"] for v in part["properties"]["model"]["oneOf"])
+    assert kinds == ["qwen3", "sd3"]  # every part picks among the recipe's own families, not all of them
+    assert part["properties"]["model"]["oneOf"][1]["properties"]["tiny"]["properties"]["image_size"]["description"]
+    data = load_recipe(path).model_dump(mode="json", exclude_unset=True)
+    validate({"recipe": data}, schema, raise_on_error=True)  # the shipped recipe passes
+    data["compose"]["parts"][1]["model"]["tiny"]["image_sise"] = 16
+    # refused, naming the part's model (among several variants, jsonschema reports the first one's mismatch)
+    with pytest.raises(ValidationError, match=r"recipe\.compose\.parts\[1\]\.model"):
+        validate({"recipe": data}, schema, raise_on_error=True)

@@ -69,12 +69,13 @@ def test_a_heldout_size_the_phrasings_cannot_give_twice_is_named():
 def test_the_imperfect_teacher_writes_the_wrong_colour_and_nothing_else():
     recipe = build_recipe({
         "name": "r", "data": {"name": "pe_geneval"}, "reward": {"scorers": [{"name": "geneval"}]},
-        "pe": {"ar": {"model": {"kind": "qwen3", "tiny": {"charset": PE_CHARSET}}, "algorithm": {"name": "grpo"},
-                      "sft": {"examples": 2000, "noise": 0.3}},
-               "diffusion": {"model": {"kind": "sd3"}, "algorithm": {"name": "flow_grpo"}}}})
+        "compose": {"kind": "pipeline", "parts": [
+            {"name": "rewriter", "model": {"kind": "qwen3", "tiny": {"charset": PE_CHARSET}}, "algorithm": {"name": "grpo"},
+             "sft": {"examples": 2000, "noise": 0.3}},
+            {"name": "drawer", "model": {"kind": "sd3"}, "algorithm": {"name": "flow_grpo"}}]}})
     from unirl.stages.compose.pipeline import part_recipe
 
-    records = PEGenEvalSource.sft_records(part_recipe(recipe, "ar", "r"))
+    records = PEGenEvalSource.sft_records(part_recipe(recipe, "rewriter", "r"))
     prompts = {p.text: p.metadata["answer"] for p in PEPrompts(recipe.data).batch(0, 2000)}
     slipped = [r for r in records if r["response"] != prompts[r["prompt"]]]
     assert 0.25 < len(slipped) / len(records) < 0.35
@@ -96,12 +97,13 @@ def test_a_rewriter_whose_characters_miss_the_prompts_is_refused_naming_the_fiel
     from unirl.stages.recipe import RecipeError
 
     recipe = {"name": "r", "data": {"name": "pe_geneval"}, "reward": {"scorers": [{"name": "geneval"}]},
-              "pe": {"ar": {"model": {"kind": "qwen3"}, "algorithm": {"name": "grpo"}},
-                     "diffusion": {"model": {"kind": "sd3"}, "algorithm": {"name": "flow_grpo"}}}}
+              "compose": {"kind": "pipeline", "parts": [
+                  {"name": "rewriter", "model": {"kind": "qwen3"}, "algorithm": {"name": "grpo"}},
+                  {"name": "drawer", "model": {"kind": "sd3"}, "algorithm": {"name": "flow_grpo"}}]}}
     try:
         build_recipe(recipe)
     except RecipeError as exc:
-        assert any(e.startswith("pe.ar.model.tiny.charset: lacks 'abcdefghijklmnopqrstuvwxyz'") for e in exc.errors), exc.errors
+        assert any(e.startswith("compose.parts.0.model.tiny.charset: lacks 'abcdefghijklmnopqrstuvwxyz'") for e in exc.errors), exc.errors
     else:
         raise AssertionError("a rewriter without letters was accepted")
 
@@ -110,13 +112,14 @@ def test_a_drawer_warm_started_on_the_paraphrases_is_refused_naming_its_data():
     from unirl.stages.recipe import RecipeError
 
     recipe = {"name": "r", "data": {"name": "pe_geneval"}, "reward": {"scorers": [{"name": "geneval"}]},
-              "pe": {"ar": {"model": {"kind": "qwen3", "tiny": {"charset": PE_CHARSET}}, "algorithm": {"name": "grpo"}},
-                     "diffusion": {"model": {"kind": "sd3"}, "algorithm": {"name": "flow_grpo"}, "sft": {"steps": 10}}}}
+              "compose": {"kind": "pipeline", "parts": [
+                  {"name": "rewriter", "model": {"kind": "qwen3", "tiny": {"charset": PE_CHARSET}}, "algorithm": {"name": "grpo"}},
+                  {"name": "drawer", "model": {"kind": "sd3"}, "algorithm": {"name": "flow_grpo"}, "sft": {"steps": 10}}]}}
     try:
         build_recipe(recipe)
     except RecipeError as exc:
-        assert any(e.startswith("pe.diffusion.data.name: pe_geneval's synthetic records are") for e in exc.errors), exc.errors
+        assert any(e.startswith("compose.parts.1.data.name: pe_geneval's synthetic records are") for e in exc.errors), exc.errors
     else:
         raise AssertionError("a drawer warm start on text records was accepted")
-    recipe["pe"]["diffusion"]["data"] = {"name": "geneval", "kinds": ["single"]}
+    recipe["compose"]["parts"][1]["data"] = {"name": "geneval", "kinds": ["single"]}
     build_recipe(recipe)

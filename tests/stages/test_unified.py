@@ -19,37 +19,50 @@ TINY = {"image_size": 16, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "i
 UNIFIED = {
     "name": "u", "data": {"name": "geneval"}, "reward": {"scorers": [{"name": "brightness"}]},
     "model": {"kind": "transfusion", "tiny": TINY},
-    "unified": {"ar": {"rollout": {"prompts_per_iteration": 2, "group_size": 2, "max_new_tokens": 4},
-                       "algorithm": {"name": "grpo"}},
-                "diffusion": {"rollout": {"group_size": 2, "sampler": {"num_steps": 3}}, "algorithm": {"name": "flow_grpo"}}},
+    "compose": {"kind": "unified", "stages": [
+        {"name": "plan", "rollout": {"kind": "text", "prompts_per_iteration": 2, "group_size": 2, "max_new_tokens": 4},
+         "algorithm": {"name": "grpo"}},
+        {"name": "image", "rollout": {"kind": "flow", "group_size": 2, "sampler": {"num_steps": 3}}, "algorithm": {"name": "flow_grpo"}}]},
 }
+PLAN, IMAGE = UNIFIED["compose"]["stages"]
+
+
+def unified(*stages: dict) -> dict:
+    return {**UNIFIED, "compose": {"kind": "unified", "stages": list(stages)}}
 
 
 def test_a_unified_recipe_validates_and_each_stage_is_a_one_model_recipe():
     recipe = build_recipe(UNIFIED)
-    ar, drawer = stage_recipe(recipe, "ar"), stage_recipe(recipe, "diffusion")
+    ar, drawer = stage_recipe(recipe, "plan"), stage_recipe(recipe, "image")
     assert (ar.rollout.kind, ar.algorithm.name, drawer.rollout.kind, drawer.algorithm.name) == ("text", "grpo", "flow", "flow_grpo")
     assert ar.model == drawer.model == recipe.model  # one backbone
     assert drawer.rollout.prompts_per_iteration == 4  # one group per plan: 2 prompts x 2 plans
     assert [s["name"] for s in ar.reward.model_dump()["scorers"]] == ["constant"]  # the plan's reward is its images'
-    assert "rollout:" not in recipe.to_yaml().split("unified:")[0]
+    assert "rollout:" not in recipe.to_yaml().split("compose:")[0]
+    three = build_recipe(unified(PLAN, {**PLAN, "name": "refine", "rollout": {"kind": "text", "group_size": 1, "max_new_tokens": 4}},
+                                 IMAGE))
+    assert [stage_recipe(three, n).rollout.prompts_per_iteration for n in ("plan", "refine", "image")] == [2, 4, 4]
 
 
 def test_bad_unified_recipes_fail_naming_the_field():
-    one_stage = {**UNIFIED, "unified": {**UNIFIED["unified"], "diffusion": {**UNIFIED["unified"]["diffusion"], "algorithm": None}}}
-    assert errors(one_stage) == [
-        "unified.diffusion.algorithm: unified.ar.algorithm is given, but a unified model trains both stages in one step "
-        "(the diffusion stage draws the plan); give it one of cps, dancegrpo, flow_dppo, flow_grpo, mixgrpo, nft"]
+    assert errors(unified(PLAN, {**IMAGE, "algorithm": None})) == [
+        "compose.stages.1.algorithm: missing; a unified model trains every stage in one step, so give stage 'image' a "
+        "policy loss for its flow samples"]
+    no_kind = unified(PLAN, {**IMAGE, "rollout": {"group_size": 2}})
+    assert any("rollout.kind: missing; give stage 'image''s policy" in e for e in errors(no_kind))
     wrong_family = {**UNIFIED, "model": {"kind": "sd3", "tiny": {"image_size": 16}}}
-    assert errors(wrong_family) == ["model.kind: 'sd3' runs only as a flow policy; a unified model writes and draws with "
-                                    "one backbone (allowed: transfusion)"]
+    assert "model.kind: 'sd3' runs only as a flow policy; a unified model runs its stages on one backbone (allowed: " \
+           "transfusion)" in errors(wrong_family)
+    image_first = unified(IMAGE, {**PLAN, "name": "caption"})
+    assert any(e.startswith("compose.stages.0: part 'image' samples with the flow policy, whose samples are not text")
+               for e in errors(image_first))
     top_level = {**UNIFIED, "algorithm": {"name": "grpo", "clip_low": 0.1}}
-    assert any(e.startswith("algorithm: a unified recipe gives it per stage") for e in errors(top_level))
-    wrong_loss = {**UNIFIED, "unified": {**UNIFIED["unified"], "ar": {**UNIFIED["unified"]["ar"], "algorithm": {"name": "nft"}}}}
-    assert any(e.startswith("unified.ar.algorithm.name: 'nft' trains latent segments") for e in errors(wrong_loss))
-    asynchronous = {**UNIFIED, "unified": {**UNIFIED["unified"], "ar": {**UNIFIED["unified"]["ar"],
-                                                                        "rollout": {"mode": "async", "max_new_tokens": 4}}}}
-    assert any(e.startswith("unified.ar.rollout.mode: a unified model samples its stages in order") for e in errors(asynchronous))
+    assert any(e.startswith("algorithm: a unified recipe gives it per part (compose.stages.0.algorithm, "
+                            "compose.stages.1.algorithm)") for e in errors(top_level))
+    wrong_loss = unified({**PLAN, "algorithm": {"name": "nft"}}, IMAGE)
+    assert any(e.startswith("compose.stages.0.algorithm.name: 'nft' trains latent segments") for e in errors(wrong_loss))
+    asynchronous = unified({**PLAN, "rollout": {"kind": "text", "mode": "async", "max_new_tokens": 4}}, IMAGE)
+    assert any(e.startswith("compose.stages.0.rollout.mode: a unified model samples its stages in order") for e in errors(asynchronous))
     lora = {**UNIFIED, "model": {"kind": "transfusion", "tiny": TINY, "lora": {"rank": 4}}}
     assert any("model.lora: the transfusion family trains all its weights" in e for e in errors(lora))
 
@@ -65,8 +78,8 @@ def test_one_set_of_weights_writes_and_draws_and_loads_by_path(tmp_path):
     folder = family.materialize(recipe.model, tmp_path / "tiny")
     cfg = recipe.model.model_copy(update={"path": str(folder)})  # a real checkpoint's way in: model.path
     bundle = family.load(family.materialize(cfg, tmp_path / "unused"), cfg, torch.device("cpu"))
-    text = TextPolicy(family, bundle, stage_recipe(recipe, "ar"), torch.device("cpu"))
-    flow = FlowPolicy(family, bundle, stage_recipe(recipe, "diffusion"), torch.device("cpu"))
+    text = TextPolicy(family, bundle, stage_recipe(recipe, "plan"), torch.device("cpu"))
+    flow = FlowPolicy(family, bundle, stage_recipe(recipe, "image"), torch.device("cpu"))
     rows = text.rollout(bundle.module, [("s/0", "g", "a red circle", {}, None), ("s/1", "g", "a cube", {}, None)],
                         iteration=0, seed_tag="", greedy=False, stack=None, transitions=False)
     batch = token_batch([r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows], bundle.tokenizer.pad_token_id,
