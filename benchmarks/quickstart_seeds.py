@@ -63,11 +63,13 @@ def _children_cpu() -> float:
 
 def seed_overrides(recipe_path: str, seed: int) -> list[str]:
     """The overrides that make `seed` a different run: the run's seed and each model's tiny
-    initialisation and warm-start order (a pipeline's both parts)."""
+    initialisation and warm-start order (a pipeline's every part)."""
     import yaml
 
     raw = yaml.safe_load(Path(recipe_path).read_text()) or {}
-    prefixes = [f"pe.{side}." for side in ("ar", "diffusion")] if raw.get("pe") else [""]
+    compose = raw.get("compose") or {}
+    parts = compose.get("parts") if compose.get("kind") == "pipeline" else None
+    prefixes = [f"compose.parts.{i}." for i in range(len(parts))] if parts else [""]
     return [f"seed={seed}", *(f"{p}{key}={seed}" for p in prefixes for key in ("model.tiny.seed", "sft.seed"))]
 
 

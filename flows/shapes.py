@@ -28,7 +28,7 @@ from unirl.flows.ahead import hand_over, wait_turn
 from unirl.flows.console import say
 from unirl.flows.sft import run_sft
 from unirl.stages.compose import members, names, pipeline
-from unirl.stages.recipe import Recipe
+from unirl.stages.recipe import PipelineConfig, Recipe
 from unirl.stages.runtime.run import initial_weights, open_run
 from unirl.stages.runtime.storage import RunStorage, iter_dir
 from unirl.stages.runtime.tracking import Tracker
@@ -230,7 +230,7 @@ def warm_start_parts(recipe: Recipe, run_name: str, storage: RunStorage, tracker
             run_sft(part, stores[name])
         else:
             initial_weights(stores[name], part)
-    if recipe.compose.placement == "shared":
+    if isinstance(recipe.compose, PipelineConfig) and recipe.compose.placement == "shared":
         shared = SharedGroup(storage, {name: (part, stores[name], stores[name].weights_rel(0)) for name, part in parts.items()},
                              log=announce(get_run_logger()))
         share_group({stores[name].url(): member for name, member in shared.members.items()})

@@ -40,7 +40,7 @@ from unirl.stages.compose import (
     upstream_of,
     where,
 )
-from unirl.stages.recipe import Recipe
+from unirl.stages.recipe import PipelineConfig, Recipe
 from unirl.stages.runtime.sample import composed_table, namespaced, read_rollouts, read_shard, table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage, iter_dir, join
 
@@ -79,14 +79,15 @@ def pipeline_errors(recipe: Recipe) -> list[str]:
     """What `unirl validate` reports of a pipeline recipe, one `field.path: ...` line each."""
     from unirl.stages.models.family import families
 
-    parts = members(recipe)
+    parts, compose = members(recipe), recipe.compose
+    assert isinstance(compose, PipelineConfig)
     errors = duplicate_errors(recipe) + per_part_errors(recipe, UNSET, "a pipeline recipe")
     if errors:
         return errors
     errors += chain_errors(recipe, lambda name: member(recipe, name)[1].rollout.kind)
     for part in parts:
         errors += sequential_errors(recipe, part.name, part.rollout, "a pipeline samples each iteration's parts in order")
-    if recipe.compose.placement == "shared":
+    if compose.placement == "shared":
         first = parts[0]
         for part in parts[1:]:
             for field in ("nproc_per_node", "backend"):

@@ -24,7 +24,7 @@ UNIFIED = {
          "algorithm": {"name": "grpo"}},
         {"name": "image", "rollout": {"kind": "flow", "group_size": 2, "sampler": {"num_steps": 3}}, "algorithm": {"name": "flow_grpo"}}]},
 }
-PLAN, IMAGE = UNIFIED["compose"]["stages"]
+PLAN, IMAGE = UNIFIED["compose"]["stages"]  # type: ignore[index]
 
 
 def unified(*stages: dict) -> dict:
