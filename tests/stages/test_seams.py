@@ -220,6 +220,16 @@ def test_no_sde_kernel_name_is_compared_outside_its_own_file():
     assert {"flow", "dance", "cps", "ode"} <= set(kernels.names())
 
 
+def test_no_code_names_a_composed_part():
+    """Composition is data: a pipeline's or unified model's parts are named by its recipe, so the
+    names two fixed stages once had ("ar", "diffusion") are compared nowhere. flows/deploy.py is
+    left out: there they are recipe folders (recipes/ar/, recipes/diffusion/)."""
+    pattern = re.compile(r"""["'](ar|diffusion)["']""")
+    found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}" for path in SOURCES if path.name != "deploy.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, "part names in code:\n" + "\n".join(found)
+
+
 def test_a_policy_declares_its_segment_columns_wire_and_engine_backend():
     """What adding a policy kind used to take edits in four files for is declared on the policy:
     the rollout shard's segment columns, the dedicated engines' wire and the engine server's backend."""
