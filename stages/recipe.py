@@ -272,12 +272,23 @@ def check_part_name(name: str) -> str:
     return name
 
 
-class PipelinePart(Section):
+class NamedPart(Section):
+    """What every part (stage) of a composed recipe has first: its name."""
+
+    name: str = Field(description="The part's name: its folder (a pipeline's `parts/<name>`, a unified model's "
+                      "`rollouts/<name>`), its columns in composed rows, its metrics (`train/<name>/...`) and tasks "
+                      "(`generate-<name>`).")
+
+    @field_validator("name")
+    @classmethod
+    def _part_name(cls, name: str) -> str:
+        return check_part_name(name)
+
+
+class PipelinePart(NamedPart):
     """One part of a pipeline: its own model family, sampling, algorithm, optimizer and warm
     start, trained by its own worker group (stages/compose/pipeline.py)."""
 
-    name: str = Field(description="The part's name: its run folder (`parts/<name>`), its columns in composed rows, its "
-                      "metrics (`train/<name>/...`) and tasks (`generate-<name>`).")
     model: ModelConfig = Field(description="The part's model (its family decides its policy: text or flow).")
     rollout: RolloutConfig | None = Field(
         None, description="Its sampling (fields of the family's policy). The first part: group_size samples per user "
@@ -291,11 +302,6 @@ class PipelinePart(Section):
         "drawer learns canonical prompts here (data.name: geneval). The first part's is also where the run's prompts "
         "and held-out prompts come from.")
     freeze: bool = Field(False, description="Do not train this part (its weights stay v000000).")
-
-    @field_validator("name")
-    @classmethod
-    def _part_name(cls, name: str) -> str:
-        return check_part_name(name)
 
     @model_validator(mode="before")
     @classmethod
@@ -318,12 +324,10 @@ class PipelineConfig(Section):
         "parts' `train.nproc_per_node` and `train.backend` must agree and `train.nnodes` be 1).")
 
 
-class UnifiedStage(Section):
+class UnifiedStage(NamedPart):
     """One stage of a unified model (stages/compose/unified.py): how it samples, its policy loss, the records
     of its share of the joint warm start and the weight of its loss in the joint step."""
 
-    name: str = Field(description="The stage's name: its rollout folder (`rollouts/<name>`), its columns in composed "
-                      "rows, its metrics (`train/<name>/...`) and tasks (`generate-<name>`).")
     rollout: RolloutConfig | None = Field(
         None, description="Its sampling, with `kind` (the policy: one the model's family offers). The first stage: "
         "group_size samples per user prompt; each later stage: group_size samples per sample of the stage before it, "
@@ -337,11 +341,6 @@ class UnifiedStage(Section):
         None, description="The prompt source of its warm-start records (empty: the recipe's `data`); an image stage "
         "learns to draw canonical prompts here (data.name: geneval).")
     loss_weight: float = Field(1.0, gt=0, description="Weight of its loss in the joint optimizer step (RL and warm start).")
-
-    @field_validator("name")
-    @classmethod
-    def _part_name(cls, name: str) -> str:
-        return check_part_name(name)
 
     @model_validator(mode="before")
     @classmethod
