@@ -577,6 +577,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 # Old field names an override may still use: `train.nproc=2` sets train.nproc_per_node (so it wins
 # over a recipe file that gives nproc_per_node, as any override does).
 RENAMED: dict[tuple[str, ...], list[str]] = {("train", "nproc"): ["train", "nproc_per_node"]}
+# Sections that became others: what a recipe written for them now says instead.
+REPLACED: dict[str, str] = {
+    "pe": "replaced by `compose: {kind: pipeline, parts: [...]}`: the `ar` part first, then the `diffusion` part, each "
+          "with a `name`; `freeze_llm` / `freeze_diffusion` are each part's `freeze`, `placement` is compose's "
+          "(docs/pipelines.md)",
+    "unified": "replaced by `compose: {kind: unified, stages: [...]}`: the `ar` stage first, then the `diffusion` "
+               "stage, each with a `name` and its policy in `rollout.kind` (text, flow) (docs/unified.md)",
+}
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -658,6 +666,8 @@ def _unknown_field(path: list[str], section: Any, siblings: list[tuple[str, Any,
     import difflib
 
     name, owner = path[-1], ".".join(path[:-1])
+    if not owner and name in REPLACED:
+        return REPLACED[name]
     allowed = sorted(section.model_fields) if section is not None else []
     takers = [repr(tag) for _, tag, member in siblings if name in member.model_fields]
     msg = "unknown field"

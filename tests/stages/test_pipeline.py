@@ -68,6 +68,8 @@ def test_bad_pipeline_recipes_fail_naming_the_field():
     assert any(e.startswith("compose.parts.1.train.nnodes: compose.placement: shared puts every part in one worker group "
                             "on one machine") for e in errors(placed(nnodes=2)))
     build_recipe(pe(AR, {**DRAWER, "train": {"nproc_per_node": 2}}, placement="separate"))
+    former = {k: v for k, v in PE.items() if k != "compose"} | {"pe": {"ar": AR, "diffusion": DRAWER}}  # the old section
+    assert errors(former)[0].startswith("pe: replaced by `compose: {kind: pipeline, parts: [...]}`")
     text_reward = {**PE, "reward": {"scorers": [{"name": "exact_match"}]}}
     assert any("scorer 'exact_match' reads text, but compose.parts.1.model.kind 'sd3' produces image" in e
                for e in errors(text_reward))
