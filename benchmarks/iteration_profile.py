@@ -163,7 +163,7 @@ def instrument(timeline: Timeline) -> None:
         def __getattr__(self, name: str) -> Any:
             return getattr(subflow, name)
 
-    shapes.SHAPES["single"] = dataclasses.replace(shapes.SHAPES["single"], iteration=Subflow())
+    shapes.run_shapes._entries["single"] = dataclasses.replace(shapes.run_shapes.get("single"), iteration=Subflow())
     take = unirl.flows.ahead.Ahead.take
 
     def timed_take(self: Any, i: int) -> Any:

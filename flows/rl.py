@@ -1,8 +1,8 @@
 """The RL training run as Prefect flows: one `rl-train` flow run for the whole run, and one
 iteration flow run per iteration (named iter-000007) whose tasks are its stages.
 
-One run loop (`train_run`) drives every shape a recipe can have (flows/shapes.py: a single
-model, a prompt-enhancer pipeline, a unified model): the warm start, the resume after the last
+One run loop (`train_run`) drives every shape a recipe can have (flows/shapes/: a single
+model, a pipeline of models, a unified model): the warm start, the resume after the last
 finished iteration, held-out and test evaluation, the weights versions in the registry, MLflow,
 previews and Prefect artifacts, off the critical path where they can be. A run resumes after its
 last finished iteration; every stage returns its committed output instead of recomputing it.

@@ -20,7 +20,7 @@ from prefect import flow, get_run_logger
 from pydantic import Field
 
 from unirl.flows.console import say
-from unirl.stages.compose.unified import write_sft_data as unified_sft_data
+from unirl.stages.compose import shape_of
 from unirl.stages.recipe import MAX_OVERRIDES, Recipe, with_overrides
 from unirl.stages.runtime.faults import fault_point
 from unirl.stages.runtime.run import materialize_model, open_run, update_run_info
@@ -54,10 +54,12 @@ def run_sft(recipe: Recipe, storage: RunStorage, tracker: Tracker | None = None)
                                   {"version": 0, "source": recipe.model.path or "tiny"})
         manifest = storage.read_json("sft/manifest.json") if storage.exists("sft/manifest.json") else None
         if manifest is None:
-            manifest = unified_sft_data(storage, recipe) if recipe.shape == "unified" else write_sft_data(storage, recipe)
+            shape = shape_of(recipe)
+            manifest = (shape.sft_data(storage, recipe) if shape is not None else None) or write_sft_data(storage, recipe)
             storage.write_json("sft/manifest.json", manifest)
-        data: Any = manifest["files"] if recipe.shape == "unified" else manifest["files"][0]
-        stages = {"stages": manifest["stages"]} if recipe.shape == "unified" else {}
+        joint = "stages" in manifest  # a warm start of several stages on one backbone: a shard per stage
+        data: Any = manifest["files"] if joint else manifest["files"][0]
+        stages = {"stages": manifest["stages"]} if joint else {}
         group.start(None)
         warm: Any = getattr(recipe.model, "vae_warmup", None)
         warm_steps = warm.resolved_steps(bool(recipe.model.path)) if warm is not None else 0

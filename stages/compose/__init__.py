@@ -2,21 +2,60 @@
 pipeline.py) and a unified model (one backbone in stages, one joint loss, unified.py). Parts
 (stages) are named by the recipe and run in its order: the first samples from the user's
 prompts, each later one from the texts of the one before it. Each part of a composed recipe is
-also a one-model recipe (`part_of`), which its policy, algorithm, prompt source and tasks read;
-each composed shape registers the validator `unirl validate` runs on its recipes (`checks`)."""
+also a one-model recipe (`part_of`), which its policy, algorithm, prompt source and tasks read.
+
+A composed shape is one module of this package registering a `Shape` under its `compose.kind`:
+its recipe section (`config`, a member of the `compose` union), what `unirl validate` reports of
+its recipes (`errors`), and, for a shape whose stages share one worker group's backbone, the
+policies that group runs and their joint warm start. Its Prefect side (tasks, iteration flow)
+is one module of flows/shapes/, since stages/ never imports Prefect.
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from unirl.stages.runtime.registry import Registry
+
+
+class Shape:
+    """A composed shape of run (the `compose.kind` it is registered under)."""
+
+    # Its `compose` section: `kind: Literal[<name>]`, its members' list (named by `members_field`)
+    # and the top-level sections its members carry instead (`replaces`).
+    config: ClassVar[type]
+
+    @classmethod
+    def errors(cls, recipe: Any) -> list[str]:
+        """What `unirl validate` reports of its recipes, one `field.path: ...` line each."""
+        raise NotImplementedError
+
+    @classmethod
+    def group_stages(cls, recipe: Any) -> dict[str, tuple[Any, float]] | None:
+        """The policies one worker group runs on a shared backbone, by stage: (the stage's
+        one-model recipe, its loss weight), in order; None: each part has its own group."""
+        return None
+
+    @classmethod
+    def sft_data(cls, storage: Any, recipe: Any) -> dict[str, Any] | None:
+        """The joint warm start's records of a shape whose stages share a backbone (files and the
+        stage of each); None: the one-model warm start."""
+        return None
+
+
+shapes: Registry[type[Shape]] = Registry("composed run shape", "unirl.stages.compose", "compose.kind")
+
+
+def shape_of(recipe: Any) -> type[Shape] | None:
+    """The registered shape of a composed recipe (None: a single model)."""
+    return None if recipe.compose is None else shapes.get(recipe.compose.kind)
 
 
 def members(recipe: Any) -> list[Any]:
     """The parts (a pipeline's) or stages (a unified model's) of a composed recipe, in order."""
     compose = recipe.compose
     assert compose is not None, "a composed recipe has a compose section"
-    return list(compose.parts if compose.kind == "pipeline" else compose.stages)
+    return list(getattr(compose, compose.members_field))
 
 
 def names(recipe: Any) -> list[str]:
@@ -41,7 +80,7 @@ def upstream_of(recipe: Any, name: str) -> str | None:
 def where(recipe: Any, name: str) -> str:
     """The recipe path of part `name`: `compose.parts.0`, `compose.stages.1`."""
     i, _ = member(recipe, name)
-    return f"compose.{'parts' if recipe.compose.kind == 'pipeline' else 'stages'}.{i}"
+    return f"compose.{recipe.compose.members_field}.{i}"
 
 
 def text_policies() -> list[str]:
@@ -49,10 +88,6 @@ def text_policies() -> list[str]:
     from unirl.stages.policies import policies
 
     return [n for n, p in policies.items() if "text" in p.columns]
-
-
-# recipe shape -> its recipe's errors (one `field.path: ...` line each); run by Recipe's validator
-checks: Registry[Callable[[Any], list[str]]] = Registry("composed recipe shape", "unirl.stages.compose", "recipe")
 
 
 def part_of(recipe: Any, name: str, *, model: Any, rollout: dict[str, Any], upstream: Any, train: Any, sft: Any,
@@ -82,14 +117,14 @@ def part_of(recipe: Any, name: str, *, model: Any, rollout: dict[str, Any], upst
     return Recipe.model_validate(data_)
 
 
-def per_part_errors(recipe: Any, fields: tuple[str, ...], what: str) -> list[str]:
-    """A top-level section a composed recipe gives per part (a unified model's: per stage) instead, set anyway."""
+def per_part_errors(recipe: Any, what: str) -> list[str]:
+    """A top-level section a composed recipe gives per part instead (its section's `replaces`), set anyway."""
     from unirl.stages.recipe import Recipe
 
     defaults = Recipe()
     each = ", ".join(f"{where(recipe, n)}.<name>" for n in names(recipe))
     return [f"{field}: {what} gives it per part ({each.replace('<name>', field)}); remove the top-level one"
-            for field in fields if getattr(recipe, field) != getattr(defaults, field)]
+            for field in recipe.compose.replaces if getattr(recipe, field) != getattr(defaults, field)]
 
 
 def chain_errors(recipe: Any, policy_of: Callable[[str], str]) -> list[str]:
@@ -119,7 +154,7 @@ def sequential_errors(recipe: Any, name: str, rollout: Any, why: str) -> list[st
 
 def duplicate_errors(recipe: Any) -> list[str]:
     """Two parts (stages) with one name: their folders, columns and metrics would collide."""
-    section = f"compose.{'parts' if recipe.compose.kind == 'pipeline' else 'stages'}"
+    section = f"compose.{recipe.compose.members_field}"
     first: dict[str, int] = {}
     out = []
     for i, name in enumerate(names(recipe)):

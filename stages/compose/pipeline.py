@@ -21,14 +21,13 @@ folder holds what joins them:
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import numpy as np
+from pydantic import Field, model_validator
 
-from unirl.stages.algorithms.advantage import group_advantages
 from unirl.stages.compose import (
+    Shape,
     chain_errors,
-    checks,
     duplicate_errors,
     member,
     members,
@@ -37,14 +36,77 @@ from unirl.stages.compose import (
     parts_errors,
     per_part_errors,
     sequential_errors,
+    shapes,
     upstream_of,
     where,
 )
-from unirl.stages.recipe import PipelineConfig, Recipe
-from unirl.stages.runtime.sample import composed_table, namespaced, read_rollouts, read_shard, table_from_rows, write_shard
+from unirl.stages.compose.chain import advantage_metrics, advantage_rows
+from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.sample import table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage, iter_dir, join
+from unirl.stages.sections import (
+    AlgorithmConfig,
+    DataConfig,
+    ModelConfig,
+    NamedPart,
+    RolloutConfig,
+    SFTConfig,
+    TrainConfig,
+    _fill_rollout_kind,
+)
 
-UNSET = ("model", "rollout", "algorithm", "train", "sft")  # a pipeline's parts carry these
+if TYPE_CHECKING:
+    from unirl.stages.recipe import Recipe
+
+class PipelinePart(NamedPart):
+    """One part of a pipeline: its own model family, sampling, algorithm, optimizer and warm
+    start, trained by its own worker group (stages/compose/pipeline.py)."""
+
+    model: ModelConfig = Field(description="The part's model (its family decides its policy: text or flow).")
+    rollout: RolloutConfig | None = Field(
+        None, description="Its sampling (fields of the family's policy). The first part: group_size samples per user "
+        "prompt; each later part: group_size samples per sample of the part before it, one group each "
+        "(prompts_per_iteration follows from the parts before).")
+    algorithm: AlgorithmConfig = Field(description="Its policy loss (one that trains the family's segment kind).")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Its optimizer and worker group.")
+    sft: SFTConfig | None = Field(None, description="Its supervised warm start (empty: none).")
+    data: DataConfig | None = Field(
+        None, description="The prompt source of its warm start's synthetic records (empty: the recipe's `data`); a "
+        "drawer learns canonical prompts here (data.name: geneval). The first part's is also where the run's prompts "
+        "and held-out prompts come from.")
+    freeze: bool = Field(False, description="Do not train this part (its weights stay v000000).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rollout_kind(cls, data: Any) -> Any:
+        return _fill_rollout_kind(data)
+
+
+class PipelineConfig(Section):
+    """Models in sequence: the first samples from the user's prompts, each later one from the
+    texts of the part before it (a prompt enhancer: a language model rewrites each prompt, a
+    flow-matching model draws each rewrite); the reward on the last part's samples trains every
+    part that is not frozen (docs/pipelines.md)."""
+
+    members_field: ClassVar[str] = "parts"
+    replaces: ClassVar[tuple[str, ...]] = ("model", "rollout", "algorithm", "train", "sft")  # its parts carry these
+
+    kind: Literal["pipeline"] = "pipeline"
+    parts: list[PipelinePart] = Field(min_length=2, max_length=8, description="The parts, in sampling order; every part "
+                                      "but the last writes text (the next part's prompts).")
+    placement: Literal["separate", "shared"] = Field(
+        "separate", description="Where the parts train and sample: `separate`, each in its own worker group (each with its "
+        "part's `train` placement); `shared`, all in one worker group on one machine (its ranks hold every model; the "
+        "parts' `train.nproc_per_node` and `train.backend` must agree and `train.nnodes` be 1).")
+
+
+@shapes.register("pipeline")
+class Pipeline(Shape):
+    config = PipelineConfig
+
+    @classmethod
+    def errors(cls, recipe: Any) -> list[str]:
+        return pipeline_errors(recipe)
 
 
 def parts_root(recipe: Recipe, run_name: str) -> str:
@@ -74,14 +136,13 @@ def trains(recipe: Recipe, name: str) -> bool:
     return not member(recipe, name)[1].freeze
 
 
-@checks.register("pipeline")
 def pipeline_errors(recipe: Recipe) -> list[str]:
     """What `unirl validate` reports of a pipeline recipe, one `field.path: ...` line each."""
     from unirl.stages.models.family import families
 
     parts, compose = members(recipe), recipe.compose
     assert isinstance(compose, PipelineConfig)
-    errors = duplicate_errors(recipe) + per_part_errors(recipe, UNSET, "a pipeline recipe")
+    errors = duplicate_errors(recipe) + per_part_errors(recipe, "a pipeline recipe")
     if errors:
         return errors
     errors += chain_errors(recipe, lambda name: member(recipe, name)[1].rollout.kind)
@@ -109,92 +170,6 @@ def pipeline_errors(recipe: Recipe) -> list[str]:
     errors += recipe.scorer_errors(families.get(last.model.kind).produced_by(last.rollout.kind),
                                    f"{where(recipe, last.name)}.model.kind {last.model.kind!r}")
     return errors + parts_errors(recipe, lambda name: part_recipe(recipe, name, recipe.name))
-
-
-def next_requests(upstream: RunStorage, files: list[str], storage: RunStorage, iteration: int, group_size: int,
-                  rel: str) -> dict[str, Any]:
-    """The requests of the part after `upstream`: one group per upstream sample (its group id is
-    that sample's id, so a composed sample's lineage is in its ids), `group_size` samples each,
-    the upstream sample's text as the prompt and the user's prompt's metadata (what the last
-    sample is scored against) carried along."""
-    table = read_rollouts(upstream, files, columns=["sample_id", "text", "metadata"])
-    rows = [{"group_id": sid, "prompt": text.strip(), "metadata": meta, "group_size": group_size, "iteration": iteration}
-            for sid, text, meta in zip(table.column("sample_id").to_pylist(), table.column("text").to_pylist(),
-                                       table.column("metadata").to_pylist())]
-    write_shard(storage, rel, table_from_rows(rows, "requests"))
-    return {"files": [rel], "rows": len(rows)}
-
-
-def compose(storage: RunStorage, rel: str, chain: list[tuple[str, str, RunStorage, list[str]]]) -> dict[str, Any]:
-    """One composed row per sample of the last part, with the sample of every part before it that
-    led to it, each under its part's name. `chain`: (name, segment kind, storage, rollout files)
-    of each part, in order."""
-    from unirl.stages.runtime.sample import PART_COLUMNS, segment_columns
-
-    by_id = [{r["sample_id"]: r for r in read_rollouts(store, files).to_pylist()} for _, _, store, files in chain[:-1]]
-    name, _, last, last_files = chain[-1]
-    rows = []
-    for sample in read_rollouts(last, last_files).to_pylist():
-        lineage = [sample]
-        for k in range(len(chain) - 2, -1, -1):  # up the chain: each sample's group is the one before it
-            parent = by_id[k].get(lineage[0]["group_id"])
-            if parent is None:
-                raise ValueError(f"{chain[k + 1][2].url()}: sample {lineage[0]['sample_id']!r} names "
-                                 f"{lineage[0]['group_id']!r} of part {chain[k][0]!r}, which {chain[k][2].url()} does not "
-                                 "hold; rerun the iteration's generate tasks")
-            lineage.insert(0, parent)
-        root = lineage[0]
-        row = {"sample_id": sample["sample_id"], "group_id": root["group_id"], "iteration": sample["iteration"],
-               "policy_version": root["policy_version"], "parts": [n for n, _, _, _ in chain],
-               "metadata": root["metadata"], "prompt": root["prompt"]}
-        for (part, kind, _, _), drawn in zip(chain, lineage):
-            for column in (*PART_COLUMNS, *segment_columns()[kind]):
-                row[namespaced(part, column)] = drawn[column]
-        rows.append(row)
-    return {**write_shard(storage, rel, composed_table(rows, [(n, k) for n, k, _, _ in chain])), "files": [rel]}
-
-
-def advantage_rows(recipe: Recipe, storage: RunStorage, composed: list[str], rewards: list[str],
-                   parts: list[str]) -> dict[str, list[dict[str, Any]]]:
-    """Advantage rows of each of `parts` within its own groups (DESIGN.md section 5): a last-part
-    sample's among the samples of its group (one upstream sample's, or one user prompt's); an
-    earlier part's sample, whose reward is the mean of the rewards of the samples drawn from it,
-    among the samples of its group."""
-    order = names(recipe)
-    table = read_rollouts(storage, composed, columns=["sample_id", *(f"{n}/{c}" for n in order for c in ("sample_id", "group_id"))])
-    reward_of: dict[str, float] = {}
-    for rel in rewards:
-        shard = read_shard(storage, rel, "rewards")
-        reward_of.update(zip(shard.column("sample_id").to_pylist(), shard.column("reward").to_pylist()))
-    leaves = table.column("sample_id").to_pylist()
-    missing = [s for s in leaves if s not in reward_of]
-    if missing:
-        raise ValueError(f"{storage.url(rewards[0])}: no reward for sample {missing[0]!r}; rerun the score task")
-    ids = {n: table.column(namespaced(n, "sample_id")).to_pylist() for n in order}
-    group_of = {n: dict(zip(ids[n], table.column(namespaced(n, "group_id")).to_pylist())) for n in order}
-    values: dict[str, dict[str, float]] = {order[-1]: {s: reward_of[leaf] for s, leaf in zip(ids[order[-1]], leaves)}}
-    for k in range(len(order) - 2, -1, -1):  # a sample's reward: the mean of its children's
-        children: dict[str, list[float]] = {}
-        for child, value in values[order[k + 1]].items():
-            children.setdefault(group_of[order[k + 1]][child], []).append(value)
-        values[order[k]] = {s: float(np.mean(v)) for s, v in children.items()}
-    a = recipe.advantage
-    out = {}
-    for name in parts:
-        samples = list(values[name])
-        groups = [group_of[name][s] for s in samples]
-        adv = group_advantages([values[name][s] for s in samples], groups, scope=a.scope, normalize=a.normalize,
-                               use_global_std=a.use_global_std, eps=a.eps).numpy()
-        out[name] = [{"sample_id": s, "group_id": g, "advantage": float(x)} for s, g, x in zip(samples, groups, adv)]
-    return out
-
-
-def advantage_metrics(rows: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
-    out = {}
-    for name, part in rows.items():
-        adv = np.array([r["advantage"] for r in part])
-        out.update({f"advantage/{name}/abs_mean": float(np.abs(adv).mean()), f"advantage/{name}/std": float(adv.std())})
-    return out
 
 
 def part_advantages(recipe: Recipe, storage: RunStorage, iteration: int, composed: list[str], rewards: list[str],

@@ -24,14 +24,13 @@ algorithm's loss into each optimizer step, with the on-policy check of each.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import pyarrow as pa
-import torch
+from pydantic import Field, model_validator
 
 from unirl.stages.compose import (
+    Shape,
     chain_errors,
-    checks,
     duplicate_errors,
     member,
     members,
@@ -40,13 +39,74 @@ from unirl.stages.compose import (
     parts_errors,
     per_part_errors,
     sequential_errors,
+    shapes,
     upstream_of,
     where,
 )
-from unirl.stages.recipe import Recipe
+from unirl.stages.policies import policies
+from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.storage import RunStorage, join
+from unirl.stages.sections import AlgorithmConfig, DataConfig, NamedPart, RolloutConfig, SFTConfig
 
-STAGE_KEY = b"unirl.stage"  # a unified stage's rollout shard: the stage that sampled it
+if TYPE_CHECKING:
+    from unirl.stages.recipe import Recipe
+
+class UnifiedStage(NamedPart):
+    """One stage of a unified model (stages/compose/unified.py): how it samples, its policy loss, the records
+    of its share of the joint warm start and the weight of its loss in the joint step."""
+
+    rollout: RolloutConfig | None = Field(
+        None, description="Its sampling, with `kind` (the policy: one the model's family offers). The first stage: "
+        "group_size samples per user prompt; each later stage: group_size samples per sample of the stage before it, "
+        "one group each (prompts_per_iteration follows from the stages before).")
+    algorithm: AlgorithmConfig | None = Field(
+        None, description="Its policy loss (one that trains its policy's segment kind); every stage needs one.")
+    sft: SFTConfig | None = Field(
+        None, description="Its records in the joint warm start (source, path, examples, noise, batch_size per step); the "
+        "warm start's steps, lr and seed are the recipe's `sft`. Empty: the stage adds no loss to the warm start.")
+    data: DataConfig | None = Field(
+        None, description="The prompt source of its warm-start records (empty: the recipe's `data`); an image stage "
+        "learns to draw canonical prompts here (data.name: geneval).")
+    loss_weight: float = Field(1.0, gt=0, description="Weight of its loss in the joint optimizer step (RL and warm start).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rollout_kind(cls, data: Any) -> Any:
+        rollout = data.get("rollout") if isinstance(data, dict) else None
+        if isinstance(rollout, dict) and "kind" not in rollout:
+            raise ValueError(f"rollout.kind: missing; give stage {data.get('name')!r}'s policy (one the model's family "
+                             f"offers: {', '.join(policies.names())})")
+        return data
+
+
+class UnifiedConfig(Section):
+    """A unified model: one backbone (a family offering several policies) runs its stages in
+    sequence (it writes a plan, then draws it); every stage's loss goes into one optimizer step
+    on the shared weights (docs/unified.md)."""
+
+    members_field: ClassVar[str] = "stages"
+    replaces: ClassVar[tuple[str, ...]] = ("rollout", "algorithm")  # its stages carry these
+
+    kind: Literal["unified"] = "unified"
+    stages: list[UnifiedStage] = Field(min_length=2, max_length=8, description="The stages, in sampling order; every "
+                                       "stage but the last writes text (the next stage's prompts).")
+
+
+@shapes.register("unified")
+class Unified(Shape):
+    config = UnifiedConfig
+
+    @classmethod
+    def errors(cls, recipe: Any) -> list[str]:
+        return unified_errors(recipe)
+
+    @classmethod
+    def group_stages(cls, recipe: Any) -> dict[str, tuple[Any, float]]:
+        return {stage.name: (stage_recipe(recipe, stage.name), stage.loss_weight) for stage in members(recipe)}
+
+    @classmethod
+    def sft_data(cls, storage: Any, recipe: Any) -> dict[str, Any]:
+        return write_sft_data(storage, recipe)
 
 
 def sft_records(name: str) -> str:
@@ -70,14 +130,13 @@ def stage_recipe(recipe: Recipe, name: str) -> Recipe:
                    algorithm=stage.algorithm, data=stage.data or recipe.data, scored=name == names(recipe)[-1])
 
 
-@checks.register("unified")
 def unified_errors(recipe: Recipe) -> list[str]:
     """What `unirl validate` reports of a unified recipe, one `field.path: ...` line each."""
     from unirl.stages.engines import engines
     from unirl.stages.models.family import families
 
     stages = members(recipe)
-    errors = duplicate_errors(recipe) + per_part_errors(recipe, ("rollout", "algorithm"), "a unified recipe")
+    errors = duplicate_errors(recipe) + per_part_errors(recipe, "a unified recipe")
     family = families.get(recipe.model.kind)
     missing = [s for s in stages if s.rollout is None]
     for stage in missing:
@@ -128,58 +187,3 @@ def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
         files.append(rel)
         stages.append(name)
     return {"files": files, "stages": stages}
-
-
-class JointSFT:
-    """The joint warm start as one policy to `sft_steps`: each step's loss is the sum of each
-    stage's supervised loss (cross-entropy on plans, flow matching on images) times its weight,
-    one backward and one optimizer step on the shared weights."""
-
-    weight_name = "samples"
-
-    def __init__(self, stages: dict[str, Any], recipe: Recipe):
-        self.stages = stages  # name -> (policy, weight)
-        self.recipe = recipe
-        self.batch_sizes: dict[str, int] = {}
-
-    def sft_setup(self, tables: dict[str, pa.Table], where: dict[str, str], stack: Any, seed: int) -> dict[str, Any]:
-        info: dict[str, Any] = {}
-        # A stage whose policy must prepare the backbone first (`Policy.sft_first`) goes first.
-        for name in sorted(tables, key=lambda n: not self.stages[n][0].sft_first):
-            policy, _ = self.stages[name]
-            info.update(policy.sft_setup(tables[name], where[name], stack, seed))
-            part = stage_recipe(self.recipe, name)
-            assert part.sft is not None
-            self.batch_sizes[name] = part.sft.batch_size
-        return info
-
-    def sft_loss(self, module: Any, step: int, *, seed: int, batch_size: int, stack: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum over the stages of weight * loss (each at its own batch size); the value summed over
-        ranks likewise."""
-        total: Any = 0.0
-        value: Any = 0.0
-        for name, size in self.batch_sizes.items():
-            policy, weight = self.stages[name]
-            loss, v = policy.sft_loss(module, step, seed=seed, batch_size=size, stack=stack)
-            total = total + weight * loss
-            value = value + weight * torch.as_tensor(v, dtype=torch.float64).detach()
-        return total, value
-
-
-def with_stage(table: pa.Table, stage: str) -> pa.Table:
-    """A rollout shard marked as stage `stage`'s (`split_by_stage` reads it)."""
-    return table.replace_schema_metadata({**(table.schema.metadata or {}), STAGE_KEY: stage.encode()})
-
-
-def split_by_stage(tables: list[pa.Table], where: str) -> dict[str, pa.Table]:
-    """Rollout shards by the stage that sampled them (`with_stage`); a shard that names none is an
-    error naming it."""
-    out: dict[str, list[pa.Table]] = {}
-    for table in tables:
-        stage = (table.schema.metadata or {}).get(STAGE_KEY)
-        if stage is None:
-            raise ValueError(f"{where}: a unified train step reads each stage's rollout shards, and a shard names no "
-                             f"stage (schema metadata {STAGE_KEY.decode()}); rerun the iteration's generate tasks")
-        if table.num_rows:
-            out.setdefault(stage.decode(), []).append(table)
-    return {name: pa.concat_tables(parts, promote_options="default") for name, parts in out.items()}

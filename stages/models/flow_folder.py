@@ -57,8 +57,8 @@ def component_class(index: dict[str, Any], name: str) -> Any:
 def load_component(root: Path, index: dict[str, Any], name: str, dtype: torch.dtype | None = None) -> Any:
     """Component `name` of the folder, loaded with the class its index names; models in `dtype`."""
     if not listed(index, name):
-        raise ValueError(f"{Path(root) / 'model_index.json'} lists no {name!r}, which a "
-                         f"{index.get('_class_name', 'pipeline')} folder needs here")
+        raise ValueError(f"{Path(root) / 'model_index.json'} lists no {name!r}, which "
+                         f"{'a ' + index['_class_name'] if '_class_name' in index else 'this diffusers'} folder needs here")
     cls = component_class(index, name)
     kwargs: dict[str, Any] = {}
     if dtype is not None and hasattr(cls, "dtype"):

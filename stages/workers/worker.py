@@ -16,8 +16,8 @@ import pyarrow.compute as pc
 import torch
 
 from unirl.stages.algorithms.base import get_algorithm
-from unirl.stages.compose import members
-from unirl.stages.compose.unified import JointSFT, split_by_stage, stage_recipe, with_stage
+from unirl.stages.compose import shape_of
+from unirl.stages.compose.shared import JointSFT, split_by_stage, with_stage
 from unirl.stages.models.family import get_family
 from unirl.stages.policies import policies
 from unirl.stages.recipe import Recipe
@@ -71,17 +71,16 @@ class Worker:
         self.family = get_family(recipe.model.kind)
         sharded = self.world > 1 and recipe.train.sharded_load
         bundle = load_bundle(self.family, self.base_dir, recipe.model, device, sharded=sharded)
-        # Each policy the group runs, by stage: one ("", the recipe's) or a unified model's stages on
-        # the same bundle, by name (stages/compose/unified.py).
+        # Each policy the group runs, by stage: one ("", the recipe's) or the stages of a composed
+        # shape that share one backbone, by name (a unified model's; stages/compose/).
+        shape = shape_of(recipe)
+        self.grouped = shape.group_stages(recipe) if shape is not None else None
         self.stages: dict[str, Stage] = {}
-        unified = recipe.shape == "unified"
-        weights = {m.name: m.loss_weight for m in members(recipe)} if unified else {"": 1.0}
-        parts = {name: stage_recipe(recipe, name) for name in weights} if unified else {"": recipe}
-        for name, part in parts.items():
+        for name, (part, weight) in (self.grouped or {"": (recipe, 1.0)}).items():
             policy_cls = policies.get(part.rollout.kind)
             self.stages[name] = Stage(policy_cls(self.family, bundle, part, device), get_algorithm(part.algorithm.name)(part.algorithm, part),
-                                      self._tolerance(part, policy_cls), weights[name])
-        self._main = main = list(self.stages.values())[-1]  # a unified model's last stage
+                                      self._tolerance(part, policy_cls), weight)
+        self._main = main = list(self.stages.values())[-1]  # of several stages, the last
         self.policy, self.algorithm = main.policy, main.algorithm
         if self.mode == "sft":
             opt, decay = type(self.policy).sft_spec(recipe)
@@ -178,7 +177,7 @@ class Worker:
         start = time.perf_counter()
         adv_table = read_shard(self.storage, advantages, "advantages")
         where = self.storage.url(rollouts[0]) + (" ..." if len(rollouts) > 1 else "")
-        if self.recipe.shape != "unified":
+        if self.grouped is None:
             tables = {"": read_rollouts(self.storage, rollouts)}
         else:
             tables = split_by_stage([read_shard(self.storage, f, "rollouts") for f in rollouts], where)
@@ -210,10 +209,10 @@ class Worker:
             raise ValueError("the sft command needs a worker group started for SFT (mode 'sft')")
         info: dict[str, Any] = {}
         policy: Any = self.policy
-        if self.recipe.shape == "unified":  # one shard per stage, the stages' losses in one step
+        if self.grouped is not None:  # one shard per stage, the stages' losses in one step
             files = dict(zip(stages or [], [data] if isinstance(data, str) else data))
             policy = self._joint = getattr(self, "_joint", None) or JointSFT(
-                {name: (self._stage(name).policy, self._stage(name).weight) for name in files}, self.recipe)
+                {name: (self._stage(name).policy, self._stage(name).weight, self.grouped[name][0].sft.batch_size) for name in files})
             if self._sft_info is None:
                 tables = {name: read_shard(self.storage, rel, "sft") for name, rel in files.items()}
                 self._sft_info = info = policy.sft_setup(tables, {s: self.storage.url(r) for s, r in files.items()}, self.stack, seed)

@@ -10,6 +10,7 @@ import pyarrow.ipc as ipc
 import pytest
 
 from tests.conftest import recipe_errors as errors
+from unirl.stages.compose import chain as C
 from unirl.stages.compose import pipeline
 from unirl.stages.recipe import build_recipe
 from unirl.stages.runtime.sample import ShardSchemaError, part_view, read_rollouts, read_shard, scoring_view, table_from_rows, write_shard
@@ -118,7 +119,7 @@ def composed(tmp_path):
     chain = [("rewriter", "text", runs["rewriter"], write_part(runs["rewriter"], rewrites(), "text")),
              ("drawer", "latent", runs["drawer"], write_part(runs["drawer"], images(), "latent"))]
     storage = RunStorage(str(tmp_path), "run")
-    out = pipeline.compose(storage, "iter-000000/rollouts/composed.arrow", chain)
+    out = C.compose(storage, "iter-000000/rollouts/composed.arrow", chain)
     return storage, out["files"], runs
 
 
@@ -192,7 +193,7 @@ def test_three_parts_compose_along_their_lineage_and_each_is_advantaged_among_it
              ("polisher", "text", runs["polisher"], write_part(runs["polisher"], polished(), "text")),
              ("drawer", "latent", runs["drawer"], write_part(runs["drawer"], drawn, "latent"))]
     storage = RunStorage(str(tmp_path), "run")
-    files = pipeline.compose(storage, "iter-000000/rollouts/composed.arrow", chain)["files"]
+    files = C.compose(storage, "iter-000000/rollouts/composed.arrow", chain)["files"]
     rows = read_rollouts(storage, files).to_pylist()
     assert [r["parts"] for r in rows] == [list(names)] * 4
     last = rows[3]
@@ -203,7 +204,7 @@ def test_three_parts_compose_along_their_lineage_and_each_is_advantaged_among_it
     polisher = {**AR, "name": "polisher", "rollout": {"group_size": 2, "max_new_tokens": 4}}
     recipe = build_recipe(pe(AR, polisher, {**DRAWER, "freeze": False, "rollout": {"group_size": 1, "sampler": {"num_steps": 3}}}))
     rewards = rewards_of(storage, {r["sample_id"]: v for r, v in zip(rows, [1.0, 0.0, 1.0, 1.0])})
-    adv = pipeline.advantage_rows(recipe, storage, files, rewards, list(names))
+    adv = C.advantage_rows(recipe, storage, files, rewards, list(names))
     # Polished samples' rewards are their one image's: 1, 0 under rewrite 0 (-> +1, -1), 1, 1 under
     # rewrite 1 (-> 0, 0). Rewrites: the mean of their polished samples', 0.5 and 1 -> -1, +1.
     # Each image is alone in its group (one per polished sample): advantage 0.

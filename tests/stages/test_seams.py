@@ -220,6 +220,27 @@ def test_no_sde_kernel_name_is_compared_outside_its_own_file():
     assert {"flow", "dance", "cps", "ode"} <= set(kernels.names())
 
 
+def test_a_composed_shape_is_named_only_in_its_own_files():
+    """A composed shape is its two modules, `stages/compose/<kind>.py` (its section, validator and
+    composition) and `flows/shapes/<kind>.py` (its tasks and iteration flow), registered under its
+    `compose.kind`; no other code compares the kind or mentions it as a string."""
+    from unirl.flows.shapes import run_shapes
+    from unirl.stages.compose import shapes
+
+    kinds = shapes.names()
+    assert set(kinds) <= set(run_shapes.names()) and {"pipeline", "unified"} <= set(kinds)  # every kind has its flow
+    pattern = re.compile(r"""["'](""" + "|".join(kinds) + r""")["']""")
+    own = {REPO / d / f"{kind}.py" for kind in kinds for d in ("stages/compose", "flows/shapes")}
+    # recipe.py: the message to recipes with the former `unified:` section; deploy.py: recipe folders
+    others = own | {REPO / "stages" / "recipe.py", REPO / "flows" / "deploy.py"}
+    found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}" for path in SOURCES if path not in others
+             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, "composed shape kinds named outside their files:\n" + "\n".join(found)
+    recipe_lines = (REPO / "stages" / "recipe.py").read_text().splitlines()
+    assert [line for line in recipe_lines if pattern.search(line)] == [
+        line for line in recipe_lines if pattern.search(line) and "replaced by" in line]
+
+
 def test_no_code_names_a_composed_part():
     """Composition is data: a pipeline's or unified model's parts are named by its recipe, so the
     names two fixed stages once had ("ar", "diffusion") are compared nowhere. flows/deploy.py is

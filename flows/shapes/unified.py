@@ -1,22 +1,40 @@
-"""A unified model's own tasks (stages/compose/unified.py): each stage's generate on the one worker
-group (the first stage from the user's prompts, each later one from the texts of the stage before
-it), compose, every stage's advantages in one file, and held-out evaluation. Score, train and sync
-are the one-model tasks on the unified recipe: its train step is the joint one."""
+"""The unified shape's Prefect side (stages/compose/unified.py): each stage's generate on the one
+worker group (the first stage from the user's prompts, each later one from the texts of the stage
+before it), compose, every stage's advantages in one file and the held-out evaluation, as tasks;
+the `unified-iteration` flow; its one model and joint warm start. Score, train and sync are the
+one-model tasks on the unified recipe: its train step is the joint one."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from prefect import task
+from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import State
 
-from unirl.stages.compose import names, pipeline, upstream_of
+from unirl.flows.ahead import hand_over, wait_turn
+from unirl.flows.console import say
+from unirl.flows.shapes import RunShape, one_model, run_shapes, stopped, warm_start_one
+from unirl.flows.shapes.composed import (
+    chain,
+    composed_eval_preview,
+    composed_preview,
+    composed_rollouts,
+    evaluate_composed,
+    nothing_early,
+)
+from unirl.stages.compose import names, upstream_of
+from unirl.stages.compose.chain import advantage_metrics, advantage_rows, next_requests
+from unirl.stages.compose.chain import compose as compose_rows
 from unirl.stages.compose.unified import stage_recipe
 from unirl.stages.recipe import Recipe
 from unirl.stages.runtime import iteration as it
 from unirl.stages.runtime.sample import table_from_rows, write_shard
-from unirl.stages.runtime.storage import iter_dir, join
-from unirl.tasks.common import group_of, say_retry, storage_of
-from unirl.tasks.pe import chain, evaluate_composed
+from unirl.stages.runtime.storage import RunStorage, iter_dir, join
+from unirl.stages.runtime.tracking import Tracker
+from unirl.tasks.common import group_of, say_retry, staged, storage_of
+from unirl.tasks.sync import sync
+from unirl.tasks.train import train
 
 
 @task(name="generate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1,
@@ -33,7 +51,7 @@ def generate_stage(recipe: Recipe, run_name: str, iteration: int, name: str, ups
         requests = it.committed(storage, iteration, "requests", lambda: it.write_requests(storage, part, iteration))
     else:
         rel = join(iter_dir(iteration), f"requests-{name}.arrow")
-        requests = it.committed(storage, iteration, f"requests-{name}", lambda: pipeline.next_requests(
+        requests = it.committed(storage, iteration, f"requests-{name}", lambda: next_requests(
             storage, list(upstream or []), storage, iteration, part.rollout.group_size, rel))
 
     def make() -> dict[str, Any]:
@@ -51,7 +69,7 @@ def compose(recipe: Recipe, run_name: str, iteration: int, files: dict[str, list
     storage = storage_of(recipe, run_name)
     rel = join(iter_dir(iteration), "rollouts", "composed.arrow")
     stores = dict.fromkeys(names(recipe), storage)
-    return it.committed(storage, iteration, "compose", lambda: pipeline.compose(storage, rel, chain(recipe, stores, files)))
+    return it.committed(storage, iteration, "compose", lambda: compose_rows(storage, rel, chain(recipe, stores, files)))
 
 
 @task(name="advantage", cache_policy=NO_CACHE)
@@ -61,10 +79,10 @@ def advantages(recipe: Recipe, run_name: str, iteration: int, composed: list[str
     storage = storage_of(recipe, run_name)
 
     def make() -> dict[str, Any]:
-        rows = pipeline.advantage_rows(recipe, storage, composed, rewards, names(recipe))
+        rows = advantage_rows(recipe, storage, composed, rewards, names(recipe))
         rel = join(iter_dir(iteration), "advantages.arrow")
         write_shard(storage, rel, table_from_rows([r for name in names(recipe) for r in rows[name]], "advantages"))
-        return {"files": [rel], "rows": sum(len(v) for v in rows.values()), "metrics": pipeline.advantage_metrics(rows)}
+        return {"files": [rel], "rows": sum(len(v) for v in rows.values()), "metrics": advantage_metrics(rows)}
 
     return it.committed(storage, iteration, "advantage", make)
 
@@ -93,3 +111,32 @@ def evaluate_unified(recipe: Recipe, run_name: str, version: int, split: str = "
                                draw, split)
     storage.write_json(rel, result)
     return result
+
+
+@flow(name="unified-iteration", flow_run_name="iter-{iteration:06d}")
+def unified_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any] | State[Any]:
+    if not wait_turn(run_name, iteration):
+        return stopped(run_name, iteration)
+    start = time.perf_counter()
+    gens, adv, metrics = composed_rollouts(recipe, run_name, iteration, generate_stage, compose, advantages)
+    rollouts = [f for gen in gens.values() for f in gen["files"]]
+    trained = staged(train)(recipe, run_name, iteration, rollouts, adv["files"][0])
+    synced = staged(sync)(recipe, run_name, iteration)
+    metrics.update({f"train/{k}": float(v) for k, v in trained["metrics"].items()})
+    metrics["time/train_s"] = float(trained.get("seconds", 0.0))
+    metrics["time/sync_s"] = float(synced.get("seconds", 0.0))
+    metrics["time/iteration_s"] = time.perf_counter() - start
+    return hand_over(run_name, iteration, {"iteration": iteration, "policy_version": synced["policy_version"],
+                                           "metrics": metrics, "checkpoint": synced.get("checkpoint"),
+                                           "weights": synced.get("weights")})
+
+
+def warm_start_joint(recipe: Recipe, run_name: str, storage: RunStorage, tracker: Tracker) -> None:
+    """The joint warm start of every stage (or the initial weights)."""
+    if recipe.sft is not None:
+        say(f"[unirl] warm start of {', '.join(names(recipe))} ({recipe.model.kind}, {recipe.sft.steps} joint steps)")
+    warm_start_one(recipe, run_name, storage, tracker)
+
+
+run_shapes.register("unified")(RunShape("unified", unified_iteration, evaluate_unified, one_model, nothing_early,
+                                        warm_start_joint, composed_preview("plans"), composed_eval_preview))

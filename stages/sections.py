@@ -1,0 +1,274 @@
+"""The recipe's sections that every shape of run shares, and the discriminated unions built from
+the registries (`model` by family, `data` by prompt source, `rollout` by policy, `algorithm`):
+what `Recipe` (stages/recipe.py) and the composed shapes' sections (stages/compose/) are made of.
+"""
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
+
+from pydantic import Field, field_validator, model_validator
+
+from unirl.stages.algorithms.base import algorithms
+from unirl.stages.models.family import families
+from unirl.stages.policies import policies
+from unirl.stages.runtime.config_base import EMAConfig, Section
+from unirl.stages.runtime.multinode import AgentsConfig, RendezvousConfig
+from unirl.stages.sources import sources
+
+
+def _union(registry: Any, attr: str, tag: str) -> Any:
+    """The discriminated union of every registered entry's recipe section."""
+    members = tuple(getattr(cls, attr) for _, cls in registry.items())
+    return Annotated[Union[members], Field(discriminator=tag)] if len(members) > 1 else members[0]  # noqa: UP007 - a runtime tuple
+
+
+if TYPE_CHECKING:  # unions of the registered entries' sections, built at import
+    ModelConfig = Any
+    DataConfig = Any
+    RolloutConfig = Any
+    AlgorithmConfig = Any
+else:
+    ModelConfig = _union(families, "config", "kind")
+    DataConfig = _union(sources, "config", "name")
+    RolloutConfig = _union(policies, "rollout_config", "kind")
+    AlgorithmConfig = _union(algorithms, "config", "name")
+
+
+class ScorerSpec(Section):
+    name: str = Field(description="Registered scorer name (see `unirl validate` errors for the list).")
+    key: str | None = Field(
+        None, description="Name of its reward component (`reward/<key>`); empty: the scorer name. Two scorers of the "
+        "same name need different keys.",
+    )
+    weight: float = Field(1.0, description="Weight in the weighted sum.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Scorer-specific options (checked against its schema).")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        """Checked with the structural errors, not after they are fixed (what the scorer reads is
+        checked against the model later, in the recipe's own check)."""
+        from unirl.stages.rewards.base import scorer_names
+
+        if name not in scorer_names():
+            import difflib
+
+            close = difflib.get_close_matches(name, scorer_names(), n=1, cutoff=0.75)
+            raise ValueError(f"unknown scorer {name!r}{f'; did you mean {close[0]!r}?' if close else ''} "
+                             f"(allowed: {', '.join(scorer_names())})")
+        return name
+
+    @property
+    def component(self) -> str:
+        return self.key or self.name
+
+
+class OverlongConfig(Section):
+    """What responses that hit `rollout.max_new_tokens` (finish_reason `length`) get (stages/rewards/overlong.py)."""
+
+    truncated: Literal["keep", "zero", "soft"] = Field(
+        "keep",
+        description="keep: reward unchanged; zero: reward 0; soft: DAPO's soft overlong punishment added "
+        "(0 up to max_new_tokens - buffer tokens, then linear down to -penalty at max_new_tokens).",
+    )
+    buffer: int = Field(4, ge=1, description="DAPO's L_cache: tokens of the soft penalty ramp (at most rollout.max_new_tokens).")
+    penalty: float = Field(1.0, ge=0, description="Scale of the soft penalty: a full-length response gets -penalty added.")
+
+
+class RewardConfig(Section):
+    """Scorers and how they combine into one reward."""
+
+    scorers: list[ScorerSpec] = Field(
+        default_factory=lambda: [ScorerSpec(name="exact_match")], min_length=1, description="Scorers to run."
+    )
+    aggregation: Literal["weighted_sum", "mean", "min", "max"] = Field("weighted_sum", description="How scorer totals combine.")
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig, description="What truncated (overlong) responses get.")
+
+
+class AdvantageConfig(Section):
+    """Group-relative advantages (DESIGN.md section 5, `group_advantages`)."""
+
+    scope: Literal["group", "global"] = Field("group", description="Baseline over the prompt group or the batch.")
+    normalize: bool = Field(True, description="Divide by the standard deviation.")
+    use_global_std: bool = Field(False, description="Divide by the batch std instead of the group std.")
+    eps: float = Field(1e-6, gt=0, description="Added to the std.")
+
+
+class SFTConfig(Section):
+    """Supervised warm start before RL: its weights become the run's initial weights v000000."""
+
+    source: Literal["synthetic", "file"] = Field("synthetic", description="`synthetic`: the recipe's data source with its answers; `file`: `path`.")
+    path: str | None = Field(None, description="JSONL or Arrow file of prompt/response records (source: file).")
+    examples: int = Field(2000, ge=1, description="Synthetic examples to draw.")
+    noise: float = Field(
+        0.0, ge=0, le=1,
+        description="Fraction of synthetic demonstrations carrying an imperfect teacher's slip: arithmetic answers end in "
+        "a stray '=' (toy_vqa answers in '.'), toy video clips move the opposite way, toy-GenEval images show one object "
+        "group in another colour than the prompt says.",
+    )
+    steps: int = Field(200, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(32, ge=1, description="Examples per step (all ranks together).")
+    lr: float = Field(3e-3, gt=0, description="AdamW learning rate.")
+    seed: int = Field(0, ge=0, description="Seed of the example order.")
+
+
+class EvalConfig(Section):
+    """Held-out evaluation: greedy accuracy and avg@k / pass@k of sampled answers."""
+
+    every: int = Field(0, ge=0, description="Evaluate every N iterations (0: only before and after training).")
+    scorer: str | None = Field(
+        None, description="Registered scorer whose score 1 means a correct answer; empty: the first of reward.scorers "
+        "(with its params).",
+    )
+    scorer_params: dict[str, Any] = Field(
+        default_factory=dict, description="Params of eval.scorer, checked against its schema as reward.scorers[].params are "
+        "(e.g. {mode: strict} for geneval, {url: ...} for remote).",
+    )
+    k: int = Field(4, ge=1, description="Samples per prompt for avg@k and pass@k.")
+    enabled: bool = Field(True, description="Evaluate before the first and after the last iteration.")
+    test: bool = Field(
+        True, description="With `enabled`, also evaluate the data's test split before and after RL, reported once after "
+        "RL (`test/*`); the dev split is what runs report meanwhile (`eval/*`) and what recipes are tuned on.")
+
+
+class TrainConfig(Section):
+    """The optimizer and the worker group."""
+
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward on each rank.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm; a non-finite norm skips the step.")
+    updates_per_batch: int = Field(1, ge=1, description="Optimizer steps per batch (disjoint mini-batches).")
+    nnodes: int = Field(
+        1, ge=1, description="Nodes of the worker group: one torchrun agent each, all joining one c10d rendezvous "
+        "(train.rendezvous, train.agents; docs/deploy.md).")
+    nproc_per_node: int = Field(1, ge=1, description="Ranks of each node (formerly `train.nproc`, still accepted).")
+    min_nnodes: int | None = Field(
+        None, ge=1, description="Elastic groups: start with as few as this many nodes when not all train.nnodes "
+        "come (after train.rendezvous.last_call_s); a checkpoint resumes at any node count. Empty: exactly nnodes.")
+    rendezvous: RendezvousConfig = Field(default_factory=RendezvousConfig, description="The c10d rendezvous of the nodes.")
+    agents: AgentsConfig = Field(default_factory=AgentsConfig, description="How the nodes' torchrun agents start.")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend (auto: nccl on GPU, else gloo).")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="constant; linear warm-up then linear decay; cosine with warm-up."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps of the schedule.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final lr as a fraction of lr (linear/cosine).")
+    ema: EMAConfig | None = Field(None, description="Keep an EMA of the trainable weights.")
+    startup_timeout_s: float = Field(300.0, gt=0, description="How long the worker group may take to load the model.")
+    sharded_load: bool = Field(
+        True, description="With 2+ ranks, build the model on the meta device and read only each rank's FSDP2 shards from "
+        "the safetensors files (a host holds about one copy of the weights); false: every rank loads the whole model.")
+    mixed_precision: Literal["off", "bf16"] = Field(
+        "off", description="FSDP2 mixed precision: bf16 parameters in forward and backward, fp32 gradient reduction; "
+        "weights and optimizer stay in model.dtype (use with float32). Any world size; needs the worker group.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_nproc(cls, data: Any) -> Any:
+        """`nproc` is the name recipes used before multi-node groups: it means nproc_per_node."""
+        if isinstance(data, dict) and "nproc" in data:
+            data = dict(data)
+            nproc = data.pop("nproc")
+            if "nproc_per_node" in data and data["nproc_per_node"] != nproc:
+                raise ValueError(f"train.nproc: {nproc!r} is the old name of train.nproc_per_node, which is also given "
+                                 f"({data['nproc_per_node']!r}); keep only nproc_per_node")
+            data["nproc_per_node"] = nproc
+        return data
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError("AdamW betas must each lie in [0, 1)")
+        return betas
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the whole group at its full size."""
+        return self.nnodes * self.nproc_per_node
+
+
+class StorageConfig(Section):
+    """Where runs live: any fsspec URL."""
+
+    root: str = Field("runs", min_length=1, description="Local path, file://, s3://bucket/prefix or memory:// (single process only).")
+    options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options (e.g. s3 client_kwargs).")
+    shared: bool = Field(
+        False, description="A local `root` is a shared filesystem mounted at the same path on every node (NFS, "
+        "Lustre...): needed for a local root when train.nnodes > 1.")
+
+    @field_validator("root")
+    @classmethod
+    def _known_protocol(cls, root: str) -> str:
+        """A URL's protocol must be one fsspec has an installed filesystem for (s3 needs s3fs)."""
+        import fsspec
+        from fsspec.core import split_protocol
+
+        protocol, _ = split_protocol(root)
+        if protocol is not None:
+            try:
+                fsspec.get_filesystem_class(protocol)
+            except (ValueError, ImportError) as exc:
+                raise ValueError(f"no filesystem for {protocol + '://'!r} ({' '.join(str(exc).split())[:160]}); "
+                                 "use a local path, file://, s3:// or memory://") from None
+        return root
+
+
+class TrackingConfig(Section):
+    """MLflow."""
+
+    mlflow_uri: str | None = Field(
+        None, description="Tracking URI; empty: $MLFLOW_TRACKING_URI, else sqlite in the run folder (local storage) or ./mlruns.db."
+    )
+    experiment: str = Field("unirl", min_length=1, description="MLflow experiment name.")
+    preview_every: int = Field(
+        1, ge=0, description="Log what people should see of an iteration's rollouts every N iterations (0: never): a "
+        "samples table (prompt, response or picture, reward, advantage, version), and an image grid for flow models.",
+    )
+    registry: bool = Field(
+        True, description="Register every published weights version in the MLflow Model Registry under the recipe's name.")
+
+
+def _fill_rollout_kind(data: Any) -> Any:
+    """`rollout.kind` is the model family's policy: the rollout section's fields are that
+    policy's (an image model's recipe cannot carry text-sampling fields, nor the reverse)."""
+    if not isinstance(data, dict):
+        return data
+    model = data.get("model") or {}
+    kind = model.get("kind", "qwen3") if isinstance(model, dict) else getattr(model, "kind", None)
+    if not isinstance(kind, str) or kind not in families:
+        return data  # the model union reports the unknown kind
+    rollout = data.get("rollout")
+    if rollout is None:
+        rollout = {}
+    if isinstance(rollout, dict) and "kind" not in rollout:
+        data = {**data, "rollout": {**rollout, "kind": families.get(kind).policy}}
+    return data
+
+
+PART_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+def check_part_name(name: str) -> str:
+    """A part's name is a folder under the run's `parts/`, a column namespace and a metric key:
+    lower-case letters, digits and '_', starting with a letter."""
+    if not PART_NAME.fullmatch(name or ""):
+        raise ValueError(f"{name!r} is not a part name; use lower-case letters, digits and '_' (at most 32, starting "
+                         "with a letter)")
+    return name
+
+
+class NamedPart(Section):
+    """What every part (stage) of a composed recipe has first: its name."""
+
+    name: str = Field(description="The part's name: its folder (a pipeline's `parts/<name>`, a unified model's "
+                      "`rollouts/<name>`), its columns in composed rows, its metrics (`train/<name>/...`) and tasks "
+                      "(`generate-<name>`).")
+
+    @field_validator("name")
+    @classmethod
+    def _part_name(cls, name: str) -> str:
+        return check_part_name(name)
