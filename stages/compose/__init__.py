@@ -12,13 +12,14 @@ is one module of flows/shapes/, since stages/ never imports Prefect.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 from unirl.stages.runtime.registry import Registry
 
 
-class Shape:
+class Shape(ABC):
     """A composed shape of run (the `compose.kind` it is registered under)."""
 
     # Its `compose` section: `kind: Literal[<name>]`, its members' list (named by `members_field`)
@@ -26,9 +27,9 @@ class Shape:
     config: ClassVar[type]
 
     @classmethod
+    @abstractmethod
     def errors(cls, recipe: Any) -> list[str]:
         """What `unirl validate` reports of its recipes, one `field.path: ...` line each."""
-        raise NotImplementedError
 
     @classmethod
     def group_stages(cls, recipe: Any) -> dict[str, tuple[Any, float]] | None:
@@ -77,6 +78,17 @@ def upstream_of(recipe: Any, name: str) -> str | None:
     return None if i == 0 else members(recipe)[i - 1].name
 
 
+def prompts_per_iteration(recipe: Any, name: str) -> int:
+    """How many prompts part `name` samples from per iteration: the first part's, times the group
+    size of every part before it (one group per sample of the part before)."""
+    i, _ = member(recipe, name)
+    parts = members(recipe)
+    n = parts[0].rollout.prompts_per_iteration
+    for part in parts[:i]:
+        n *= part.rollout.group_size
+    return int(n)
+
+
 def where(recipe: Any, name: str) -> str:
     """The recipe path of part `name`: `compose.parts.0`, `compose.stages.1`."""
     i, _ = member(recipe, name)
@@ -90,18 +102,20 @@ def text_policies() -> list[str]:
     return [n for n, p in policies.items() if "text" in p.columns]
 
 
-def part_of(recipe: Any, name: str, *, model: Any, rollout: dict[str, Any], upstream: Any, train: Any, sft: Any,
-            algorithm: Any, data: Any, scored: bool, storage_root: str | None = None) -> Any:
+def part_of(recipe: Any, name: str, *, model: Any, rollout: dict[str, Any], train: Any, sft: Any,
+            algorithm: Any, data: Any, storage_root: str | None = None) -> Any:
     """The one-model recipe of part `name` of a composed recipe: the recipe's seed, advantages,
     storage, tracking (no previews, no registry: the composed run does those) and counts, with
     the part's model, sampling, optimizer, warm start, algorithm and data. A part that samples
-    from an `upstream` part's outputs (the upstream's one-model recipe) takes one prompt per
-    upstream sample; a part that is not `scored` scores nothing itself (`constant`: its reward is
+    from the part before it takes one prompt per sample of that part (`prompts_per_iteration`); a
+    part before the last scores nothing itself (`constant`: its reward is
     what it leads to)."""
     from unirl.stages.recipe import Recipe
 
-    if upstream is not None:
-        rollout = {**rollout, "prompts_per_iteration": upstream.rollout.prompts_per_iteration * upstream.rollout.group_size}
+    i, _ = member(recipe, name)
+    if i > 0:
+        rollout = {**rollout, "prompts_per_iteration": prompts_per_iteration(recipe, name)}
+    scored = i == len(members(recipe)) - 1
     storage = recipe.storage.model_dump(mode="json")
     data_: dict[str, Any] = {
         "name": f"{recipe.name}-{name}", "seed": recipe.seed, "model": model.model_dump(mode="json"), "rollout": rollout,

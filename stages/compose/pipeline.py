@@ -37,7 +37,6 @@ from unirl.stages.compose import (
     per_part_errors,
     sequential_errors,
     shapes,
-    upstream_of,
     where,
 )
 from unirl.stages.compose.chain import advantage_metrics, advantage_rows
@@ -121,11 +120,9 @@ def part_recipe(recipe: Recipe, name: str, run_name: str) -> Recipe:
     part's run. A later part samples one group per sample of the part before it; only the last
     part is scored (the others' reward is what they lead to, `part_advantages`)."""
     _, part = member(recipe, name)
-    up = upstream_of(recipe, name)
-    return part_of(recipe, name, model=part.model, rollout=part.rollout.model_dump(mode="json"),
-                   upstream=part_recipe(recipe, up, run_name) if up is not None else None, train=part.train,
+    return part_of(recipe, name, model=part.model, rollout=part.rollout.model_dump(mode="json"), train=part.train,
                    sft=part.sft.model_dump(mode="json") if part.sft is not None else None, algorithm=part.algorithm,
-                   data=part.data or recipe.data, scored=name == names(recipe)[-1], storage_root=parts_root(recipe, run_name))
+                   data=part.data or recipe.data, storage_root=parts_root(recipe, run_name))
 
 
 def part_storage(recipe: Recipe, run_name: str, name: str) -> RunStorage:

@@ -40,7 +40,6 @@ from unirl.stages.compose import (
     per_part_errors,
     sequential_errors,
     shapes,
-    upstream_of,
     where,
 )
 from unirl.stages.policies import policies
@@ -123,11 +122,9 @@ def stage_recipe(recipe: Recipe, name: str) -> Recipe:
     sft = None
     if stage.sft is not None and recipe.sft is not None:
         sft = {**stage.sft.model_dump(mode="json"), "steps": recipe.sft.steps, "lr": recipe.sft.lr, "seed": recipe.sft.seed}
-    up = upstream_of(recipe, name)
     rollout = stage.rollout.model_dump(mode="json") if stage.rollout is not None else {}
     return part_of(recipe, name, model=recipe.model, rollout=rollout,
-                   upstream=stage_recipe(recipe, up) if up is not None else None, train=recipe.train, sft=sft,
-                   algorithm=stage.algorithm, data=stage.data or recipe.data, scored=name == names(recipe)[-1])
+                   train=recipe.train, sft=sft, algorithm=stage.algorithm, data=stage.data or recipe.data)
 
 
 def unified_errors(recipe: Recipe) -> list[str]:
