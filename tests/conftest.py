@@ -51,6 +51,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return rank.get(relative, len(rank))
 
     items.sort(key=weight)  # stable: a file's tests keep their order
+    if any(Path(str(item.path)).name == "test_vllm.py" for item in items):
+        from tests import vllm_env
+
+        vllm_env.start_in_background()  # vLLM's own venv installs while the first files run
 
 
 def whole_suite(config: pytest.Config) -> bool:

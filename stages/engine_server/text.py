@@ -34,6 +34,7 @@ class TextRequest:
     seed: int
     lora: str | None
     rid: str
+    prompt_logprobs: bool = False  # logprob_start_len 0: the answer carries input_token_logprobs
     future: Future = field(default_factory=Future)
 
     @property
@@ -90,13 +91,20 @@ class TextBackend:
         params = params if isinstance(params, list) else [params] * len(ids)
         loras = body.get("lora_path")
         loras = loras if isinstance(loras, list) else [loras] * len(ids)
+        start = body.get("logprob_start_len", -1)
+        if start not in (-1, 0) or type(start) is not int:
+            raise EngineRequestError(f"logprob_start_len: {shown(start)}: the engine server answers input log-probs from "
+                                     "position 0 (0) or none (-1)")
         rids = body.get("rid")
         if not isinstance(rids, list):
             base = text_field(rids, "rid") if rids else uuid.uuid4().hex
             rids = [f"{base}-{i}" for i in range(len(ids))]
         if not len(ids) == len(params) == len(loras) == len(rids):
             raise EngineRequestError(f"{len(ids)} prompts, {len(params)} sampling_params, {len(loras)} lora_path, {len(rids)} rid")
-        return [self._request(prompt, p, lora, rid) for prompt, p, lora, rid in zip(ids, params, loras, rids)]
+        requests = [self._request(prompt, p, lora, rid) for prompt, p, lora, rid in zip(ids, params, loras, rids)]
+        for r in requests:
+            r.prompt_logprobs = start == 0
+        return requests
 
     def _request(self, prompt: Any, p: Any, lora: Any, rid: Any) -> TextRequest:
         """One prompt checked: everything that could fail its batch is refused here."""
@@ -183,21 +191,37 @@ class TextBackend:
                              max_new_tokens=first.max_new_tokens, temperature=1.0 if greedy else first.temperature,
                              top_p=first.top_p, eos_id=first.eos_id, pad_id=policy.tokenizer.pad_token_id,
                              device=core.device, greedy=greedy)
+                inputs = {id(r): self._prompt_logprobs(r.input_ids) for r in batch if r.prompt_logprobs}
             version = core.version
             self.batches += 1
         for r, resp, lps, reason in zip(batch, out.response_ids, out.logprobs, out.finish_reasons):
             finish = {"type": "stop", "matched": r.eos_id} if reason == "stop" else {"type": "length", "length": len(resp)}
-            r.future.set_result(self._response(r, resp, lps, finish, version))
+            r.future.set_result(self._response(r, resp, lps, finish, version, inputs.get(id(r))))
 
-    def _response(self, r: TextRequest, resp: list[int], lps: list[float], finish: dict[str, Any], version: str) -> dict[str, Any]:
+    def _prompt_logprobs(self, ids: list[int]) -> list[float]:
+        """log p(ids[i] | ids[:i]) at temperature 1 for i >= 1, with the weights (and adapter) in use."""
+        import torch
+
+        from unirl.stages.policies.text import token_logp
+
+        t = torch.tensor([ids], device=self.core.device)
+        with torch.no_grad():
+            return token_logp(self.core.module, {"ids": t, "attn": torch.ones_like(t)}, 1.0)[0].tolist()
+
+    def _response(self, r: TextRequest, resp: list[int], lps: list[float], finish: dict[str, Any], version: str,
+                  inputs: list[float] | None = None) -> dict[str, Any]:
         """SGLang's /generate answer for one prompt (keys of its tokenizer manager's out_dict)."""
         tokenizer = self.core.policy.tokenizer if self.core.policy is not None else None
         body = resp[:-1] if finish.get("type") == "stop" else resp
+        meta: dict[str, Any] = {}
+        if inputs is not None:  # SGLang's form: (log-prob, token id, text), None for the first token
+            meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in zip([None, *inputs], r.input_ids)]
         return {
             "text": tokenizer.decode(body, skip_special_tokens=True) if tokenizer is not None else "",
             "output_ids": list(resp),
             "meta_info": {
                 "id": r.rid, "finish_reason": finish, "prompt_tokens": len(r.input_ids), "completion_tokens": len(resp),
                 "weight_version": version, "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(lps, resp)],
+                **meta,
             },
         }

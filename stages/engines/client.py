@@ -18,7 +18,8 @@ from typing import Any
 # Response fields this client reads, per route ("a.b": key b of the object under key a).
 RESPONSE_READS: dict[str, tuple[str, ...]] = {
     "/generate": ("output_ids", "meta_info.id", "meta_info.finish_reason", "meta_info.weight_version",
-                  "meta_info.output_token_logprobs", "meta_info.prompt_tokens", "meta_info.completion_tokens"),
+                  "meta_info.output_token_logprobs", "meta_info.input_token_logprobs", "meta_info.prompt_tokens",
+                  "meta_info.completion_tokens"),
     "/model_info": ("model_path", "weight_version"),
     "/update_weights_from_disk": ("success", "message"),
     "/update_weights_from_distributed": ("success", "message"),
@@ -65,13 +66,15 @@ class EngineUnreachable(EngineError):
 class EngineClient:
     """Blocking HTTP calls to one engine at `url` (http://host:port)."""
 
-    def __init__(self, url: str, token: str | None = None, *, timeout_s: float = 600.0, name: str = "rollout engine"):
+    def __init__(self, url: str, token: str | None = None, *, timeout_s: float = 600.0, name: str = "rollout engine",
+                 connections: int = 100):
         import httpx
 
         self.url = url.rstrip("/")
         self.name = name
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                  limits=httpx.Limits(max_connections=connections))
         self.sent: list[tuple[str, str, Any]] | None = None  # (method, route, body) when recording (contract tests)
         self.chunk_prompts, self.chunk_bytes = GENERATE_CHUNK_PROMPTS, GENERATE_CHUNK_BYTES  # one /generate at most
 
@@ -162,6 +165,22 @@ class EngineClient:
         with ThreadPoolExecutor(max_workers=min(8, len(chunks))) as pool:
             parts = list(pool.map(lambda chunk: one(*chunk), [(k, s, e) for k, (s, e) in enumerate(chunks)]))
         return [out for part in parts for out in part]
+
+    def prompt_logprobs(self, tokens: list[int], lora: str | None = None) -> list[float]:
+        """log p(tokens[i] | tokens[:i]) for i >= 1 at temperature 1 (the canary check): one
+        /generate of a token with `logprob_start_len` 0, whose input_token_logprobs these are."""
+        body: dict[str, Any] = {"input_ids": [list(tokens)], "sampling_params": [{"max_new_tokens": 1, "temperature": 1.0}],
+                                "return_logprob": True, "logprob_start_len": 0}
+        if lora is not None:
+            body["lora_path"] = [lora]
+        out = self._call("POST", "/generate", body)
+        info = (out[0] if isinstance(out, list) else out).get("meta_info") or {}
+        pairs = info.get("input_token_logprobs") or []
+        if len(pairs) != len(tokens):
+            raise EngineError(f"{self.name} at {self.url}: {len(pairs)} input_token_logprobs for {len(tokens)} prompt tokens")
+        if [int(p[1]) for p in pairs] != list(tokens):
+            raise EngineError(f"{self.name} at {self.url}: input_token_logprobs name other tokens than the prompt's")
+        return [float(p[0]) for p in pairs[1:]]
 
     # -- weights ----------------------------------------------------------------------------------
     def update_weights_from_disk(self, model_path: str, weight_version: str | None) -> dict[str, Any]:

@@ -44,6 +44,9 @@ class WeightSync(Section):
         "full weights, rollout.mode sync).")
     engine_ranks: int = Field(1, ge=1, description="transport distributed: the engine's ranks in the update group "
                               "(SGLang: tp_size x dp_size).")
+    canary_tolerance: float | None = Field(
+        None, ge=0, description="Largest |engine - trainer| log-prob of the canary after a load (stages/engines/canary.py; "
+        "empty: the engine's default at the model's dtype; .inf: no check).")
 
 
 class DedicatedConfig(Section):
@@ -66,6 +69,8 @@ class DedicatedEngine(RolloutEngine):
     # reports the checksum of the tensors it loaded.
     exact_replay = False
     reports_checksum = False
+    # The canary check's default tolerance by model dtype (same kernels as the trainer: tight).
+    canary_tolerances: dict[str, float] = {"float32": 1e-4, "bfloat16": 2e-2}
 
     @classmethod
     def check(cls, recipe: Any) -> None:
@@ -200,14 +205,25 @@ class DedicatedEngine(RolloutEngine):
         manifest = self.storage.read_json(f"{weights_rel}/{MANIFEST}")
         reports = self.wire.reports_version
         client.update_weights_from_disk(str(self.local(weights_rel)), str(version) if reports else None)
-        self._check_loaded(client, version, f"loading {weights_rel} as version {version}", manifest.get("weights_sha256"),
-                           reports_version=reports)
-        return {"weights": weights_rel, "load_s": time.perf_counter() - start}
+        diff = self._check_loaded(client, version, f"loading {weights_rel} as version {version}",
+                                  manifest.get("weights_sha256"), reports_version=reports, manifest=manifest)
+        return {"weights": weights_rel, "load_s": time.perf_counter() - start, **canary_out(diff)}
 
-    def _check_loaded(self, client: Any, version: int, what: str, sha256: str | None, *, reports_version: bool = True) -> None:
+    @property
+    def canary_tolerance(self) -> float:
+        """This run's canary tolerance: the recipe's, else the engine's default at the model's dtype."""
+        set_ = self.cfg.sync.canary_tolerance
+        return set_ if set_ is not None else self.canary_tolerances.get(self.recipe.model.dtype, 2e-2)
+
+    def _check_loaded(self, client: Any, version: int, what: str, sha256: str | None, *, reports_version: bool = True,
+                      manifest: dict[str, Any] | None = None, lora: str | None = None) -> float | None:
         """After `what` (a load, a broadcast): the engine serves `version` (where its wire reports
-        versions) and, where it reports checksums, tensors whose checksum is `sha256`; else
-        EngineVersionError naming the engine and what it holds. Then `version` is the engine's."""
+        versions), where it reports checksums tensors whose checksum is `sha256`, and its canary
+        log-probs are the trainer's (the `manifest`'s) within tolerance; else EngineVersionError or
+        CanaryError naming the engine and the version. Then `version` is the engine's; the
+        canary's largest difference is returned (None: not checked)."""
+        from unirl.stages.engines.canary import verify
+
         served = client.weight_version() if reports_version else str(version)
         if served != str(version):
             raise EngineVersionError(f"rollout engine at {client.url} reports weight version {served!r} after {what}")
@@ -216,7 +232,11 @@ class DedicatedEngine(RolloutEngine):
             if got != sha256:
                 raise EngineVersionError(f"rollout engine at {client.url} holds weights with checksum {got} after {what}, "
                                          f"whose tensors' checksum is {sha256}")
+        diff = None
+        if manifest is not None and self.segment == "text":
+            diff = verify(client, manifest.get("canary"), self.canary_tolerance, version=version, what=what, lora=lora)
         self._version = version
+        return diff
 
     def load_adapter(self, adapter_rel: str, version: int) -> dict[str, Any]:
         """Hot-load published LoRA adapters under the name vNNNNNN and unload the previous ones."""
@@ -238,8 +258,9 @@ class DedicatedEngine(RolloutEngine):
             self.lora_name = name
         if self.wire.reports_version:
             client.update_weight_version(str(version))
-        self._version = version
-        return {"adapter": adapter_rel, "load_s": time.perf_counter() - start}
+        diff = self._check_loaded(client, version, f"loading adapter {adapter_rel} as {name}", None,
+                                  reports_version=self.wire.reports_version, manifest=manifest, lora=name)
+        return {"adapter": adapter_rel, "load_s": time.perf_counter() - start, **canary_out(diff)}
 
     def publish_for(self, trainer: Any, version: int) -> str:
         """What the engine loads for `version` (weights/vN, or adapters/vN with LoRA sync),
@@ -309,8 +330,12 @@ class DedicatedEngine(RolloutEngine):
                                    group_name=name, weight_version=str(version))
             sent = trainer.call("broadcast_weights", group_name=name)
             received.result()
-        self._check_loaded(client, version, f"the broadcast of version {version}", sent.get("weights_sha256"))
-        return {"pushed": len(s["names"]), "push_s": time.perf_counter() - start}
+        from unirl.stages.train.manifests import MANIFEST
+
+        manifest = self.storage.read_json(f"{self.storage.weights_rel(version)}/{MANIFEST}")
+        diff = self._check_loaded(client, version, f"the broadcast of version {version}", sent.get("weights_sha256"),
+                                  manifest=manifest)
+        return {"pushed": len(s["names"]), "push_s": time.perf_counter() - start, **canary_out(diff)}
 
     def release(self) -> None:
         if self.cfg.layout == "colocated" and self._client is not None:
@@ -325,6 +350,11 @@ class DedicatedEngine(RolloutEngine):
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def canary_out(diff: float | None) -> dict[str, float]:
+    """The canary's largest difference for a sync's output (nothing when it was not checked)."""
+    return {} if diff is None else {"canary_max_abs_diff": diff}
 
 
 def adapter_name(version: int) -> str:

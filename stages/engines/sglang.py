@@ -37,6 +37,8 @@ class SGLang(DedicatedEngine):
     name = "sglang"
     config = SGLangConfig
     behaviour_tolerance = math.inf
+    # other kernels than the trainer's: log-probs agree to ~1e-6 in fp32 (vLLM, CPU), less in bf16
+    canary_tolerances = {"float32": 1e-3, "bfloat16": 5e-2}
 
     @classmethod
     def check(cls, recipe: Any) -> None:

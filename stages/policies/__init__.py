@@ -111,6 +111,11 @@ class Policy(ABC):
         """Largest behaviour-vs-replay log-prob difference of trainside sampling at `dtype`."""
         raise NotImplementedError
 
+    def canary(self, module: Any) -> dict[str, Any] | None:
+        """What a dedicated engine's load of these weights is verified against (stages/engines/canary.py):
+        {"tokens", "logprobs"} of the module; None where the policy has none (every rank calls it)."""
+        return None
+
     @classmethod
     def log_preview(cls, recipe: Any, tracker: Any, storage: Any, iteration: int) -> str | None:
         """Log what people should see of an iteration's rollouts (nothing by default)."""
@@ -181,3 +186,16 @@ def policy_for(recipe: Any) -> type[Policy]:
     """The policy a recipe's model runs as: its `rollout.kind` (the family's policy, or one of
     those a unified family offers)."""
     return policies.get(recipe.rollout.kind)
+
+
+def behaviour_tolerance(recipe: Any) -> float:
+    """Largest |replayed - recorded| behaviour log-prob the first update of a batch accepts for rows
+    the trained weights sampled: `rollout.behaviour_tolerance`, else the engine's, else the
+    policy's default at the compute dtype (bf16 mixed precision: bfloat16)."""
+    from unirl.stages.engines import engines
+
+    tolerance = recipe.rollout.behaviour_tolerance
+    if tolerance is None:
+        tolerance = engines.get(recipe.rollout.engine.name).behaviour_tolerance
+    compute = "bfloat16" if recipe.train.mixed_precision == "bf16" else recipe.model.dtype
+    return policy_for(recipe).default_tolerance(compute) if tolerance is None else tolerance

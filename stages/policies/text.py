@@ -190,6 +190,17 @@ class TextPolicy(Policy):
         self.images = family.image_prompts(bundle, self.use_chat, device) if family.takes_images else None
         self.banned = None if self.images is None else torch.tensor(self.images.banned, dtype=torch.long)
 
+    def canary(self, module: Any) -> dict[str, Any] | None:
+        """The run's canary tokens and the module's log-probs of them at temperature 1 (fp32)."""
+        from unirl.stages.engines.canary import canary_tokens
+
+        vocab = min(len(self.tokenizer), module.get_input_embeddings().num_embeddings)
+        tokens = canary_tokens(vocab, set(self.tokenizer.all_special_ids), context_length(self.recipe.model))
+        t = torch.tensor([tokens], device=self.device)
+        with torch.no_grad():
+            logprobs = token_logp(module, {"ids": t, "attn": torch.ones_like(t)}, 1.0)[0].float().cpu().tolist()
+        return {"tokens": tokens, "logprobs": logprobs}
+
     # -- conditions -----------------------------------------------------------------------------
     def encode(self, prompts: list[str]) -> list[list[int]]:
         """Token ids of each prompt, through the chat template when the recipe/tokenizer uses one."""

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from unirl.stages.train.stack import TrainStack
 
 
-def publish_adapter(stack: TrainStack, storage: RunStorage, scratch: Path, version: int) -> dict[str, Any]:
+def publish_adapter(stack: TrainStack, storage: RunStorage, scratch: Path, version: int,
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every rank gathers the full state (a rank-0-only gather deadlocks under FSDP2); rank 0
     writes the adapter folder (idempotent: a published version is kept)."""
     from peft import PeftModel, get_peft_model_state_dict
@@ -38,7 +39,7 @@ def publish_adapter(stack: TrainStack, storage: RunStorage, scratch: Path, versi
         local.mkdir(parents=True, exist_ok=True)
         save_file(adapter, str(local / "adapter_model.safetensors"), metadata={"format": "pt"})
         stack.module.peft_config["default"].save_pretrained(str(local))
-        write_weights_dir(storage, local, rel, {"version": version, "kind": "lora",
+        write_weights_dir(storage, local, rel, {"version": version, "kind": "lora", **(extra or {}),
                                                 "weights_sha256": tensors_checksum(adapter.items())})
     stack.barrier()
     return {"version": version, "path": rel, "seconds": time.perf_counter() - start}

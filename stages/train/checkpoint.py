@@ -133,11 +133,13 @@ def _ema_tensors(stack: TrainStack) -> dict[str, torch.Tensor]:
 
 
 def publish(stack: TrainStack, storage: RunStorage, scratch: Path, version: int,
-            export: Callable[[Path, dict[str, torch.Tensor], dict[str, torch.Tensor] | None], None]) -> dict[str, Any]:
+            export: Callable[[Path, dict[str, torch.Tensor], dict[str, torch.Tensor] | None], None],
+            extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write `weights/v{version:06d}/`: `export(folder, full state, full EMA state or None)` on
     rank 0, then manifest.json with the sha256 of every file and, without LoRA (whose export
     merges the adapters into other names), `weights_sha256`: the checksum of the module's tensors,
-    which an engine that loaded the folder reports back (stages/runtime/weights_checksum.py). The manifest
+    which an engine that loaded the folder reports back (stages/runtime/weights_checksum.py), and
+    `extra` (the canary, stages/engines/canary.py). The manifest
     is written last: a version without it is incomplete. Every rank takes part in gathering the
     full states (a rank-0-only gather deadlocks under FSDP2)."""
     start = time.perf_counter()
@@ -150,7 +152,7 @@ def publish(stack: TrainStack, storage: RunStorage, scratch: Path, version: int,
         local = scratch / f"publish-{version:06d}"
         local.mkdir(parents=True, exist_ok=True)
         export(local, full, ema_full)
-        info: dict[str, Any] = {"version": version}
+        info: dict[str, Any] = {"version": version, **(extra or {})}
         if stack.lora is None:
             from unirl.stages.runtime.weights_checksum import tensors_checksum
 

