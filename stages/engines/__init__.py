@@ -12,8 +12,9 @@ Tasks and flows talk to an engine only through this protocol, so dedicated serve
 asynchronous producers plug in without touching them. Every row an engine writes records the
 weights version that produced it (`policy_version`, as the engine reports it) and its behaviour
 log-probs. Engines: `trainside` (the worker group itself), `engine_server` (unirl's own engine
-process, stages/engine_server/) and `sglang` (a running SGLang server), the last two clients of
-one HTTP API (stages/engines/client.py, docs/engines.md).
+process, stages/engine_server/), `sglang` (a running SGLang server), both clients of one HTTP API
+(stages/engines/client.py), and `vllm` (a vLLM server from its own venv, stages/engines/vllm.py);
+docs/engines.md.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the dedicated engines (`engine_server`, `sglang`) share: their recipe fields, and the
+"""What the dedicated engines (`engine_server`, `sglang`, `vllm`) share: their recipe fields, and the
 client side of an engine that holds its own copy of the weights.
 
 * generate: the requests of an iteration sampled through the engine's HTTP API (text: /generate,
@@ -11,6 +11,8 @@ client side of an engine that holds its own copy of the weights.
   the name vN, the previous one unloaded), every `sync.every` updates.
 * layout colocated: the engine releases its memory while the trainer trains, and takes it back
   after the sync.
+* every load is verified: the version the engine reports, the checksum of its tensors where it
+  reports one, and the canary (stages/engines/canary.py) against the trainer's log-probs.
 """
 from __future__ import annotations
 

@@ -182,3 +182,26 @@ def test_flow_rollouts_through_the_engine_replay_bit_for_bit(tmp_path):
         assert trained["metrics"]["behaviour_logp_max_abs_diff"] == 0.0
     finally:
         engine.close()
+
+
+def test_the_canary_stops_a_reload_that_did_not_take(tmp_path, monkeypatch):
+    """engine_server without its checksum report: the canary (stages/engines/canary.py) alone
+    catches an engine that answers the new version while holding the old weights."""
+    from unirl.stages.engines.canary import CanaryError
+
+    recipe, storage, worker, engine = setup(tmp_path, recipe={"train": {"lr": 0.05}})
+    monkeypatch.setattr(engine, "reports_checksum", False)
+    try:
+        first = step(recipe, storage, worker, engine, 0)
+        assert first["sync"]["canary_max_abs_diff"] <= 1e-4  # the same kernels as the trainer's
+        req = it.write_requests(storage, recipe, 1)["files"][0]
+        gen = engine.generate(req, "iter-000001/rollouts", 1, 1)
+        adv = it.advantages(storage, recipe, 1, it.score(storage, recipe, 1, gen["files"])["files"])["files"][0]
+        worker.train(iteration=1, rollouts=gen["files"], advantages=adv)
+        client = engine.client(2)
+        monkeypatch.setattr(client, "update_weights_from_disk", lambda path, version: client.update_weight_version(version))
+        with pytest.raises(CanaryError, match=r"rollout engine at .* after loading weights/v000002 as version 2: its "
+                                              r"log-probs of the canary differ from the trainer's for version 2 by"):
+            engine.sync(LocalTrainer(worker), 2)
+    finally:
+        engine.close()

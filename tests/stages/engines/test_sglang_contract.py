@@ -124,8 +124,11 @@ def test_text_requests_and_answers_match_sglang(sglang, tiny_weights, tmp_path):
         assert len(outs) == 2 and all(len(o["meta_info"]["output_token_logprobs"]) == len(o["output_ids"]) for o in outs)
         client.update_weights_from_disk(str(weights), "3")
         assert client.weight_version() == "3"
+        # the canary check's request: prompt log-probs from position 0 (input_token_logprobs)
+        assert len(client.prompt_logprobs([3, 4, 5, 6])) == 3
         client.load_lora_adapter("v000003", str(tmp_path / "adapter"))
         client.generate([[3, 4]], [{"max_new_tokens": 2, "sampling_seed": 1}], lora_path="v000003")
+        assert len(client.prompt_logprobs([3, 4, 5], "v000003")) == 2
         client.update_weight_version("3")
         client.unload_lora_adapter("v000003")
         client.pause_generation("in_place")

@@ -1,0 +1,52 @@
+"""The canary of verified weight sync (stages/engines/canary.py) and the `vllm` engine's recipe
+rules, checked before anything starts."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.tiny import TINY, merged
+from unirl.stages.engines.canary import canary_diff, canary_tokens
+from unirl.stages.recipe import build_recipe
+
+
+def test_the_difference_is_the_largest_absolute_one_and_a_broken_answer_is_infinite():
+    assert canary_diff([-1.0, -2.0, -0.5], [-1.0, -2.5, -0.25]) == 0.5  # |-2.0 - -2.5| beats |-0.5 - -0.25|
+    assert canary_diff([-1.0], [-1.0, -2.0]) == math.inf  # an answer of another length
+    assert canary_diff([float("nan")], [-1.0]) == math.inf
+    assert canary_diff([], []) == math.inf
+
+
+def test_the_canary_is_a_fixed_draw_of_ordinary_tokens_within_the_context():
+    tokens = canary_tokens(21, {0, 1, 2}, 256)
+    assert tokens == canary_tokens(21, {0, 1, 2}, 256) and len(tokens) == 32  # the same for every version
+    assert not set(tokens) & {0, 1, 2} and set(tokens) <= set(range(21)) and len(set(tokens)) > 5
+    assert len(canary_tokens(21, {0}, 10)) == 9  # a prompt the model's context takes
+
+
+def vllm_recipe(**over):
+    return build_recipe(merged(TINY["qwen3"], {"model": {"tiny": {"hidden_size": 64, "num_attention_heads": 2,
+                                                                  "num_key_value_heads": 1, "head_dim": 32}},
+                                               "rollout": {"engine": {"name": "vllm"}}}, over))
+
+
+@pytest.mark.parametrize(("over", "message"), [
+    ({"model": {"tiny": {"head_dim": 16, "num_attention_heads": 4}}},
+     r"model.tiny.head_dim: 16 is not served by vLLM's CPU attention \(32, 64, "),
+    ({"rollout": {"top_p": 0.9}}, r"rollout.top_p: 0.9 makes vLLM's log-probs those of the nucleus"),
+    ({"rollout": {"engine": {"sync": {"transport": "distributed"}}}}, r"rollout.engine.sync.transport: vllm loads"),
+])
+def test_recipes_vllm_cannot_serve_are_refused_naming_the_field(over, message):
+    with pytest.raises(ValueError, match=message):
+        vllm_recipe(**over)
+
+
+def test_a_flow_model_on_vllm_is_refused():
+    with pytest.raises(ValueError, match=r"vllm samples text models \(qwen3\) here; model.kind 'sd3'"):
+        build_recipe(merged(TINY["sd3"], {"algorithm": {"name": "flow_grpo"}, "rollout": {"engine": {"name": "vllm"}}}))
+
+
+def test_a_servable_recipe_is_accepted():
+    recipe = vllm_recipe()
+    assert recipe.rollout.engine.name == "vllm" and recipe.rollout.engine.kv_cache_gib == 1
