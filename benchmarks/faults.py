@@ -10,7 +10,10 @@ stage's work done, its output not committed), a worker rank killed, moto's S3 se
 and started again, a full tmpfs, a checkpoint file corrupted or its commit marker removed, a
 reward server that comes up late, the same run started twice, a node of a two-node group lost
 (its `unirl agent`, torchrun agent and rank SIGKILLed mid-train). tests/e2e/test_faults_*.py run the
-same rows at tiny size (the SIGKILL rows chained in one run folder).
+same rows at tiny size (the SIGKILL rows chained in one run folder). Every run a row resumes (and
+each killed one of the chain) is audited too (`unirl audit`, stages/runtime/audit.py: each group
+trained once, within the staleness bound, weights matching their manifests, the behaviour check
+held); a violation fails the row.
 """
 from __future__ import annotations
 
@@ -123,11 +126,23 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 
 class Bench:
-    """A work folder, the environment every run gets, and the uninterrupted reference runs."""
+    """A work folder, the environment every run gets, the uninterrupted reference runs, and the
+    audits of the runs the rows resumed (`audits`: run URL -> its violations, in order)."""
 
     def __init__(self, work: Path, env: dict[str, str]):
         self.work, self.env = work, env
         self._refs: dict[str, dict[str, Any]] = {}
+        self.audits: list[tuple[str, list[str]]] = []
+
+    def audit(self, run_dir: Path | str, options: dict[str, Any] | None = None) -> list[str]:
+        """`unirl audit` of a run folder (a path, or a URL with its storage options), in this
+        process; its violations, recorded in `audits`."""
+        from unirl.stages.runtime.audit import audit_run, resolve
+
+        storage = resolve(str(run_dir), options=options)
+        violations = audit_run(storage).violations
+        self.audits.append((storage.url(), violations))
+        return violations
 
     def reference(self, key: str = "", extra: Sequence[str] = (), iterations: int = ITERATIONS) -> dict[str, Any]:
         if key not in self._refs:
@@ -137,7 +152,10 @@ class Bench:
         return self._refs[key]
 
     def equal(self, run_dir: Path, key: str = "", extra: Sequence[str] = (), iterations: int = ITERATIONS) -> tuple[bool, list[str]]:
+        """Whether the resumed run in `run_dir` ends where the reference does and passes its audit;
+        what differs (an audit's violations as `audit: ...`)."""
         diffs = differences(snapshot(run_dir, self.env, iterations), self.reference(key, extra, iterations))
+        diffs += [f"audit: {v}" for v in self.audit(run_dir)]
         return not diffs, diffs
 
 
@@ -156,7 +174,10 @@ def kill_rows(bench: Bench, chained: bool) -> list[Row]:
             raise RuntimeError(f"{spec}: the run was not killed at its fault point (exit {killed.returncode}):\n{killed.stderr[-3000:]}")
         seen = "the run vanishes (exit -9); the same command resumes: "
         if chained:
-            rows.append(Row(fault, seen, None))
+            audited = bench.audit(root / name)  # a run cut short: what it committed must audit clean
+            rows.append(Row(fault, seen, False if audited else None))
+            if audited:
+                print(f"  {fault}: the killed run's audit: {audited}", file=sys.stderr)
             continue
         resumed = unirl(run_args(root, name), bench.env)
         same, diffs = bench.equal(root / name)
@@ -168,7 +189,7 @@ def kill_rows(bench: Bench, chained: bool) -> list[Row]:
         same, diffs = bench.equal(root / "chain")
         for row in rows:
             row.seen += "(chained) " + notable(resumed.stdout)
-            row.equal = same
+            row.equal = same and row.equal is None
         if diffs:
             print(f"  chained kills: differs in {diffs}", file=sys.stderr)
     return rows
@@ -310,9 +331,11 @@ def s3_row(bench: Bench) -> Row:
         out, err = proc.communicate(timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"the run did not survive the S3 outage:\n{err[-3000:]}")
+        audited = bench.audit(f"{root}/r", {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": url}})
         local = bench.work / "s3-copy"
         fs.get(f"{bucket}/runs/r", str(local / "r"), recursive=True)
         same, _ = bench.equal(local / "r", key="-nosft", extra=NO_SFT)
+        same = same and not audited
         retries = "retried with backoff" if "unreachable" in err else "no call met the outage"
         return Row("S3 (moto) down for 10 s mid-run; the same run started twice on S3",
                    f"{retries}, run completes; second start: {refused[7:160] if refused else 'NOT refused'}",
@@ -375,6 +398,7 @@ def reward_server_row(bench: Bench) -> Row:
         ref = bench.reference("-nosft", NO_SFT)
         mine = snapshot(root / "r", bench.env, ITERATIONS)
         same = [x["train"] for x in mine["iterations"]] == [x["train"] for x in ref["iterations"]] and mine["weights"] == ref["weights"]
+        same = same and not bench.audit(root / "r")
         return Row("reward server down (connection refused) for 4 s, then up",
                    "the remote scorer retries with backoff; the run completes", same)
     finally:

@@ -7,6 +7,7 @@
     unirl agent RECIPE [key.sub=value ...] [--run-name NAME] [--group ID]   (one node of a multi-node run)
     unirl reward-server --config FILE
     unirl engine-server RECIPE [key.sub=value ...] [--weights DIR] [--port N]
+    unirl audit RUN [--root ROOT]          (RUN: a run name under ROOT, or a run folder's path or URL)
 """
 from __future__ import annotations
 
@@ -55,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     rs = sub.add_parser("reward-server", help="serve scorers over HTTP", add_help=False)
     rs.add_argument("rest", nargs=argparse.REMAINDER)
+    au = sub.add_parser("audit", help="check a run's storage: each group trained once, staleness, weights, behaviour")
+    au.add_argument("run", help="run name (under --root), or a run folder's path or URL (runs/tiny, s3://bucket/runs/tiny)")
+    au.add_argument("--root", default=None, help="storage root of a run name (default: storage.root's default, runs)")
     es = sub.add_parser("engine-server", help="serve a recipe's policy as a rollout engine (docs/engines.md)", add_help=False)
     es.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
@@ -74,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         return engine_server(argv[1:])
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
+    if args.command == "audit":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        startup.imports_done()
+        return audit(args.run, args.root)
     # overrides may also follow options (`--run-name x train.lr=0.1`)
     stray = [a for a in rest if a.startswith("-") or "=" not in a]
     if stray or not hasattr(args, "overrides"):
@@ -145,6 +154,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"[unirl] done: {result['iterations']} iterations in {result['storage']}", flush=True)
     return 0
+
+
+def audit(run: str, root: str | None) -> int:
+    """`unirl audit`: the table of a run's committed iterations and every violation (exit 1 on any),
+    or exit 2 when RUN is not a run (stages/runtime/audit.py)."""
+    from unirl.stages.runtime.audit import audit_run, resolve
+
+    try:
+        report = audit_run(resolve(run, root))
+    except ValueError as exc:  # not a run folder, not a run name, a stored recipe that does not validate
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(report.text(), flush=True)
+    return 0 if report.ok else 1
 
 
 def node_agent(recipe, run_name: str, group: str) -> int:

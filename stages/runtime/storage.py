@@ -309,3 +309,7 @@ class RunStorage:
     def weights_versions(self) -> list[int]:
         """Published weight versions (those with a manifest), ascending."""
         return self._committed("weights", WEIGHTS_RE, "manifest.json")
+
+    def adapter_versions(self) -> list[int]:
+        """Published LoRA adapter versions (those with a manifest), ascending."""
+        return self._committed("adapters", WEIGHTS_RE, "manifest.json")

@@ -33,14 +33,33 @@ def checkpoint_problem(storage: Any, version: int) -> str | None:
         return "it was never committed (the save was interrupted)"
     if not storage.exists(join(rel, MANIFEST)):
         return None  # written before checkpoints had manifests: nothing to verify against
-    expected = storage.read_json(join(rel, MANIFEST))["files"]
-    for name, info in sorted(expected.items()):
-        if not storage.exists(join(rel, name)):
-            return f"{storage.url(join(rel, name))} is missing"
-        data = storage.read_bytes(join(rel, name))
-        if hashlib.sha256(data).hexdigest() != info["sha256"]:
-            return f"{storage.url(join(rel, name))} does not match its sha256 in {MANIFEST} (corrupted)"
+    for name, what in mismatches(storage, rel, first=True):
+        where = storage.url(join(rel, name))
+        return f"{where} is missing" if what == "missing" else f"{where} does not match its sha256 in {MANIFEST} (corrupted)"
     return None
+
+
+def mismatches(storage: Any, rel: str, first: bool = False) -> list[tuple[str, str]]:
+    """(name, "missing" | "sha256") of each file listed in `rel`/manifest.json that is missing or
+    whose sha256 is not the manifest's, by name; empty: the folder matches its manifest. Files the
+    manifest does not list are not looked at (a registered version's MLmodel is written after it).
+    `first`: stop at the first."""
+    out = []
+    for name, info in sorted(storage.read_json(join(rel, MANIFEST))["files"].items()):
+        path = join(rel, name)
+        if not storage.exists(path):
+            out.append((name, "missing"))
+        elif stored_sha256(storage, path) != info["sha256"]:
+            out.append((name, "sha256"))
+        if out and first:
+            break
+    return out
+
+
+def stored_sha256(storage: Any, rel: str) -> str:
+    """sha256 of a run file (read in chunks on local disk, whole from an object store)."""
+    local = storage.local_path(rel)
+    return sha256_file(local) if local is not None else hashlib.sha256(storage.read_bytes(rel)).hexdigest()
 
 
 def usable_checkpoint(storage: Any, at_most: int, log: Callable[[str], None]) -> int | None:

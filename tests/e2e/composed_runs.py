@@ -1,5 +1,6 @@
 """What the prompt-enhancer and unified-model e2e tests share: one uninterrupted reference run,
-and the same run killed with SIGKILL while it is stopped in iteration 1's sync, then resumed."""
+and the same run killed with SIGKILL while it is stopped in iteration 1's sync, then resumed (and
+audited: `unirl audit`, every part's or stage's groups trained once, its weights and behaviour)."""
 from __future__ import annotations
 
 import os
@@ -52,6 +53,11 @@ def killed_and_resumed(recipe: Path, name: str, root: Path, env: dict[str, str],
     assert not alive, "worker processes outlived the run"
     out = run_unirl(args, env)
     assert "iter-000000 (" not in out.stdout and "iter-000002 (3/3)" in out.stdout
+    from unirl.stages.runtime.audit import audit_run
+    from unirl.stages.runtime.storage import RunStorage
+
+    report = audit_run(RunStorage(str(root), name))
+    assert report.ok and len(report.lines) >= 3, report.text()
     return run, out
 
 

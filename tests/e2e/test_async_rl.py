@@ -22,6 +22,7 @@ ASYNC = ["run", str(TINY), "iterations=3", "reward.scorers=[{name: integer_forma
 def test_a_killed_producer_is_restarted_and_loses_nothing(tmp_path, unirl_env):
     from unirl.stages.engines import engines
     from unirl.stages.recipe import load_recipe
+    from unirl.stages.runtime.audit import audit_run
     from unirl.stages.runtime.sample import read_rollouts
     from unirl.stages.runtime.storage import RunStorage
 
@@ -40,6 +41,8 @@ def test_a_killed_producer_is_restarted_and_loses_nothing(tmp_path, unirl_env):
         assert train["stale_frac"] == (0.0 if i == 0 else 1.0) and train["is_weight_mean"] > 0
         assert (train["behaviour_logp_max_abs_diff"] <= 1e-4) == (i == 0)  # stale rows differ, and are measured
     assert (run / "weights/v000003/manifest.json").is_file()
+    report = audit_run(RunStorage(str(root), "tiny"))  # each group trained once, across the producer's restart
+    assert report.ok and [line.versions for line in report.lines] == [(0, 0), (0, 0), (1, 1)], report.text()
     # iteration 1's batch, sampled again from scratch with version 0: the restarted producer's rows
     recipe = load_recipe(str(TINY), [*ASYNC[2:], f"storage.root={root}"])
     storage = RunStorage(str(root), "tiny")

@@ -15,5 +15,5 @@ pytestmark = pytest.mark.slow
 def test_sigkill_in_every_stage(bench):
     rows = faults.kill_rows(bench, chained=True)
     assert [r.fault for r in rows] == [fault for fault, _ in faults.KILLS]
-    check(rows)
+    check(rows, bench)
     assert "replaying" in rows[0].seen or "checkpoint" in rows[0].seen

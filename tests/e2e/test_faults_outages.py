@@ -13,12 +13,12 @@ pytestmark = pytest.mark.slow
 def test_s3_outage_is_retried_and_a_second_start_refused(bench):
     row = faults.s3_row(bench)
     assert "is being run by host" in row.seen
-    check([row])
+    check([row], bench)
 
 
 def test_disk_full_is_a_clear_error_and_commits_nothing(bench):
-    check([faults.disk_full_row(bench)])
+    check([faults.disk_full_row(bench)], bench)
 
 
 def test_reward_server_down_then_up(bench):
-    check([faults.reward_server_row(bench)])
+    check([faults.reward_server_row(bench)], bench)

@@ -19,8 +19,8 @@ def test_a_killed_rank_is_named_and_the_rerun_resumes(bench):
     # either way the error names the rank, the signal and the command.
     assert re.search(r"rank 1 \(local rank 1, pid \d+\) exited with signal SIGKILL (\(it closed the connection\) )?during 'train'",
                      row.seen), row.seen
-    check([row])
+    check([row], bench)
 
 
 def test_uncommitted_and_corrupted_checkpoints_are_passed_over(bench):
-    check(faults.checkpoint_rows(bench))
+    check(faults.checkpoint_rows(bench), bench)
