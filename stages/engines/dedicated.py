@@ -154,6 +154,7 @@ class DedicatedEngine(RolloutEngine):
     def generate(self, requests: str, out_dir: str, iteration: int, policy_version: int, *,
                  greedy: bool = False, seed_tag: str = "") -> dict[str, Any]:
         from unirl.stages.algorithms.base import algorithms
+        from unirl.stages.policies.text import token_prompts
         from unirl.stages.runtime.sample import read_shard, table_from_rows, write_shard
         from unirl.stages.runtime.storage import join
 
@@ -166,8 +167,9 @@ class DedicatedEngine(RolloutEngine):
             samples += [(f"{gid}/{j}", gid, prompt, meta) for j in range(gsize)]
         samples.sort(key=lambda s: s[0])
         transitions = algorithms.get(self.recipe.algorithm.name).replays_transitions
+        extra = {"token_prompts": token_prompts(req)} if self.segment == "text" else {}
         rows = self.wire.rollout(client, samples, iteration=iteration, seed_tag=seed_tag, greedy=greedy,
-                                 lora=self.lora_name, transitions=transitions)
+                                 lora=self.lora_name, transitions=transitions, **extra)
         for row in rows:
             if "policy_version" not in row:  # flow: SGLang diffusion reports no version; the loaded one, checked at load
                 row["policy_version"] = self._version

@@ -37,13 +37,20 @@ class TextWire:
         encoded = {p: encode_prompt(self.tokenizer, p, self.use_chat) for p in dict.fromkeys(prompts)}
         return [encoded[p] for p in prompts]
 
+    def prompt_ids(self, samples: list[tuple[str, str, str, Any]], token_prompts: dict[str, list[int]] | None) -> list[list[int]]:
+        """Each sample's prompt tokens: the request's token ids where it gives them, else its text encoded."""
+        encoded = self.encode([p for _, _, p, _ in samples])
+        given = token_prompts or {}
+        return [list(given[gid]) if gid in given else ids for (_, gid, _, _), ids in zip(samples, encoded)]
+
     def rollout(self, client: EngineClient, samples: list[tuple[str, str, str, Any]], *, iteration: int, seed_tag: str,
-                greedy: bool, lora: str | None, transitions: bool) -> list[dict[str, Any]]:
+                greedy: bool, lora: str | None, transitions: bool,
+                token_prompts: dict[str, list[int]] | None = None) -> list[dict[str, Any]]:
         """One row per (sample id, group id, prompt, metadata); `policy_version` is the version the
         engine reports for each response."""
         c = self.recipe.rollout
         eos = self.tokenizer.eos_token_id
-        prompt_ids = self.encode([p for _, _, p, _ in samples])
+        prompt_ids = self.prompt_ids(samples, token_prompts)
         params = [{"temperature": 0.0 if greedy else c.temperature, "top_p": c.top_p, "max_new_tokens": c.max_new_tokens,
                    "stop_token_ids": [eos], "sampling_seed": derive_seed(self.recipe.seed, seed_tag, iteration, sid)}
                   for sid, _, _, _ in samples]

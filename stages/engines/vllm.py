@@ -145,7 +145,8 @@ class VLLMWire(TextWire):
     """Text rows sampled by vLLM: the text policy's prompt encoding, one seeded request per sample."""
 
     def rollout(self, client: Any, samples: list[tuple[str, str, str, Any]], *, iteration: int, seed_tag: str,
-                greedy: bool, lora: str | None, transitions: bool) -> list[dict[str, Any]]:
+                greedy: bool, lora: str | None, transitions: bool,
+                token_prompts: dict[str, list[int]] | None = None) -> list[dict[str, Any]]:
         """One row per (sample id, group id, prompt, metadata). vLLM names no version per answer:
         the version it serves is read before and after, and a change in between is an error."""
         from unirl.stages.engines.dedicated import EngineVersionError
@@ -153,7 +154,7 @@ class VLLMWire(TextWire):
 
         c = self.recipe.rollout
         eos = self.tokenizer.eos_token_id
-        prompt_ids = self.encode([p for _, _, p, _ in samples])
+        prompt_ids = self.prompt_ids(samples, token_prompts)
         params = [{"temperature": 0.0 if greedy else c.temperature, "top_p": c.top_p, "max_tokens": c.max_new_tokens,
                    "stop_token_ids": [eos], "seed": derive_seed(self.recipe.seed, seed_tag, iteration, sid)}
                   for sid, _, _, _ in samples]

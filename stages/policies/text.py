@@ -74,6 +74,14 @@ def pad_like(lists: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def token_prompts(requests: pa.Table) -> dict[str, list[int]]:
+    """group id -> the prompt's token ids, for requests that give them (`prompt_ids`)."""
+    if "prompt_ids" not in requests.schema.names:
+        return {}
+    return {g: ids for g, ids in zip(requests.column("group_id").to_pylist(), requests.column("prompt_ids").to_pylist())
+            if ids is not None}
+
+
 def grids_of(stored: list[list[int]]) -> list[tuple[int, int, int]]:
     return [(int(t), int(h), int(w)) for t, h, w in stored]
 
@@ -171,14 +179,16 @@ class TextPolicy(Policy):
 
     @classmethod
     def samples(cls, requests: pa.Table, where: str) -> list[tuple[Any, ...]]:
-        """As every policy's, plus each sample's images: (PNG bytes, grids, the requests file) or None."""
+        """As every policy's, plus each sample's images ((PNG bytes, grids, the requests file) or
+        None) and its prompt's token ids where the request gives them (`prompt_ids`, else None)."""
         base = super().samples(requests, where)
+        ids = token_prompts(requests)
         if "images" not in requests.schema.names:
-            return [(*s, None) for s in base]
+            return [(*s, None, ids.get(s[1])) for s in base]
         by_group = {g: (pngs, grids_of(grids), where) for g, pngs, grids in zip(
             requests.column("group_id").to_pylist(), requests.column("images").to_pylist(),
             requests.column("image_grids").to_pylist())}
-        return [(*s, by_group[s[1]]) for s in base]
+        return [(*s, by_group[s[1]], ids.get(s[1])) for s in base]
 
     def __init__(self, family: Any, bundle: Any, recipe: Any, device: torch.device):
         from unirl.stages.models.tokenizer import uses_chat_template
@@ -224,10 +234,11 @@ class TextPolicy(Policy):
         return {**extra, "position_ids": positions}
 
     # -- sampling -------------------------------------------------------------------------------
-    def rollout(self, module: Any, samples: list[tuple[str, str, str, Any, Any]], *, iteration: int, seed_tag: str,
+    def rollout(self, module: Any, samples: list[tuple[str, str, str, Any, Any, Any]], *, iteration: int, seed_tag: str,
                 greedy: bool, stack: Any, transitions: bool) -> list[dict[str, Any]]:
-        """One response per (sample id, group id, prompt, metadata, images) of this rank, all in one
-        batch; a prompt's images (PNG bytes and grids) are copied into its rows."""
+        """One response per (sample id, group id, prompt, metadata, images, token ids) of this rank,
+        all in one batch; a prompt's images (PNG bytes and grids) are copied into its rows; a prompt
+        given as token ids is sampled from them as they are."""
         from unirl.stages.policies.text_sampling import sample
 
         c = self.cfg
@@ -241,6 +252,8 @@ class TextPolicy(Policy):
             if not samples:  # this rank still runs the vision tower in every forward of the others
                 stand_in, image = self.images.stand_in()
                 prompt_ids, shown, seeds = [stand_in], [image], [0]
+        if samples:  # token prompts (an agent's next turn) as they are given
+            prompt_ids = [p if s[5] is None else list(s[5]) for p, s in zip(prompt_ids, samples)]
         module.eval()
         out = sample(
             module, prompt_ids, seeds, max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p,
@@ -248,7 +261,8 @@ class TextPolicy(Policy):
             inputs=self._prefill_inputs(shown), banned=self.banned,
         )
         rows = []
-        for (sid, gid, prompt, meta, images), pids, resp, lps, reason in zip(samples, prompt_ids, out.response_ids, out.logprobs, out.finish_reasons):
+        for (sid, gid, prompt, meta, images, _), pids, resp, lps, reason in zip(samples, prompt_ids, out.response_ids,
+                                                                                out.logprobs, out.finish_reasons):
             body = resp[:-1] if reason == "stop" else resp
             rows.append({
                 "sample_id": sid, "group_id": gid, "metadata": meta, "prompt": prompt, "prompt_ids": pids,
@@ -267,6 +281,9 @@ class TextPolicy(Policy):
     def batches(self, table: pa.Table, chunks: list[list[int]], advantages: Any, where: str) -> list[TextBatch]:
         """Micro-batches of a rollout table (sorted by sample id): one per chunk of row indices."""
         names = ["sample_id", "prompt_ids", "response_ids", "response_logprobs", "policy_version"]
+        masked = "response_mask" in table.schema.names
+        if masked:
+            names.append("response_mask")
         if self.images is not None:
             names += ["images", "image_grids"]
             if "images" not in table.schema.names:
@@ -279,6 +296,9 @@ class TextPolicy(Policy):
                 return [cols[name][r] for r in rows]
 
             t = token_batch(take("prompt_ids"), take("response_ids"), self.tokenizer.pad_token_id, self.device)
+            if masked:  # tool and template tokens of an agent's trajectory are context, not trained
+                t["mask"] = t["mask"] * pad_like([[float(m) for m in (ms or [])] or [1.0] * len(r)
+                                                  for ms, r in zip(take("response_mask"), take("response_ids"))], t["mask"])
             adv = torch.tensor([float(advantages[r]) for r in rows], dtype=torch.float32, device=self.device)
             shown = [] if self.images is None else [
                 self.images.decode(pngs, grids_of(grids), f"{where}: sample {sid!r}")

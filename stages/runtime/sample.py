@@ -53,6 +53,11 @@ REQUEST_COLUMNS: dict[str, pa.DataType] = {
     "iteration": pa.int32(),
 }
 
+# Optional token columns: a request's `prompt_ids` (a prompt given as token ids, sampled as they are:
+# an agent's next turn, stages/agent/), and a rollout's `response_mask` (1 where a response token is
+# the policy's own, 0 where it is a tool's or the template's: only the policy's tokens are trained).
+TOKEN_COLUMNS: dict[str, pa.DataType] = {"prompt_ids": pa.list_(pa.int32()), "response_mask": pa.list_(pa.int8())}
+
 REWARD_COLUMNS: dict[str, pa.DataType] = {"sample_id": pa.string(), "group_id": pa.string(), "reward": pa.float64()}
 ADVANTAGE_COLUMNS: dict[str, pa.DataType] = {"sample_id": pa.string(), "group_id": pa.string(), "advantage": pa.float32()}
 
@@ -93,7 +98,7 @@ def table_from_rows(rows: list[dict[str, Any]], kind: str, segments: Iterable[st
         )
     extra = sorted(({k for r in rows for k in r} | set(extra)) - set(schema.names))
     known = {"response": pa.string(), "media_png": pa.binary(), "metadata": pa.string(),
-             "media_frames": pa.list_(pa.binary()), **IMAGE_COLUMNS}
+             "media_frames": pa.list_(pa.binary()), **IMAGE_COLUMNS, **TOKEN_COLUMNS}
     for name in extra:  # e.g. reward/<component>; SFT's response / media_png; a prompt's images
         dtype = known.get(name, pa.float64())
         schema = schema.append(pa.field(name, dtype))
