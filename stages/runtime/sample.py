@@ -56,7 +56,10 @@ REQUEST_COLUMNS: dict[str, pa.DataType] = {
 # Optional token columns: a request's `prompt_ids` (a prompt given as token ids, sampled as they are:
 # an agent's next turn, stages/agent/), and a rollout's `response_mask` (1 where a response token is
 # the policy's own, 0 where it is a tool's or the template's: only the policy's tokens are trained).
-TOKEN_COLUMNS: dict[str, pa.DataType] = {"prompt_ids": pa.list_(pa.int32()), "response_mask": pa.list_(pa.int8())}
+TOKEN_COLUMNS: dict[str, pa.DataType] = {"prompt_ids": pa.list_(pa.int32()), "response_mask": pa.list_(pa.int8()),
+                                         # an agent's trajectory (stages/tools/agent.py): turns, tool calls, errors, why it stopped
+                                         "agent_turns": pa.int32(), "agent_tool_calls": pa.int32(),
+                                         "agent_tool_errors": pa.int32(), "agent_stop": pa.string()}
 
 REWARD_COLUMNS: dict[str, pa.DataType] = {"sample_id": pa.string(), "group_id": pa.string(), "reward": pa.float64()}
 ADVANTAGE_COLUMNS: dict[str, pa.DataType] = {"sample_id": pa.string(), "group_id": pa.string(), "advantage": pa.float32()}

@@ -80,7 +80,7 @@ def test_one_set_of_weights_writes_and_draws_and_loads_by_path(tmp_path):
     bundle = family.load(family.materialize(cfg, tmp_path / "unused"), cfg, torch.device("cpu"))
     text = TextPolicy(family, bundle, stage_recipe(recipe, "plan"), torch.device("cpu"))
     flow = FlowPolicy(family, bundle, stage_recipe(recipe, "image"), torch.device("cpu"))
-    rows = text.rollout(bundle.module, [("s/0", "g", "a red circle", {}, None), ("s/1", "g", "a cube", {}, None)],
+    rows = text.rollout(bundle.module, [("s/0", "g", "a red circle", {}, None, None), ("s/1", "g", "a cube", {}, None, None)],
                         iteration=0, seed_tag="", greedy=False, stack=None, transitions=False)
     batch = token_batch([r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows], bundle.tokenizer.pad_token_id,
                         torch.device("cpu"))

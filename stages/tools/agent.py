@@ -1,0 +1,178 @@
+"""Multi-turn trajectories: the policy writes an assistant turn; the tool calls in it (the family's
+format, stages/tools/calls.py) run and their results come back as a tool turn; again, until the
+policy answers without a call or a limit ends it. Engine-agnostic: `generate(prompts, turn)` samples
+one assistant turn for each open trajectory from its token ids as they are (an engine's token-level
+requests), so the policy's own tokens are never re-tokenized.
+
+A trajectory is stored as one training row, the initial prompt as `prompt_ids` and everything after
+it as `response_ids`, with `response_mask` 1 on the policy's own tokens (trained, their behaviour
+log-probs recorded) and 0 on tool and template tokens (context, never trained; log-prob 0), and as
+one row per turn (`turn_rows`: index, role, tokens, mask, tool, arguments, result, latency, error).
+The trajectory's reward and its group advantage apply to every assistant turn of it.
+
+Stop reasons: `answered` (a turn without a call), `max_turns`, `context_full` (the next turn would
+not fit the model's context), `malformed_call` (a call that cannot be run as written: not JSON, no
+name, an unknown tool, cut off; its error is the last turn's observation).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from unirl.stages.tools.calls import Call, parse
+from unirl.stages.tools.client import Observation
+
+STOPS = ("answered", "max_turns", "context_full", "malformed_call")
+
+
+@dataclass
+class Turn:
+    index: int
+    role: str  # "assistant" | "tool"
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    tool: str | None = None
+    arguments: str | None = None  # JSON
+    result: str | None = None
+    error: str | None = None
+    latency_s: float | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class Trajectory:
+    sample_id: str
+    group_id: str
+    prompt: str
+    metadata: Any
+    prompt_ids: list[int]
+    turns: list[Turn] = field(default_factory=list)
+    stop_reason: str | None = None
+    versions: set[int] = field(default_factory=set)
+
+    @property
+    def ids(self) -> list[int]:
+        """The whole context so far: the prompt and every turn's tokens."""
+        return self.prompt_ids + [t for turn in self.turns for t in turn.token_ids]
+
+    @property
+    def answer(self) -> str:
+        """The last assistant turn's text (what a scorer reads)."""
+        return next((t.text for t in reversed(self.turns) if t.role == "assistant"), "")
+
+    @property
+    def tool_calls(self) -> int:
+        return sum(t.role == "tool" for t in self.turns)
+
+    @property
+    def tool_errors(self) -> int:
+        return sum(t.role == "tool" and t.error is not None for t in self.turns)
+
+
+class ToolFormat:
+    """How a family's chat format writes tool results back (Qwen3 / Hermes: a user turn of
+    <tool_response> blocks; a model without a chat template: the blocks alone, after its eos)."""
+
+    def __init__(self, tokenizer: Any, use_chat: bool):
+        self.tokenizer, self.use_chat = tokenizer, use_chat
+
+    def first_prompt(self, prompt: str, specs: list[Any]) -> list[int]:
+        """The first prompt's tokens, the tools given to the chat template where there is one."""
+        from unirl.stages.models.tokenizer import encode_prompt
+
+        if self.use_chat:
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=[s.as_function() for s in specs],
+                                                     add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return encode_prompt(self.tokenizer, prompt, False)
+
+    def tool_turn(self, results: list[str]) -> str:
+        body = "".join(f"<tool_response>\n{r}\n</tool_response>" for r in results)
+        if self.use_chat:
+            return f"\n<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
+        return body
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def observation_text(call: Call, obs: Observation | None) -> str:
+    """What the policy reads of one call: its result, or its error."""
+    if call.error is not None:
+        return f"error: {call.error}"
+    assert obs is not None
+    return obs.text if obs.error is None else f"error: {obs.error}"
+
+
+def run(trajectories: list[Trajectory], generate: Callable[[list[Trajectory], int], list[dict[str, Any]]],
+        call_tool: Callable[[str, dict[str, Any]], Observation], fmt: ToolFormat, known: set[str], *,
+        max_turns: int, max_new_tokens: int, context: int | None, decode: Callable[[list[int]], str]) -> list[Trajectory]:
+    """Run every trajectory to its stop. `generate(open, turn)` answers one row per open trajectory
+    (response_ids, response_logprobs, finish_reason, policy_version), in order."""
+    open_ = list(trajectories)
+    for turn in range(max_turns):
+        if not open_:
+            break
+        rows = generate(open_, turn)
+        going = []
+        for traj, row in zip(open_, rows):
+            resp = list(row["response_ids"])
+            traj.versions.add(int(row["policy_version"]))
+            text = decode(resp)
+            traj.turns.append(Turn(len(traj.turns), "assistant", resp, [float(x) for x in row["response_logprobs"]], text,
+                                   finish_reason=row["finish_reason"]))
+            calls = parse(text, known)
+            if not calls:
+                traj.stop_reason = "answered"
+                continue
+            results, stop = [], None
+            for call in calls:
+                obs = None if call.error is not None else call_tool(call.name, call.arguments)
+                results.append(observation_text(call, obs))
+                traj.turns.append(Turn(len(traj.turns), "tool", [], [], "", tool=call.name or None,
+                                       arguments=json.dumps(call.arguments, sort_keys=True), result=None if obs is None else obs.text,
+                                       error=call.error if call.error is not None else (obs.error if obs else None),
+                                       latency_s=None if obs is None else obs.latency_s))
+                if call.error is not None:
+                    stop = "malformed_call"
+            tokens = fmt.encode(fmt.tool_turn(results))
+            last = traj.turns[-1]
+            last.token_ids, last.logprobs, last.text = tokens, [0.0] * len(tokens), fmt.tool_turn(results)
+            if stop is not None:
+                traj.stop_reason = stop
+            elif context is not None and len(traj.ids) + max_new_tokens > context:
+                traj.stop_reason = "context_full"
+            else:
+                going.append(traj)
+        open_ = going
+    for traj in open_:
+        traj.stop_reason = "max_turns"
+    return trajectories
+
+
+def training_row(traj: Trajectory) -> dict[str, Any]:
+    """The trajectory as one text row: the turns after the prompt concatenated, the mask 1 on the
+    policy's own tokens only; `text` is the answer (the last assistant turn)."""
+    resp, lps, mask = [], [], []
+    for t in traj.turns:
+        own = t.role == "assistant"
+        resp += t.token_ids
+        lps += t.logprobs if own else [0.0] * len(t.token_ids)
+        mask += [1 if own else 0] * len(t.token_ids)
+    last = next((t for t in reversed(traj.turns) if t.role == "assistant"), None)
+    return {"sample_id": traj.sample_id, "group_id": traj.group_id, "metadata": traj.metadata, "prompt": traj.prompt,
+            "prompt_ids": traj.prompt_ids, "response_ids": resp, "response_logprobs": lps, "response_mask": mask,
+            "finish_reason": (last.finish_reason if last else None) or "stop", "text": traj.answer,
+            "policy_version": min(traj.versions) if traj.versions else None, "agent_turns": len(traj.turns),
+            "agent_tool_calls": traj.tool_calls, "agent_tool_errors": traj.tool_errors, "agent_stop": traj.stop_reason}
+
+
+def turn_rows(traj: Trajectory) -> list[dict[str, Any]]:
+    """One row per turn, as people query a transcript."""
+    return [{"sample_id": traj.sample_id, "turn": t.index, "role": t.role, "token_ids": t.token_ids,
+             "mask": [1 if t.role == "assistant" else 0] * len(t.token_ids), "text": t.text, "tool": t.tool,
+             "arguments": t.arguments, "result": t.result, "latency_s": t.latency_s, "error": t.error,
+             "stop_reason": traj.stop_reason if t.index == len(traj.turns) - 1 else None} for t in traj.turns]
