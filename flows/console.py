@@ -146,8 +146,18 @@ def iteration_line(i: int, total: int, m: dict[str, float]) -> str:
                 f"{losses}  {m['time/iteration_s']:.1f}s")
     return (
         f"[unirl] iter-{i:06d} ({i + 1}/{total})  reward {m['rollout/reward_mean']:.3f}±{m['rollout/reward_std']:.3f}"
-        f"  loss {m['train/loss']:+.4f}{kl}{clip}  grad {m['train/grad_norm']:.3f}  {m['time/iteration_s']:.1f}s"
+        f"  loss {m['train/loss']:+.4f}{kl}{clip}  grad {m['train/grad_norm']:.3f}{agent_part(m)}  {m['time/iteration_s']:.1f}s"
     )
+
+
+def agent_part(m: dict[str, float]) -> str:
+    """An agentic run's turns per trajectory, tool calls and their success, and why trajectories stopped."""
+    if "agent/turns_mean" not in m:
+        return ""
+    stops = " ".join(f"{k.removeprefix('agent/stop_')} {v:.2f}" for k, v in sorted(m.items())
+                     if k.startswith("agent/stop_") and v > 0)
+    return (f"  turns {m['agent/turns_mean']:.2f}  calls {m['agent/tool_calls_mean']:.2f}"
+            f" ok {m['agent/tool_success']:.2f}  stop {stops}")
 
 
 class Progress:

@@ -41,6 +41,7 @@ from unirl.stages.sections import (
     _fill_rollout_kind,
 )
 from unirl.stages.sources import sources
+from unirl.stages.tools.config import AgentConfig
 
 if TYPE_CHECKING:  # the union of the registered composed shapes' sections (stages/compose), built at import
     Composition = Any
@@ -71,6 +72,9 @@ class Recipe(Section):
         "in stages (it writes a plan, then draws it): `model` is a family offering each stage's policy, `train` and "
         "`sft` its one optimizer and joint warm start; each stage's sampling and algorithm are here, so the recipe's "
         "own rollout and algorithm stay unset.")
+    agent: AgentConfig | None = Field(None, description="Multi-turn rollouts with tools (text families): the policy "
+                                      "writes a turn, its tool calls run, their results come back, until it answers "
+                                      "(docs/agentic.md). Empty: one answer per prompt.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     iterations: int = Field(3, ge=1, le=10_000_000, description="RL iterations in the run.")
     checkpoint_every: int = Field(1, ge=1, description="Save a checkpoint (and publish weights) every N iterations.")
@@ -124,6 +128,8 @@ class Recipe(Section):
         errors += multinode_errors(self)
         if self.sft is not None and self.sft.source == "file" and not self.sft.path:
             errors.append("sft.path: `source: file` needs the path of a JSONL or Arrow file of prompt/response records")
+        if self.agent is not None:
+            errors += agent_errors(self, policy)
         if errors:
             raise ValueError("\n".join(errors))
         from unirl.stages.engines import engines
@@ -430,3 +436,30 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         data = loaded
         data.setdefault("name", p.stem)
     return build_recipe(apply_overrides(data, overrides or []), source)
+
+
+def agent_errors(recipe: Recipe, policy: Any) -> list[str]:
+    """The `agent` section's rules: text policies only, tools that are registered (their schemas
+    were checked when they registered), MCP servers with distinct names."""
+    from unirl.stages.tools import tools
+
+    agent = recipe.agent
+    assert agent is not None
+    errors = []
+    if policy.segment != "text":
+        errors.append(f"agent: multi-turn tool use samples text, but model.kind {recipe.model.kind!r} samples "
+                      f"{policy.segment}; remove agent")
+    try:
+        known = tools.names()
+    except ValueError as exc:  # a registered tool whose schema cannot be made
+        return [*errors, f"agent.tools: {exc}"]
+    for i, name in enumerate(agent.tools):
+        if name not in known:
+            errors.append(f"agent.tools.{i}: unknown tool {name!r} (registered: {', '.join(known) or 'none'}; register one "
+                          "with @register_tool, or serve it from agent.mcp_servers)")
+    names = [s.name for s in agent.mcp_servers]
+    if len(set(names)) != len(names):
+        errors.append(f"agent.mcp_servers: two servers named alike ({names})")
+    if not agent.tools and not agent.mcp_servers:
+        errors.append("agent: no tools; give agent.tools or agent.mcp_servers")
+    return errors

@@ -98,7 +98,10 @@ def engine_of(recipe: Recipe, storage: RunStorage) -> RolloutEngine:
     key = storage.url()
     engine = _ENGINES.get(key)
     if engine is None:
-        engine = _ENGINES[key] = engines.get(recipe.rollout.engine.name)(recipe, storage, group_of(recipe, storage))
+        from unirl.stages.tools.engine import agentic
+
+        engine = engines.get(recipe.rollout.engine.name)(recipe, storage, group_of(recipe, storage))
+        engine = _ENGINES[key] = agentic(engine, recipe, storage)  # multi-turn with tools: the recipe's `agent`
     return engine
 
 
@@ -106,7 +109,9 @@ def eval_engine_of(recipe: Recipe, storage: RunStorage) -> RolloutEngine:
     """Where held-out evaluation samples: the run's engine, except in async RL, where the engine
     belongs to the producer (which must not be moved to another version): the worker group."""
     if recipe.rollout.mode == "async":
-        return in_group()(recipe, storage, group_of(recipe, storage))
+        from unirl.stages.tools.engine import agentic
+
+        return agentic(in_group()(recipe, storage, group_of(recipe, storage)), recipe, storage)
     return engine_of(recipe, storage)
 
 

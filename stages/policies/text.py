@@ -296,16 +296,17 @@ class TextPolicy(Policy):
                 return [cols[name][r] for r in rows]
 
             t = token_batch(take("prompt_ids"), take("response_ids"), self.tokenizer.pad_token_id, self.device)
+            behaviour = pad_like(take("response_logprobs"), t["mask"])  # over every response position, in order
             if masked:  # tool and template tokens of an agent's trajectory are context, not trained
-                t["mask"] = t["mask"] * pad_like([[float(m) for m in (ms or [])] or [1.0] * len(r)
-                                                  for ms, r in zip(take("response_mask"), take("response_ids"))], t["mask"])
+                own = pad_like([[float(m) for m in (ms or [])] or [1.0] * len(r)
+                                for ms, r in zip(take("response_mask"), take("response_ids"))], t["mask"])
+                t["mask"], behaviour = t["mask"] * own, behaviour * own
             adv = torch.tensor([float(advantages[r]) for r in rows], dtype=torch.float32, device=self.device)
             shown = [] if self.images is None else [
                 self.images.decode(pngs, grids_of(grids), f"{where}: sample {sid!r}")
                 for sid, pngs, grids in zip(take("sample_id"), take("images"), take("image_grids"))]
             inputs = self._forward_inputs(t, shown)
-            out.append(TextBatch(take("sample_id"), t["ids"], t["attn"], t["mask"],
-                                 pad_like(take("response_logprobs"), t["mask"]), adv, inputs,
+            out.append(TextBatch(take("sample_id"), t["ids"], t["attn"], t["mask"], behaviour, adv, inputs,
                                  torch.tensor(take("policy_version"), dtype=torch.int64, device=self.device)))
         return out
 

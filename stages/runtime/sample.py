@@ -68,11 +68,19 @@ ADVANTAGE_COLUMNS: dict[str, pa.DataType] = {"sample_id": pa.string(), "group_id
 # `media_frames` (one PNG per frame) for video models.
 SFT_COLUMNS: dict[str, pa.DataType] = {"prompt": pa.string()}
 
+# An agent's transcripts (stages/tools/agent.py `turn_rows`): one row per turn of every trajectory.
+TURN_COLUMNS: dict[str, pa.DataType] = {
+    "sample_id": pa.string(), "turn": pa.int32(), "role": pa.string(), "token_ids": pa.list_(pa.int32()),
+    "mask": pa.list_(pa.int8()), "text": pa.string(), "tool": pa.string(), "arguments": pa.string(), "result": pa.string(),
+    "latency_s": pa.float64(), "error": pa.string(), "stop_reason": pa.string(),
+}
+
 KINDS: dict[str, dict[str, pa.DataType]] = {
     "sft": SFT_COLUMNS,
     "requests": REQUEST_COLUMNS,
     "rewards": REWARD_COLUMNS,
     "advantages": ADVANTAGE_COLUMNS,
+    "turns": TURN_COLUMNS,
 }
 
 

@@ -24,7 +24,7 @@ def script(tok, turns_by_sample):
         rows = []
         for traj in open_:
             ids = list(tok(turns_by_sample[traj.sample_id][turn], add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
-            rows.append({"response_ids": ids, "response_logprobs": [-0.5] * len(ids), "finish_reason": "stop",
+            rows.append({"response_ids": ids, "response_logprobs": [-0.5 - turn] * len(ids), "finish_reason": "stop",
                          "policy_version": 3})
         return rows
     return generate
@@ -51,7 +51,7 @@ def test_tool_tokens_are_masked_and_the_policy_tokens_trained():
     tool = len(fmt.tool_turn(["5"]))  # <tool_response>\n5\n</tool_response>, one token a character
     a2 = 1 + 1  # "5" and eos
     assert row["response_mask"] == [1] * a1 + [0] * tool + [1] * a2
-    assert row["response_logprobs"] == [-0.5] * a1 + [0.0] * tool + [-0.5] * a2
+    assert row["response_logprobs"] == [-0.5] * a1 + [0.0] * tool + [-1.5] * a2
     assert tok.decode(row["response_ids"][a1:a1 + tool]) == "<tool_response>\n5\n</tool_response>"
     assert row["text"] == "5" and row["agent_tool_calls"] == 1 and row["agent_stop"] == "answered"
     rows = turn_rows(trajs[0])
@@ -100,3 +100,6 @@ def test_the_trainer_replays_only_the_policy_tokens(tmp_path):
     assert got == [float(m) for m in row["response_mask"]] and 0.0 in got and 1.0 in got
     assert batch.mask[0, :start].sum() == 0  # nothing of the prompt is trained
     assert (batch.behaviour[0] * (1 - batch.mask[0])).abs().sum() == 0
+    # each trained position carries the log-prob recorded for its own token (not the next recorded value)
+    recorded = [lp for lp, m in zip(row["response_logprobs"], row["response_mask"]) if m]
+    assert batch.behaviour[0][batch.mask[0] > 0].tolist() == recorded
