@@ -10,7 +10,8 @@ class MCPServerConfig(Section):
     """An MCP server over stdio whose tools the policy may call."""
 
     name: str = Field(description="What the run calls it (logs, errors).")
-    command: list[str] = Field(min_length=1, description="Its command line, e.g. [python, -m, my_tools.server].")
+    command: list[str] = Field(min_length=1, description="Its command line, e.g. [python, -m, my_tools.server] (`python` "
+                               "first: the run's own interpreter).")
     env: dict[str, str] = Field(default_factory=dict, description="Variables it gets besides the run's.")
 
     @field_validator("name")

@@ -12,6 +12,7 @@ depend on the sample, the turn and the iteration alone, and nothing is committed
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -31,8 +32,9 @@ class ToolBox:
         try:
             if cfg.tools:
                 self.servers.append(python_tools_server(list(cfg.tools), scratch / "python-tools", **options))
-            for s in cfg.mcp_servers:
-                self.servers.append(ToolServer(ServerSpec(s.name, list(s.command), dict(s.env), scratch / s.name, **options)))
+            for s in cfg.mcp_servers:  # `python` is this run's interpreter (its venv's)
+                command = [sys.executable if c == "python" and i == 0 else c for i, c in enumerate(s.command)]
+                self.servers.append(ToolServer(ServerSpec(s.name, command, dict(s.env), scratch / s.name, **options)))
         except Exception:
             self.close()
             raise

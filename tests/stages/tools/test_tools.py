@@ -120,3 +120,23 @@ def test_tools_reach_no_network_and_write_only_in_their_scratch_folder(server, t
     inside = server.call("write", {"path": "notes.txt"})
     assert inside.error is None and (server.spec.scratch / "notes.txt").exists()
     listener.close()
+
+
+def test_a_toolbox_routes_each_call_to_the_server_that_has_the_tool(tmp_path):
+    """The recipe's Python tools on unirl's server and an MCP server of its own (here: the same
+    program, started by its command line), one box."""
+    from unirl.stages.tools.config import AgentConfig
+    from unirl.stages.tools.engine import ToolBox
+
+    cfg = AgentConfig(tools=[], mcp_servers=[
+        {"name": "sums", "command": ["python", "-m", "unirl.stages.tools.serve", "--tool", "add"],
+         "env": {"UNIRL_PLUGINS": "tests.agent_tools", "PYTHONPATH": str(REPO)}},
+        {"name": "words", "command": ["python", "-m", "unirl.stages.tools.serve", "--tool", "echo"],
+         "env": {"UNIRL_PLUGINS": "tests.agent_tools", "PYTHONPATH": str(REPO)}}])
+    box = ToolBox(cfg, tmp_path)
+    try:
+        assert sorted(box.route) == ["add", "echo"] and [s.name for s in box.specs] == ["add", "echo"]
+        assert box.call("add", {"a": 1, "b": 2}).text == "3" and box.call("echo", {"text": "hi"}).text == "hi"
+        assert box.route["add"] is not box.route["echo"]
+    finally:
+        box.close()
