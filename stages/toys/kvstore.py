@@ -1,0 +1,71 @@
+"""The key-value toy task of agentic runs: a store of short keys and small integer values, made
+fresh from a seed, reachable only through the `lookup` tool of its MCP server
+(stages/toys/kv_server.py); a question `abc+dfe=` asks for the sum of two keys' values, so an
+answer takes two lookups and a `calc` (or the sum done by the policy). The keys of the dev and
+test questions are never in a training question, so no model can answer a held-out question
+from what it saw in training: only by calling the tools.
+"""
+from __future__ import annotations
+
+import ast
+import operator
+import random
+
+from unirl.stages.runtime.data import Prompt, check_split
+from unirl.stages.runtime.seeds import derive_seed
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+MAX_VALUE = 40
+
+
+def make_store(seed: int, size: int) -> dict[str, int]:
+    """`size` distinct three-letter keys, each with a value in 1..MAX_VALUE."""
+    rng = random.Random(derive_seed("kvstore", seed))
+    keys: set[str] = set()
+    while len(keys) < size:
+        keys.add("".join(rng.choice(LETTERS) for _ in range(3)))
+    return {k: rng.randint(1, MAX_VALUE) for k in sorted(keys)}
+
+
+def calc(expression: str) -> int:
+    """An integer expression of + - * and parentheses, evaluated without eval()."""
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+    def value(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        raise ValueError(f"calc takes integers, + - * and parentheses, not {ast.dump(node)[:60]}")
+
+    if len(expression) > 200:
+        raise ValueError("calc takes expressions of 200 characters at most")
+    return value(ast.parse(expression, mode="eval").body)
+
+
+class KVStore:
+    """Questions over one store: its keys split three ways (training, dev, test questions draw
+    their two keys from their own third), held-out splits fixed, the training stream by iteration."""
+
+    def __init__(self, seed: int, size: int, heldout_size: int):
+        self.seed, self.store = seed, make_store(seed, size)
+        keys = list(self.store)
+        random.Random(derive_seed("kvstore-split", seed)).shuffle(keys)
+        third = max(2, len(keys) // 5)
+        self.keys = {"dev": keys[:third], "test": keys[third:2 * third], "train": keys[2 * third:]}
+        self.heldout_size = heldout_size
+
+    def _question(self, rng: random.Random, keys: list[str], prompt_id: str) -> Prompt:
+        a, b = rng.sample(keys, 2)
+        return Prompt(prompt_id, f"{a}+{b}=", {"answer": self.store[a] + self.store[b], "keys": [a, b]})
+
+    def heldout(self, split: str = "dev") -> list[Prompt]:
+        check_split(split)
+        rng = random.Random(derive_seed("kvstore-heldout", self.seed, split))
+        return [self._question(rng, self.keys[split], f"{split}-{i:05d}") for i in range(self.heldout_size)]
+
+    def batch(self, iteration: int, n: int) -> list[Prompt]:
+        rng = random.Random(derive_seed("kvstore-train", self.seed, iteration))
+        return [self._question(rng, self.keys["train"], f"it{iteration:06d}-{i:05d}") for i in range(n)]
