@@ -356,6 +356,17 @@ class TextPolicy(Policy):
             self._sft_images = [self.images.decode(pngs, g, f"{where}: record {i + 1}")
                                 for i, (pngs, g) in enumerate(zip(table.column("images").to_pylist(), grids))]
         self._sft_responses = [self.tokenizer(r, add_special_tokens=False).input_ids + [eos] for r in table.column("response").to_pylist()]
+        self._sft_masks: list[list[int]] | None = None
+        if "turns" in table.schema.names:  # agents' transcripts: only the assistant turns are learned
+            import json
+
+            from unirl.stages.tools.calls import ToolFormat
+
+            fmt = ToolFormat(self.tokenizer, self.use_chat)
+            self._sft_masks = [[1] * len(r) for r in self._sft_responses]
+            for i, turns in enumerate(table.column("turns").to_pylist()):
+                if turns is not None:
+                    self._sft_responses[i], self._sft_masks[i] = fmt.transcript(json.loads(turns))
         return {}
 
     def sft_loss(self, module: Any, step: int, *, seed: int, batch_size: int, stack: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -370,6 +381,8 @@ class TextPolicy(Policy):
         batch = token_batch([self._sft_prompts[i] for i in idx], [self._sft_responses[i] for i in idx],
                             self.tokenizer.pad_token_id, self.device)
         inputs = self._forward_inputs(batch, [self._sft_images[i] for i in idx] if self.images is not None else [])
+        if self._sft_masks is not None:  # tool turns of a transcript are context
+            batch["mask"] = batch["mask"] * pad_like([[float(m) for m in self._sft_masks[i]] for i in idx], batch["mask"])
         logp = token_logp(module, batch, 1.0, inputs, self.banned)
         tokens = torch.tensor([float(batch["mask"].sum())], dtype=torch.float64, device=self.device)
         stack.all_reduce(tokens)

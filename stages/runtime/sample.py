@@ -108,7 +108,7 @@ def table_from_rows(rows: list[dict[str, Any]], kind: str, segments: Iterable[st
             metadata={"unirl.schema_version": str(SCHEMA_VERSION), "unirl.kind": kind},
         )
     extra = sorted(({k for r in rows for k in r} | set(extra)) - set(schema.names))
-    known = {"response": pa.string(), "media_png": pa.binary(), "metadata": pa.string(),
+    known = {"response": pa.string(), "media_png": pa.binary(), "metadata": pa.string(), "turns": pa.string(),
              "media_frames": pa.list_(pa.binary()), **IMAGE_COLUMNS, **TOKEN_COLUMNS}
     for name in extra:  # e.g. reward/<component>; SFT's response / media_png; a prompt's images
         dtype = known.get(name, pa.float64())

@@ -33,6 +33,25 @@ class KVStoreSource(Source):
         return KVStore(cfg.seed, cfg.size, cfg.heldout_size)
 
     @classmethod
+    def sft_records(cls, recipe: Any) -> list[dict[str, Any]]:
+        """An imperfect teacher's transcripts (stages/toys/kvstore.py `teacher_turns`): two lookups, a
+        calc, the answer; `sft.noise` of them carry a slip (a malformed calc call, or an answer
+        summed wrong without calling calc)."""
+        import json
+        import random
+
+        from unirl.stages.toys.kvstore import teacher_turns
+
+        source = cls.build(recipe.data)
+        rng = random.Random(f"sft-noise-{recipe.sft.seed}")
+        records = []
+        for p in source.batch(0, recipe.sft.examples):
+            slip = rng.choice(("malformed", "wrong")) if rng.random() < recipe.sft.noise else None
+            turns = teacher_turns(source.store, *p.metadata["keys"], slip=slip)
+            records.append({"prompt": p.text, "response": turns[-1]["text"], "turns": json.dumps(turns)})
+        return records
+
+    @classmethod
     def check(cls, recipe: Any) -> None:
         """The store's tool server, where the recipe runs it, serves this store (its --seed, --size)."""
         agent = getattr(recipe, "agent", None)

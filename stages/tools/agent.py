@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from unirl.stages.tools.calls import Call, parse
+from unirl.stages.tools.calls import Call, ToolFormat, parse
 from unirl.stages.tools.client import Observation
 
 STOPS = ("answered", "max_turns", "context_full", "malformed_call")
@@ -70,33 +70,6 @@ class Trajectory:
     @property
     def tool_errors(self) -> int:
         return sum(t.role == "tool" and t.error is not None for t in self.turns)
-
-
-class ToolFormat:
-    """How a family's chat format writes tool results back (Qwen3 / Hermes: a user turn of
-    <tool_response> blocks; a model without a chat template: the blocks alone, after its eos)."""
-
-    def __init__(self, tokenizer: Any, use_chat: bool):
-        self.tokenizer, self.use_chat = tokenizer, use_chat
-
-    def first_prompt(self, prompt: str, specs: list[Any]) -> list[int]:
-        """The first prompt's tokens, the tools given to the chat template where there is one."""
-        from unirl.stages.models.tokenizer import encode_prompt
-
-        if self.use_chat:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=[s.as_function() for s in specs],
-                                                     add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        return encode_prompt(self.tokenizer, prompt, False)
-
-    def tool_turn(self, results: list[str]) -> str:
-        body = "".join(f"<tool_response>\n{r}\n</tool_response>" for r in results)
-        if self.use_chat:
-            return f"\n<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
-        return body
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def observation_text(call: Call, obs: Observation | None) -> str:

@@ -65,6 +65,58 @@ def _one(body: str, known: set[str]) -> Call:
     return Call(obj["name"], args, raw=body)
 
 
-def render(name: str, arguments: dict[str, Any]) -> str:
-    """A call as the policy writes it (teacher transcripts, tests)."""
+class ToolFormat:
+    """How a family's chat format writes tool results back (Qwen3 / Hermes: a user turn of
+    <tool_response> blocks; a model without a chat template: the blocks alone, after its eos)."""
+
+    def __init__(self, tokenizer: Any, use_chat: bool):
+        self.tokenizer, self.use_chat = tokenizer, use_chat
+
+    def first_prompt(self, prompt: str, specs: list[Any]) -> list[int]:
+        """The first prompt's tokens, the tools given to the chat template where there is one."""
+        from unirl.stages.models.tokenizer import encode_prompt
+
+        if self.use_chat:
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=[s.as_function() for s in specs],
+                                                     add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return encode_prompt(self.tokenizer, prompt, False)
+
+    def tool_turn(self, results: list[str]) -> str:
+        body = "".join(f"<tool_response>\n{r}\n</tool_response>" for r in results)
+        if self.use_chat:
+            return f"\n<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
+        return body
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def transcript(self, turns: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+        """A written transcript's tokens after its prompt and their mask, as the agent loop makes them
+        (stages/tools/agent.py): an assistant turn's text and the end-of-turn token (mask 1), each
+        run of tool results one tool turn (mask 0). `turns`: {"role": "assistant" | "tool", "text"}."""
+        ids: list[int] = []
+        mask: list[int] = []
+        results: list[str] = []
+        for i, turn in enumerate(turns):
+            if turn.get("role") == "tool":
+                results.append(str(turn.get("text", "")))
+                if i + 1 < len(turns) and turns[i + 1].get("role") == "tool":
+                    continue
+                tokens = self.encode(self.tool_turn(results))
+                ids, mask, results = ids + tokens, mask + [0] * len(tokens), []
+            elif turn.get("role") == "assistant":
+                tokens = self.encode(str(turn.get("text", ""))) + [self.tokenizer.eos_token_id]
+                ids, mask = ids + tokens, mask + [1] * len(tokens)
+            else:
+                raise ValueError(f"turn {i}: role {turn.get('role')!r} (a transcript has assistant and tool turns)")
+        return ids, mask
+
+
+
+def render(name: str, arguments: dict[str, Any], *, compact: bool = False) -> str:
+    """A call as the policy writes it (teacher transcripts, tests); `compact`: on one line, no spaces
+    (the short form tiny models learn)."""
+    if compact:
+        return f"{OPEN}{json.dumps({'name': name, 'arguments': arguments}, separators=(',', ':'))}{CLOSE}"
     return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments})}\n{CLOSE}"

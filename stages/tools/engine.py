@@ -18,7 +18,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from unirl.stages.tools.agent import STOPS, ToolFormat, Trajectory, run, training_row, turn_rows
+from unirl.stages.tools.agent import STOPS, Trajectory, run, training_row, turn_rows
+from unirl.stages.tools.calls import ToolFormat
 from unirl.stages.tools.client import Observation, ServerSpec, ToolServer, python_tools_server
 
 

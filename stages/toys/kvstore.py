@@ -45,6 +45,22 @@ def calc(expression: str) -> int:
     return value(ast.parse(expression, mode="eval").body)
 
 
+def teacher_turns(store: dict[str, int], a: str, b: str, slip: str | None = None) -> list[dict[str, str]]:
+    """A teacher's transcript for `a+b=`: lookup a, lookup b, calc, answer. `slip`: "malformed" (the
+    calc call is not JSON: the trajectory ends there) or "wrong" (no calc: an answer one off)."""
+    from unirl.stages.tools.calls import CLOSE, OPEN, render
+
+    va, vb = store[a], store[b]
+    turns = [{"role": "assistant", "text": render("lookup", {"key": a}, compact=True)}, {"role": "tool", "text": str(va)},
+             {"role": "assistant", "text": render("lookup", {"key": b}, compact=True)}, {"role": "tool", "text": str(vb)}]
+    if slip == "wrong":
+        return [*turns, {"role": "assistant", "text": str(va + vb + 1)}]
+    if slip == "malformed":
+        return [*turns, {"role": "assistant", "text": f'{OPEN}{{"name":"calc","arguments":{{"expression":"{va}+{vb}"}}{CLOSE}'}]
+    return [*turns, {"role": "assistant", "text": render("calc", {"expression": f"{va}+{vb}"}, compact=True)},
+            {"role": "tool", "text": str(va + vb)}, {"role": "assistant", "text": str(va + vb)}]
+
+
 class KVStore:
     """Questions over one store: its keys split three ways (training, dev, test questions draw
     their two keys from their own third), held-out splits fixed, the training stream by iteration."""

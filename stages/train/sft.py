@@ -35,11 +35,29 @@ def file_records(path: str) -> list[dict[str, Any]]:
                     raise ValueError(f"{p}:{n}: not a JSON object ({exc.msg})") from None
     if not rows:
         raise ValueError(f"sft.path {p}: no records")
+    out = []
     for n, row in enumerate(rows, 1):
+        turns = row.get("turns")
+        if turns is not None:  # an agent's transcript: its assistant and tool turns after the prompt
+            row = {**row, "turns": json.dumps(check_turns(turns, f"{p}: record {n}"))}
+            row.setdefault("response", json.loads(row["turns"])[-1]["text"])
         for column in ("prompt", "response"):
             if not isinstance(row.get(column), str) or not row[column]:
                 raise ValueError(f"{p}: record {n} has no {column!r} text (columns: {sorted(row)})")
-    return [{"prompt": r["prompt"], "response": r["response"]} for r in rows]
+        out.append({"prompt": row["prompt"], "response": row["response"], **({"turns": row["turns"]} if turns is not None else {})})
+    return out
+
+
+def check_turns(turns: Any, where: str) -> list[dict[str, str]]:
+    """A transcript's turns: a list of {"role": "assistant" | "tool", "text": str}, ending in an assistant turn."""
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"{where}: turns must be a non-empty list of {{role, text}} objects")
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict) or t.get("role") not in ("assistant", "tool") or not isinstance(t.get("text"), str):
+            raise ValueError(f"{where}: turns.{i} must be {{\"role\": \"assistant\" | \"tool\", \"text\": ...}}")
+    if turns[-1]["role"] != "assistant":
+        raise ValueError(f"{where}: the last turn must be the assistant's (its answer)")
+    return [{"role": t["role"], "text": t["text"]} for t in turns]
 
 
 def sft_records(recipe: Recipe) -> list[dict[str, Any]]:

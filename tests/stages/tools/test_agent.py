@@ -2,11 +2,12 @@
 tokens are the policy's (trained) and which are the tools' (masked), the stop reasons, the rows."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from unirl.stages.models.tokenizer import build_char_tokenizer
-from unirl.stages.tools.agent import ToolFormat, Trajectory, run, training_row, turn_rows
-from unirl.stages.tools.calls import render
+from unirl.stages.tools.agent import Trajectory, run, training_row, turn_rows
+from unirl.stages.tools.calls import ToolFormat, render
 from unirl.stages.tools.client import Observation
 
 CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789{}[]\":,_<>/+-*=() \n"
@@ -103,3 +104,54 @@ def test_the_trainer_replays_only_the_policy_tokens(tmp_path):
     # each trained position carries the log-prob recorded for its own token (not the next recorded value)
     recorded = [lp for lp, m in zip(row["response_logprobs"], row["response_mask"]) if m]
     assert batch.behaviour[0][batch.mask[0] > 0].tolist() == recorded
+
+
+def test_a_written_transcript_is_the_token_sequence_the_loop_samples():
+    """SFT on a teacher's transcript teaches exactly what the agent loop later samples and trains:
+    the same tokens, the same mask (stages/tools/calls.py `ToolFormat.transcript`)."""
+    from unirl.stages.toys.kvstore import make_store, teacher_turns
+
+    tok, fmt = setup()
+    store = make_store(0, 20)
+    a, b = list(store)[:2]
+    turns = teacher_turns(store, a, b)
+    assistant = [t["text"] for t in turns if t["role"] == "assistant"]
+    traj = Trajectory("g/0", "g", f"{a}+{b}=", {}, fmt.first_prompt(f"{a}+{b}=", []))
+    run([traj], script(tok, {"g/0": assistant}), lambda name, args: Observation(
+        str(store[args["key"]]) if name == "lookup" else str(store[a] + store[b]), None, 0.0),
+        fmt, {"lookup", "calc"}, max_turns=4, max_new_tokens=64, context=None,
+        decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
+    row = training_row(traj)
+    ids, mask = fmt.transcript(turns)
+    assert traj.stop_reason == "answered" and (row["response_ids"], row["response_mask"]) == (ids, mask)
+    assert row["text"] == str(store[a] + store[b])
+
+
+def test_sft_learns_only_the_assistant_turns_of_a_transcript(tmp_path):
+    import json
+
+    from tests.tiny import TINY, merged
+    from unirl.stages.models.family import get_family
+    from unirl.stages.policies.text import TextPolicy
+    from unirl.stages.recipe import build_recipe
+    from unirl.stages.runtime.sample import table_from_rows
+    from unirl.stages.toys.kvstore import make_store, teacher_turns
+    from unirl.stages.train.sft import check_turns
+
+    recipe = build_recipe(merged(TINY["qwen3"], {"model": {"tiny": {"charset": CHARSET, "max_position_embeddings": 512}}}))
+    family = get_family("qwen3")
+    cfg = recipe.model.model_copy(update={"path": str(family.materialize(recipe.model, tmp_path / "tiny"))})
+    bundle = family.load(family.materialize(cfg, tmp_path / "unused"), cfg, torch.device("cpu"))
+    policy = TextPolicy(family, bundle, recipe, torch.device("cpu"))
+    store = make_store(0, 20)
+    a, b = list(store)[:2]
+    turns = teacher_turns(store, a, b, slip="malformed")
+    table = table_from_rows([{"prompt": f"{a}+{b}=", "response": turns[-1]["text"], "turns": json.dumps(turns)},
+                             {"prompt": "1+2=", "response": "3"}], "sft")
+    policy.sft_setup(table, "sft", None, 0)
+    ids, mask = ToolFormat(bundle.tokenizer, False).transcript(turns)
+    tool_chars = sum(len(f"<tool_response>\n{t['text']}\n</tool_response>") for t in turns if t["role"] == "tool")
+    assert policy._sft_responses[0] == ids and policy._sft_masks[0] == mask and mask.count(0) == tool_chars
+    assert policy._sft_masks[1] == [1] * len(policy._sft_responses[1])  # a plain record: its whole response
+    with pytest.raises(ValueError, match=r"rec: the last turn must be the assistant's"):
+        check_turns([{"role": "assistant", "text": "x"}, {"role": "tool", "text": "1"}], "rec")
