@@ -47,7 +47,8 @@ class KVStoreSource(Source):
         records = []
         for p in source.batch(0, recipe.sft.examples):
             slip = rng.choice(("malformed", "wrong")) if rng.random() < recipe.sft.noise else None
-            turns = teacher_turns(source.store, *p.metadata["keys"], slip=slip)
+            a, b = p.metadata["keys"]
+            turns = teacher_turns(source.store, a, b, slip=slip)
             records.append({"prompt": p.text, "response": turns[-1]["text"], "turns": json.dumps(turns)})
         return records
 
