@@ -197,20 +197,22 @@ class VLLM(LaunchedEngine):
 
     @classmethod
     def check(cls, recipe: Any) -> None:
+        from unirl.stages.models.family import get_family
         from unirl.stages.policies import policy_for
 
         super().check(recipe)
         e, r = recipe.rollout.engine, recipe.rollout
-        if policy_for(recipe).segment != "text" or recipe.model.kind != "qwen3":
-            raise ValueError(f"rollout.engine.name: vllm samples text models (qwen3) here; model.kind {recipe.model.kind!r} "
-                             "samples with engine_server or trainside (docs/engines.md)")
+        if policy_for(recipe).segment != "text" or get_family(recipe.model.kind).takes_images:
+            raise ValueError(f"rollout.engine.name: vllm samples text-only language models here; model.kind "
+                             f"{recipe.model.kind!r} samples with engine_server or trainside (docs/engines.md)")
         if e.sync.transport == "distributed":
             raise ValueError("rollout.engine.sync.transport: vllm loads the published weights from disk; use transport: disk")
         if r.top_p < 1.0 and r.correction is None:
             raise ValueError(f"rollout.top_p: {r.top_p} makes vLLM's log-probs those of the nucleus it samples from, which "
                              "the trainer's replay (the whole distribution) differs from; set rollout.correction or top_p: 1")
-        if recipe.model.path is None and recipe.model.tiny.head_dim not in CPU_HEAD_DIMS:
-            raise ValueError(f"model.tiny.head_dim: {recipe.model.tiny.head_dim} is not served by vLLM's CPU attention "
+        head_dim = getattr(getattr(recipe.model, "tiny", None), "head_dim", None)
+        if recipe.model.path is None and head_dim is not None and head_dim not in CPU_HEAD_DIMS:
+            raise ValueError(f"model.tiny.head_dim: {head_dim} is not served by vLLM's CPU attention "
                              f"({', '.join(map(str, CPU_HEAD_DIMS))}); the server would start and fail on its first request")
         if e.sync.weights == "lora" and recipe.model.lora is not None and recipe.model.lora.rank > LORA_RANKS[-1]:
             raise ValueError(f"model.lora.rank: {recipe.model.lora.rank} is above vLLM's largest LoRA rank {LORA_RANKS[-1]}")
