@@ -51,10 +51,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return rank.get(relative, len(rank))
 
     items.sort(key=weight)  # stable: a file's tests keep their order
-    if any(Path(str(item.path)).name == "test_vllm.py" for item in items):
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """vLLM's own venv installs in the background while the first files run, when its tests are
+    among those selected (not for the unit tier, `-m "not slow"`)."""
+    if any(Path(str(item.path)).name == "test_vllm.py" for item in session.items):
         from tests import vllm_env
 
-        vllm_env.start_in_background()  # vLLM's own venv installs while the first files run
+        vllm_env.start_in_background()
 
 
 def whole_suite(config: pytest.Config) -> bool:
