@@ -130,7 +130,30 @@ def policy_preview(recipe: Recipe, tracker: Tracker, storage: RunStorage, iterat
 def policy_eval_preview(recipe: Recipe, tracker: Tracker, storage: RunStorage, version: int) -> str | None:
     from unirl.stages.policies import policy_for
 
+    if recipe.agent is not None:  # an agent's held-out trajectories, as chats
+        return agent_transcripts(tracker, storage, version)
     return policy_for(recipe).log_eval_preview(recipe, tracker, storage, version)
+
+
+def agent_transcripts(tracker: Tracker, storage: RunStorage, version: int) -> str | None:
+    """MLflow `tables/transcripts/step-<version>.json`: the first greedy held-out trajectories of
+    `version`, each rendered as a chat with its stop reason and reference answer."""
+    import json
+
+    from unirl.stages.runtime.evaluation import eval_dir
+    from unirl.stages.runtime.sample import read_rollouts, read_shard
+    from unirl.stages.runtime.storage import join
+    from unirl.stages.tools.agent import transcript_table
+
+    base = join(eval_dir(version), "greedy")
+    rel = f"{base}.turns/transcript.arrow"
+    if not storage.exists(rel):
+        return None
+    rows = read_rollouts(storage, [join(base, "part-000.arrow")], columns=["sample_id", "prompt", "metadata"])  # AgentEngine's shard
+    prompts = dict(zip(rows.column("sample_id").to_pylist(), rows.column("prompt").to_pylist()))
+    answers = {s: json.loads(m or "{}").get("answer") for s, m in zip(rows.column("sample_id").to_pylist(),
+                                                                        rows.column("metadata").to_pylist())}
+    return tracker.log_table(version, transcript_table(read_shard(storage, rel, "turns"), prompts, answers), "transcripts")
 
 
 run_shapes: Registry[RunShape] = Registry("run shape", "unirl.flows.shapes", "compose.kind")

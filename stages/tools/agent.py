@@ -149,3 +149,28 @@ def turn_rows(traj: Trajectory) -> list[dict[str, Any]]:
              "mask": [1 if t.role == "assistant" else 0] * len(t.token_ids), "text": t.text, "tool": t.tool,
              "arguments": t.arguments, "result": t.result, "latency_s": t.latency_s, "error": t.error,
              "stop_reason": traj.stop_reason if t.index == len(traj.turns) - 1 else None} for t in traj.turns]
+
+
+def render_chat(prompt: str, turns: list[dict[str, Any]]) -> str:
+    """A trajectory as a person reads a chat: the user's prompt, each assistant turn, each call's
+    result or error (one line each)."""
+    lines = [f"user: {prompt}"]
+    for t in turns:
+        if t["role"] == "assistant":
+            lines.append(f"assistant: {t['text']}")
+        else:
+            shown = f"error: {t['error']}" if t.get("error") else (t.get("result") or "")
+            lines.append(f"tool {t.get('tool') or '?'}({t.get('arguments') or ''}): {shown}")
+    return "\n".join(lines)
+
+
+def transcript_table(turns: Any, prompts: dict[str, str], answers: dict[str, Any], n: int = 8) -> dict[str, list[Any]]:
+    """MLflow's table of the first `n` trajectories of a transcript shard (`turns`, a pyarrow table
+    of turn rows): sample, the chat, the stop reason, the reward or reference where known."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for row in turns.to_pylist():
+        by.setdefault(row["sample_id"], []).append(row)
+    first = sorted(by)[:n]
+    return {"sample_id": first, "chat": [render_chat(prompts.get(s, ""), sorted(by[s], key=lambda r: r["turn"])) for s in first],
+            "stop": [next((r["stop_reason"] for r in by[s] if r["stop_reason"]), None) for s in first],
+            "answer": [answers.get(s) for s in first]}

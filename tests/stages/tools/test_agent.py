@@ -155,3 +155,20 @@ def test_sft_learns_only_the_assistant_turns_of_a_transcript(tmp_path):
     assert policy._sft_masks[1] == [1] * len(policy._sft_responses[1])  # a plain record: its whole response
     with pytest.raises(ValueError, match=r"rec: the last turn must be the assistant's"):
         check_turns([{"role": "assistant", "text": "x"}, {"role": "tool", "text": "1"}], "rec")
+
+
+def test_a_transcript_reads_as_a_chat():
+    """MLflow's transcript table (stages/tools/agent.py `transcript_table`): one chat per trajectory."""
+    from unirl.stages.runtime.sample import table_from_rows
+    from unirl.stages.tools.agent import transcript_table
+
+    tok, fmt = setup()
+    call = render("add", {"a": 2, "b": 3}, compact=True)
+    trajs = [Trajectory(s, "g", "2+3=", {}, fmt.first_prompt("2+3=", [])) for s in ("g/0", "g/1")]
+    run(trajs, script(tok, {"g/0": [call, "5"], "g/1": ["<tool_call>{"]}), lambda n, a: Observation("5", None, 0.0), fmt,
+        {"add"}, max_turns=3, max_new_tokens=64, context=None, decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
+    turns = table_from_rows([r for t in trajs for r in turn_rows(t)], "turns")
+    table = transcript_table(turns, {"g/0": "2+3=", "g/1": "2+3="}, {"g/0": 5, "g/1": 5})
+    assert table["sample_id"] == ["g/0", "g/1"] and table["stop"] == ["answered", "malformed_call"]
+    assert table["chat"][0] == f'user: 2+3=\nassistant: {call}\ntool add({{"a": 2, "b": 3}}): 5\nassistant: 5'
+    assert table["chat"][1].endswith("tool ?({}): error: a <tool_call> without its </tool_call> (the turn ended inside the call)")
