@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pyarrow.ipc as ipc
 import pytest
@@ -33,7 +34,8 @@ def test_an_agent_calls_its_tool_and_trains_on_its_own_tokens_only(tmp_path, uni
 
     teacher(tmp_path / "teacher.jsonl")
     root = tmp_path / "runs"
-    out = run_unirl(["run", str(TINY), "iterations=2", f"storage.root={root}", "eval.enabled=false",
+    out = run_unirl(["run", str(TINY), "iterations=2", f"storage.root={root}", "eval.k=2", "data.heldout_size=4",
+                     "tracking.preview_every=1",
                f"model.tiny={{hidden_size: 32, num_hidden_layers: 1, intermediate_size: 64, charset: '{CHARSET}'}}",
                "agent={tools: [add], max_turns: 2}", "rollout.max_new_tokens=72", "reward.scorers=[{name: exact_match}]",
                f"sft={{source: file, path: {tmp_path / 'teacher.jsonl'}, steps: 80, lr: 0.005, batch_size: 32}}"],
@@ -58,6 +60,16 @@ def test_an_agent_calls_its_tool_and_trains_on_its_own_tokens_only(tmp_path, uni
         metrics = json.loads((run / f"iter-{i:06d}/manifests/generate.json").read_text())["metrics"]
         assert metrics["agent/tool_calls_mean"] > 0 and 0 < metrics["agent/tool_success"] <= 1
         assert abs(sum(v for k, v in metrics.items() if k.startswith("agent/stop_")) - 1.0) < 1e-9
+    # the held-out evaluations ran the loop too, and MLflow holds their trajectories as chats
+    from mlflow import MlflowClient
+
+    run_id = json.loads((run / "run.json").read_text())["mlflow_run_id"]
+    local = MlflowClient(unirl_env["MLFLOW_TRACKING_URI"]).download_artifacts(
+        run_id, "tables/transcripts/step-000002.json", str(tmp_path))
+    table = json.loads(Path(local).read_text())
+    chats = [row[table["columns"].index("chat")] for row in table["data"]]
+    assert len(chats) == 4 and all(c.startswith("user: ") and "\nassistant: " in c for c in chats)
+    assert any("\ntool add(" in c for c in chats), chats
     import tests.agent_tools  # noqa: F401 - the run's tools, registered here too: its stored recipe names them
     report = audit_run(RunStorage(str(root), "tiny"))
     assert report.ok, report.text()
