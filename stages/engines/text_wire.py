@@ -43,17 +43,23 @@ class TextWire:
         given = token_prompts or {}
         return [list(given[gid]) if gid in given else ids for (_, gid, _, _), ids in zip(samples, encoded)]
 
+    def sampling(self, samples: list[tuple[str, str, str, Any]], *, iteration: int, seed_tag: str, greedy: bool,
+                 length: str = "max_new_tokens", seed: str = "sampling_seed") -> list[dict[str, Any]]:
+        """Each sample's sampling parameters, its seed derived as trainside sampling derives it
+        (`length`, `seed`: the engine's names for the length cap and the seed)."""
+        c = self.recipe.rollout
+        return [{"temperature": 0.0 if greedy else c.temperature, "top_p": c.top_p, length: c.max_new_tokens,
+                 "stop_token_ids": [self.tokenizer.eos_token_id], seed: derive_seed(self.recipe.seed, seed_tag, iteration, sid)}
+                for sid, _, _, _ in samples]
+
     def rollout(self, client: EngineClient, samples: list[tuple[str, str, str, Any]], *, iteration: int, seed_tag: str,
                 greedy: bool, lora: str | None, transitions: bool,
                 token_prompts: dict[str, list[int]] | None = None) -> list[dict[str, Any]]:
         """One row per (sample id, group id, prompt, metadata); `policy_version` is the version the
         engine reports for each response."""
-        c = self.recipe.rollout
         eos = self.tokenizer.eos_token_id
         prompt_ids = self.prompt_ids(samples, token_prompts)
-        params = [{"temperature": 0.0 if greedy else c.temperature, "top_p": c.top_p, "max_new_tokens": c.max_new_tokens,
-                   "stop_token_ids": [eos], "sampling_seed": derive_seed(self.recipe.seed, seed_tag, iteration, sid)}
-                  for sid, _, _, _ in samples]
+        params = self.sampling(samples, iteration=iteration, seed_tag=seed_tag, greedy=greedy)
         outs = client.generate(prompt_ids, params, lora_path=lora, rid=f"it{iteration:06d}-{seed_tag or 'rollout'}")
         if len(outs) != len(samples):
             raise EngineError(f"rollout engine at {client.url}: {len(outs)} responses for {len(samples)} prompts")

