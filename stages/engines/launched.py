@@ -12,6 +12,7 @@ import secrets
 import subprocess
 import sys
 import time
+from abc import abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +44,13 @@ class LaunchedEngine(DedicatedEngine):
         self.log_path = self.scratch / "engine.log"
 
     # -- what each engine says ---------------------------------------------------------------------
+    @abstractmethod
     def launch_command(self, weights: Path, version: int, token: str) -> tuple[list[str], dict[str, str]]:
         """The server's command line and the variables it adds to the environment."""
-        raise NotImplementedError
 
+    @abstractmethod
     def ready_url(self, client_token: str) -> str | None:
         """The server's URL once it is ready to serve, else None (polled while it starts)."""
-        raise NotImplementedError
 
     def after_launch(self, client: EngineClient, version: int) -> None:
         """What a launched server needs before it serves weights/v{version} as that version."""
