@@ -236,9 +236,8 @@ class DedicatedEngine(RolloutEngine):
             if got != sha256:
                 raise EngineVersionError(f"rollout engine at {client.url} holds weights with checksum {got} after {what}, "
                                          f"whose tensors' checksum is {sha256}")
-        diff = None
-        if manifest is not None and self.segment == "text":
-            diff = verify(client, manifest.get("canary"), self.canary_tolerance, version=version, what=what, lora=lora)
+        diff = None if manifest is None else verify(client, manifest.get("canary"), self.canary_tolerance, version=version,
+                                                    what=what, lora=lora)
         self._version = version
         return diff
 

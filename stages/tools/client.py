@@ -73,8 +73,7 @@ class ToolServer:
     def _params(self) -> Any:
         from mcp import StdioServerParameters
 
-        s = self.spec
-        s.scratch.mkdir(parents=True, exist_ok=True)
+        s = self.spec  # its scratch folder exists: `_main` makes it before the first start
         command = list(s.command)
         if s.sandbox:
             command = [sys.executable, "-m", "unirl.stages.tools.sandbox", "--scratch", str(s.scratch), "--", *command]
@@ -176,5 +175,4 @@ def python_tools_server(names: list[str], scratch: Path, **options: Any) -> Tool
     """unirl's MCP server of the registered Python tools `names` (stages/tools/serve.py)."""
     command = [sys.executable, "-m", "unirl.stages.tools.serve", *[a for n in names for a in ("--tool", n)],
                "--max-chars", str(options.get("max_chars", 4096))]
-    plugins = os.environ.get("UNIRL_PLUGINS", "")
-    return ToolServer(ServerSpec("python-tools", command, {"UNIRL_PLUGINS": plugins} if plugins else {}, scratch, **options))
+    return ToolServer(ServerSpec("python-tools", command, {}, scratch, **options))

@@ -34,7 +34,7 @@ class ToolBox:
             if cfg.tools:
                 self.servers.append(python_tools_server(list(cfg.tools), scratch / "python-tools", **options))
             for s in cfg.mcp_servers:  # `python` is this run's interpreter (its venv's)
-                command = [sys.executable if c == "python" and i == 0 else c for i, c in enumerate(s.command)]
+                command = [sys.executable if s.command[0] == "python" else s.command[0], *s.command[1:]]
                 self.servers.append(ToolServer(ServerSpec(s.name, command, dict(s.env), scratch / s.name, **options)))
         except Exception:
             self.close()

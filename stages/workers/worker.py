@@ -215,17 +215,24 @@ class Worker:
 
     def publish(self) -> dict[str, Any]:
         """weights/v{version}, its manifest recording the canary an engine's load is verified against."""
-        return checkpoint.publish(self.stack, self.storage, self.scratch, self.version, self.export, self._canary())
+        canary = self._canary(self.storage.weights_rel(self.version))
+        return checkpoint.publish(self.stack, self.storage, self.scratch, self.version, self.export, canary)
 
     def publish_adapter(self) -> dict[str, Any]:
         """adapters/v{version}: the LoRA adapters alone (PEFT layout), for an engine's LoRA sync."""
         from unirl.stages.train.adapter import publish_adapter
 
-        return publish_adapter(self.stack, self.storage, self.scratch, self.version, self._canary())
+        canary = self._canary(self.storage.adapters_rel(self.version))
+        return publish_adapter(self.stack, self.storage, self.scratch, self.version, canary)
 
-    def _canary(self) -> dict[str, Any]:
-        """{"canary": ...} of the policy's weights as published (SFT's EMA where it keeps one, as
-        `export` writes), or nothing where the policy has none. Every rank runs the forward."""
+    def _canary(self, rel: str) -> dict[str, Any]:
+        """{"canary": ...} of the policy's weights as published at `rel` (SFT's EMA where it keeps
+        one, as `export` writes), or nothing where the policy has none or `rel` is published already
+        (publishing keeps the first). Every rank runs the forward (each sees the same storage)."""
+        from unirl.stages.train.manifests import MANIFEST
+
+        if self.storage.exists(join(rel, MANIFEST)):
+            return {}
         module = self.stack.module
         training = module.training
         module.eval()
