@@ -37,7 +37,7 @@ def components(recipe_path: str, overrides: list[str], work: Path, name: str, ve
 
     from unirl.stages.recipe import load_recipe
     from unirl.stages.rewards.base import build_scorer, run_scorer
-    from unirl.stages.runtime.iteration import SCORED_COLUMNS, reads_images, score_batch
+    from unirl.stages.runtime.iteration import SCORED_COLUMNS, reads, score_batch
     from unirl.stages.runtime.sample import read_rollouts, scoring_view
     from unirl.stages.runtime.storage import RunStorage
 
@@ -49,7 +49,8 @@ def components(recipe_path: str, overrides: list[str], work: Path, name: str, ve
         folder = work / name / "eval" / version / ("test" if split == "test" else "") / kind
         files = sorted(p.relative_to(work / name).as_posix() for p in folder.rglob("*.arrow"))
         table = scoring_view(read_rollouts(storage, files, columns=SCORED_COLUMNS))
-        result = run_scorer(build_scorer(scorer_name, **params), score_batch(table, prompt_images=reads_images([scorer_name])))
+        result = run_scorer(build_scorer(scorer_name, **params), score_batch(
+            table, prompt_images=reads([scorer_name], "image"), transcripts=reads([scorer_name], "transcript")))
         out.update({f"{kind}/{k}": float(np.mean(v)) for k, v in sorted((result.components or {}).items())})
     return out
 

@@ -106,7 +106,9 @@ class Recipe(Section):
                 raise ValueError("\n".join(errors))
             return self
         family = families.get(self.model.kind)
-        errors = self.scorer_errors(family.produced_by(self.rollout.kind), f"model.kind {self.model.kind!r}")
+        produced = family.produced_by(self.rollout.kind)
+        errors = self.scorer_errors((*produced, "transcript") if self.agent is not None else produced,
+                                    f"model.kind {self.model.kind!r}" + (" with `agent`" if self.agent is not None else ""))
         policy = policies.get(self.rollout.kind)
         algo = algorithms.get(self.algorithm.name)
         if self.rollout.kind not in family.offers():
@@ -441,7 +443,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
 def agent_errors(recipe: Recipe, policy: Any) -> list[str]:
     """The `agent` section's rules: text policies only, tools that are registered (their schemas
     were checked when they registered), MCP servers with distinct names."""
-    from unirl.stages.tools import tools
+    from unirl.stages.tools import REFUSED, tools
 
     agent = recipe.agent
     assert agent is not None
@@ -454,7 +456,9 @@ def agent_errors(recipe: Recipe, policy: Any) -> list[str]:
     except ValueError as exc:  # a registered tool whose schema cannot be made
         return [*errors, f"agent.tools: {exc}"]
     for i, name in enumerate(agent.tools):
-        if name not in known:
+        if name in REFUSED:
+            errors.append(f"agent.tools.{i}: {REFUSED[name]}; the tool was not registered")
+        elif name not in known:
             errors.append(f"agent.tools.{i}: unknown tool {name!r} (registered: {', '.join(known) or 'none'}; register one "
                           "with @register_tool, or serve it from agent.mcp_servers)")
     names = [s.name for s in agent.mcp_servers]

@@ -1,5 +1,6 @@
-"""Tools that misbehave in every way a tool can, for tests/stages/tools/ (registered through
-UNIRL_PLUGINS=tests.agent_tools in the tool server's process)."""
+"""Tools that misbehave in every way a tool can, for tests/stages/tools/ and the agentic runs of
+tests/e2e/test_agent_flow.py (registered through UNIRL_PLUGINS=tests.agent_tools in the tool
+server's process)."""
 from __future__ import annotations
 
 import os
@@ -69,3 +70,12 @@ def write(path: str) -> str:
 def die() -> str:
     """Ends the server's process."""
     os._exit(1)
+
+
+@register_tool("sum")
+def sum_(a: int, b: int) -> int:
+    """The sum of two integers; the first call a server gets in its scratch folder ends the server."""
+    if not os.path.exists("sum-died"):  # the working folder is the server's scratch folder, kept across its restarts
+        open("sum-died", "w").close()
+        os._exit(1)
+    return a + b

@@ -77,8 +77,12 @@ class DedicatedEngine(RolloutEngine):
     @classmethod
     def check(cls, recipe: Any) -> None:
         from unirl.stages.algorithms.base import algorithms
+        from unirl.stages.models.family import get_family
 
         e, r = recipe.rollout.engine, recipe.rollout
+        if get_family(recipe.model.kind).takes_images:
+            raise ValueError(f"rollout.engine.name: {e.name} takes prompts without images (its wire carries none), but "
+                             f"model.kind {recipe.model.kind!r} shows its prompts' images; sample it trainside")
         stale = r.mode == "async" or e.sync.every > 1
         why = (f"rollout.mode async (max_staleness {r.max_staleness})" if r.mode == "async"
                else f"rollout.engine.sync.every {e.sync.every}")

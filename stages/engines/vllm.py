@@ -193,13 +193,12 @@ class VLLM(LaunchedEngine):
 
     @classmethod
     def check(cls, recipe: Any) -> None:
-        from unirl.stages.models.family import get_family
         from unirl.stages.policies import policy_for
 
         super().check(recipe)
         e, r = recipe.rollout.engine, recipe.rollout
-        if policy_for(recipe).segment != "text" or get_family(recipe.model.kind).takes_images:
-            raise ValueError(f"rollout.engine.name: vllm samples text-only language models here; model.kind "
+        if policy_for(recipe).segment != "text":
+            raise ValueError(f"rollout.engine.name: vllm samples language models here; model.kind "
                              f"{recipe.model.kind!r} samples with engine_server or trainside (docs/engines.md)")
         if e.sync.transport == "distributed":
             raise ValueError("rollout.engine.sync.transport: vllm loads the published weights from disk; use transport: disk")

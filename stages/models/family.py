@@ -119,3 +119,10 @@ class Family:
         """A text family that `takes_images`: what turns a prompt's text and images into token ids
         and the model's extra inputs and positions (stages/models/qwen_vl_prompts.py `ImagePrompts`)."""
         return None
+
+    @classmethod
+    def prompt_encoder(cls, directory: Path, chat_template: bool | None) -> Any:
+        """A text family that `takes_images`: its `image_prompts` of the model folder `directory`
+        without its weights, encoding prompts only (`tokenizer`, `use_chat`, `encode(text, grids,
+        tools)`): what an agent's first turn is written with (stages/tools/engine.py)."""
+        return None

@@ -315,3 +315,9 @@ class QwenVL(Family):
         from unirl.stages.models.qwen_vl_prompts import ImagePrompts
 
         return ImagePrompts(bundle, use_chat, device)
+
+    @classmethod
+    def prompt_encoder(cls, directory: Path, chat_template: bool | None) -> Any:
+        from unirl.stages.models.qwen_vl_prompts import ImagePrompts
+
+        return ImagePrompts.from_folder(check_vl_dir(directory), chat_template)

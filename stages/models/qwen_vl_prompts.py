@@ -104,11 +104,13 @@ def grid_of(processor: Any, width: int, height: int) -> tuple[int, int, int]:
 
 class ImagePrompts:
     """A Qwen-VL bundle's prompts: token ids with image placeholders, decoded images checked
-    against their stored grids, and the model inputs of a batch (see the module docstring)."""
+    against their stored grids, and the model inputs of a batch (see the module docstring).
+    Without `rope_index` (a folder's tokenizer, processor and config, no weights: `from_folder`)
+    it encodes prompts only."""
 
     def __init__(self, bundle: Any, use_chat: bool, device: torch.device):
         self.tokenizer, self.processor, self.device = bundle.tokenizer, bundle.processor, device
-        self.rope_index = bundle.rope_index
+        self.rope_index = getattr(bundle, "rope_index", None)
         config = bundle.config
         self.image_token_id = config.image_token_id
         self.placeholder = self.tokenizer.convert_ids_to_tokens(config.image_token_id)
@@ -120,18 +122,34 @@ class ImagePrompts:
         self.banned = sorted({config.image_token_id, config.video_token_id, config.vision_start_token_id,
                               config.vision_end_token_id})
 
+    @classmethod
+    def from_folder(cls, directory: Path, chat_template: bool | None) -> ImagePrompts:
+        """The prompts of a model folder without loading its weights: its tokenizer (chat template
+        as `model.chat_template` says), image processor and config (the image token ids)."""
+        from types import SimpleNamespace
+
+        from transformers import AutoConfig
+
+        from unirl.stages.models.tokenizer import uses_chat_template
+
+        tokenizer = load_vl_tokenizer(directory)
+        parts = SimpleNamespace(tokenizer=tokenizer, processor=load_image_processor(directory),
+                                config=AutoConfig.from_pretrained(str(directory)))
+        return cls(parts, uses_chat_template(tokenizer, chat_template), torch.device("cpu"))
+
     def tokens(self, grid: tuple[int, int, int]) -> int:
         """Image tokens of an image with patch grid `grid`: one per merge x merge patches."""
         t, h, w = grid
         return t * h * w // (self.merge * self.merge)
 
-    def encode(self, text: str, grids: list[tuple[int, int, int]]) -> list[int]:
+    def encode(self, text: str, grids: list[tuple[int, int, int]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a user turn showing the images, then `text` (Qwen's order), through the chat
-        template when the recipe uses it; each image placeholder becomes its image's tokens."""
+        template when the recipe uses it (given `tools`, function schemas, for an agent's first
+        turn); each image placeholder becomes its image's tokens."""
         if self.use_chat:
             content = [{"type": "image"} for _ in grids] + [{"type": "text", "text": text}]
-            rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                                          add_generation_prompt=True)
+            rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": content}], tools=tools,
+                                                          tokenize=False, add_generation_prompt=True)
         else:
             rendered = f"{self.start}{self.placeholder}{self.end}" * len(grids) + text
         pieces = rendered.split(self.placeholder)
@@ -159,6 +177,9 @@ class ImagePrompts:
     def inputs(self, ids: torch.Tensor, attn: torch.Tensor, images: list[list[Any]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The images of each row (in order), as the model takes them with `ids` / `attn` (B, T):
         ({pixel_values (patches, C*t*p*p), image_grid_thw (images, 3)}, M-RoPE positions (3, B, T))."""
+        if self.rope_index is None:
+            raise RuntimeError("these image prompts were made from a folder without its model (from_folder): they encode "
+                               "prompts, not model inputs")
         flat = [im for row in images for im in row]
         pixels = self.processor(images=flat, return_tensors="pt")
         grid = pixels["image_grid_thw"].to(self.device)

@@ -21,6 +21,9 @@ class ScoreBatch:
 
     `images` holds PIL images (RGB); `videos` holds one list of PIL frames per sample.
     `metadata` carries the data source's per-sample fields (e.g. `answer` for arithmetic).
+    `transcripts` (agentic runs, for scorers that read "transcript"): each sample's turns, dicts with
+    `role` ("assistant" or "tool"), `text`, and for tool turns `tool`, `arguments` (JSON), `result`
+    and `error` (stages/tools/agent.py `transcript_of`).
     """
 
     sample_ids: list[str]
@@ -30,12 +33,13 @@ class ScoreBatch:
     videos: list[list[Any]] | None = None
     metadata: list[dict[str, Any]] = field(default_factory=list)
     finish_reasons: list[str] | None = None
+    transcripts: list[list[dict[str, Any]]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.sample_ids)
         if not self.metadata:
             self.metadata = [{} for _ in range(n)]
-        for name in ("prompts", "texts", "images", "videos", "metadata", "finish_reasons"):
+        for name in ("prompts", "texts", "images", "videos", "metadata", "finish_reasons", "transcripts"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"ScoreBatch.{name} has {len(value)} entries for {n} samples")
@@ -71,7 +75,7 @@ class ScorerError(RuntimeError):
     """A scorer failed or returned a non-finite value; the message names the scorer and sample."""
 
 
-MODALITIES = ("text", "image", "video")
+MODALITIES = ("text", "image", "video", "transcript")
 
 
 @dataclass(frozen=True)

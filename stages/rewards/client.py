@@ -54,6 +54,7 @@ def _take(batch: ScoreBatch, sl: slice) -> ScoreBatch:
         videos=cut(batch.videos),
         metadata=batch.metadata[sl],
         finish_reasons=cut(batch.finish_reasons),
+        transcripts=cut(batch.transcripts),
     )
 
 

@@ -44,3 +44,24 @@ class IntegerFormat:
         if batch.texts is None:
             raise ValueError("integer_format needs decoded texts")
         return ScoreResult(np.array([float(_INTEGER.fullmatch(t.strip()) is not None) for t in batch.texts]))
+
+
+@register_scorer("tool_success", reads=("transcript",))
+class ToolSuccess:
+    """An agent's tool use, read from its transcript: the share of its tool calls that came back
+    without an error (a malformed call, a tool that raised, timed out or died counts against it);
+    `no_calls` for a trajectory that called nothing. A shaping term beside a task's own scorer."""
+
+    name = "tool_success"
+
+    def __init__(self, no_calls: float = 0.0):
+        self.no_calls = float(no_calls)
+
+    def __call__(self, batch: ScoreBatch) -> ScoreResult:
+        if batch.transcripts is None:
+            raise ValueError("tool_success reads an agent's transcripts: give the recipe an `agent` section")
+        scores = np.zeros(len(batch), dtype=np.float64)
+        for i, turns in enumerate(batch.transcripts):
+            calls = [t for t in turns if t.get("role") == "tool"]
+            scores[i] = sum(t.get("error") is None for t in calls) / len(calls) if calls else self.no_calls
+        return ScoreResult(scores)

@@ -9,6 +9,8 @@ Request body: one Arrow IPC *stream* (not the IPC file format), media type
     image          binary          optional: encoded image (PNG; anything Pillow opens is accepted)
     video          list<binary>    optional: encoded frames, in order, at least one per sample
     metadata       string          optional: a JSON object per sample (null means {})
+    transcript     string          optional: an agent's trajectory per sample, a JSON list of turns
+                                   ({"role", "text", "tool", "arguments", "result", "error"})
     finish_reason  string          optional
 
 (`large_string` / `large_binary` / `large_list` are accepted too.) An optional column, once
@@ -41,7 +43,7 @@ from unirl.stages.rewards.base import ScoreBatch, ScoreResult
 
 CONTENT_TYPE = "application/vnd.apache.arrow.stream"
 REQUIRED = ("sample_id", "prompt")
-OPTIONAL = ("text", "image", "video", "metadata", "finish_reason")
+OPTIONAL = ("text", "image", "video", "metadata", "transcript", "finish_reason")
 _FILE_MAGIC = b"ARROW1"
 
 
@@ -65,8 +67,8 @@ class Limits:
     max_decoded_bytes: int = 256 * 2**20    # Arrow buffers after decompression
     max_images: int = 65536                 # images plus video frames
     max_pixels: int = 2**27                 # width * height summed over images and video frames
-    max_metadata_bytes: int = 16 * 2**20    # metadata JSON, all samples together
-    max_metadata_depth: int = 32            # nesting of one sample's metadata
+    max_metadata_bytes: int = 16 * 2**20    # metadata JSON, all samples together (and transcripts JSON, so)
+    max_metadata_depth: int = 32            # nesting of one sample's metadata (and transcript)
 
 
 def _encode_image(image: Any) -> bytes:
@@ -92,6 +94,8 @@ def encode_batch(batch: ScoreBatch) -> bytes:
         columns["video"] = pa.array(frames, pa.list_(pa.binary()))
     if any(batch.metadata):
         columns["metadata"] = pa.array([json.dumps(m) for m in batch.metadata], pa.string())
+    if batch.transcripts is not None:
+        columns["transcript"] = pa.array([json.dumps(t) for t in batch.transcripts], pa.string())
     if batch.finish_reasons is not None:
         columns["finish_reason"] = pa.array(batch.finish_reasons, pa.string())
     table = pa.table(columns)
@@ -258,28 +262,40 @@ def _json_depth(value: Any) -> int:
     return deepest
 
 
-def _metadata(ids: list[str], column: pa.ChunkedArray | None, limits: Limits) -> list[dict[str, Any]]:
-    if column is None:
-        return [{} for _ in ids]
+def _json_column(ids: list[str], column: pa.ChunkedArray, limits: Limits, what: str, kind: type) -> list[Any]:
+    """Each sample's JSON value of `column` (a `kind`: dict or list), bounded by the metadata limits."""
     size = pc.sum(pc.binary_length(column)).as_py() or 0
     if size > limits.max_metadata_bytes:
-        raise TooLarge(f"metadata of {size} bytes", "max_metadata_bytes", limits.max_metadata_bytes)
-    metadata: list[dict[str, Any]] = []
+        raise TooLarge(f"{what} of {size} bytes", "max_metadata_bytes", limits.max_metadata_bytes)
+    values: list[Any] = []
     for sid, raw in zip(ids, column.to_pylist()):
         try:
-            meta = json.loads(raw)
-            deep = _json_depth(meta) > limits.max_metadata_depth
+            value = json.loads(raw)
+            deep = _json_depth(value) > limits.max_metadata_depth
         except json.JSONDecodeError as exc:
-            raise WireError(f"metadata of sample {sid!r} is not JSON: {exc}") from exc
+            raise WireError(f"{what} of sample {sid!r} is not JSON: {exc}") from exc
         except RecursionError:  # deeper than the interpreter's recursion limit
             deep = True
         if deep:
-            raise WireError(f"metadata of sample {sid!r} is nested more than {limits.max_metadata_depth} levels deep: "
+            raise WireError(f"{what} of sample {sid!r} is nested more than {limits.max_metadata_depth} levels deep: "
                             f"over the limit `max_metadata_depth: {limits.max_metadata_depth}` of the reward server config")
-        if not isinstance(meta, dict):
-            raise WireError(f"metadata of sample {sid!r} is a {type(meta).__name__}, not an object")
-        metadata.append(meta)
-    return metadata
+        if not isinstance(value, kind):
+            raise WireError(f"{what} of sample {sid!r} is a {type(value).__name__}, not {'an object' if kind is dict else 'a list'}")
+        values.append(value)
+    return values
+
+
+def _metadata(ids: list[str], column: pa.ChunkedArray | None, limits: Limits) -> list[dict[str, Any]]:
+    return [{} for _ in ids] if column is None else _json_column(ids, column, limits, "metadata", dict)
+
+
+def _transcripts(ids: list[str], column: pa.ChunkedArray, limits: Limits) -> list[list[dict[str, Any]]]:
+    transcripts = _json_column(ids, column, limits, "transcript", list)
+    for sid, turns in zip(ids, transcripts):
+        bad = next((k for k, t in enumerate(turns) if not isinstance(t, dict) or not isinstance(t.get("role"), str)), None)
+        if bad is not None:
+            raise WireError(f"transcript of sample {sid!r}: turn {bad} is not an object with a `role`")
+    return transcripts
 
 
 def decode_batch(body: bytes, limits: Limits = Limits(), reads: Collection[str] | None = None) -> ScoreBatch:
@@ -339,6 +355,7 @@ def decode_batch(body: bytes, limits: Limits = Limits(), reads: Collection[str] 
         images=images,
         videos=videos,
         metadata=metadata,
+        transcripts=_transcripts(ids, table.column("transcript"), limits) if wanted("transcript") else None,
         finish_reasons=strings("finish_reason"),
     )
 

@@ -11,7 +11,7 @@ import numpy as np
 from unirl.stages.recipe import Recipe
 from unirl.stages.rewards.base import build_scorer, run_scorer
 from unirl.stages.runtime.data import build_prompt_source
-from unirl.stages.runtime.iteration import SCORED_COLUMNS, reads_images, request_rows, score_batch
+from unirl.stages.runtime.iteration import SCORED_COLUMNS, reads, request_rows, score_batch
 from unirl.stages.runtime.sample import read_rollouts, scoring_view, table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage, join
 
@@ -58,7 +58,8 @@ def correctness(storage: RunStorage, recipe: Recipe, rollouts: list[str]) -> tup
     """(group ids, 0/1 correctness) of every sample in `rollouts`."""
     table = scoring_view(read_rollouts(storage, rollouts, columns=SCORED_COLUMNS))
     name, params = recipe.eval_scorer()
-    scores = run_scorer(build_scorer(name, **params), score_batch(table, prompt_images=reads_images([name]))).scores
+    scores = run_scorer(build_scorer(name, **params), score_batch(
+        table, prompt_images=reads([name], "image"), transcripts=reads([name], "transcript"))).scores
     return table.column("group_id").to_pylist(), (scores >= 1.0).astype(np.float64)
 
 

@@ -5,6 +5,7 @@ requests.arrow -> (worker group) rollouts/part-*.arrow -> rewards.arrow -> advan
 """
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -95,13 +96,14 @@ def check_prompts(recipe: Recipe, prompts: list[Any]) -> None:
 
 # What scoring reads of a rollouts table (not the latents).
 SCORED_COLUMNS = ["sample_id", "group_id", "prompt", "text", "media_png", "media_frames", "images", "metadata",
-                  "finish_reason", "response_ids"]
+                  "finish_reason", "response_ids", "agent_transcript"]
 
 
-def score_batch(table: Any, prompt_images: bool = True) -> ScoreBatch:
+def score_batch(table: Any, prompt_images: bool = True, transcripts: bool = True) -> ScoreBatch:
     """What scorers see of a rollouts table: texts (AR), decoded PNG images (image diffusion),
     decoded frames (video diffusion: `videos`, one list of frames per sample), or the answer and,
-    with `prompt_images`, the first image its prompt showed (vision-language models)."""
+    with `prompt_images`, the first image its prompt showed (vision-language models); an agent's
+    trajectories too with `transcripts`."""
     from unirl.stages.runtime.images import decode
 
     names = table.schema.names
@@ -121,14 +123,16 @@ def score_batch(table: Any, prompt_images: bool = True) -> ScoreBatch:
         videos=[decode_frames(c) for c in clips] if clips is not None and all(c for c in clips) else None,
         metadata=metadata(table),
         finish_reasons=table.column("finish_reason").to_pylist() if "finish_reason" in names else None,
+        transcripts=([json.loads(t) for t in table.column("agent_transcript").to_pylist()]
+                     if transcripts and "agent_transcript" in names else None),
     )
 
 
-def reads_images(scorers: list[str]) -> bool:
-    """Whether one of `scorers` looks at images (a remote scorer may: its server decides)."""
+def reads(scorers: list[str], media: str) -> bool:
+    """Whether one of `scorers` reads `media` (a remote scorer may: its server decides)."""
     from unirl.stages.rewards.base import scorer_reads
 
-    return any("image" in (scorer_reads(name) or ("image",)) for name in scorers)
+    return any(media in (scorer_reads(name) or (media,)) for name in scorers)
 
 
 def score(
@@ -138,7 +142,8 @@ def score(
     """Score every rollout with the recipe's scorers; write rewards.arrow with components."""
     table = scoring_view(read_rollouts(storage, rollouts, columns=SCORED_COLUMNS))
     names = table.schema.names
-    batch = score_batch(table, prompt_images=reads_images([s.name for s in recipe.reward.scorers]))
+    names_ = [s.name for s in recipe.reward.scorers]
+    batch = score_batch(table, prompt_images=reads(names_, "image"), transcripts=reads(names_, "transcript"))
     results, weights = {}, {}
     for spec in recipe.reward.scorers:
         scorer = (scorers or {}).get(spec.component) or build_scorer(spec.name, **spec.params)

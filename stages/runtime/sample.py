@@ -59,7 +59,8 @@ REQUEST_COLUMNS: dict[str, pa.DataType] = {
 TOKEN_COLUMNS: dict[str, pa.DataType] = {"prompt_ids": pa.list_(pa.int32()), "response_mask": pa.list_(pa.int8()),
                                          # an agent's trajectory (stages/tools/agent.py): turns, tool calls, errors, why it stopped
                                          "agent_turns": pa.int32(), "agent_tool_calls": pa.int32(),
-                                         "agent_tool_errors": pa.int32(), "agent_stop": pa.string()}
+                                         "agent_tool_errors": pa.int32(), "agent_stop": pa.string(),
+                                         "agent_transcript": pa.string()}  # JSON: what scorers of "transcript" read
 
 REWARD_COLUMNS: dict[str, pa.DataType] = {"sample_id": pa.string(), "group_id": pa.string(), "reward": pa.float64()}
 ADVANTAGE_COLUMNS: dict[str, pa.DataType] = {"sample_id": pa.string(), "group_id": pa.string(), "advantage": pa.float32()}

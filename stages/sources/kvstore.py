@@ -34,23 +34,12 @@ class KVStoreSource(Source):
 
     @classmethod
     def sft_records(cls, recipe: Any) -> list[dict[str, Any]]:
-        """An imperfect teacher's transcripts (stages/toys/kvstore.py `teacher_turns`): two lookups, a
-        calc, the answer; `sft.noise` of them carry a slip (a malformed calc call, or an answer
-        summed wrong without calling calc)."""
-        import json
-        import random
+        """An imperfect teacher's transcripts (stages/toys/kvstore.py `teacher_records`), each over a
+        store of its own: two lookups, a calc, the answer; `sft.noise` of them slip (the sum guessed
+        without calc, or a malformed calc call)."""
+        from unirl.stages.toys.kvstore import teacher_records
 
-        from unirl.stages.toys.kvstore import teacher_turns
-
-        source = cls.build(recipe.data)
-        rng = random.Random(f"sft-noise-{recipe.sft.seed}")
-        records = []
-        for p in source.batch(0, recipe.sft.examples):
-            slip = rng.choice(("malformed", "wrong")) if rng.random() < recipe.sft.noise else None
-            a, b = p.metadata["keys"]
-            turns = teacher_turns(source.store, a, b, slip=slip)
-            records.append({"prompt": p.text, "response": turns[-1]["text"], "turns": json.dumps(turns)})
-        return records
+        return teacher_records(recipe.sft.seed, recipe.sft.examples, recipe.sft.noise)
 
     @classmethod
     def check(cls, recipe: Any) -> None:

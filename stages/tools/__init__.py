@@ -14,7 +14,9 @@ timeout, an output cap and an error observation instead of a crash, whatever the
 
 A tool's JSON schema comes from its signature (str, int, float, bool, list[...] parameters) and
 its docstring (the first paragraph describes it, `Args:` its parameters); a signature it cannot
-describe is refused when the tool is registered, naming the tool and the parameter.
+describe is refused: the tool is not registered, and a recipe that asks for it fails `unirl
+validate` at `agent.tools`, naming the tool and the parameter (the module that registers it still
+imports, so the other tools and every other command keep working).
 """
 from __future__ import annotations
 
@@ -102,10 +104,20 @@ def schema_of(name: str, fn: Callable[..., Any]) -> ToolSpec:
     return ToolSpec(name, description, {"type": "object", "properties": props, "required": required})
 
 
+# Tools whose schema could not be made: name -> why (stages/recipe.py `agent_errors` names them).
+REFUSED: dict[str, str] = {}
+
+
 def register_tool(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register a Python function as the tool `name` (its schema is checked now)."""
+    """Register a Python function as the tool `name`; one whose schema cannot be made is refused
+    (recorded in REFUSED, not registered)."""
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        tools.register(name)(PythonTool(schema_of(name, fn), fn))
+        try:
+            spec = schema_of(name, fn)
+        except ValueError as exc:
+            REFUSED[name] = str(exc)
+            return fn
+        tools.register(name)(PythonTool(spec, fn))
         return fn
 
     return wrap

@@ -4,10 +4,11 @@ policy answers without a call or a limit ends it. Engine-agnostic: `generate(pro
 one assistant turn for each open trajectory from its token ids as they are (an engine's token-level
 requests), so the policy's own tokens are never re-tokenized.
 
-A trajectory is stored as one training row, the initial prompt as `prompt_ids` and everything after
-it as `response_ids`, with `response_mask` 1 on the policy's own tokens (trained, their behaviour
-log-probs recorded) and 0 on tool and template tokens (context, never trained; log-prob 0), and as
-one row per turn (`turn_rows`: index, role, tokens, mask, tool, arguments, result, latency, error).
+A trajectory is stored as one training row, the initial prompt as `prompt_ids` (with its images
+and their grids, `media`, for a vision-language model) and everything after it as `response_ids`,
+with `response_mask` 1 on the policy's own tokens (trained, their behaviour log-probs recorded) and
+0 on tool and template tokens (context, never trained; log-prob 0), and as one row per turn
+(`turn_rows`: index, role, tokens, mask, tool, arguments, result, latency, error).
 The trajectory's reward and its group advantage apply to every assistant turn of it.
 
 Stop reasons: `answered` (a turn without a call), `max_turns`, `context_full` (the next turn would
@@ -52,6 +53,7 @@ class Trajectory:
     turns: list[Turn] = field(default_factory=list)
     stop_reason: str | None = None
     versions: set[int] = field(default_factory=set)
+    media: dict[str, Any] = field(default_factory=dict)  # the prompt's images and grids, in every turn's request and the row
 
     @property
     def ids(self) -> list[int]:
@@ -140,7 +142,16 @@ def training_row(traj: Trajectory) -> dict[str, Any]:
             "prompt_ids": traj.prompt_ids, "response_ids": resp, "response_logprobs": lps, "response_mask": mask,
             "finish_reason": (last.finish_reason if last else None) or "stop", "text": traj.answer,
             "policy_version": min(traj.versions) if traj.versions else None, "agent_turns": len(traj.turns),
-            "agent_tool_calls": traj.tool_calls, "agent_tool_errors": traj.tool_errors, "agent_stop": traj.stop_reason}
+            "agent_tool_calls": traj.tool_calls, "agent_tool_errors": traj.tool_errors, "agent_stop": traj.stop_reason,
+            "agent_transcript": json.dumps(transcript_of(traj)), **traj.media}
+
+
+def transcript_of(traj: Trajectory) -> list[dict[str, Any]]:
+    """What a scorer that reads "transcript" sees of a trajectory (stages/rewards/base.py ScoreBatch):
+    each turn's role and text; a tool turn's tool, arguments (JSON), result and error."""
+    return [{"role": t.role, "text": t.text} if t.role == "assistant" else
+            {"role": t.role, "text": t.text, "tool": t.tool, "arguments": t.arguments, "result": t.result, "error": t.error}
+            for t in traj.turns]
 
 
 def turn_rows(traj: Trajectory) -> list[dict[str, Any]]:

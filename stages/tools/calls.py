@@ -67,26 +67,48 @@ def _one(body: str, known: set[str]) -> Call:
 
 class ToolFormat:
     """How a family's chat format writes tool results back (Qwen3 / Hermes: a user turn of
-    <tool_response> blocks; a model without a chat template: the blocks alone, after its eos)."""
+    <tool_response> blocks; a model without a chat template: the blocks alone, after its eos).
+    `images`: a vision-language family's prompt encoder (Family.prompt_encoder), which writes a
+    first prompt showing its images."""
 
-    def __init__(self, tokenizer: Any, use_chat: bool):
-        self.tokenizer, self.use_chat = tokenizer, use_chat
+    def __init__(self, tokenizer: Any, use_chat: bool, images: Any = None):
+        self.tokenizer, self.use_chat, self.images = tokenizer, use_chat, images
 
-    def first_prompt(self, prompt: str, specs: list[Any]) -> list[int]:
-        """The first prompt's tokens, the tools given to the chat template where there is one."""
+    def first_prompt(self, prompt: str, specs: list[Any], grids: list[tuple[int, int, int]] | None = None) -> list[int]:
+        """The first prompt's tokens, the tools given to the chat template where there is one; with
+        `grids` (the patch grids of the prompt's images) the user turn shows the images first, each
+        as its image tokens."""
         from unirl.stages.models.tokenizer import encode_prompt
 
+        functions = [s.as_function() for s in specs]
+        if grids is not None:
+            if self.images is None:
+                raise ValueError("a prompt with images, for a model whose prompts carry none")
+            return list(self.images.encode(prompt, grids, functions))
         if self.use_chat:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=[s.as_function() for s in specs],
-                                                     add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=functions,
+                                                      add_generation_prompt=True, tokenize=False)
+            return encode_prompt(self.tokenizer, text, False)
         return encode_prompt(self.tokenizer, prompt, False)
 
     def tool_turn(self, results: list[str]) -> str:
-        body = "".join(f"<tool_response>\n{r}\n</tool_response>" for r in results)
+        body = "".join(f"<tool_response>\n{self.plain(r)}\n</tool_response>" for r in results)
         if self.use_chat:
             return f"\n<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
         return body
+
+    def plain(self, result: str) -> str:
+        """A tool's result with the tokenizer's special tokens cut from it: written in a result they
+        would tokenize as control tokens (an end of turn; a vision-language model's image slot, which
+        has no image to fill it)."""
+        specials = [t for t in self.tokenizer.all_special_tokens if t]
+        while True:
+            cut = result
+            for token in specials:
+                cut = cut.replace(token, "")
+            if cut == result:
+                return result
+            result = cut
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -77,20 +77,28 @@ class AgentEngine:
         return self._tools
 
     def fmt(self) -> ToolFormat:
-        """The policy's tokenizer (of the run's initial weights) and chat format."""
+        """The policy's tokenizer (of the run's initial weights) and chat format; a family whose
+        prompts carry images writes the first prompt with its prompt encoder."""
+        from unirl.stages.models.family import get_family
         from unirl.stages.models.tokenizer import load_tokenizer, uses_chat_template
         from unirl.stages.runtime.scratch import scratch_dir
 
         if self._fmt is None:
             rel = self.storage.weights_rel(0)
             local = self.storage.local_path(rel) or self.storage.get_dir(rel, scratch_dir("unirl-agent-tok-") / "weights")
-            tokenizer = load_tokenizer(local)
-            self._fmt = ToolFormat(tokenizer, uses_chat_template(tokenizer, self.recipe.model.chat_template))
+            family, setting = get_family(self.recipe.model.kind), self.recipe.model.chat_template
+            if family.takes_images:
+                images = family.prompt_encoder(Path(local), setting)
+                self._fmt = ToolFormat(images.tokenizer, images.use_chat, images)
+            else:
+                tokenizer = load_tokenizer(local)
+                self._fmt = ToolFormat(tokenizer, uses_chat_template(tokenizer, setting))
         return self._fmt
 
     def generate(self, requests: str, out_dir: str, iteration: int, policy_version: int, *,
                  greedy: bool = False, seed_tag: str = "") -> dict[str, Any]:
         from unirl.stages.policies.text import context_length
+        from unirl.stages.runtime.images import IMAGE_COLUMNS
         from unirl.stages.runtime.sample import read_rollouts, read_shard, table_from_rows, write_shard
         from unirl.stages.runtime.storage import join
 
@@ -100,17 +108,19 @@ class AgentEngine:
         specs = tools.specs
         req = read_shard(storage, requests, "requests")
         trajs = []
-        for gid, prompt, meta, size in zip(req.column("group_id").to_pylist(), req.column("prompt").to_pylist(),
-                                           req.column("metadata").to_pylist(), req.column("group_size").to_pylist()):
-            first = fmt.first_prompt(prompt, specs)
-            trajs += [Trajectory(f"{gid}/{j}", gid, prompt, meta, list(first)) for j in range(size)]
+        # A prompt's images travel with it: into every turn's request (the sampler shows them) and the row (the replay does).
+        shown = req.select([c for c in IMAGE_COLUMNS if c in req.schema.names]).to_pylist()
+        for gid, prompt, meta, size, media in zip(req.column("group_id").to_pylist(), req.column("prompt").to_pylist(),
+                                                  req.column("metadata").to_pylist(), req.column("group_size").to_pylist(), shown):
+            first = fmt.first_prompt(prompt, specs, [tuple(g) for g in media["image_grids"]] if media else None)
+            trajs += [Trajectory(f"{gid}/{j}", gid, prompt, meta, list(first), media=media) for j in range(size)]
         trajs.sort(key=lambda t: t.sample_id)
         work = f"{out_dir}.turns"
 
         def generate_turn(open_: list[Trajectory], turn: int) -> list[dict[str, Any]]:
             folder = join(work, f"turn-{turn}")
             rows = [{"group_id": t.sample_id, "prompt": t.prompt, "metadata": t.metadata, "group_size": 1,
-                     "iteration": iteration, "prompt_ids": t.ids} for t in open_]
+                     "iteration": iteration, "prompt_ids": t.ids, **t.media} for t in open_]
             rel = join(folder, "requests.arrow")
             write_shard(storage, rel, table_from_rows(rows, "requests"))
             out = self.inner.generate(rel, join(folder, "rollouts"), iteration, policy_version, greedy=greedy,

@@ -45,20 +45,40 @@ def calc(expression: str) -> int:
     return value(ast.parse(expression, mode="eval").body)
 
 
-def teacher_turns(store: dict[str, int], a: str, b: str, slip: str | None = None) -> list[dict[str, str]]:
+def teacher_turns(store: dict[str, int], a: str, b: str, slip: str | None = None, guess: int = 1) -> list[dict[str, str]]:
     """A teacher's transcript for `a+b=`: lookup a, lookup b, calc, answer. `slip`: "malformed" (the
-    calc call is not JSON: the trajectory ends there) or "wrong" (no calc: an answer one off)."""
+    calc call is not JSON: the trajectory ends there) or "guess" (no calc: the sum guessed, `guess` off)."""
     from unirl.stages.tools.calls import CLOSE, OPEN, render
 
     va, vb = store[a], store[b]
     turns = [{"role": "assistant", "text": render("lookup", {"key": a}, compact=True)}, {"role": "tool", "text": str(va)},
              {"role": "assistant", "text": render("lookup", {"key": b}, compact=True)}, {"role": "tool", "text": str(vb)}]
-    if slip == "wrong":
-        return [*turns, {"role": "assistant", "text": str(va + vb + 1)}]
+    if slip == "guess":
+        return [*turns, {"role": "assistant", "text": str(va + vb + guess)}]
     if slip == "malformed":
         return [*turns, {"role": "assistant", "text": f'{OPEN}{{"name":"calc","arguments":{{"expression":"{va}+{vb}"}}{CLOSE}'}]
     return [*turns, {"role": "assistant", "text": render("calc", {"expression": f"{va}+{vb}"}, compact=True)},
             {"role": "tool", "text": str(va + vb)}, {"role": "assistant", "text": str(va + vb)}]
+
+
+def teacher_records(seed: int, examples: int, noise: float) -> list[dict[str, str]]:
+    """The SFT teacher's transcripts, each over a store of its own (two random keys, random values),
+    so that SFT teaches the procedure, not the keys or values of the task's store. The teacher is
+    imperfect: `noise` of its transcripts slip, three in four of those by guessing the sum without
+    calc (1 to 5 off), the rest by a malformed calc call."""
+    import json
+
+    rng = random.Random(derive_seed("kvstore-teacher", seed))
+    records = []
+    for _ in range(examples):
+        a, b = ("".join(rng.choice(LETTERS) for _ in range(3)) for _ in range(2))
+        if a == b:
+            continue
+        store = {a: rng.randint(1, MAX_VALUE), b: rng.randint(1, MAX_VALUE)}
+        slip = (("guess" if rng.random() < 0.75 else "malformed") if rng.random() < noise else None)
+        turns = teacher_turns(store, a, b, slip=slip, guess=rng.choice((-5, -4, -3, -2, -1, 1, 2, 3, 4, 5)))
+        records.append({"prompt": f"{a}+{b}=", "response": turns[-1]["text"], "turns": json.dumps(turns)})
+    return records
 
 
 class KVStore:

@@ -3,7 +3,8 @@
 (stages/tools/engine.py) on the trainside engine; its `add` tool is served by unirl's MCP server
 of Python tools, sandboxed. The transcripts show calls answered by the tool, the trained rows mask
 the tool's tokens, the trainer's replay of the policy's own tokens is the sampler's record, and
-`unirl audit` passes."""
+`unirl audit` passes. Faults too: its tool server dying mid-run (started again, the run goes on), and
+the run SIGKILLed mid-iteration (the same command resumes it to where an uninterrupted run ends)."""
 from __future__ import annotations
 
 import json
@@ -19,27 +20,39 @@ pytestmark = pytest.mark.slow
 CHARSET = 'abcdefghijklmnopqrstuvwxyz0123456789{}[]":,_<>/+-*=() '
 
 
-def teacher(path, n=300):
+def teacher(path, n=300, tool="add"):
     rng = random.Random(0)
     with open(path, "w") as f:
         for _ in range(n):
             a, b = rng.randint(0, 9), rng.randint(0, 9)
-            call = "<tool_call>" + json.dumps({"name": "add", "arguments": {"a": a, "b": b}}, separators=(",", ":")) + "</tool_call>"
+            call = "<tool_call>" + json.dumps({"name": tool, "arguments": {"a": a, "b": b}}, separators=(",", ":")) + "</tool_call>"
             f.write(json.dumps({"prompt": f"{a}+{b}=", "response": call}) + "\n")
+
+
+def agent_run(tmp_path, root, *extra, tool="add"):
+    """`unirl run` arguments of the tiny agentic run: a tiny Qwen3 warm-started (SFT, in the run) on a
+    teacher's calls of `tool` for "a+b=", then 2 GRPO iterations of multi-turn rollouts with `tool`."""
+    data = tmp_path / f"teacher-{tool}.jsonl"
+    if not data.exists():
+        teacher(data, tool=tool)
+    return ["run", str(TINY), "iterations=2", f"storage.root={root}",
+            f"model.tiny={{hidden_size: 32, num_hidden_layers: 1, intermediate_size: 64, charset: '{CHARSET}'}}",
+            f"agent={{tools: [{tool}], max_turns: 2}}", "rollout.max_new_tokens=72", "reward.scorers=[{name: exact_match}]",
+            f"sft={{source: file, path: {data}, steps: 80, lr: 0.005, batch_size: 32}}", *extra]
+
+
+def agent_env(unirl_env):
+    """The run's environment: its tools from tests/agent_tools.py, in the tool server too."""
+    return {**unirl_env, "UNIRL_PLUGINS": "tests.agent_tools", "PYTHONPATH": str(REPO)}
 
 
 def test_an_agent_calls_its_tool_and_trains_on_its_own_tokens_only(tmp_path, unirl_env):
     from unirl.stages.runtime.audit import audit_run
     from unirl.stages.runtime.storage import RunStorage
 
-    teacher(tmp_path / "teacher.jsonl")
     root = tmp_path / "runs"
-    out = run_unirl(["run", str(TINY), "iterations=2", f"storage.root={root}", "eval.k=2", "data.heldout_size=4",
-                     "tracking.preview_every=1",
-               f"model.tiny={{hidden_size: 32, num_hidden_layers: 1, intermediate_size: 64, charset: '{CHARSET}'}}",
-               "agent={tools: [add], max_turns: 2}", "rollout.max_new_tokens=72", "reward.scorers=[{name: exact_match}]",
-               f"sft={{source: file, path: {tmp_path / 'teacher.jsonl'}, steps: 80, lr: 0.005, batch_size: 32}}"],
-              {**unirl_env, "UNIRL_PLUGINS": "tests.agent_tools", "PYTHONPATH": str(REPO)})
+    out = run_unirl(agent_run(tmp_path, root, "eval.k=2", "data.heldout_size=4", "tracking.preview_every=1"),
+                    agent_env(unirl_env))
     run = root / "tiny"
     lines = [line for line in out.stdout.splitlines() if line.startswith("[unirl] iter-")]
     assert len(lines) == 2 and all("  turns " in line and " ok " in line and "  stop " in line for line in lines), lines
@@ -73,3 +86,104 @@ def test_an_agent_calls_its_tool_and_trains_on_its_own_tokens_only(tmp_path, uni
     import tests.agent_tools  # noqa: F401 - the run's tools, registered here too: its stored recipe names them
     report = audit_run(RunStorage(str(root), "tiny"))
     assert report.ok, report.text()
+
+
+def transcript(run, i):
+    return ipc.open_file(str(run / f"iter-{i:06d}/rollouts.turns/transcript.arrow")).read_all().to_pylist()
+
+
+def served(turns):
+    """The calls that reached the tool server (a malformed one never does: it has no latency), in
+    the order the loop made them: turn by turn, trajectory by trajectory (stages/tools/agent.py `run`)."""
+    by = {}
+    for t in turns:
+        by.setdefault(t["sample_id"], []).append(t)
+    calls = []
+    for sid, rows in by.items():
+        rows.sort(key=lambda r: r["turn"])
+        for t in rows:
+            if t["role"] == "tool" and t["latency_s"] is not None:
+                step = sum(r["role"] == "assistant" for r in rows if r["turn"] < t["turn"])
+                calls.append(((step, sid, t["turn"]), t))
+    return [t for _, t in sorted(calls, key=lambda c: c[0])]
+
+
+def test_a_tool_server_that_dies_mid_run_is_started_again(tmp_path, unirl_env):
+    """The run's first call of `sum` ends its MCP server's process (tests/agent_tools.py): that call
+    is an error observation in iteration 0's transcript, the server is started again and answers
+    every later call, the run finishes both iterations, and `unirl audit` passes."""
+    from unirl.stages.runtime.audit import audit_run
+    from unirl.stages.runtime.storage import RunStorage
+
+    root = tmp_path / "runs"
+    out = run_unirl(agent_run(tmp_path, root, "eval.enabled=false", tool="sum"), agent_env(unirl_env))
+    run = root / "tiny"
+    assert [line.split()[1] for line in out.stdout.splitlines() if line.startswith("[unirl] iter-")] == [
+        "iter-000000", "iter-000001"], out.stdout
+    calls = [served(transcript(run, i)) for i in range(2)]
+    died = [(i, k) for i in range(2) for k, t in enumerate(calls[i]) if "died" in (t["error"] or "")]
+    assert len(died) == 1 and died[0][0] == 0, died  # one death, in iteration 0: no evaluation ran before it
+    k = died[0][1]
+    dead = calls[0][k]
+    assert dead["tool"] == "sum" and dead["result"] == "" and dead["error"].startswith(
+        "tool server 'python-tools' died during sum (") and dead["error"].endswith("; it is started again"), dead
+    # the calls before it, if any, never ran the tool: their arguments did not validate
+    assert all(t["error"].startswith("sum failed") for t in calls[0][:k]), calls[0][:k]
+    # the policy read the error in its tool turn
+    assert any(f"error: {dead['error']}" in t["text"] for t in transcript(run, 0) if t["sample_id"] == dead["sample_id"])
+    for i, later in ((0, calls[0][k + 1:]), (1, calls[1])):
+        answered = [t for t in later if t["error"] is None]
+        assert answered, f"iteration {i}: no call answered after the server died"
+        for t in answered:  # by the restarted server: the sum of the arguments the policy wrote
+            args = json.loads(t["arguments"])
+            assert t["result"] == str(args["a"] + args["b"]), t
+    import tests.agent_tools  # noqa: F401 - the run's tools, registered here too: its stored recipe names them
+    report = audit_run(RunStorage(str(root), "tiny"))
+    assert report.ok, report.text()
+
+
+def test_an_agentic_run_killed_mid_iteration_resumes_where_an_uninterrupted_one_ends(tmp_path, unirl_env):
+    """The fault table's SIGKILL row for generate (benchmarks/faults.py) in a run with tools: killed
+    when iteration 1's multi-turn generate is done but not committed, then resumed by the same
+    command (which replays iteration 0's update and samples iteration 1 again, tools and all). Each
+    iteration is committed once, and the run ends where an uninterrupted one does: the same
+    transcripts and trained rows, per-iteration metrics, MLflow history and final weights; `unirl
+    audit` passes. A length reward gives the groups a signal, so the updates move the weights and a
+    lost or doubled one shows; a small learning rate keeps the policy calling its tool."""
+    import shutil
+    import signal
+
+    from tests.e2e.faults_bench import faults
+    from unirl.stages.runtime.audit import audit_run
+    from unirl.stages.runtime.storage import RunStorage
+
+    root, env = tmp_path / "runs", agent_env(unirl_env)
+    args = agent_run(tmp_path, root, "eval.enabled=false", "train.lr=1e-4",
+                     "reward.scorers=[{name: exact_match}, {name: text_length, params: {max_length: 40}}]")
+    reference = run_unirl([*args, "--run-name", "ref"], env)
+    killed = run_unirl([*args, "--run-name", "killed"], {**env, "UNIRL_FAULTS": "generate@1"}, check=False)
+    assert killed.returncode == -signal.SIGKILL, f"not killed at its fault point\n{killed.stderr[-3000:]}"
+    assert not (root / "killed/iter-000001/_SUCCESS").exists()
+    # what the killed generate wrote, uncommitted: the resumed one samples it again
+    shutil.copytree(root / "killed/iter-000001/rollouts.turns", tmp_path / "killed-turns")
+    resumed = run_unirl([*args, "--run-name", "killed"], env)
+    lines = [line.split()[1] for out in (killed, resumed) for line in out.stdout.splitlines() if line.startswith("[unirl] iter-")]
+    assert lines == ["iter-000000", "iter-000001"], (killed.stdout, resumed.stdout)  # each committed (and reported) once
+
+    def rows(path):
+        return [{k: v for k, v in r.items() if k != "latency_s"} for r in ipc.open_file(str(path)).read_all().to_pylist()]
+
+    for i in range(2):
+        ref, got = root / f"ref/iter-{i:06d}", root / f"killed/iter-{i:06d}"
+        turns = rows(ref / "rollouts.turns/transcript.arrow")
+        assert any(r["role"] == "tool" and r["error"] is None for r in turns), f"iteration {i}: no call answered"
+        assert rows(got / "rollouts.turns/transcript.arrow") == turns
+        assert rows(got / "rollouts/part-000.arrow") == rows(ref / "rollouts/part-000.arrow")
+    assert rows(tmp_path / "killed-turns/transcript.arrow") == rows(root / "ref/iter-000001/rollouts.turns/transcript.arrow")
+    assert faults.differences(faults.snapshot(root / "killed", env, 2), faults.snapshot(root / "ref", env, 2)) == []
+    assert all(json.loads((root / f"ref/iter-{i:06d}/train.json").read_text())["metrics"]["grad_norm"] > 0
+               for i in range(2)), reference.stdout
+    import tests.agent_tools  # noqa: F401 - the run's tools, registered here too: its stored recipe names them
+    for name in ("killed", "ref"):
+        report = audit_run(RunStorage(str(root), name))
+        assert report.ok and report.committed == [0, 1], report.text()

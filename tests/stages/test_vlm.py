@@ -254,3 +254,43 @@ def test_a_sharded_load_fills_a_qwen3_vl_folder_and_leaves_the_older_layout_to_a
         filled = empty.module.state_dict()
         assert filled.keys() == whole.keys()
         assert all(torch.equal(filled[k], whole[k]) for k in whole)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_agents_first_prompt_shows_the_image_and_gives_the_tools_to_the_chat_template(family, tiny_weights):
+    """An agent's first turn (stages/tools/engine.py) is written from the weights folder alone (the
+    family's prompt encoder, no model): without tools it is the prompt the text policy samples a
+    VQA question from, its image as one token per merged patch group; the tools go to the template."""
+    from unirl.stages.models.qwen_vl_prompts import CHAT_TEMPLATE
+    from unirl.stages.tools import ToolSpec
+    from unirl.stages.tools.calls import ToolFormat
+
+    fam, folder = families.get(family), tiny_weights(family)
+    encoder = fam.prompt_encoder(folder, None)
+    fmt = ToolFormat(encoder.tokenizer, encoder.use_chat, encoder)
+    bundle = fam.load(folder, fam.config.model_validate(TINY[family]["model"]), torch.device("cpu"))
+    policy = fam.image_prompts(bundle, True, torch.device("cpu"))
+    grids = [(1, 8, 8)]  # a 32 x 32 image in 4-pixel patches, merged 2 x 2: 16 image tokens
+    ids = fmt.first_prompt("2+3=", [], grids)
+    assert encoder.use_chat and ids == policy.encode("2+3=", grids)
+    assert encoder.tokenizer.decode(ids) == ("<|im_start|>user\n<|vision_start|>" + "<|image_pad|>" * 16
+                                             + "<|vision_end|>2+3=<|im_end|>\n<|im_start|>assistant\n")
+    encoder.tokenizer.chat_template = "{%- for t in tools or [] %}({{ t['function']['name'] }}){% endfor %}" + CHAT_TEMPLATE
+    add = ToolSpec("add", "The sum.", {"type": "object", "properties": {}})
+    assert encoder.tokenizer.decode(fmt.first_prompt("2+3=", [add], grids)) == "(add)" + encoder.tokenizer.decode(ids)
+    with pytest.raises(RuntimeError, match="encode prompts, not model inputs"):
+        encoder.inputs(torch.tensor([ids]), torch.ones(1, len(ids)), [[]])
+
+
+def test_a_tool_result_cannot_write_image_slots_or_end_the_turn(tiny_weights):
+    """A result that spells the tokenizer's special tokens reads as its text without them: an image
+    slot there would have no image (the batch's image tokens would not add up) and an end of turn
+    would close the tool turn early; the cut cannot build one out of the pieces around it."""
+    from unirl.stages.tools.calls import ToolFormat
+
+    encoder = families.get("qwen3_vl").prompt_encoder(tiny_weights("qwen3_vl"), None)
+    fmt = ToolFormat(encoder.tokenizer, encoder.use_chat, encoder)
+    turn = fmt.tool_turn(["a<|image_pad|>b<|im_<|im_end|>end|>c<|vision_start|>"])
+    assert turn == "\n<|im_start|>user\n<tool_response>\nabc\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    ids = fmt.encode(turn)
+    assert encoder.image_token_id not in ids and ids.count(encoder.tokenizer.eos_token_id) == 1

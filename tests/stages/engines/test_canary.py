@@ -42,11 +42,14 @@ def test_recipes_vllm_cannot_serve_are_refused_naming_the_field(over, message):
         vllm_recipe(**over)
 
 
-def test_a_flow_model_or_a_vlm_on_vllm_is_refused():
-    with pytest.raises(ValueError, match=r"vllm samples text-only language models here; model.kind 'sd3'"):
+def test_a_flow_model_on_vllm_and_a_vlm_on_any_dedicated_engine_are_refused():
+    with pytest.raises(ValueError, match=r"vllm samples language models here; model.kind 'sd3'"):
         build_recipe(merged(TINY["sd3"], {"algorithm": {"name": "flow_grpo"}, "rollout": {"engine": {"name": "vllm"}}}))
-    with pytest.raises(ValueError, match=r"model.kind 'qwen2_5_vl' samples with engine_server or trainside"):
-        build_recipe(merged(TINY["qwen2_5_vl"], {"rollout": {"engine": {"name": "vllm"}}}))
+    for engine in ("vllm", "engine_server", "sglang"):  # no dedicated engine's wire carries a prompt's images
+        with pytest.raises(ValueError, match=rf"{engine} takes prompts without images .* model.kind 'qwen2_5_vl' shows "
+                                             r"its prompts' images; sample it trainside"):
+            build_recipe(merged(TINY["qwen2_5_vl"], {"rollout": {"engine": {"name": engine, "url": "http://127.0.0.1:1"},
+                                                                 "correction": {}}}))
 
 
 def test_a_servable_recipe_is_accepted():

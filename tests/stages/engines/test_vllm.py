@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 
+import pyarrow.ipc as ipc
 import pytest
 import torch
 
@@ -167,6 +168,38 @@ def test_a_run_samples_every_iteration_on_the_server(served, tmp_path, unirl_env
         assert train["behaviour_logp_max_abs_diff"] <= 1e-4
     sync = json.loads((root / "tiny/iter-000000/manifests/sync.json").read_text())
     assert sync["engine_sync"]["canary_max_abs_diff"] <= 1e-3, sync
+
+
+def test_an_agent_takes_its_turns_on_the_server(served, tmp_path, unirl_env):
+    """An agentic run (issue 37) through vLLM: SFT on a teacher's tool calls, then GRPO whose every
+    assistant turn is one token-level request to the server; the tool's results come back as masked
+    tool turns and the trainer replays the policy's own tokens as vLLM sampled them."""
+    from tests.conftest import REPO
+    from tests.e2e.test_agent_flow import teacher
+
+    url = served["engine"].client(4).url
+    token = served["engine"].client(4)._http.headers["Authorization"].split()[-1]
+    teacher(tmp_path / "teacher.jsonl")
+    root = tmp_path / "runs"
+    run_unirl(["run", str(TINY), "iterations=2", f"storage.root={root}", "eval.enabled=false",
+               "model.tiny.hidden_size=64", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1",
+               "model.tiny.head_dim=32", "agent={tools: [add], max_turns: 2}", "rollout.max_new_tokens=72",
+               "reward.scorers=[{name: exact_match}]",
+               f"sft={{source: file, path: {tmp_path / 'teacher.jsonl'}, steps: 80, lr: 0.005, batch_size: 32}}",
+               f"rollout.engine={{name: vllm, url: '{url}'}}"],
+              {**unirl_env, "VLLM_API_KEY": token, "UNIRL_PLUGINS": "tests.agent_tools", "PYTHONPATH": str(REPO)})
+    storage = RunStorage(str(root), "tiny")
+    for i in range(2):
+        rows = read_rollouts(storage, [f"iter-{i:06d}/rollouts/part-000.arrow"]).to_pylist()
+        called = [r for r in rows if r["agent_tool_calls"]]
+        assert called and all(r["policy_version"] == i for r in rows), f"iteration {i}: no trajectory called its tool"
+        assert all(0 in r["response_mask"] and len(r["response_mask"]) == len(r["response_ids"]) for r in called)
+        assert all(lp == 0.0 for r in called for lp, m in zip(r["response_logprobs"], r["response_mask"]) if not m)
+        train = json.loads((root / f"tiny/iter-{i:06d}/train.json").read_text())["metrics"]
+        assert train["behaviour_logp_max_abs_diff"] <= 1e-4, train  # vLLM's record of every turn, replayed
+        turns = ipc.open_file(str(root / f"tiny/iter-{i:06d}/rollouts.turns/transcript.arrow")).read_all().to_pylist()
+        answered = [t for t in turns if t["role"] == "tool" and t["error"] is None]
+        assert answered and all(t["result"] == str(sum(json.loads(t["arguments"]).values())) for t in answered)
 
 
 def test_a_server_killed_mid_generate_is_a_clear_error_and_nothing_is_committed(served):

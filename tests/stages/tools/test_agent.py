@@ -172,3 +172,88 @@ def test_a_transcript_reads_as_a_chat():
     assert table["sample_id"] == ["g/0", "g/1"] and table["stop"] == ["answered", "malformed_call"]
     assert table["chat"][0] == f'user: 2+3=\nassistant: {call}\ntool add({{"a": 2, "b": 3}}): 5\nassistant: 5'
     assert table["chat"][1].endswith("tool ?({}): error: a <tool_call> without its </tool_call> (the turn ended inside the call)")
+
+
+def test_every_assistant_turn_carries_its_trajectory_group_advantage(tmp_path):
+    """Rewards -> group advantages -> the text policy's micro-batches -> GRPO's loss, the path the
+    trainer takes (stages/runtime/iteration.py `advantages`, stages/workers/worker.py `train`): the
+    loss's gradient on each response token is -A/N on the policy's own tokens, A the trajectory's
+    group advantage computed by hand, and 0 on the tools' tokens and padding; micro-batches that
+    cut across groups keep each row's tokens and advantage its own."""
+    import math
+
+    from tests.tiny import TINY, merged
+    from unirl.stages.algorithms.base import get_algorithm
+    from unirl.stages.models.family import get_family
+    from unirl.stages.policies.text import TextPolicy
+    from unirl.stages.recipe import build_recipe
+    from unirl.stages.runtime.iteration import advantages
+    from unirl.stages.runtime.sample import join_on_sample_id, read_shard, table_from_rows, write_shard
+    from unirl.stages.runtime.storage import RunStorage
+
+    recipe = build_recipe(merged(TINY["qwen3"], {"model": {"tiny": {"charset": CHARSET}}}))
+    family = get_family("qwen3")
+    cfg = recipe.model.model_copy(update={"path": str(family.materialize(recipe.model, tmp_path / "tiny"))})
+    bundle = family.load(family.materialize(cfg, tmp_path / "unused"), cfg, torch.device("cpu"))
+    policy = TextPolicy(family, bundle, recipe, torch.device("cpu"))
+    tok = bundle.tokenizer
+    fmt = ToolFormat(tok, use_chat=False)
+
+    def call(a, b):
+        return render("add", {"a": a, "b": b})
+
+    # two prompt groups; every trajectory but one calls the tool between its assistant turns
+    turns = {"p0/0": [call(1, 2), call(3, 4), "7"], "p0/1": [call(5, 6), "11"],
+             "p1/0": [call(2, 2), "4"], "p1/1": [call(1, 1), call(2, 3), "x"], "p1/2": ["9"]}
+    rewards = {"p0/0": 1.0, "p0/1": 0.0, "p1/0": 3.0, "p1/1": 0.0, "p1/2": 0.0}
+    eps = recipe.advantage.eps
+    expected = {"p0/0": 0.5 / (0.5 + eps), "p0/1": -0.5 / (0.5 + eps),  # mean 0.5, std 0.5
+                "p1/0": 2 / (math.sqrt(2) + eps), "p1/1": -1 / (math.sqrt(2) + eps), "p1/2": -1 / (math.sqrt(2) + eps)}
+    trajs = [Trajectory(s, s.split("/")[0], "q", {}, fmt.first_prompt("q" * (1 + i), [])) for i, s in enumerate(turns)]
+    run(trajs, script(tok, turns), lambda name, args: Observation(str(args["a"] + args["b"]), None, 0.0), fmt, {"add"},
+        max_turns=3, max_new_tokens=64, context=None, decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
+    assert [t.tool_calls for t in trajs] == [2, 1, 1, 2, 0]
+
+    storage = RunStorage(str(tmp_path / "runs"), "agent")
+    write_shard(storage, "iter-000000/rewards.arrow", table_from_rows(
+        [{"sample_id": s, "group_id": s.split("/")[0], "reward": r} for s, r in rewards.items()], "rewards"))
+    adv_rel = advantages(storage, recipe, 0, ["iter-000000/rewards.arrow"])["files"][0]
+    adv_table = read_shard(storage, adv_rel, "advantages")
+    got = dict(zip(adv_table.column("sample_id").to_pylist(), adv_table.column("advantage").to_pylist()))
+    assert got == pytest.approx(expected, abs=1e-6)
+
+    rows = [{**training_row(t), "iteration": 0, "parts": ["text"]} for t in reversed(trajs)]  # stored in any order
+    table = table_from_rows(rows, "rollouts", ["text"]).sort_by("sample_id")
+    table = join_on_sample_id(table, adv_table, ["advantage"], "advantages.arrow")
+    batches = policy.batches(table, [[0, 1, 2], [3, 4]], table.column("advantage").to_numpy(), "rollouts")
+    grpo = get_algorithm("grpo")(recipe.algorithm, recipe)
+    by_id = {t.sample_id: t for t in trajs}
+    seen = []
+    for batch in batches:
+        logp = batch.behaviour.clone().requires_grad_(True)
+        loss = grpo.loss(logp, logp.detach(), batch.advantage, batch.mask, recipe.rollout.max_new_tokens).loss
+        (grad,) = torch.autograd.grad(loss, logp)
+        carried = -grad * batch.mask.sum()  # token_mean: d loss / d logp_t = -A * m_t / sum(m)
+        for b, sid in enumerate(batch.sample_ids):
+            traj = by_id[sid]
+            start = len(traj.prompt_ids) - 1  # the logit at position t predicts token t + 1
+            want = [expected[sid] if turn.role == "assistant" else 0.0 for turn in traj.turns for _ in turn.token_ids]
+            span = carried[b, start:start + len(want)]
+            assert batch.ids[b, start + 1:start + 1 + len(want)].tolist() == [i for turn in traj.turns for i in turn.token_ids]
+            assert span.tolist() == pytest.approx(want, abs=1e-5), sid
+            assert carried[b, :start].abs().sum() == 0 and carried[b, start + len(want):].abs().sum() == 0
+            seen.append(sid)
+    assert seen == sorted(turns)
+
+
+def test_a_chat_templates_first_prompt_is_token_ids_with_the_tools_rendered():
+    """With a chat template the first prompt is the template's rendering (tools included) as token
+    ids (transformers' tokenizing apply_chat_template answers a BatchEncoding, not a list)."""
+    from unirl.stages.models.qwen_vl_prompts import CHAT_TEMPLATE, build_vl_tokenizer
+    from unirl.stages.tools import ToolSpec
+
+    tok = build_vl_tokenizer(CHARSET)
+    tok.chat_template = "{%- for t in tools or [] %}({{ t['function']['name'] }}){% endfor %}" + CHAT_TEMPLATE
+    ids = ToolFormat(tok, use_chat=True).first_prompt("2+3=", [ToolSpec("add", "The sum.", {"type": "object"})])
+    assert all(isinstance(i, int) for i in ids)
+    assert tok.decode(ids) == "(add)<|im_start|>user\n2+3=<|im_end|>\n<|im_start|>assistant\n"

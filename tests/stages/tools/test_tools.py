@@ -140,3 +140,23 @@ def test_a_toolbox_routes_each_call_to_the_server_that_has_the_tool(tmp_path):
         assert box.route["add"] is not box.route["echo"]
     finally:
         box.close()
+
+
+def validate_with_bad_tool(tmp_path):
+    """`unirl validate` of the tiny recipe with tests/agent_bad_tools.py's `fetch_page` in agent.tools."""
+    import os
+
+    from tests.conftest import TINY, run_unirl
+
+    env = {**os.environ, "UNIRL_PLUGINS": "tests.agent_bad_tools", "PYTHONPATH": str(REPO)}
+    return run_unirl(["validate", str(TINY), "agent={tools: [fetch_page]}", f"storage.root={tmp_path / 'runs'}"], env,
+                     timeout=120, check=False)
+
+
+def test_a_tool_whose_schema_cannot_be_made_stops_validate(tmp_path):
+    """Like every other recipe error (exit 2, an `error:` line naming the field, no traceback), and
+    nothing of the run starts: the user reads which tool and which parameter."""
+    out = validate_with_bad_tool(tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "agent.tools.0: tool 'fetch_page', parameter 'url': no type annotation" in out.stderr, out.stderr[-3000:]
+    assert not (tmp_path / "runs").exists()
