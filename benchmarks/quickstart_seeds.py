@@ -112,8 +112,12 @@ def main() -> int:
             gain = after[f"{p}/accuracy"] - before[f"{p}/accuracy"]
             avg_gain = after[f"{p}/avg_at_{k}"] - before[f"{p}/avg_at_{k}"]
             # one row as soon as its run is done: a long sweep shows its results as it goes
+            agent = (f"  turns {before[f'{p}/turns_mean']:.2f} -> {after[f'{p}/turns_mean']:.2f}  tool ok "
+                     f"{before[f'{p}/tool_success']:.2f} -> {after[f'{p}/tool_success']:.2f}"
+                     if f"{p}/turns_mean" in before else "")  # an agentic run's tool use, before and after RL
             print(f"{split:>5s} {seed:>4d} {wall:7.0f} {cpu:6.0f} {before[f'{p}/accuracy']:8.3f} {after[f'{p}/accuracy']:7.3f} "
-                  f"{gain:+6.3f} {before[f'{p}/avg_at_{k}']:10.3f} {after[f'{p}/avg_at_{k}']:9.3f} {avg_gain:+6.3f}", flush=True)
+                  f"{gain:+6.3f} {before[f'{p}/avg_at_{k}']:10.3f} {after[f'{p}/avg_at_{k}']:9.3f} {avg_gain:+6.3f}{agent}",
+                  flush=True)
             if args.components:
                 common = [f"seed={seed}", *args.overrides]
                 for label, version in (("SFT", versions[0]), ("RL", versions[-1])):

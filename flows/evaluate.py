@@ -53,8 +53,10 @@ def eval_preview(recipe: Recipe, run_name: str, version: int, tracker: Tracker |
 def summary(recipe: Recipe, m: dict[str, float], split: str = "dev") -> str:
     """`accuracy 0.250  avg@4 0.312  pass@4 0.500  (16 prompts)` of an evaluation's metrics."""
     k, p = recipe.eval.k, PREFIX[split]
+    agent = (f"  turns {m[f'{p}/turns_mean']:.2f}  tool ok {m[f'{p}/tool_success']:.2f}"
+             if f"{p}/turns_mean" in m else "")  # an agent's sampled trajectories
     return (f"accuracy {m[f'{p}/accuracy']:.3f}  avg@{k} {m[f'{p}/avg_at_{k}']:.3f}  pass@{k} {m[f'{p}/pass_at_{k}']:.3f}"
-            f"  ({int(m[f'{p}/prompts'])} prompts)")
+            f"{agent}  ({int(m[f'{p}/prompts'])} prompts)")
 
 
 def test_split(recipe: Recipe, run_name: str, version: int, task: Any, *, compute: bool = True) -> dict[str, float] | None:

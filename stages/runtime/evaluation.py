@@ -76,4 +76,19 @@ def eval_metrics(storage: RunStorage, recipe: Recipe, greedy: list[str], sampled
         f"{p}/avg_at_{k}": float(ok.mean()),
         f"{p}/pass_at_{k}": float(np.mean([max(v) for v in per_prompt.values()])),
         f"{p}/prompts": float(len(greedy_ok)),
+        **agent_eval_metrics(storage, sampled, p),
     }
+
+
+def agent_eval_metrics(storage: RunStorage, sampled: list[str], prefix: str) -> dict[str, float]:
+    """An agent's tool use on the held-out prompts' sampled trajectories: assistant turns per
+    trajectory (`<prefix>/turns_mean`) and the share of tool calls that gave a result
+    (`<prefix>/tool_success`); nothing for rows that are not trajectories."""
+    table = read_rollouts(storage, sampled, columns=["agent_turns", "agent_tool_calls", "agent_tool_errors"])
+    if "agent_turns" not in table.schema.names:
+        return {}
+    turns, calls, errors = (np.asarray(table.column(c).to_pylist(), dtype=np.float64)
+                            for c in ("agent_turns", "agent_tool_calls", "agent_tool_errors"))
+    # a trajectory's turns are its assistant turns and one tool turn per call
+    return {f"{prefix}/turns_mean": float((turns - calls).mean()),
+            f"{prefix}/tool_success": float((calls.sum() - errors.sum()) / calls.sum()) if calls.sum() else 0.0}

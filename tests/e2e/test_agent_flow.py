@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pyarrow.ipc as ipc
@@ -56,6 +57,11 @@ def test_an_agent_calls_its_tool_and_trains_on_its_own_tokens_only(tmp_path, uni
     run = root / "tiny"
     lines = [line for line in out.stdout.splitlines() if line.startswith("[unirl] iter-")]
     assert len(lines) == 2 and all("  turns " in line and " ok " in line and "  stop " in line for line in lines), lines
+    # held-out evaluations report the agent's tool use too: turns per trajectory and calls that gave a result
+    held = [line for line in out.stdout.splitlines() if line.startswith("[unirl] held-out v")]
+    assert len(held) == 2 and all(re.search(r"  turns \d\.\d\d  tool ok \d\.\d\d  ", line) for line in held), held
+    after = json.loads((run / "eval/v000002/metrics.json").read_text())["metrics"]
+    assert after["eval/turns_mean"] >= 1.0 and 0.0 <= after["eval/tool_success"] <= 1.0, after
     for i in range(2):
         turns = ipc.open_file(str(run / f"iter-{i:06d}/rollouts.turns/transcript.arrow")).read_all().to_pylist()
         calls = [t for t in turns if t["role"] == "tool" and t["error"] is None]
