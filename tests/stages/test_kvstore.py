@@ -24,6 +24,44 @@ def test_a_store_is_its_seeds_and_held_out_questions_need_unseen_keys():
             assert p.text == f"{a}+{b}=" and p.metadata["answer"] == kv.store[a] + kv.store[b]
 
 
+def test_the_teacher_demonstrates_on_stores_of_its_own_and_slips_as_the_recipe_says():
+    """SFT records (`sft.noise` 0.8): the procedure over random keys and values, never the task's
+    store's; 60% guess the sum without calc (and miss it), 20% write a calc call that is not JSON."""
+    import json
+
+    from unirl.stages.tools.calls import parse
+    from unirl.stages.toys.kvstore import teacher_records
+    from unirl.stages.train.sft import check_turns
+
+    records = teacher_records(0, 4000, 0.8)
+    assert records == teacher_records(0, 4000, 0.8) and records != teacher_records(1, 4000, 0.8)
+    kinds = {"right": 0, "guess": 0, "malformed": 0}
+    for i, r in enumerate(records):
+        turns = json.loads(r["turns"])
+        check_turns(turns, f"record {i}")
+        a, b = r["prompt"][:3], r["prompt"][4:7]
+        (la,), (lb,) = parse(turns[0]["text"], {"lookup"}), parse(turns[2]["text"], {"lookup"})
+        assert (la.arguments, lb.arguments) == ({"key": a}, {"key": b})  # the prompt's keys, in order
+        total = int(turns[1]["text"]) + int(turns[3]["text"])  # what the teacher's own store holds
+        if len(turns) == 7:
+            (c,) = parse(turns[4]["text"], {"calc"})
+            assert c.error is None and c.arguments == {"expression": f"{turns[1]['text']}+{turns[3]['text']}"}
+            assert turns[5]["text"] == turns[6]["text"] == r["response"] == str(total)
+            kinds["right"] += 1
+        elif parse(turns[4]["text"], {"calc"}):
+            assert parse(turns[4]["text"], {"calc"})[0].error is not None  # malformed: the trajectory ends on it
+            kinds["malformed"] += 1
+        else:
+            assert 1 <= abs(int(r["response"]) - total) <= 5  # a guess, never the sum
+            kinds["guess"] += 1
+    shares = {k: v / len(records) for k, v in kinds.items()}
+    assert abs(shares["guess"] - 0.6) < 0.03 and abs(shares["malformed"] - 0.2) < 0.03, shares
+    # values are the teacher's own: they do not follow the task's store (whose keys they may share)
+    store = make_store(0, 300)
+    shared = [(r, json.loads(r["turns"])) for r in records if r["prompt"][:3] in store]
+    assert shared and sum(int(t[1]["text"]) == store[r["prompt"][:3]] for r, t in shared) < 0.2 * len(shared)
+
+
 def test_calc_takes_integer_arithmetic_and_nothing_else():
     assert calc("(12+30)*2-4") == 80 and calc("-3+5") == 2
     for bad in ("__import__('os')", "2**10", "1.5+1", "a+1", "9" * 300):
