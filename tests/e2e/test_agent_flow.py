@@ -47,6 +47,25 @@ def agent_env(unirl_env):
     return {**unirl_env, "UNIRL_PLUGINS": "tests.agent_tools", "PYTHONPATH": str(REPO)}
 
 
+def check_answered_calls(run, i, template=False):
+    """Iteration i of an `add` run: calls answered by the tool with the sum of the arguments the
+    policy wrote, their tool turns masked (the `<tool_response>` block alone, or inside the chat
+    `template`'s user turn); the rows of trajectories that called it start with the policy's own
+    tokens and hold masked ones. Returns the rows."""
+    turns = ipc.open_file(str(run / f"iter-{i:06d}/rollouts.turns/transcript.arrow")).read_all().to_pylist()
+    calls = [t for t in turns if t["role"] == "tool" and t["error"] is None]
+    assert calls, f"iteration {i}: no call answered by the tool"
+    for t in calls:
+        args = json.loads(t["arguments"])
+        assert t["tool"] == "add" and t["result"] == str(args["a"] + args["b"])
+        block = f"<tool_response>\n{t['result']}\n</tool_response>"
+        assert set(t["mask"]) == {0} and (block in t["text"] if template else t["text"] == block)
+    rows = ipc.open_file(str(run / f"iter-{i:06d}/rollouts/part-000.arrow")).read_all().to_pylist()
+    called = [r for r in rows if r["agent_tool_calls"]]
+    assert called and all(0 in r["response_mask"] and r["response_mask"][0] == 1 for r in called)
+    return rows
+
+
 def test_an_agent_calls_its_tool_and_trains_on_its_own_tokens_only(tmp_path, unirl_env):
     from unirl.stages.runtime.audit import audit_run
     from unirl.stages.runtime.storage import RunStorage
@@ -63,16 +82,7 @@ def test_an_agent_calls_its_tool_and_trains_on_its_own_tokens_only(tmp_path, uni
     after = json.loads((run / "eval/v000002/metrics.json").read_text())["metrics"]
     assert after["eval/turns_mean"] >= 1.0 and 0.0 <= after["eval/tool_success"] <= 1.0, after
     for i in range(2):
-        turns = ipc.open_file(str(run / f"iter-{i:06d}/rollouts.turns/transcript.arrow")).read_all().to_pylist()
-        calls = [t for t in turns if t["role"] == "tool" and t["error"] is None]
-        assert calls, f"iteration {i}: no call answered by the tool"
-        for t in calls:  # the tool's answer is the sum of the arguments the policy wrote
-            args = json.loads(t["arguments"])
-            assert t["tool"] == "add" and t["result"] == str(args["a"] + args["b"])
-            assert set(t["mask"]) == {0} and t["text"] == f"<tool_response>\n{t['result']}\n</tool_response>"
-        rows = ipc.open_file(str(run / f"iter-{i:06d}/rollouts/part-000.arrow")).read_all().to_pylist()
-        called = [r for r in rows if r["agent_tool_calls"]]
-        assert called and all(0 in r["response_mask"] and r["response_mask"][0] == 1 for r in called)
+        rows = check_answered_calls(run, i)
         assert all(lp == 0.0 for r in rows for lp, m in zip(r["response_logprobs"], r["response_mask"]) if not m)
         train = json.loads((run / f"iter-{i:06d}/train.json").read_text())["metrics"]
         assert train["behaviour_logp_max_abs_diff"] <= 1e-4  # the trainer replays the policy's tokens as sampled

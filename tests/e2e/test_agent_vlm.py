@@ -13,6 +13,7 @@ import pyarrow.ipc as ipc
 import pytest
 
 from tests.conftest import REPO, run_unirl
+from tests.e2e.test_agent_flow import check_answered_calls
 
 pytestmark = pytest.mark.slow
 RECIPE = str(REPO / "recipes/vlm/grpo.yaml")
@@ -63,16 +64,7 @@ def test_a_vlm_agent_sees_its_image_calls_its_tool_and_trains_on_its_own_tokens_
     tokenizer = load_tokenizer(run / "weights/v000000")
     image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     for i in range(2):
-        turns = ipc.open_file(str(run / f"iter-{i:06d}/rollouts.turns/transcript.arrow")).read_all().to_pylist()
-        calls = [t for t in turns if t["role"] == "tool" and t["error"] is None]
-        assert calls, f"iteration {i}: no call answered by the tool"
-        for t in calls:  # the tool's answer is the sum of the arguments the policy wrote
-            args = json.loads(t["arguments"])
-            assert t["tool"] == "add" and t["result"] == str(args["a"] + args["b"])
-            assert set(t["mask"]) == {0} and f"<tool_response>\n{t['result']}\n</tool_response>" in t["text"]
-        rows = ipc.open_file(str(run / f"iter-{i:06d}/rollouts/part-000.arrow")).read_all().to_pylist()
-        called = [r for r in rows if r["agent_tool_calls"]]
-        assert called and all(0 in r["response_mask"] and r["response_mask"][0] == 1 for r in called)
+        rows = check_answered_calls(run, i, template=True)
         assert all(lp == 0.0 for r in rows for lp, m in zip(r["response_logprobs"], r["response_mask"]) if not m)
         # each row's first prompt shows its image: the request's PNG, and the 8 x 8 patches merged 2 x 2 as 16 image
         # tokens before the question (the trainer replays them), none in the turns after it

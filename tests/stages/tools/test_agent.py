@@ -31,6 +31,20 @@ def script(tok, turns_by_sample):
     return generate
 
 
+def tiny_policy(tmp_path, **tiny):
+    """(recipe, TextPolicy) of a tiny seeded Qwen3 with the file's charset, loaded as real weights are."""
+    from tests.tiny import TINY, merged
+    from unirl.stages.models.family import get_family
+    from unirl.stages.policies.text import TextPolicy
+    from unirl.stages.recipe import build_recipe
+
+    recipe = build_recipe(merged(TINY["qwen3"], {"model": {"tiny": {"charset": CHARSET, **tiny}}}))
+    family = get_family("qwen3")
+    cfg = recipe.model.model_copy(update={"path": str(family.materialize(recipe.model, tmp_path / "tiny"))})
+    bundle = family.load(family.materialize(cfg, tmp_path / "unused"), cfg, torch.device("cpu"))
+    return recipe, TextPolicy(family, bundle, recipe, torch.device("cpu"))
+
+
 def test_tool_tokens_are_masked_and_the_policy_tokens_trained():
     tok, fmt = setup()
     call = render("add", {"a": 2, "b": 3})
@@ -77,18 +91,10 @@ def test_the_trainer_replays_only_the_policy_tokens(tmp_path):
     (the positions predicting the policy's tokens), and the behaviour record is zero elsewhere."""
     import numpy as np
 
-    from tests.tiny import TINY, merged
-    from unirl.stages.models.family import get_family
-    from unirl.stages.policies.text import TextPolicy
-    from unirl.stages.recipe import build_recipe
     from unirl.stages.runtime.sample import table_from_rows
 
-    recipe = build_recipe(merged(TINY["qwen3"], {"model": {"tiny": {"charset": CHARSET}}}))
-    family = get_family("qwen3")
-    cfg = recipe.model.model_copy(update={"path": str(family.materialize(recipe.model, tmp_path / "tiny"))})
-    bundle = family.load(family.materialize(cfg, tmp_path / "unused"), cfg, torch.device("cpu"))
-    policy = TextPolicy(family, bundle, recipe, torch.device("cpu"))
-    tok = bundle.tokenizer
+    recipe, policy = tiny_policy(tmp_path)
+    tok = policy.bundle.tokenizer
     fmt = ToolFormat(tok, use_chat=False)
     traj = Trajectory("g/0", "g", "q", {}, fmt.first_prompt("q", []))
     run([traj], script(tok, {"g/0": [render("add", {"a": 1, "b": 2}), "3"]}), lambda n, a: Observation("3", None, 0.0),
@@ -130,26 +136,18 @@ def test_a_written_transcript_is_the_token_sequence_the_loop_samples():
 def test_sft_learns_only_the_assistant_turns_of_a_transcript(tmp_path):
     import json
 
-    from tests.tiny import TINY, merged
-    from unirl.stages.models.family import get_family
-    from unirl.stages.policies.text import TextPolicy
-    from unirl.stages.recipe import build_recipe
     from unirl.stages.runtime.sample import table_from_rows
     from unirl.stages.toys.kvstore import make_store, teacher_turns
     from unirl.stages.train.sft import check_turns
 
-    recipe = build_recipe(merged(TINY["qwen3"], {"model": {"tiny": {"charset": CHARSET, "max_position_embeddings": 512}}}))
-    family = get_family("qwen3")
-    cfg = recipe.model.model_copy(update={"path": str(family.materialize(recipe.model, tmp_path / "tiny"))})
-    bundle = family.load(family.materialize(cfg, tmp_path / "unused"), cfg, torch.device("cpu"))
-    policy = TextPolicy(family, bundle, recipe, torch.device("cpu"))
+    recipe, policy = tiny_policy(tmp_path, max_position_embeddings=512)
     store = make_store(0, 20)
     a, b = list(store)[:2]
     turns = teacher_turns(store, a, b, slip="malformed")
     table = table_from_rows([{"prompt": f"{a}+{b}=", "response": turns[-1]["text"], "turns": json.dumps(turns)},
                              {"prompt": "1+2=", "response": "3"}], "sft")
     policy.sft_setup(table, "sft", None, 0)
-    ids, mask = ToolFormat(bundle.tokenizer, False).transcript(turns)
+    ids, mask = ToolFormat(policy.bundle.tokenizer, False).transcript(turns)
     tool_chars = sum(len(f"<tool_response>\n{t['text']}\n</tool_response>") for t in turns if t["role"] == "tool")
     assert policy._sft_responses[0] == ids and policy._sft_masks[0] == mask and mask.count(0) == tool_chars
     assert policy._sft_masks[1] == [1] * len(policy._sft_responses[1])  # a plain record: its whole response
@@ -182,21 +180,13 @@ def test_every_assistant_turn_carries_its_trajectory_group_advantage(tmp_path):
     cut across groups keep each row's tokens and advantage its own."""
     import math
 
-    from tests.tiny import TINY, merged
     from unirl.stages.algorithms.base import get_algorithm
-    from unirl.stages.models.family import get_family
-    from unirl.stages.policies.text import TextPolicy
-    from unirl.stages.recipe import build_recipe
     from unirl.stages.runtime.iteration import advantages
     from unirl.stages.runtime.sample import join_on_sample_id, read_shard, table_from_rows, write_shard
     from unirl.stages.runtime.storage import RunStorage
 
-    recipe = build_recipe(merged(TINY["qwen3"], {"model": {"tiny": {"charset": CHARSET}}}))
-    family = get_family("qwen3")
-    cfg = recipe.model.model_copy(update={"path": str(family.materialize(recipe.model, tmp_path / "tiny"))})
-    bundle = family.load(family.materialize(cfg, tmp_path / "unused"), cfg, torch.device("cpu"))
-    policy = TextPolicy(family, bundle, recipe, torch.device("cpu"))
-    tok = bundle.tokenizer
+    recipe, policy = tiny_policy(tmp_path)
+    tok = policy.bundle.tokenizer
     fmt = ToolFormat(tok, use_chat=False)
 
     def call(a, b):
