@@ -203,3 +203,27 @@ def test_an_agentic_run_killed_mid_iteration_resumes_where_an_uninterrupted_one_
     for name in ("killed", "ref"):
         report = audit_run(RunStorage(str(root), name))
         assert report.ok and report.committed == [0, 1], report.text()
+
+
+def test_an_agent_samples_ahead_on_the_engine_server_async(tmp_path, unirl_env):
+    """Async RL with an agent (max_staleness 1, GSPO with the off-policy correction): the producer
+    samples multi-turn trajectories on the engine server one version behind the trainer; each
+    iteration's rows are the schedule's version and call the tool, and `unirl audit` passes."""
+    from unirl.stages.runtime.audit import audit_run
+    from unirl.stages.runtime.storage import RunStorage
+
+    root = tmp_path / "runs"
+    run_unirl(agent_run(tmp_path, root, "iterations=3", "eval.enabled=false", "rollout.engine.name=engine_server",
+                        "rollout.mode=async", "rollout.max_staleness=1", "rollout.correction={level: sequence}", "algorithm.name=gspo",
+                        "train.lr=1e-4"), agent_env(unirl_env))
+    run = root / "tiny"
+    for i in range(3):
+        produced = json.loads((run / f"iter-{i:06d}/manifests/produce.json").read_text())
+        assert produced["policy_version"] == max(0, i - 1)  # the schedule: version k - max_staleness
+        rows = check_answered_calls(run, i)
+        assert {r["policy_version"] for r in rows} == {max(0, i - 1)}
+        train = json.loads((run / f"iter-{i:06d}/train.json").read_text())["metrics"]
+        assert train["stale_frac"] == (0.0 if i == 0 else 1.0) and train["is_weight_mean"] > 0
+    import tests.agent_tools  # noqa: F401 - the run's tools, registered here too: its stored recipe names them
+    report = audit_run(RunStorage(str(root), "tiny"))
+    assert report.ok and [line.versions for line in report.lines] == [(0, 0), (0, 0), (1, 1)], report.text()

@@ -180,7 +180,9 @@ def test_every_assistant_turn_carries_its_trajectory_group_advantage(tmp_path):
     cut across groups keep each row's tokens and advantage its own."""
     import math
 
+    from tests.tiny import TINY, merged
     from unirl.stages.algorithms.base import get_algorithm
+    from unirl.stages.recipe import build_recipe
     from unirl.stages.runtime.iteration import advantages
     from unirl.stages.runtime.sample import join_on_sample_id, read_shard, table_from_rows, write_shard
     from unirl.stages.runtime.storage import RunStorage
@@ -234,6 +236,23 @@ def test_every_assistant_turn_carries_its_trajectory_group_advantage(tmp_path):
             assert carried[b, :start].abs().sum() == 0 and carried[b, start + len(want):].abs().sum() == 0
             seen.append(sid)
     assert seen == sorted(turns)
+    # every AR algorithm trains the same rows unchanged: its gradient lands on the policy's own tokens
+    # only, pushing each up or down as its trajectory's advantage says
+    for name in ("gspo", "drpo"):
+        other = build_recipe(merged(TINY["qwen3"], {"model": {"tiny": {"charset": CHARSET}}, "algorithm": {"name": name}}))
+        algo = get_algorithm(name)(other.algorithm, other)
+        for batch in batches:
+            logp = batch.behaviour.clone().requires_grad_(True)
+            (grad,) = torch.autograd.grad(algo.loss(logp, logp.detach(), batch.advantage, batch.mask,
+                                                    recipe.rollout.max_new_tokens).loss, logp)
+            for b, sid in enumerate(batch.sample_ids):
+                traj = by_id[sid]
+                start = len(traj.prompt_ids) - 1
+                own = torch.tensor([turn.role == "assistant" for turn in traj.turns for _ in turn.token_ids])
+                span = -grad[b, start:start + len(own)]
+                assert span[~own].abs().sum() == 0 and grad[b, :start].abs().sum() == 0, (name, sid)
+                assert grad[b, start + len(own):].abs().sum() == 0, (name, sid)
+                assert (torch.sign(span[own]) == math.copysign(1.0, expected[sid])).all(), (name, sid, span[own])
 
 
 def test_a_chat_templates_first_prompt_is_token_ids_with_the_tools_rendered():
