@@ -247,7 +247,11 @@ class VLLM(LaunchedEngine):
         argv = [self.interpreter(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(weights),
                 "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(self._port),
                 "--dtype", self.recipe.model.dtype, "--logprobs-mode", "processed_logprobs", "--seed", "0",
-                "--max-num-seqs", str(self.cfg.max_concurrent), "--disable-log-stats"]
+                "--max-num-seqs", str(self.cfg.max_concurrent), "--disable-log-stats",
+                # every request carries its own seed, and vLLM 0.32's CPU worker dies on a seeded request whose
+                # prefill was cut into chunks ("CPU Generator does not use offset"); on GPUs give
+                # `args: [--enable-chunked-prefill]` back (the later flag wins)
+                "--no-enable-chunked-prefill"]
         if (context := context_length(self.recipe.model)) is not None:
             argv += ["--max-model-len", str(context)]
         env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": token, "VLLM_CPU_KVCACHE_SPACE": str(self.cfg.kv_cache_gib),

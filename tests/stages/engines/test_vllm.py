@@ -23,6 +23,7 @@ import torch
 
 from tests import vllm_env
 from tests.conftest import TINY, run_unirl
+from tests.e2e.test_agent_flow import CHARSET
 from tests.stages.engines.test_engine_sync import LocalTrainer
 from tests.tiny import TINY as TINY_SECTIONS
 from tests.tiny import merged
@@ -36,8 +37,11 @@ from unirl.stages.runtime.storage import RunStorage
 pytestmark = pytest.mark.slow
 # vLLM's CPU attention serves head widths of 32 and more (stages/engines/vllm.py CPU_HEAD_DIMS)
 # (the architecture of recipes/ar/tiny.yaml otherwise, so a run of it can load its weights into the file's server)
+# and the characters of tool calls, so an agentic run's weights load into the file's server too
 ARCH = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-        "intermediate_size": 128}
+        "intermediate_size": 128, "charset": CHARSET}
+SERVED_ARCH = [f"model.tiny.{key}={value!r}" if key == "charset" else f"model.tiny.{key}={value}"
+               for key, value in ARCH.items() if key not in ("num_hidden_layers", "intermediate_size")]
 MODEL = {"model": {"tiny": ARCH, "lora": {"rank": 4}}}
 
 
@@ -56,6 +60,8 @@ def make(tmp_path, python: str | None, rollout: dict | None = None, **engine):
 
     recipe = build_recipe(merged(TINY_SECTIONS["qwen3"], MODEL, {
         "storage": {"root": str(tmp_path)}, "train": {"lr": 0.05, "micro_batch_size": 16},
+        # a random model of this vocabulary rarely writes a number: the length gives every group a signal
+        "reward": {"scorers": [{"name": "text_length"}]},
         "rollout": {"prompts_per_iteration": 4, "max_new_tokens": 6, **(rollout or {}),
                     "engine": {"name": "vllm", "python": python, **engine}}}))
     storage = RunStorage(str(tmp_path), "run")
@@ -103,6 +109,20 @@ def test_rows_carry_vllm_tokens_and_logprobs_that_the_trainer_replays(served):
     req = it.write_requests(s["storage"], s["recipe"], 0)["files"][0]
     again = read_rollouts(s["storage"], s["engine"].generate(req, "check/rollouts", 0, 0)["files"])
     assert again.column("response_ids").to_pylist() == rows.column("response_ids").to_pylist()
+
+
+def test_long_seeded_prompts_at_once_are_served(served):
+    """64 seeded prompts of 200 tokens, more than one scheduler step's token budget: vLLM 0.32's CPU
+    worker died on a seeded request whose prefill it cut into chunks (`CPU Generator does not use
+    offset`, found by the agentic quickstart's second turns), so the engine launches it without
+    chunked prefill; each prompt is sampled under its own seed."""
+    client = served["engine"].client(0)
+    prompts = [[(7 * k + j) % 10 + 4 for j in range(200)] for k in range(64)]  # the tiny vocabulary's characters
+    params = [{"temperature": 1.0, "max_tokens": 4, "seed": 1000 + k} for k in range(64)]
+    outs = client.complete(prompts, params, client.model)
+    assert len(outs) == 64 and all(1 <= len(o["token_ids"]) <= 4 for o in outs)
+    again = client.complete(prompts[:2], params[:2], client.model)
+    assert [o["token_ids"] for o in again] == [o["token_ids"] for o in outs[:2]]  # a seed's sample, whatever the batch
 
 
 def test_full_sync_is_verified_by_the_canary_and_a_skipped_reload_is_caught(served, monkeypatch):
@@ -158,8 +178,7 @@ def test_a_run_samples_every_iteration_on_the_server(served, tmp_path, unirl_env
     token = served["engine"].client(4)._http.headers["Authorization"].split()[-1]
     root = tmp_path / "runs"
     run_unirl(["run", str(TINY), "iterations=2", f"storage.root={root}", "eval.enabled=false",
-               "reward.scorers=[{name: integer_format}]", "model.tiny.hidden_size=64", "model.tiny.num_attention_heads=2",
-               "model.tiny.num_key_value_heads=1", "model.tiny.head_dim=32", f"rollout.engine={{name: vllm, url: '{url}'}}"],
+               "reward.scorers=[{name: integer_format}]", *SERVED_ARCH, f"rollout.engine={{name: vllm, url: '{url}'}}"],
               {**unirl_env, "VLLM_API_KEY": token})
     for i in range(2):
         rows = read_rollouts(RunStorage(str(root), "tiny"), [f"iter-{i:06d}/rollouts/part-000.arrow"])
@@ -182,8 +201,7 @@ def test_an_agent_takes_its_turns_on_the_server(served, tmp_path, unirl_env):
     teacher(tmp_path / "teacher.jsonl")
     root = tmp_path / "runs"
     run_unirl(["run", str(TINY), "iterations=2", f"storage.root={root}", "eval.enabled=false",
-               "model.tiny.hidden_size=64", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1",
-               "model.tiny.head_dim=32", "agent={tools: [add], max_turns: 2}", "rollout.max_new_tokens=72",
+               *SERVED_ARCH, "agent={tools: [add], max_turns: 2}", "rollout.max_new_tokens=72",
                "reward.scorers=[{name: exact_match}]",
                f"sft={{source: file, path: {tmp_path / 'teacher.jsonl'}, steps: 80, lr: 0.005, batch_size: 32}}",
                f"rollout.engine={{name: vllm, url: '{url}'}}"],
