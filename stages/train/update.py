@@ -42,12 +42,13 @@ class UpdatePart:
     prefix: str = ""
 
 
-def joint_update(stack: Any, parts: list[UpdatePart], *, iteration: int, seed: int) -> dict[str, Any]:
+def joint_update(stack: Any, parts: list[UpdatePart], *, iteration: int, seed: int, version: int | None = None) -> dict[str, Any]:
     """One optimizer step per mini-batch k, into which every part's micro-batches of mini-batch k
     accumulate their gradients: a part's loss is its algorithm's (each micro-batch's share of it
     is its units over the part's total across ranks) times the part's weight. A unified model
     trains its text and image stages this way on one set of weights (stages/compose/unified.py).
-    Returns each part's metrics under its prefix, and the step's."""
+    `version`: the policy version the stack holds (TrainContext). Returns each part's metrics under
+    its prefix, and the step's."""
     updates = {len(p.counts) for p in parts}
     if len(updates) != 1:
         raise ValueError(f"the parts of a joint update cut their batches into different numbers of updates: {sorted(updates)}")
@@ -59,7 +60,7 @@ def joint_update(stack: Any, parts: list[UpdatePart], *, iteration: int, seed: i
         def get(k: int, j: int, part: UpdatePart = part, template: Any = template) -> tuple[Any, float]:
             return (part.batches[k][j], 1.0) if j < len(part.batches[k]) else (part.policy.stand_in(template), 0.0)
 
-        ctx = TrainContext(part.policy, stack, iteration, seed, part.tolerance, stack.rank)
+        ctx = TrainContext(part.policy, stack, iteration, seed, part.tolerance, stack.rank, version)
         frozen: dict[tuple[int, int], Any] = {}
         with torch.no_grad(), stack.maybe_ema(part.algo.samples_with_ema):
             for k, count in enumerate(part.counts):

@@ -24,7 +24,7 @@ def test_the_schedule():
 
 def test_groups_with_a_stale_row_are_dropped_and_counted(tmp_path):
     table = table_from_rows(rows({"a": [4, 4], "b": [4, 3], "c": [5, 5]}), "rollouts", ["text"])
-    kept, m = admit(table, iteration=5, max_staleness=1)
+    kept, m = admit(table, version=5, max_staleness=1)
     assert sorted(set(kept.column("group_id").to_pylist())) == ["a", "c"]
     assert m["rollout/stale_groups_dropped"] == 1 and m["rollout/stale_samples_dropped"] == 2
     assert m["rollout/policy_lag_max"] == 2 and m["rollout/policy_lag_mean"] == pytest.approx((1 + 1 + 1 + 2 + 0 + 0) / 6)
