@@ -198,10 +198,12 @@ class Recipe(Section):
         run checkpointed at one world size resumes at another, DCP resharding it)."""
         placement = {"nnodes", "nproc_per_node", "min_nnodes", "rendezvous", "agents", "backend", "startup_timeout_s",
                      "sharded_load"}
+        # Rollout accumulation's default (1) is left out: a run started before the field resumes.
+        alone = {"accumulate_rollouts"} if self.train.accumulate_rollouts == 1 else set()
         exclude: dict[str, Any] = {"storage": {"root", "options", "shared"}, "tracking": True, "iterations": True,
-                                   "train": placement}
-        if self.compose is not None:  # a part's placement too (a pipeline's parts have their own `train`)
-            exclude["compose"] = {self.compose.members_field: {"__all__": {"train": placement}}}
+                                   "train": placement | alone}
+        if self.compose is not None:  # a part's placement too (a pipeline's parts have their own `train`, accumulating never)
+            exclude["compose"] = {self.compose.members_field: {"__all__": {"train": placement | {"accumulate_rollouts"}}}}
         data = self.model_dump(mode="json", exclude=exclude)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 

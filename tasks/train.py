@@ -32,10 +32,11 @@ def train(recipe: Recipe, run_name: str, iteration: int, rollouts: list[str], ad
 
     def make() -> dict[str, Any]:
         if not closes(recipe, iteration):  # the batch waits, committed, for its window's last iteration
-            result = {"iteration": iteration, "policy_version": version_of(recipe, iteration), "update": False,
-                      "window": [batches[0], batches[-1]], "metrics": {"accumulated_batches": iteration - batches[0] + 1}}
-            storage.write_json(rel, result)
-            return {"files": [rel], **result}
+            waiting: dict[str, Any] = {
+                "iteration": iteration, "policy_version": version_of(recipe, iteration), "update": False,
+                "window": [batches[0], batches[-1]], "metrics": {"accumulated_batches": iteration - batches[0] + 1}}
+            storage.write_json(rel, waiting)
+            return {"files": [rel], **waiting}
         group = group_of(recipe, storage)
         engine_of(recipe, storage).release()  # colocated layout: the engine's memory is the trainer's now
         group.ensure(version_of(recipe, iteration))
@@ -43,8 +44,7 @@ def train(recipe: Recipe, run_name: str, iteration: int, rollouts: list[str], ad
         result = group.call("train", iteration=iteration, rollouts=rollouts, advantages=advantages,
                             **({"earlier": earlier} if earlier else {}))
         if m > 1:
-            result.update(update=True, window=[batches[0], batches[-1]])
-            result["metrics"]["accumulated_batches"] = m
+            result.update(update=True, window=[batches[0], batches[-1]], metrics={**result["metrics"], "accumulated_batches": m})
         storage.write_json(rel, result)
         return {"files": [rel], **result}
 

@@ -45,13 +45,12 @@ class InProcessLoop:
         adv = it.advantages(self.storage, self.recipe, iteration, scored["files"])
         times["score_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        batch = {"rollouts": gen["files"], "advantages": adv["files"][0]}
         if not closes(self.recipe, iteration):  # rollout accumulation: the window's last iteration updates on it
-            self.waiting.append(batch)
+            self.waiting.append({"rollouts": gen["files"], "advantages": adv["files"][0]})
             metrics: dict[str, Any] = {"accumulated_batches": len(self.waiting)}
         else:
-            earlier = {"earlier": self.waiting} if self.waiting else {}
-            metrics = self.worker.train(iteration=iteration, **batch, **earlier)["metrics"]
+            metrics = self.worker.train(iteration=iteration, rollouts=gen["files"], advantages=adv["files"][0],
+                                        earlier=self.waiting or None)["metrics"]
             if self.waiting:
                 metrics["accumulated_batches"] = len(self.waiting) + 1
             for j in window(self.recipe, iteration):  # memory stays flat

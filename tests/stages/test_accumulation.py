@@ -36,6 +36,10 @@ def test_one_batch_per_update_is_the_run_without_accumulation():
     assert [acc.version_after(one, i) for i in range(5)] == list(range(1, 6))
     assert all(acc.closes(one, i) and list(acc.window(one, i)) == [i] for i in range(5))
     assert schedule_steps(one, 5) == 10 and acc.final_version(one) == 5
+    # resuming with another M is refused (the fingerprint differs); the default leaves the field out of it
+    five = build_recipe({"iterations": 5, "train": {"updates_per_batch": 2, "accumulate_rollouts": 5}})
+    assert one.fingerprint() != five.fingerprint()
+    assert "accumulate_rollouts" in one.to_yaml()  # the resolved recipe still says what ran
 
 
 def test_validate_refuses_what_cannot_accumulate():
