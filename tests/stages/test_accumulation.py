@@ -144,3 +144,16 @@ def test_two_accumulated_batches_update_as_one_batch_of_their_rows(case, tmp_pat
     assert same <= 1e-6, f"the window's update differs from one batch's by {same:.3g}"
     other = max(float((p - q).abs().max()) for p, q in zip(params(contrast), params(one_w)))
     assert other > 100 * max(same, 1e-8), f"a per-batch normaliser lands {other:.3g} from one batch's update"
+
+
+def test_the_in_process_loop_updates_once_per_window(tiny_weights):
+    """The benchmarks' floor (stages/runtime/loop.py) keeps a window's batches until its last iteration."""
+    from unirl.stages.runtime.loop import InProcessLoop
+
+    recipe = build_recipe(merged(TINY["qwen3"], {"iterations": 2, "train": {"accumulate_rollouts": 2}}))
+    loop = InProcessLoop(recipe, str(tiny_weights("qwen3")))
+    first = loop.iteration(0)
+    assert first["train/accumulated_batches"] == 1 and "train/loss" not in first and loop.worker.version == 0
+    second = loop.iteration(1)
+    assert second["train/accumulated_batches"] == 2 and second["train/grad_norm"] > 0 and loop.worker.version == 1
+    assert loop.worker.stack.opt_steps == 1 and not loop.storage.fs.exists(loop.storage.path(iter_dir(0)))
