@@ -2,13 +2,14 @@
 
 RL update of one batch: this rank's rows (the sorted rows [rank::world]) are cut by the train
 stack into `train.updates_per_batch` mini-batches of micro-batches (the cut sampling used), one
-optimizer step per mini-batch. With rollout accumulation the update is on a window's batches, each
-cut so, mini-batch k holding every batch's k-th: the step's total below is then the union's. Before the first step the algorithm freezes what it needs of the old policy (with the EMA
-weights swapped in when the algorithm samples with them). A micro-batch's share of its step's
-loss is its units (tokens, sequences or samples, as the algorithm says) over the step's total
-across ranks. Ranks short of micro-batches run stand-ins of weight 0, so every rank issues the
-same collectives in the same order. Metrics are averaged with the policy's weights (tokens,
-samples); keys naming a max or ending in `_min` are the max / min across everything.
+optimizer step per mini-batch. Before the first step the algorithm freezes what it needs of the old
+policy (with the EMA weights swapped in when the algorithm samples with them). A micro-batch's
+share of its step's loss is its units (tokens, sequences or samples, as the algorithm says) over
+the step's total across ranks. With rollout accumulation the update is on a window's batches, each
+cut so, mini-batch k holding every batch's k-th: the step's total is then the union's. Ranks short
+of micro-batches run stand-ins of weight 0, so every rank issues the same collectives in the same
+order. Metrics are averaged with the policy's weights (tokens, samples); keys naming a max or
+ending in `_min` are the max / min across everything.
 """
 from __future__ import annotations
 
