@@ -101,7 +101,9 @@ def mlflow_history(run_dir: Path, env: dict[str, str]) -> dict[str, list[tuple[i
             if not k.startswith("time/")}
 
 
-def snapshot(run_dir: Path, env: dict[str, str], iterations: int) -> dict[str, Any]:
+def snapshot(run_dir: Path, env: dict[str, str], iterations: int, version: int | None = None) -> dict[str, Any]:
+    """What a run ended with: per-iteration metrics, MLflow history, and the sha256 of its weights
+    `version` (default `iterations`: one update per iteration)."""
     def clean(metrics: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in metrics.items() if not k.startswith("time/") and k != "seconds"}
 
@@ -110,7 +112,7 @@ def snapshot(run_dir: Path, env: dict[str, str], iterations: int) -> dict[str, A
         d = run_dir / f"iter-{i:06d}"
         out["iterations"].append({"success": clean(json.loads((d / "_SUCCESS").read_text())["metrics"]),
                                   "train": clean(json.loads((d / "train.json").read_text())["metrics"])})
-    manifest = json.loads((run_dir / f"weights/v{iterations:06d}/manifest.json").read_text())["files"]
+    manifest = json.loads((run_dir / f"weights/v{iterations if version is None else version:06d}/manifest.json").read_text())["files"]
     out["weights"] = {k: v["sha256"] for k, v in manifest.items()}
     return out
 

@@ -136,6 +136,9 @@ def iteration_line(i: int, total: int, m: dict[str, float]) -> str:
     """One line per iteration; kl and clip only for losses that have them (not NFT's)."""
     kl = f"  kl {m['train/approx_kl']:.2e}" if "train/approx_kl" in m else ""
     clip = f"  clip {m['train/clip_frac']:.3f}" if "train/clip_frac" in m else ""
+    if "train/loss" not in m and "train/accumulated_batches" in m:  # rollout accumulation: the update comes later
+        return (f"[unirl] iter-{i:06d} ({i + 1}/{total})  reward {m['rollout/reward_mean']:.3f}±{m['rollout/reward_std']:.3f}"
+                f"  batch {int(m['train/accumulated_batches'])} accumulated, no update yet{agent_part(m)}  {m['time/iteration_s']:.1f}s")
     if "train/loss" not in m:  # a pipeline: each trained part's loss and gradient norm
         sides = sorted({k.split("/")[1] for k in m if k.startswith("train/") and k.endswith("/loss")})
         losses = "".join(f"  {s} loss {m[f'train/{s}/loss']:+.4f}" for s in sides)

@@ -18,6 +18,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from unirl.stages.recipe import Recipe, build_recipe
+from unirl.stages.runtime.accumulation import version_of
 from unirl.stages.runtime.async_rollout import behaviour_version
 from unirl.stages.runtime.storage import join
 from unirl.stages.train.manifests import MANIFEST
@@ -35,7 +36,7 @@ def published(storage: Any, recipe: Recipe, version: int) -> bool:
 @flow(name="rl-producer", flow_run_name="{recipe.name}/{run_name}/producer")
 def rl_producer(recipe: Recipe, run_name: str, poll_s: float = 0.05) -> dict[str, Any]:
     """Sample every iteration's batch of the run on its engine, up to `rollout.max_staleness`
-    iterations ahead of the trainer."""
+    updates ahead of the trainer."""
     logger = get_run_logger()
     storage = storage_of(recipe, run_name)
     r = recipe.rollout
@@ -44,7 +45,7 @@ def rl_producer(recipe: Recipe, run_name: str, poll_s: float = 0.05) -> dict[str
         for j in range(recipe.iterations):
             if storage.stage_manifest(j, "produce") is not None:
                 continue
-            version = behaviour_version(j, r.max_staleness, r.engine.sync.every)
+            version = behaviour_version(version_of(recipe, j), r.max_staleness, r.engine.sync.every)
             start = time.perf_counter()
             while not published(storage, recipe, version):
                 time.sleep(poll_s)

@@ -25,6 +25,7 @@ from unirl.flows.hooks import stop_worker_group
 from unirl.flows.shapes import Models, RunShape, rl_iteration, shape_of
 from unirl.stages.models.family import families
 from unirl.stages.recipe import MAX_OVERRIDES, Recipe, with_overrides
+from unirl.stages.runtime.accumulation import closes, iterations_error, version_after
 from unirl.stages.runtime.data import build_prompt_source
 from unirl.stages.runtime.evaluation import eval_dir
 from unirl.stages.runtime.faults import fault_point
@@ -69,6 +70,8 @@ def rl_train(
     run_name = run_name or recipe.name
     if iterations is not None:
         recipe = recipe.model_copy(update={"iterations": iterations})
+        if (error := iterations_error(recipe, iterations)) is not None:
+            raise ValueError(error)
     build_prompt_source(recipe.data)  # a bad data file fails here, before any model loads
     lease = RunLease(storage_of(recipe, run_name), log=lambda m: say(f"[unirl] {m}")).acquire()  # one owner per run
     try:
@@ -124,15 +127,14 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
             for i in range(first, recipe.iterations):
                 summary_ = ahead.take(i) if overlap else shape.iteration(recipe, run_name, i)
                 progress.iteration(i, summary_["metrics"])  # before its evaluation: the console reads top to bottom
-                version = i + 1
-                books.submit(register, recipe, tracker, run_name, models, version)
-                if (recipe.eval.every and version % recipe.eval.every == 0) or (
-                    recipe.eval.enabled and version == recipe.iterations
-                ):
-                    label = "after RL" if version == recipe.iterations else ""
-                    evals[version] = held_out(shape, recipe, run_name, version, tracker, models, label, books)
-                    if label:
-                        report_test(recipe, run_name, tracker, tested, version, shape.evaluate)
+                if closes(recipe, i):  # a new policy version (rollout accumulation: at a window's end only)
+                    version, last_ = version_after(recipe, i), i == recipe.iterations - 1
+                    books.submit(register, recipe, tracker, run_name, models, version)
+                    if (recipe.eval.every and version % recipe.eval.every == 0) or (recipe.eval.enabled and last_):
+                        label = "after RL" if last_ else ""
+                        evals[version] = held_out(shape, recipe, run_name, version, tracker, models, label, books)
+                        if label:
+                            report_test(recipe, run_name, tracker, tested, version, shape.evaluate)
                 storage.mark_success(i, summary_)
                 books.submit(report, shape, recipe, tracker, storage, artifacts, i, summary_)
                 last = summary_
@@ -179,11 +181,12 @@ def catch_up(shape: RunShape, recipe: Recipe, tracker: Tracker, storage: Any, ru
     registry entries, held-out results and report, from what storage holds. Returns them."""
     missing = [i for i in range(first) if not tracker.has_step(i)]
     for i in missing:
-        version = i + 1
-        register(recipe, tracker, run_name, models, version)
-        evaluated = join(eval_dir(version), "metrics.json")
-        if storage.exists(evaluated):
-            report_eval(shape, recipe, tracker, run_name, models, version, storage.read_json(evaluated)["metrics"])
+        if closes(recipe, i):
+            version = version_after(recipe, i)
+            register(recipe, tracker, run_name, models, version)
+            evaluated = join(eval_dir(version), "metrics.json")
+            if storage.exists(evaluated):
+                report_eval(shape, recipe, tracker, run_name, models, version, storage.read_json(evaluated)["metrics"])
         tracker.log_metrics(i, storage.read_json(join(iter_dir(i), "_SUCCESS"))["metrics"])
         preview(shape, recipe, tracker, storage, i)
     return missing
@@ -205,7 +208,7 @@ def preview(shape: RunShape, recipe: Recipe, tracker: Tracker, storage: Any, ite
 def register(recipe: Recipe, tracker: Tracker, run_name: str, models: Models, version: int) -> None:
     """Each model's published weights `version` as a version of its registered model in MLflow
     (`tracking.registry`), its source the weights folder in run storage; a model publishes every
-    `checkpoint_every` iterations, and a frozen one only v000000."""
+    `checkpoint_every` versions, and a frozen one only v000000."""
     if not recipe.tracking.registry:
         return
     for name, (store, trains, model) in models.items():

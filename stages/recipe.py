@@ -77,7 +77,9 @@ class Recipe(Section):
                                       "(docs/agentic.md). Empty: one answer per prompt.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     iterations: int = Field(3, ge=1, le=10_000_000, description="RL iterations in the run.")
-    checkpoint_every: int = Field(1, ge=1, description="Save a checkpoint (and publish weights) every N iterations.")
+    checkpoint_every: int = Field(
+        1, ge=1, description="Save a checkpoint (and publish weights) every N policy versions (updates: iterations, or "
+        "windows of train.accumulate_rollouts iterations) and at the last.")
 
     @property
     def shape(self) -> str:
@@ -101,7 +103,7 @@ class Recipe(Section):
         """Every rule that needs two sections at once, so `unirl validate` finds what the run would
         otherwise meet inside the worker group; all problems are reported together."""
         if self.shape != "single":  # a composed recipe: its shape's own checks (stages/compose)
-            errors = shapes.get(self.shape).errors(self)
+            errors = shapes.get(self.shape).errors(self) + accumulation_errors(self)
             if errors:
                 raise ValueError("\n".join(errors))
             return self
@@ -128,6 +130,7 @@ class Recipe(Section):
                           + ("" if algo.correction_levels else "; remove rollout.correction"))
         errors += credential_errors(self)
         errors += multinode_errors(self)
+        errors += accumulation_errors(self)
         if self.sft is not None and self.sft.source == "file" and not self.sft.path:
             errors.append("sft.path: `source: file` needs the path of a JSONL or Arrow file of prompt/response records")
         if self.agent is not None:
@@ -195,10 +198,12 @@ class Recipe(Section):
         run checkpointed at one world size resumes at another, DCP resharding it)."""
         placement = {"nnodes", "nproc_per_node", "min_nnodes", "rendezvous", "agents", "backend", "startup_timeout_s",
                      "sharded_load"}
+        # Rollout accumulation's default (1) is left out: a run started before the field resumes.
+        alone = {"accumulate_rollouts"} if self.train.accumulate_rollouts == 1 else set()
         exclude: dict[str, Any] = {"storage": {"root", "options", "shared"}, "tracking": True, "iterations": True,
-                                   "train": placement}
-        if self.compose is not None:  # a part's placement too (a pipeline's parts have their own `train`)
-            exclude["compose"] = {self.compose.members_field: {"__all__": {"train": placement}}}
+                                   "train": placement | alone}
+        if self.compose is not None:  # a part's placement too (a pipeline's parts have their own `train`, accumulating never)
+            exclude["compose"] = {self.compose.members_field: {"__all__": {"train": placement | {"accumulate_rollouts"}}}}
         data = self.model_dump(mode="json", exclude=exclude)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
@@ -218,6 +223,24 @@ def check_run_name(name: str, field: str) -> str:
         raise ValueError(f"{field}: {name!r} is not a plain run name; use letters, digits, '.', '_' and '-' "
                          "(at most 128, starting with a letter or digit)")
     return name
+
+
+def accumulation_errors(recipe: Recipe) -> list[str]:
+    """`train.accumulate_rollouts` (stages/runtime/accumulation.py): a run of whole windows, in a
+    single-model run (a composed run's parts step once per iteration)."""
+    from unirl.stages.compose import members
+    from unirl.stages.runtime.accumulation import iterations_error
+
+    if recipe.compose is not None:
+        accumulating = [f"compose.{recipe.compose.members_field}.{i}.train.accumulate_rollouts"
+                        for i, part in enumerate(members(recipe)) if getattr(part, "train", None) is not None
+                        and part.train.accumulate_rollouts != 1]
+        if recipe.train.accumulate_rollouts != 1:
+            accumulating.insert(0, "train.accumulate_rollouts")
+        return [f"{field}: a composed run (compose.kind {recipe.compose.kind!r}) takes its update every iteration; "
+                "rollout accumulation is built for single-model runs; set it to 1" for field in accumulating]
+    error = iterations_error(recipe, recipe.iterations)
+    return [] if error is None else [error]
 
 
 def credential_errors(recipe: Recipe) -> list[str]:

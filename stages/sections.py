@@ -116,7 +116,8 @@ class SFTConfig(Section):
 class EvalConfig(Section):
     """Held-out evaluation: greedy accuracy and avg@k / pass@k of sampled answers."""
 
-    every: int = Field(0, ge=0, description="Evaluate every N iterations (0: only before and after training).")
+    every: int = Field(0, ge=0, description="Evaluate every N policy versions (updates: iterations, or windows of "
+                       "train.accumulate_rollouts iterations; 0: only before and after training).")
     scorer: str | None = Field(
         None, description="Registered scorer whose score 1 means a correct answer; empty: the first of reward.scorers "
         "(with its params).",
@@ -141,6 +142,11 @@ class TrainConfig(Section):
     micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward on each rank.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm; a non-finite norm skips the step.")
     updates_per_batch: int = Field(1, ge=1, description="Optimizer steps per batch (disjoint mini-batches).")
+    accumulate_rollouts: int = Field(
+        1, ge=1, description="Rollout batches (iterations) per update: each of M consecutive iterations samples, scores "
+        "and computes advantages on its own; the last one's train step updates on all M batches as one, the loss "
+        "normalised over their union; `iterations` must be a multiple. Policy versions, checkpoints, the lr "
+        "schedule and max_staleness count updates (docs/accumulation.md).")
     nnodes: int = Field(
         1, ge=1, description="Nodes of the worker group: one torchrun agent each, all joining one c10d rendezvous "
         "(train.rendezvous, train.agents; docs/deploy.md).")

@@ -9,6 +9,7 @@ from prefect.cache_policies import NO_CACHE
 
 from unirl.stages.recipe import Recipe
 from unirl.stages.runtime import iteration as it
+from unirl.stages.runtime.accumulation import version_of
 from unirl.stages.runtime.storage import iter_dir, join
 from unirl.tasks.common import engine_of, producer_alive, say_retry, storage_of
 
@@ -30,6 +31,7 @@ def generate(recipe: Recipe, run_name: str, iteration: int, round_index: int = 0
 
     def make() -> dict[str, Any]:
         out_dir = join(iter_dir(iteration), "rollouts" + (f"/r{round_index}" if round_index else ""))
-        return engine_of(recipe, storage).generate(requests["files"][0], out_dir, iteration, policy_version=iteration)
+        return engine_of(recipe, storage).generate(requests["files"][0], out_dir, iteration,
+                                                   policy_version=version_of(recipe, iteration))
 
     return it.committed(storage, iteration, f"generate{suffix}", make)

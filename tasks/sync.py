@@ -1,8 +1,10 @@
 """sync: record the policy version the next iteration samples with; checkpoint and publish
-weights every `checkpoint_every` iterations and at the last one; an engine that holds its own
+weights every `checkpoint_every` versions and at the last one; an engine that holds its own
 weights gets them every `rollout.engine.sync.every` updates (published full or as LoRA adapters,
 then loaded and checked; in async RL only published: the producer loads them, this is the
-barrier). Trainside rollout shares the training weights, so there is nothing to load."""
+barrier). Trainside rollout shares the training weights, so there is nothing to load. An
+iteration that took no update (rollout accumulation: not the last of its window) makes no
+version: nothing to save, publish or load."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,19 +14,22 @@ from prefect.cache_policies import NO_CACHE
 
 from unirl.stages.recipe import Recipe
 from unirl.stages.runtime import iteration as it
+from unirl.stages.runtime.accumulation import closes, final_version, version_after
 from unirl.tasks.common import engine_of, group_of, storage_of
 
 
 @task(name="sync", cache_policy=NO_CACHE)
 def sync(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any]:
     storage = storage_of(recipe, run_name)
-    version = iteration + 1
+    version = version_after(recipe, iteration)
 
     def make() -> dict[str, Any]:
-        engine = engine_of(recipe, storage)
         out: dict[str, Any] = {"policy_version": version, "engine": recipe.rollout.engine.name, "files": []}
+        if not closes(recipe, iteration):
+            return out
+        engine = engine_of(recipe, storage)
         group = group_of(recipe, storage)
-        if version % recipe.checkpoint_every == 0 or version == recipe.iterations:
+        if version % recipe.checkpoint_every == 0 or version == final_version(recipe):
             group.ensure(version)
             out["checkpoint"] = group.call("save")["path"]
             out["weights"] = group.call("publish")["path"]

@@ -38,7 +38,8 @@ LONGEST_FIRST = [
     "stages/test_matrix.py", "e2e/test_flow_family_runs.py", "e2e/test_pe_flow.py", "e2e/test_unified_flow.py",
     "e2e/test_faults_outages.py", "stages/engines/test_vllm.py", "e2e/test_faults_kills.py", "e2e/test_ar_algorithms.py",
     "stages/engines/test_engine_sync.py", "e2e/test_diffusion_flow.py", "e2e/test_vlm_flow.py", "e2e/test_reward_server.py",
-    "e2e/test_async_rl.py", "e2e/test_rl_s3.py", "stages/test_sharded_load.py", "stages/test_sd3_bundle.py", "test_zygote.py",
+    "e2e/test_async_rl.py", "e2e/test_accumulation_flow.py", "e2e/test_rl_s3.py", "stages/test_sharded_load.py",
+    "stages/test_sd3_bundle.py", "test_zygote.py",
 ]
 
 

@@ -36,7 +36,9 @@ class BehaviourMismatchError(RuntimeError):
 @dataclass
 class TrainContext:
     """What an algorithm sees of the update: the policy (replay), the train stack (the module,
-    the reference), the iteration, the run seed and the behaviour tolerance."""
+    the reference), the iteration, the run seed and the behaviour tolerance; `version`: the policy
+    version the trainer holds before the update (None: `iteration`, as without rollout
+    accumulation, where iteration k trains version k)."""
 
     policy: Any
     stack: Any
@@ -44,6 +46,12 @@ class TrainContext:
     seed: int
     tolerance: float
     rank: int = 0
+    version: int | None = None
+
+    @property
+    def trained_version(self) -> int:
+        """The version whose own samples must replay to their record (the on-policy check)."""
+        return self.iteration if self.version is None else self.version
 
     @property
     def module(self) -> Any:

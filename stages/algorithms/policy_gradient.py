@@ -71,7 +71,7 @@ class TokenPolicyGradient(Algorithm):
         if real:
             # Rows sampled by the weights being trained must replay to their record (the
             # on-policy check); rows of older versions are expected to differ and are only measured.
-            fresh = batch.fresh(ctx.iteration)
+            fresh = batch.fresh(ctx.trained_version)
             if bool(fresh.any()):
                 check_behaviour(proximal, batch.behaviour, batch.mask * fresh[:, None], ctx=ctx,
                                 sample_ids=batch.sample_ids, what="the response tokens")

@@ -285,7 +285,9 @@ class DedicatedEngine(RolloutEngine):
     def sync(self, trainer: Any, version: int) -> dict[str, Any]:
         """At a sync version (every `sync.every` updates, and the last): publish it and load it
         into the engine. In async RL only publish: that is the barrier the producer waits at."""
-        if version % self.cfg.sync.every and version != self.recipe.iterations:
+        from unirl.stages.runtime.accumulation import final_version
+
+        if version % self.cfg.sync.every and version != final_version(self.recipe):
             return {}
         start = time.perf_counter()
         rel = self.publish_for(trainer, version)

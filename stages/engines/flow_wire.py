@@ -54,13 +54,15 @@ class FlowWire:
                 greedy: bool, lora: str | None, transitions: bool) -> list[dict[str, Any]]:
         from unirl.stages.diffusion.sampling import Plan, make_plan, stored_steps
         from unirl.stages.diffusion.trajectory import latent_rows
+        from unirl.stages.runtime.accumulation import version_of
         from unirl.stages.runtime.media import to_png_bytes
         from unirl.stages.runtime.seeds import derive_seed as seed_of
         from unirl.stages.train.stack import micro_batches
 
         sampler, t = self.recipe.rollout.sampler, self.recipe.train
-        # The SDE steps of the iteration (the sigmas are the engine's; the trainer checks them).
-        plan = make_plan(sampler, seed=self.recipe.seed, iteration=iteration, latent_tokens=1, deterministic=greedy)
+        # The SDE steps of the iteration's update (FlowPolicy.plan; the sigmas are the engine's, the trainer checks them).
+        plan = make_plan(sampler, seed=self.recipe.seed, iteration=version_of(self.recipe, iteration), latent_tokens=1,
+                         deterministic=greedy)
         store = stored_steps(plan.sde_indices.tolist(), plan.num_steps, transitions=transitions and not greedy)
         base = seed_of(self.recipe.seed, seed_tag)
         requests = []

@@ -58,8 +58,9 @@ class RolloutBase(Section):
         "sync", description="sync: each iteration samples, then trains; async: a producer flow keeps sampling later "
         "iterations on a dedicated engine while the trainer trains (docs/engines.md). async needs rollout.correction.")
     max_staleness: int = Field(
-        1, ge=0, description="async: iteration k trains on rollouts of policy version >= k - max_staleness; the producer "
-        "samples iteration k with version max(0, k - max_staleness), and older rows are dropped and counted.")
+        1, ge=0, description="async: iteration k, trained at policy version v (k, or k // train.accumulate_rollouts), "
+        "trains on rollouts of version >= v - max_staleness; the producer samples it with version max(0, v - "
+        "max_staleness), and older rows are dropped and counted.")
     correction: CorrectionConfig | None = Field(
         None, description="Off-policy correction of rows whose behaviour log-probs differ from the trainer's "
         "(stages/algorithms/correction.py); empty: every row must be on-policy.")

@@ -36,15 +36,16 @@ class SDESteps(Section):
 
     mode: Literal["all", "window", "mixgrpo"] | None = Field(
         None,
-        description="all: every step; window: `num_sde_steps` of a `window_size` block drawn per iteration "
-        "(Flow-GRPO-Fast); mixgrpo: a `window_size` block sliding by `stride` every `shift_every` iterations. "
+        description="all: every step; window: `num_sde_steps` of a `window_size` block drawn per update (an "
+        "iteration, or a window of train.accumulate_rollouts iterations; Flow-GRPO-Fast); mixgrpo: a `window_size` "
+        "block sliding by `stride` every `shift_every` updates. "
         "Empty: the algorithm's (mixgrpo for MixGRPO, else all).",
     )
     window: tuple[float, float] = Field((0.0, 1.0), description="[lo, hi) fractions of the schedule the steps come from.")
     window_size: int | None = Field(None, ge=1, description="Steps in the block; empty: the whole `window`.")
     num_sde_steps: int | None = Field(None, ge=1, description="mode window: steps drawn from the block; empty: all of it.")
     stride: int = Field(1, ge=1, description="mode mixgrpo: steps the block moves at a time.")
-    shift_every: int = Field(1, ge=1, description="mode mixgrpo: iterations between moves.")
+    shift_every: int = Field(1, ge=1, description="mode mixgrpo: updates between moves.")
     wrap: bool = Field(False, description="mode mixgrpo: restart from the first step after the last position.")
 
     @property
@@ -254,9 +255,12 @@ class FlowPolicy(Policy):
         return bind(self.family, self.bundle, self.encode(prompts), self.sampler.guidance_scale, module)
 
     def plan(self, iteration: int, *, deterministic: bool = False) -> Any:
+        """The sampling plan of `iteration`: its SDE steps are drawn per update (`version_of`), so
+        the batches of a rollout-accumulation window, trained as one, share them."""
         from unirl.stages.diffusion.sampling import make_plan
+        from unirl.stages.runtime.accumulation import version_of
 
-        return make_plan(self.sampler, seed=self.recipe.seed, iteration=iteration,
+        return make_plan(self.sampler, seed=self.recipe.seed, iteration=version_of(self.recipe, iteration),
                          latent_tokens=self.family.latent_tokens(self.bundle, self.shape), deterministic=deterministic,
                          mu=lambda tokens, steps: self.family.dynamic_mu(self.bundle, tokens, steps))
 

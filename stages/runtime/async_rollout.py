@@ -1,15 +1,17 @@
 """Async RL with a staleness bound: which policy version samples which iteration, and what the
 trainer admits.
 
-The producer (flows/producer.py) samples iteration j with policy version
-`behaviour_version(j)` = the newest sync version <= j - max_staleness (0 at the start), as soon as
-the trainer has published it, so it samples up to max_staleness iterations ahead while the trainer
-trains; each batch is one committed shard `iter-j/rollouts/part-000.arrow` (stage `produce`),
-its rows stamped with the version the engine reports. The schedule is a function of j alone, so
-an async run is as deterministic as a sync one and a resumed run repeats what a killed one
-would have done.
+Staleness counts policy versions (updates). The trainer trains iteration j at version
+v(j) = `version_of(j)` (j itself, or with rollout accumulation j // train.accumulate_rollouts,
+stages/runtime/accumulation.py). The producer (flows/producer.py) samples iteration j with policy
+version `behaviour_version(v(j))` = the newest sync version <= v(j) - max_staleness (0 at the
+start), as soon as the trainer has published it, so it samples up to max_staleness updates ahead
+while the trainer trains; each batch is one committed shard `iter-j/rollouts/part-000.arrow`
+(stage `produce`), its rows stamped with the version the engine reports. The schedule is a
+function of j alone, so an async run is as deterministic as a sync one and a resumed run repeats
+what a killed one would have done.
 
-The trainer's iteration k admits a batch's groups whose rows all have version >= k -
+The trainer's iteration j admits a batch's groups whose rows all have version >= v(j) -
 max_staleness; groups with an older row (an engine whose weights changed under the run) are
 dropped and counted (`rollout/stale_groups_dropped`).
 """
@@ -22,6 +24,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from unirl.stages.runtime.accumulation import version_of
 from unirl.stages.runtime.sample import read_rollouts, write_shard
 from unirl.stages.runtime.storage import RunStorage, iter_dir, join
 
@@ -30,22 +33,23 @@ class ProducerError(RuntimeError):
     """The producer of an async run stopped, or its batch holds nothing the trainer may train on."""
 
 
-def behaviour_version(iteration: int, max_staleness: int, every: int = 1) -> int:
-    """The policy version the producer samples `iteration` with: the newest version published
-    for the engine (a multiple of `every`) that is at most iteration - max_staleness."""
-    target = max(0, iteration - max_staleness)
+def behaviour_version(version: int, max_staleness: int, every: int = 1) -> int:
+    """The policy version the producer samples an iteration trained at `version` with: the newest
+    version published for the engine (a multiple of `every`) that is at most version - max_staleness."""
+    target = max(0, version - max_staleness)
     return target - target % every
 
 
-def admit(table: pa.Table, iteration: int, max_staleness: int) -> tuple[pa.Table, dict[str, float]]:
-    """The rows of whole groups whose every row has policy_version >= iteration - max_staleness,
-    and what was dropped. table: a rollouts table (sample_id, group_id, policy_version)."""
-    floor = iteration - max_staleness
+def admit(table: pa.Table, version: int, max_staleness: int) -> tuple[pa.Table, dict[str, float]]:
+    """The rows of whole groups whose every row has policy_version >= version - max_staleness
+    (`version`: the one the trainer trains them at), and what was dropped. table: a rollouts table
+    (sample_id, group_id, policy_version)."""
+    floor = version - max_staleness
     versions = table.column("policy_version").to_pylist()
     groups = table.column("group_id").to_pylist()
     stale = {g for g, v in zip(groups, versions) if v < floor}
     kept = table.filter(pc.invert(pc.is_in(table.column("group_id"), value_set=pa.array(sorted(stale), pa.string()))))
-    lag = [iteration - v for v in versions]
+    lag = [version - v for v in versions]
     return kept, {
         "rollout/stale_groups_dropped": float(len(stale)),
         "rollout/stale_samples_dropped": float(table.num_rows - kept.num_rows),
@@ -64,11 +68,12 @@ def collect(storage: RunStorage, recipe: Any, iteration: int, *, alive: Callable
         time.sleep(poll_s)
     waited = time.perf_counter() - start
     table = read_rollouts(storage, produced["files"])
-    kept, metrics = admit(table, iteration, recipe.rollout.max_staleness)
+    version = version_of(recipe, iteration)
+    kept, metrics = admit(table, version, recipe.rollout.max_staleness)
     files = produced["files"]
     if kept.num_rows == 0:
         raise ProducerError(f"{storage.url(iter_dir(iteration))}: every group of the producer's batch was sampled by a "
-                            f"policy older than version {iteration - recipe.rollout.max_staleness} "
+                            f"policy older than version {version - recipe.rollout.max_staleness} "
                             f"(max_staleness {recipe.rollout.max_staleness}); nothing to train on")
     if kept.num_rows < table.num_rows:
         rel = join(iter_dir(iteration), "rollouts", "admitted.arrow")

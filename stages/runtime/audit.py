@@ -5,15 +5,18 @@ committed iteration (`iter-NNNNNN/_SUCCESS`; one still running is not looked at)
    in two iterations' trained rows, none that is not among the iteration's own requests, no rollout
    file of another iteration's folder, and in async RL no row the producer did not sample for the
    iteration (`manifests/produce.json`);
-2. every trained row's `policy_version` is no newer than the iteration and at most as old as the
-   run allows: `rollout.max_staleness` in async RL; in sync RL `rollout.engine.sync.every` - 1 on
-   an engine with weights of its own, 0 where rollout samples with the trained weights;
+2. every trained row's `policy_version` is no newer than the version the trainer held for its
+   iteration (the iteration, or with rollout accumulation the windows before it,
+   stages/runtime/accumulation.py) and at most as old as the run allows: `rollout.max_staleness`
+   in async RL; in sync RL `rollout.engine.sync.every` - 1 on an engine with weights of its own, 0
+   where rollout samples with the trained weights; with rollout accumulation, each window's last
+   iteration took the update on the window's batches (train.json `window`) and the others took none;
 3. every published folder (weights/vN, adapters/vN) matches the sha256 its manifest lists
    (stages/train/manifests.py);
 4. the behaviour check held: the first update's largest |replayed - recorded| log-prob
    (`behaviour_logp_max_abs_diff` in train.json) is within the tolerance the run used, wherever
-   every trained row was sampled by the weights being trained (rows of older versions are only
-   measured, by the trainer as here).
+   every trained row (of the update's whole window) was sampled by the weights being trained
+   (rows of older versions are only measured, by the trainer as here).
 
 An iteration's trained rows are what its train step read: the rows of the files its committed
 generate stages list (`manifests/generate*.json`) that have an advantage (`advantages.arrow`).
@@ -26,6 +29,7 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import Any
 
+from unirl.stages.runtime.accumulation import accumulated, closes, version_after, version_of, window
 from unirl.stages.runtime.sample import ShardSchemaError, read_shard
 from unirl.stages.runtime.storage import RunStorage, iter_dir, join
 
@@ -136,8 +140,9 @@ class RunAudit:
     """The checks of one run folder, iteration after iteration (what it trained so far is kept)."""
 
     def __init__(self, storage: RunStorage, recipe: Any, label: str, report: Report):
-        self.storage, self.label, self.report = storage, label, report
+        self.storage, self.label, self.report, self.recipe = storage, label, report, recipe
         self.first: dict[str, str] = {}  # group id -> the iteration that trained it first
+        self.windows: dict[int, list[int]] = {}  # an accumulation window's first iteration -> its rows' versions
         self.allowed, self.why = staleness(recipe)
         self.tolerances = tolerances(recipe)
 
@@ -154,7 +159,7 @@ class RunAudit:
                 line = self.iteration(i, manifests)
             except (ShardSchemaError, FileNotFoundError) as exc:  # a file its manifests name, missing or broken
                 line = Line(self.where(i), problems=[f"{self.where(i)}: cannot be read back: {exc}"])
-            rels = weights.pop(i + 1, None)
+            rels = weights.pop(version_after(self.recipe, i), None) if closes(self.recipe, i) else None
             if rels is not None:
                 bad = [p for rel in rels for p in self.weights_problems(rel)]
                 line.weights = "BAD" if bad else "ok"
@@ -177,16 +182,20 @@ class RunAudit:
 
         rows = self.trained_rows(i, manifests, problem)
         self.once(i, manifests, rows, problem)
+        trained = version_of(self.recipe, i)  # i itself without rollout accumulation
         for sid, (_, version, _) in rows.items():
-            if version > i:
-                problem("version", f"row {sid!r} policy_version {version} is newer than the iteration (version {i})")
-            elif i - version > self.allowed:
-                problem("version", f"row {sid!r} policy_version {version} is {i - version} older than the iteration "
+            if version > trained:
+                problem("version", f"row {sid!r} policy_version {version} is newer than the iteration (version {trained})")
+            elif trained - version > self.allowed:
+                problem("version", f"row {sid!r} policy_version {version} is {trained - version} older than the iteration "
                                    f"({self.why})")
         versions = [v for _, v, _ in rows.values()]
         line = Line(where, groups=len({g for g, _, _ in rows.values()}), rows=len(rows),
                     versions=(min(versions), max(versions)) if versions else None)
-        self.behaviour(i, line, fresh=all(v == i for v in versions), problem=problem)
+        seen = self.windows.setdefault(window(self.recipe, i)[0], [])
+        seen += versions
+        self.accumulation(i, problem)
+        self.behaviour(i, line, fresh=all(v == trained for v in seen), problem=problem)
         for texts in found.values():
             line.problems += texts[:LIMIT]
             if len(texts) > LIMIT:
@@ -243,11 +252,29 @@ class RunAudit:
         files = [f for m in manifests if m.startswith("requests") and m.endswith(".json") for f in self.manifest(i, m)["files"]]
         return {g for rel in files for g in self.column(rel, "requests", "group_id")} if files else None
 
+    def accumulation(self, i: int, problem: Any) -> None:
+        """With rollout accumulation: the update at the window's last iteration, on the whole
+        window (train.json `window`), and none before it."""
+        if accumulated(self.recipe) == 1:
+            return
+        trained = self.train_record(i)
+        span = window(self.recipe, i)
+        if trained.get("window") != [span[0], span[-1]]:
+            problem("window", f"train.json names the window {trained.get('window')}, not {[span[0], span[-1]]} "
+                              f"(train.accumulate_rollouts {accumulated(self.recipe)})")
+        if bool(trained.get("update")) != closes(self.recipe, i):
+            said = "took an update" if trained.get("update") else "took no update"
+            problem("window", f"{said}, but the update of {iter_dir(span[0])} .. {iter_dir(span[-1])} is its last "
+                              "iteration's")
+
+    def train_record(self, i: int) -> dict[str, Any]:
+        rel = join(iter_dir(i), "train.json")
+        return self.storage.read_json(rel) if self.storage.exists(rel) else self.manifest(i, "train.json")
+
     # -- 4: the behaviour check -------------------------------------------------------------------------
     def behaviour(self, i: int, line: Line, *, fresh: bool, problem: Any) -> None:
         rel = join(iter_dir(i), "train.json")
-        trained = self.storage.read_json(rel) if self.storage.exists(rel) else self.manifest(i, "train.json")
-        metrics = trained.get("metrics", {})
+        metrics = self.train_record(i).get("metrics", {})
         for key, value in sorted(metrics.items()):
             if key != BEHAVIOUR and not key.endswith("/" + BEHAVIOUR):
                 continue

@@ -36,6 +36,24 @@ def committed(storage: RunStorage, iteration: int, stage: str, make: Callable[[]
     return {**manifest, "reused": False}
 
 
+def committed_batch(storage: RunStorage, iteration: int) -> dict[str, Any] | None:
+    """What iteration `iteration`'s train step reads, from its committed manifests: {"rollouts":
+    the files of its generate stages, "advantages": its advantages file}; None while one of them
+    is not committed."""
+    import re
+
+    # generate, then its refill rounds generate-r1, ... (a unified model's: generate-<stage>, in any order)
+    rounds = sorted(
+        (n[:-len(".json")] for n in storage.listdir(join(iter_dir(iteration), "manifests")) if n.startswith("generate")),
+        key=lambda name: int(m.group(1)) if (m := re.fullmatch(r"generate-r(\d+)", name)) else 0,
+    )
+    gens = [storage.stage_manifest(iteration, name) for name in rounds]
+    adv = storage.stage_manifest(iteration, "advantage")
+    if not gens or None in gens or adv is None:
+        return None
+    return {"rollouts": [f for gen in gens if gen is not None for f in gen["files"]], "advantages": adv["files"][0]}
+
+
 def round_suffix(round_index: int) -> str:
     """File/stage suffix of a dynamic-sampling refill round ("" for the first round)."""
     return f"-r{round_index}" if round_index else ""

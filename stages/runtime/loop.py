@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from unirl.stages.runtime import iteration as it
+from unirl.stages.runtime.accumulation import closes, window
 from unirl.stages.runtime.storage import RunStorage, iter_dir
 
 
@@ -29,6 +30,7 @@ class InProcessLoop:
         spec = {"recipe": recipe.model_dump(mode="json"), "root": self.storage.root, "run": "loop",
                 "weights_dir": str(weights_dir), "init_version": 0, "scratch": self._scratch.name, "mode": "rl"}
         self.worker = Worker(spec, None, torch.device(device))
+        self.waiting: list[dict[str, Any]] = []  # the batches of the accumulation window so far
 
     def iteration(self, iteration: int) -> dict[str, float]:
         """Generate, score, advantage and train iteration `iteration`; its metrics as a flow run
@@ -43,10 +45,19 @@ class InProcessLoop:
         adv = it.advantages(self.storage, self.recipe, iteration, scored["files"])
         times["score_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        trained = self.worker.train(iteration=iteration, rollouts=gen["files"], advantages=adv["files"][0])
+        if not closes(self.recipe, iteration):  # rollout accumulation: the window's last iteration updates on it
+            self.waiting.append({"rollouts": gen["files"], "advantages": adv["files"][0]})
+            metrics: dict[str, Any] = {"accumulated_batches": len(self.waiting)}
+        else:
+            metrics = self.worker.train(iteration=iteration, rollouts=gen["files"], advantages=adv["files"][0],
+                                        earlier=self.waiting or None)["metrics"]
+            if self.waiting:
+                metrics["accumulated_batches"] = len(self.waiting) + 1
+            for j in window(self.recipe, iteration):  # memory stays flat
+                self.storage.fs.rm(self.storage.path(iter_dir(j)), recursive=True)
+            self.waiting = []
         times["train_s"] = time.perf_counter() - start
-        self.storage.fs.rm(self.storage.path(iter_dir(iteration)), recursive=True)  # memory stays flat
-        out = {f"train/{k}": v for k, v in trained["metrics"].items()}
+        out = {f"train/{k}": v for k, v in metrics.items()}
         out.update({f"time/{k}": v for k, v in times.items()})
         out.update(scored["metrics"])
         return out

@@ -109,6 +109,7 @@ class Tracker:
         logging.getLogger("alembic").setLevel(logging.WARNING)
         self.uri = tracking_uri(recipe, storage)
         self.client = MlflowClient(tracking_uri=self.uri)
+        self.recipe = recipe
         if mlflow_run_id is None:
             exp = self.client.get_experiment_by_name(recipe.tracking.experiment)
             exp_id = exp.experiment_id if exp else self.client.create_experiment(
@@ -214,6 +215,8 @@ class Tracker:
         `model` (once: a resumed run finds it by its tags); returns the registry version."""
         from mlflow.exceptions import MlflowException
 
+        from unirl.stages.runtime.accumulation import closing_iteration
+
         found = self.registered_version(model, run_name, policy_version)
         if found is not None:
             return found
@@ -225,7 +228,7 @@ class Tracker:
                 raise
         digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
         tags = {"unirl.run": run_name, "unirl.policy_version": str(policy_version),
-                "unirl.iteration": str(policy_version - 1) if policy_version else "initial",
+                "unirl.iteration": str(closing_iteration(self.recipe, policy_version)) if policy_version else "initial",
                 "unirl.manifest_sha256": digest, "unirl.weights": source}
         mv = self.client.create_model_version(model, source=source, run_id=self.run_id, tags=tags,
                                               description=f"{run_name}: policy version {policy_version} (weights after "

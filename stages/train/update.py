@@ -2,12 +2,14 @@
 
 RL update of one batch: this rank's rows (the sorted rows [rank::world]) are cut by the train
 stack into `train.updates_per_batch` mini-batches of micro-batches (the cut sampling used), one
-optimizer step per mini-batch. Before the first step the algorithm freezes what it needs of the old policy (with the EMA
-weights swapped in when the algorithm samples with them). A micro-batch's share of its step's
-loss is its units (tokens, sequences or samples, as the algorithm says) over the step's total
-across ranks. Ranks short of micro-batches run stand-ins of weight 0, so every rank issues the
-same collectives in the same order. Metrics are averaged with the policy's weights (tokens,
-samples); keys naming a max or ending in `_min` are the max / min across everything.
+optimizer step per mini-batch. Before the first step the algorithm freezes what it needs of the old
+policy (with the EMA weights swapped in when the algorithm samples with them). A micro-batch's
+share of its step's loss is its units (tokens, sequences or samples, as the algorithm says) over
+the step's total across ranks. With rollout accumulation the update is on a window's batches, each
+cut so, mini-batch k holding every batch's k-th: the step's total is then the union's. Ranks short
+of micro-batches run stand-ins of weight 0, so every rank issues the same collectives in the same
+order. Metrics are averaged with the policy's weights (tokens, samples); keys naming a max or
+ending in `_min` are the max / min across everything.
 """
 from __future__ import annotations
 
@@ -42,12 +44,13 @@ class UpdatePart:
     prefix: str = ""
 
 
-def joint_update(stack: Any, parts: list[UpdatePart], *, iteration: int, seed: int) -> dict[str, Any]:
+def joint_update(stack: Any, parts: list[UpdatePart], *, iteration: int, seed: int, version: int | None = None) -> dict[str, Any]:
     """One optimizer step per mini-batch k, into which every part's micro-batches of mini-batch k
     accumulate their gradients: a part's loss is its algorithm's (each micro-batch's share of it
     is its units over the part's total across ranks) times the part's weight. A unified model
     trains its text and image stages this way on one set of weights (stages/compose/unified.py).
-    Returns each part's metrics under its prefix, and the step's."""
+    `version`: the policy version the stack holds (TrainContext). Returns each part's metrics under
+    its prefix, and the step's."""
     updates = {len(p.counts) for p in parts}
     if len(updates) != 1:
         raise ValueError(f"the parts of a joint update cut their batches into different numbers of updates: {sorted(updates)}")
@@ -59,7 +62,7 @@ def joint_update(stack: Any, parts: list[UpdatePart], *, iteration: int, seed: i
         def get(k: int, j: int, part: UpdatePart = part, template: Any = template) -> tuple[Any, float]:
             return (part.batches[k][j], 1.0) if j < len(part.batches[k]) else (part.policy.stand_in(template), 0.0)
 
-        ctx = TrainContext(part.policy, stack, iteration, seed, part.tolerance, stack.rank)
+        ctx = TrainContext(part.policy, stack, iteration, seed, part.tolerance, stack.rank, version)
         frozen: dict[tuple[int, int], Any] = {}
         with torch.no_grad(), stack.maybe_ema(part.algo.samples_with_ema):
             for k, count in enumerate(part.counts):

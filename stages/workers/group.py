@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import re
 import secrets
 import signal
 import socket
@@ -32,7 +31,7 @@ from typing import Any, cast
 
 from unirl.stages.recipe import Recipe
 from unirl.stages.runtime.scratch import scratch_dir
-from unirl.stages.runtime.storage import RunStorage, iter_dir, join
+from unirl.stages.runtime.storage import RunStorage, iter_dir
 from unirl.stages.workers import rendezvous as rdzv
 from unirl.stages.workers.control import recv_json, send_json
 from unirl.stages.workers.processes import die_with_parent, first_failure, free_port, kill_tree, rank_entry, spawn, threads_per_rank  # noqa: F401 (re-exported)
@@ -103,7 +102,7 @@ class ModelGroup(ABC):
 
     # -- bringing the group to a version ------------------------------------------------------
     def ensure(self, version: int) -> None:
-        """Make the live group hold policy `version` (weights after `version` train steps)."""
+        """Make the live group hold policy `version` (weights after `version` updates)."""
         if self.alive() and self.version == version:
             return
         if not self.alive() or self.version is None or self.version > version:
@@ -114,23 +113,27 @@ class ModelGroup(ABC):
         while self.version < version:
             self.replay(self.version)
 
-    def replay(self, iteration: int) -> dict[str, Any]:
-        """Redo iteration `iteration`'s train step from its committed rollouts and advantages."""
-        # generate, then its refill rounds generate-r1, ... (a unified model's: generate-<stage>, in any order)
-        rounds = sorted(
-            (n[:-len(".json")] for n in self.storage.listdir(join(iter_dir(iteration), "manifests")) if n.startswith("generate")),
-            key=lambda name: int(m.group(1)) if (m := re.fullmatch(r"generate-r(\d+)", name)) else 0,
-        )
-        gens = [self.storage.stage_manifest(iteration, name) for name in rounds]
-        adv = self.storage.stage_manifest(iteration, "advantage")
-        if not gens or None in gens or adv is None:
-            raise WorkerError(
-                f"cannot rebuild policy version {iteration + 1}: {self.storage.url(iter_dir(iteration))} has no committed "
-                "rollouts/advantages and no checkpoint covers it"
-            )
-        self.log(f"replaying the train step of {iter_dir(iteration)} from storage")
-        rollouts = [f for gen in gens if gen is not None for f in gen["files"]]
-        return self.call("train", iteration=iteration, rollouts=rollouts, advantages=adv["files"][0])
+    def replay(self, version: int) -> dict[str, Any]:
+        """Redo the update that made policy `version` + 1 from the committed rollouts and
+        advantages of its iteration (with rollout accumulation, of every iteration of its window)."""
+        from unirl.stages.runtime.accumulation import closing_iteration, window
+        from unirl.stages.runtime.iteration import committed_batch
+
+        last = closing_iteration(self.recipe, version + 1)
+        batches = []
+        for j in window(self.recipe, last):
+            batch = committed_batch(self.storage, j)
+            if batch is None:
+                raise WorkerError(
+                    f"cannot rebuild policy version {version + 1}: {self.storage.url(iter_dir(j))} has no committed "
+                    "rollouts/advantages and no checkpoint covers it"
+                )
+            batches.append(batch)
+        first = iter_dir(window(self.recipe, last)[0])
+        self.log(f"replaying the train step of {iter_dir(last)}"
+                 + (f" (one update on the batches of {first} .. {iter_dir(last)})" if len(batches) > 1 else "") + " from storage")
+        earlier = {"earlier": batches[:-1]} if len(batches) > 1 else {}
+        return self.call("train", iteration=last, rollouts=batches[-1]["rollouts"], advantages=batches[-1]["advantages"], **earlier)
 
 
 class WorkerGroup(ModelGroup):

@@ -158,11 +158,37 @@ class Worker:
                 **{k: int(v) for k, v in zip(counters, totals.tolist())},
                 "policy_version": self.version, "seconds": time.perf_counter() - start}
 
-    def train(self, iteration: int, rollouts: list[str], advantages: str) -> dict[str, Any]:
-        """One batch: `train.updates_per_batch` optimizer steps over this rank's micro-batches."""
+    def train(self, iteration: int, rollouts: list[str], advantages: str,
+              earlier: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """One update: `train.updates_per_batch` optimizer steps over this rank's micro-batches of
+        the batch (`rollouts`, `advantages`) and, with rollout accumulation, of the window's earlier
+        batches (`earlier`: each {"rollouts": [...], "advantages": rel}, in order). Each batch is cut
+        as it was sampled (so its first replay is the sampled micro-batches'); mini-batch k of the
+        update is mini-batch k of every batch, its loss normalised over their union
+        (stages/train/update.py)."""
         fault_point(f"train-rank{self.rank}", iteration, owner=False)
         fault_point("train-node", iteration, owner=False, node=True)
         start = time.perf_counter()
+        cut = [self._cut(b["rollouts"], b["advantages"]) for b in [*(earlier or []), {"rollouts": rollouts, "advantages": advantages}]]
+        updates = self.recipe.train.updates_per_batch
+        parts = []
+        for name in [n for n in self.stages if any(n in c for c in cut)]:  # the stages in the recipe's order
+            stage, pieces = self._stage(name), [c[name] for c in cut if name in c]
+            for batches, _, where in pieces:
+                first = next((b[0] for b in batches if b), None)
+                if first is not None:
+                    stage.policy.check_batch(first, iteration, stage.algorithm, where)
+            parts.append(UpdatePart(stage.policy, stage.algorithm,
+                                    [[b for batches, _, _ in pieces for b in batches[k]] for k in range(updates)],
+                                    [sum(counts[k] for _, counts, _ in pieces) for k in range(updates)],
+                                    stage.tolerance, stage.weight, f"{name}/" if name else ""))
+        metrics = joint_update(self.stack, parts, iteration=iteration, seed=self.recipe.seed, version=self.version)
+        self.version += 1
+        return {"iteration": iteration, "policy_version": self.version, "metrics": metrics, "seconds": time.perf_counter() - start}
+
+    def _cut(self, rollouts: list[str], advantages: str) -> dict[str, tuple[list[list[Any]], list[int], str]]:
+        """One batch's micro-batches on this rank, by stage: (per mini-batch its micro-batches, per
+        mini-batch the most any rank has, where the batch is stored)."""
         adv_table = read_shard(self.storage, advantages, "advantages")
         where = self.storage.url(rollouts[0]) + (" ..." if len(rollouts) > 1 else "")
         if self.grouped is None:
@@ -170,23 +196,16 @@ class Worker:
         else:
             tables = split_by_stage([read_shard(self.storage, f, "rollouts") for f in rollouts], where)
         t = self.recipe.train
-        parts = []
-        for name in [n for n in self.stages if n in tables]:  # the stages in the recipe's order
+        out = {}
+        for name in [n for n in self.stages if n in tables]:
             stage, table = self._stage(name), tables[name].sort_by("sample_id")
             if adv_table.num_rows < table.num_rows and not name:  # dynamic sampling dropped groups
                 table = table.filter(pc.is_in(table.column("sample_id"), value_set=adv_table.column("sample_id")))
             table = join_on_sample_id(table, adv_table, ["advantage"], self.storage.url(advantages))
             groups, counts = self.stack.cut(self.stack.my_share(range(table.num_rows)), t.micro_batch_size, t.updates_per_batch)
             values = table.column("advantage").to_numpy()
-            batches = [stage.policy.batches(table, group, values, where) for group in groups]
-            first = next((b[0] for b in batches if b), None)
-            if first is not None:
-                stage.policy.check_batch(first, iteration, stage.algorithm, where)
-            parts.append(UpdatePart(stage.policy, stage.algorithm, batches, counts, stage.tolerance, stage.weight,
-                                    f"{name}/" if name else ""))
-        metrics = joint_update(self.stack, parts, iteration=iteration, seed=self.recipe.seed)
-        self.version += 1
-        return {"iteration": iteration, "policy_version": self.version, "metrics": metrics, "seconds": time.perf_counter() - start}
+            out[name] = ([stage.policy.batches(table, group, values, where) for group in groups], counts, where)
+        return out
 
     def sft(self, data: str | list[str], steps: int, batch_size: int, seed: int, start_step: int = 0,
             stages: list[str] | None = None) -> dict[str, Any]:

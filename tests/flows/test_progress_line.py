@@ -19,6 +19,14 @@ def test_progress_line_leaves_out_what_a_likelihood_free_loss_lacks():
     assert "nan" not in line
 
 
+def test_an_iteration_that_accumulates_says_its_update_comes_later():
+    waiting = {k: v for k, v in BASE.items() if not k.startswith("train/")} | {"train/accumulated_batches": 1}
+    assert progress_line(4, 8, waiting) == ("[unirl] iter-000004 (5/8)  reward 0.250±0.500  batch 1 accumulated, "
+                                            "no update yet  2.0s")
+    assert progress_line(5, 8, {**BASE, "train/accumulated_batches": 2}) == (
+        "[unirl] iter-000005 (6/8)  reward 0.250±0.500  loss -0.0123  grad 0.750  2.0s")
+
+
 def test_a_long_error_keeps_its_first_and_last_lines():
     from unirl.flows.console import error_text
 

@@ -20,21 +20,25 @@ ITERATIONS = 3
 SMALL = [f"iterations={ITERATIONS}", "rollout.prompts_per_iteration=3", "rollout.group_size=2", "checkpoint_every=1"]
 # async RL on a dedicated engine: iteration k trains rows of versions k-1 and k (max_staleness 1)
 ASYNC = ["rollout.engine.name=engine_server", "rollout.mode=async", "rollout.max_staleness=1", "rollout.correction={}"]
+# rollout accumulation: iterations 0, 1 sampled by version 0 and trained in one update at 1 (v000001), 2, 3 by version 1
+ACCUMULATE = ["train.accumulate_rollouts=2"]
 
 
-def build_run(root: Path, overrides: list[str], stale: int = 0) -> RunStorage:
-    """Run `r` under `root`: ITERATIONS committed iterations, rows of iteration i sampled with
-    version max(0, i - stale), and weights v0..vN."""
+def build_run(root: Path, overrides: list[str], stale: int = 0, iterations: int = ITERATIONS) -> RunStorage:
+    """Run `r` under `root`: `iterations` committed iterations, rows of iteration i sampled with
+    version max(0, v - stale), v the version that trains them (i; with train.accumulate_rollouts M,
+    i // M, the update at each window's last iteration), and weights v0..vN."""
     from unirl.stages.recipe import load_recipe
     from unirl.stages.runtime import iteration as it
+    from unirl.stages.runtime.accumulation import accumulated, closes, version_after, version_of, window
     from unirl.stages.runtime.sample import read_shard, table_from_rows, write_shard
     from unirl.stages.train.manifests import write_weights_dir
 
-    recipe = load_recipe(str(TINY), [*SMALL, *overrides, f"storage.root={root}"])
+    recipe = load_recipe(str(TINY), [*SMALL, *overrides, f"iterations={iterations}", f"storage.root={root}"])
     storage = RunStorage(str(root), "r")
     storage.write_text("recipe.yaml", recipe.to_yaml())
     storage.write_json("run.json", {"run_id": "test", "run_name": "r", "recipe_hash": recipe.fingerprint(),
-                                    "iterations": ITERATIONS, "mlflow_run_id": None})
+                                    "iterations": iterations, "mlflow_run_id": None})
 
     def publish(version: int) -> None:
         local = root / "export" / f"v{version}"
@@ -44,10 +48,11 @@ def build_run(root: Path, overrides: list[str], stale: int = 0) -> RunStorage:
         write_weights_dir(storage, local, storage.weights_rel(version), {"version": version})
 
     publish(0)
-    for i in range(ITERATIONS):
+    for i in range(iterations):
         requests = storage.commit_stage(i, "requests", it.write_requests(storage, recipe, i))
         table = read_shard(storage, requests["files"][0], "requests")
-        rows = [{"sample_id": f"{g}/{j}", "group_id": g, "iteration": i, "policy_version": max(0, i - stale), "parts": ["text"],
+        trained = version_of(recipe, i)
+        rows = [{"sample_id": f"{g}/{j}", "group_id": g, "iteration": i, "policy_version": max(0, trained - stale), "parts": ["text"],
                  "metadata": meta, "prompt": prompt, "prompt_ids": [1, 2], "response_ids": [3], "response_logprobs": [-0.5],
                  "finish_reason": "stop", "text": str(j)}
                 for g, prompt, meta in zip(*(table.column(c).to_pylist() for c in ("group_id", "prompt", "metadata")))
@@ -60,22 +65,29 @@ def build_run(root: Path, overrides: list[str], stale: int = 0) -> RunStorage:
             storage.commit_stage(i, "generate", generated)
         scored = storage.commit_stage(i, "score", it.score(storage, recipe, i, [rel]))
         storage.commit_stage(i, "advantage", it.advantages(storage, recipe, i, scored["files"]))
-        fresh = max(0, i - stale) == i  # a row of an older version replays to other log-probs
-        result = {"iteration": i, "policy_version": i + 1, "metrics": {"behaviour_logp_max_abs_diff": 2e-6 if fresh else 0.3}}
+        fresh = max(0, trained - stale) == trained  # a row of an older version replays to other log-probs
+        result: dict = {"iteration": i, "policy_version": version_after(recipe, i),
+                        "metrics": {"behaviour_logp_max_abs_diff": 2e-6 if fresh else 0.3} if closes(recipe, i) else {}}
+        if accumulated(recipe) > 1:
+            span = window(recipe, i)
+            result.update(update=closes(recipe, i), window=[span[0], span[-1]])
         storage.write_json(join(iter_dir(i), "train.json"), result)
         storage.commit_stage(i, "train", {"files": [join(iter_dir(i), "train.json")], **result})
-        publish(i + 1)
+        if closes(recipe, i):
+            publish(version_after(recipe, i))
         storage.mark_success(i, {"iteration": i, "metrics": {}})
     return storage
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The untampered runs (sync trainside; async, one version stale), built once."""
+    """The untampered runs (sync trainside; async, one version stale; two batches per update, 4
+    iterations), built once."""
     made = {}
-    for name, overrides, stale in (("sync", [], 0), ("async", ASYNC, 1)):
+    for name, overrides, stale, iterations in (("sync", [], 0, ITERATIONS), ("async", ASYNC, 1, ITERATIONS),
+                                               ("accumulate", ACCUMULATE, 0, 4)):
         root = tmp_path_factory.mktemp(name)
-        build_run(root, overrides, stale)
+        build_run(root, overrides, stale, iterations)
         made[name] = root
     return made
 
@@ -249,6 +261,34 @@ def test_a_pipeline_part_is_audited_as_a_run_of_its_own(runs, tmp_path):
     assert [line.where for line in report.lines] == ["parts/writer/iter-000000", "parts/writer/iter-000001"]
     assert report.violations == [f"parts/writer/iter-000001: row {sid!r} policy_version 0 is 1 older than the iteration "
                                  "(sync rollout with the trained weights)"]
+
+
+def test_an_accumulating_run_is_audited_by_its_windows(run_copy):
+    """train.accumulate_rollouts 2: each window's rows trained by the version before it, one
+    update (and one published version) at its last iteration."""
+    report = audit(run_copy("accumulate"))
+    assert report.ok, report.text()
+    assert [(line.versions, line.weights) for line in report.lines] == [((0, 0), "-"), ((0, 0), "ok"), ((1, 1), "-"),
+                                                                      ((1, 1), "ok")]
+    assert [line.behaviour for line in report.lines] == [None, 2e-6, None, 2e-6] and report.weights_checked == 3
+
+
+def test_a_row_newer_than_its_window_is_named(run_copy):
+    """Iteration 1 samples with version 0 still: the window's update comes after it."""
+    storage = run_copy("accumulate")
+    rewrite(storage, join(iter_dir(1), PART), "rollouts", lambda rows: [{**rows[0], "policy_version": 1}, *rows[1:]])
+    sid = shard_rows(storage, join(iter_dir(1), PART), "rollouts")[0]["sample_id"]
+    assert audit(storage).violations == [f"iter-000001: row {sid!r} policy_version 1 is newer than the iteration (version 0)"]
+
+
+def test_an_update_in_the_middle_of_a_window_or_on_another_window_is_named(run_copy):
+    storage = run_copy("accumulate")
+    for i, change in ((2, {"update": True}), (3, {"window": [3, 3]})):
+        rel = join(iter_dir(i), "train.json")
+        storage.write_json(rel, {**storage.read_json(rel), **change})
+    assert audit(storage).violations == [
+        "iter-000002: took an update, but the update of iter-000002 .. iter-000003 is its last iteration's",
+        "iter-000003: train.json names the window [3, 3], not [2, 3] (train.accumulate_rollouts 2)"]
 
 
 def test_a_folder_that_is_not_a_run_is_named(tmp_path):
