@@ -42,6 +42,7 @@ class EngineError(RuntimeError):
 
 GENERATE_CHUNK_PROMPTS = 512
 GENERATE_CHUNK_BYTES = 4 << 20  # JSON of one /generate; engine_server refuses 16 MiB (--max-request-bytes)
+KEEPALIVE_S = 1.0  # seconds an idle connection is kept for reuse
 
 
 def generate_chunks(lengths: list[int], max_prompts: int = GENERATE_CHUNK_PROMPTS,
@@ -73,8 +74,11 @@ class EngineClient:
         self.url = url.rstrip("/")
         self.name = name
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # An idle connection is dropped after KEEPALIVE_S, before the server drops it (uvicorn, which vLLM, SGLang and
+        # our engine server run on, closes idle ones after 5 s): a request sent on a connection the server is closing
+        # fails as if the server went away (met between an agent's turns, which leave the pool idle).
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0),
-                                  limits=httpx.Limits(max_connections=connections))
+                                  limits=httpx.Limits(max_connections=connections, keepalive_expiry=KEEPALIVE_S))
         self.sent: list[tuple[str, str, Any]] | None = None  # (method, route, body) when recording (contract tests)
         self.chunk_prompts, self.chunk_bytes = GENERATE_CHUNK_PROMPTS, GENERATE_CHUNK_BYTES  # one /generate at most
 

@@ -255,7 +255,8 @@ class VLLM(LaunchedEngine):
         if (context := context_length(self.recipe.model)) is not None:
             argv += ["--max-model-len", str(context)]
         env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": token, "VLLM_CPU_KVCACHE_SPACE": str(self.cfg.kv_cache_gib),
-               "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
+               "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1",
+               "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "60"}  # idle connections outlive the client's KEEPALIVE_S by far
         if self.cfg.cpus:
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cfg.cpus))
         lora = self.recipe.model.lora
