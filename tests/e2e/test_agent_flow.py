@@ -158,25 +158,25 @@ def test_a_tool_server_that_dies_mid_run_is_started_again(tmp_path, unirl_env):
     assert report.ok, report.text()
 
 
-def test_an_agentic_run_killed_mid_iteration_resumes_where_an_uninterrupted_one_ends(tmp_path, unirl_env):
+def test_an_agentic_run_killed_mid_iteration_resumes_without_loss_or_duplication(tmp_path, unirl_env):
     """The fault table's SIGKILL row for generate (benchmarks/faults.py) in a run with tools: killed
     when iteration 1's multi-turn generate is done but not committed, then resumed by the same
     command (which replays iteration 0's update and samples iteration 1 again, tools and all). Each
-    iteration is committed once, and the run ends where an uninterrupted one does: the same
-    transcripts and trained rows, per-iteration metrics, MLflow history and final weights; `unirl
-    audit` passes. A length reward gives the groups a signal, so the updates move the weights and a
-    lost or doubled one shows; a small learning rate keeps the policy calling its tool."""
+    iteration is committed and reported once, the resumed iteration 1 is the killed one's trajectories
+    again (same transcripts: the seeds depend on the sample, the turn and the iteration), both updates
+    moved the weights, and `unirl audit` passes (each group trained once, versions, weights). A length
+    reward gives the groups a signal; a small learning rate keeps the policy calling its tool. (The
+    fault table's runs compare a resumed run's weights with an uninterrupted one's bit for bit:
+    tests/e2e/test_faults_kills.py.)"""
     import shutil
     import signal
 
-    from tests.e2e.faults_bench import faults
     from unirl.stages.runtime.audit import audit_run
     from unirl.stages.runtime.storage import RunStorage
 
     root, env = tmp_path / "runs", agent_env(unirl_env)
     args = agent_run(tmp_path, root, "eval.enabled=false", "train.lr=1e-4",
                      "reward.scorers=[{name: exact_match}, {name: text_length, params: {max_length: 40}}]")
-    reference = run_unirl([*args, "--run-name", "ref"], env)
     killed = run_unirl([*args, "--run-name", "killed"], {**env, "UNIRL_FAULTS": "generate@1"}, check=False)
     assert killed.returncode == -signal.SIGKILL, f"not killed at its fault point\n{killed.stderr[-3000:]}"
     assert not (root / "killed/iter-000001/_SUCCESS").exists()
@@ -189,20 +189,14 @@ def test_an_agentic_run_killed_mid_iteration_resumes_where_an_uninterrupted_one_
     def rows(path):
         return [{k: v for k, v in r.items() if k != "latency_s"} for r in ipc.open_file(str(path)).read_all().to_pylist()]
 
-    for i in range(2):
-        ref, got = root / f"ref/iter-{i:06d}", root / f"killed/iter-{i:06d}"
-        turns = rows(ref / "rollouts.turns/transcript.arrow")
-        assert any(r["role"] == "tool" and r["error"] is None for r in turns), f"iteration {i}: no call answered"
-        assert rows(got / "rollouts.turns/transcript.arrow") == turns
-        assert rows(got / "rollouts/part-000.arrow") == rows(ref / "rollouts/part-000.arrow")
-    assert rows(tmp_path / "killed-turns/transcript.arrow") == rows(root / "ref/iter-000001/rollouts.turns/transcript.arrow")
-    assert faults.differences(faults.snapshot(root / "killed", env, 2), faults.snapshot(root / "ref", env, 2)) == []
-    assert all(json.loads((root / f"ref/iter-{i:06d}/train.json").read_text())["metrics"]["grad_norm"] > 0
-               for i in range(2)), reference.stdout
+    turns = rows(root / "killed/iter-000001/rollouts.turns/transcript.arrow")
+    assert any(r["role"] == "tool" and r["error"] is None for r in turns), "iteration 1: no call answered"
+    assert rows(tmp_path / "killed-turns/transcript.arrow") == turns
+    assert all(json.loads((root / f"killed/iter-{i:06d}/train.json").read_text())["metrics"]["grad_norm"] > 0
+               for i in range(2)), resumed.stdout
     import tests.agent_tools  # noqa: F401 - the run's tools, registered here too: its stored recipe names them
-    for name in ("killed", "ref"):
-        report = audit_run(RunStorage(str(root), name))
-        assert report.ok and report.committed == [0, 1], report.text()
+    report = audit_run(RunStorage(str(root), "killed"))
+    assert report.ok and report.committed == [0, 1], report.text()
 
 
 def test_an_agent_samples_ahead_on_the_engine_server_async(tmp_path, unirl_env):
@@ -213,11 +207,11 @@ def test_an_agent_samples_ahead_on_the_engine_server_async(tmp_path, unirl_env):
     from unirl.stages.runtime.storage import RunStorage
 
     root = tmp_path / "runs"
-    run_unirl(agent_run(tmp_path, root, "iterations=3", "eval.enabled=false", "rollout.engine.name=engine_server",
+    run_unirl(agent_run(tmp_path, root, "eval.enabled=false", "rollout.engine.name=engine_server",
                         "rollout.mode=async", "rollout.max_staleness=1", "rollout.correction={level: sequence}", "algorithm.name=gspo",
                         "train.lr=1e-4"), agent_env(unirl_env))
     run = root / "tiny"
-    for i in range(3):
+    for i in range(2):
         produced = json.loads((run / f"iter-{i:06d}/manifests/produce.json").read_text())
         assert produced["policy_version"] == max(0, i - 1)  # the schedule: version k - max_staleness
         rows = check_answered_calls(run, i)
@@ -226,4 +220,4 @@ def test_an_agent_samples_ahead_on_the_engine_server_async(tmp_path, unirl_env):
         assert train["stale_frac"] == (0.0 if i == 0 else 1.0) and train["is_weight_mean"] > 0
     import tests.agent_tools  # noqa: F401 - the run's tools, registered here too: its stored recipe names them
     report = audit_run(RunStorage(str(root), "tiny"))
-    assert report.ok and [line.versions for line in report.lines] == [(0, 0), (0, 0), (1, 1)], report.text()
+    assert report.ok and [line.versions for line in report.lines] == [(0, 0), (0, 0)], report.text()
