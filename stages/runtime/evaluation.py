@@ -87,8 +87,7 @@ def agent_eval_metrics(storage: RunStorage, sampled: list[str], prefix: str) -> 
     table = read_rollouts(storage, sampled, columns=["agent_turns", "agent_tool_calls", "agent_tool_errors"])
     if "agent_turns" not in table.schema.names:
         return {}
-    turns, calls, errors = (np.asarray(table.column(c).to_pylist(), dtype=np.float64)
-                            for c in ("agent_turns", "agent_tool_calls", "agent_tool_errors"))
-    # a trajectory's turns are its assistant turns and one tool turn per call
-    return {f"{prefix}/turns_mean": float((turns - calls).mean()),
-            f"{prefix}/tool_success": float((calls.sum() - errors.sum()) / calls.sum()) if calls.sum() else 0.0}
+    from unirl.stages.tools.engine import tool_use
+
+    turns, calls, errors = (sum(table.column(c).to_pylist()) for c in ("agent_turns", "agent_tool_calls", "agent_tool_errors"))
+    return tool_use(prefix, table.num_rows, turns, calls, errors)

@@ -160,8 +160,8 @@ def score(
     """Score every rollout with the recipe's scorers; write rewards.arrow with components."""
     table = scoring_view(read_rollouts(storage, rollouts, columns=SCORED_COLUMNS))
     names = table.schema.names
-    names_ = [s.name for s in recipe.reward.scorers]
-    batch = score_batch(table, prompt_images=reads(names_, "image"), transcripts=reads(names_, "transcript"))
+    scorer_names = [s.name for s in recipe.reward.scorers]
+    batch = score_batch(table, prompt_images=reads(scorer_names, "image"), transcripts=reads(scorer_names, "transcript"))
     results, weights = {}, {}
     for spec in recipe.reward.scorers:
         scorer = (scorers or {}).get(spec.component) or build_scorer(spec.name, **spec.params)

@@ -158,12 +158,16 @@ def agent_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     """Turns per trajectory, tool calls and their success rate, and the share of each stop reason."""
     n = max(1, len(trajs))
     calls = sum(t.tool_calls for t in trajs)
-    errors = sum(t.tool_errors for t in trajs)
     stops = Counter(t.stop_reason for t in trajs)
-    return {"agent/turns_mean": sum(len([x for x in t.turns if x.role == "assistant"]) for t in trajs) / n,
-            "agent/tool_calls_mean": calls / n,
-            "agent/tool_success": (calls - errors) / calls if calls else 0.0,
-            **{f"agent/stop_{s}": stops.get(s, 0) / n for s in STOPS}}
+    return {**tool_use("agent", len(trajs), sum(len(t.turns) for t in trajs), calls, sum(t.tool_errors for t in trajs)),
+            "agent/tool_calls_mean": calls / n, **{f"agent/stop_{s}": stops.get(s, 0) / n for s in STOPS}}
+
+
+def tool_use(prefix: str, trajectories: int, turns: int, calls: int, errors: int) -> dict[str, float]:
+    """Assistant turns per trajectory (a trajectory's turns are its assistant turns and one tool turn
+    per call) and the share of tool calls that gave a result, from totals over `trajectories`."""
+    return {f"{prefix}/turns_mean": (turns - calls) / max(1, trajectories),
+            f"{prefix}/tool_success": (calls - errors) / calls if calls else 0.0}
 
 
 def agentic(engine: Any, recipe: Any, storage: Any) -> Any:
