@@ -16,7 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 from pydantic import Field
 
 from unirl.flows.console import say
@@ -106,3 +107,44 @@ def sft(recipe: Recipe, run_name: str = "",
         out = run_sft(recipe, storage, tracker)
     say(f"[unirl] sft weights: {storage.url(out['weights'])}")
     return {**out, "storage": storage.url()}
+
+
+def train_teachers(recipe: Recipe, run_name: str, tracker: Tracker | None = None) -> None:
+    """The teachers a recipe trains at its start (`distill.teachers[].sft`), each its own task:
+    an SFT on its domain's data into its run folder (`<run>.teacher-<name>`, stages/distill.py),
+    then its accuracy on that domain's dev and test splits, printed and logged as
+    `teacher/<name>/eval/*` and `teacher/<name>/test/*` (what the student is measured against)."""
+    from unirl.tasks.common import staged
+
+    for t in recipe.distill.teachers if recipe.distill is not None else []:
+        if t.sft is not None:
+            staged(teacher_sft)(recipe, run_name, t.name, tracker)
+
+
+@task(name="teacher-sft", task_run_name="teacher-sft-{teacher}", cache_policy=NO_CACHE, tags=["gpu"])
+def teacher_sft(recipe: Recipe, run_name: str, teacher: str, tracker: Tracker | None = None) -> dict[str, Any]:
+    from unirl.flows.evaluate import summary
+    from unirl.stages.distill import teacher_recipe, teacher_run
+    from unirl.stages.runtime.evaluation import PREFIX
+    from unirl.stages.workers.group import close_group
+    from unirl.tasks.common import close_engine, staged
+    from unirl.tasks.evaluate import evaluate
+
+    part = teacher_recipe(recipe, recipe.distill.get(teacher))
+    run = teacher_run(run_name, teacher)
+    storage = RunStorage(recipe.storage.root, run, recipe.storage.options)
+    if not storage.exists(join(storage.weights_rel(0), MANIFEST)):
+        say(f"[unirl] teacher {teacher}: SFT on {part.data.name} ({part.sft.steps} steps) into {storage.url()}")
+    out = run_sft(part, storage)
+    metrics: dict[str, float] = {}
+    try:
+        for split in ("dev", "test") if recipe.eval.test else ("dev",):
+            m = staged(evaluate)(part, run, 0, split)["metrics"]
+            say(f"[unirl] teacher {teacher} {split}: {summary(part, m, split)}")
+            metrics.update({f"teacher/{teacher}/{k}": v for k, v in m.items() if k.startswith(PREFIX[split] + "/")})
+    finally:
+        close_engine(storage.url())
+        close_group(storage.url())
+    if tracker is not None:
+        tracker.log_metrics(0, metrics)
+    return {**out, "metrics": metrics}

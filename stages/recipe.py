@@ -30,6 +30,7 @@ from unirl.stages.sections import (
     AdvantageConfig,
     AlgorithmConfig,
     DataConfig,
+    DistillConfig,
     EvalConfig,
     ModelConfig,
     RewardConfig,
@@ -75,6 +76,9 @@ class Recipe(Section):
     agent: AgentConfig | None = Field(None, description="Multi-turn rollouts with tools (text families): the policy "
                                       "writes a turn, its tool calls run, their results come back, until it answers "
                                       "(docs/agentic.md). Empty: one answer per prompt.")
+    distill: DistillConfig | None = Field(
+        None, description="On-policy distillation from teachers (docs/distillation.md): the student samples, each row's "
+        "teacher (its domain's) scores the student's own tokens or states. Empty: none.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     iterations: int = Field(3, ge=1, le=10_000_000, description="RL iterations in the run.")
     checkpoint_every: int = Field(
@@ -104,6 +108,8 @@ class Recipe(Section):
         otherwise meet inside the worker group; all problems are reported together."""
         if self.shape != "single":  # a composed recipe: its shape's own checks (stages/compose)
             errors = shapes.get(self.shape).errors(self) + accumulation_errors(self)
+            if self.distill is not None:
+                errors.append("distill: on-policy distillation is built for single-model runs; remove it or the compose section")
             if errors:
                 raise ValueError("\n".join(errors))
             return self
@@ -135,6 +141,9 @@ class Recipe(Section):
             errors.append("sft.path: `source: file` needs the path of a JSONL or Arrow file of prompt/response records")
         if self.agent is not None:
             errors += agent_errors(self, policy)
+        from unirl.stages.distill import distill_errors
+
+        errors += distill_errors(self, policy, algo)
         if errors:
             raise ValueError("\n".join(errors))
         from unirl.stages.engines import engines
@@ -177,6 +186,10 @@ class Recipe(Section):
                 errors.append(f"reward.scorers.{i}.key: scorer {spec.name!r} has the key {spec.component!r} of "
                               f"reward.scorers.{seen[spec.component]}; give one of them another `key`")
             seen.setdefault(spec.component, i)
+        for d, domain in enumerate(getattr(self.data, "domains", None) or []):
+            for i, spec in enumerate(domain.scorers or []):
+                if check(f"data.domains.{d}.scorers.{i}.name", spec.name):
+                    errors += [f"data.domains.{d}.scorers.{i}.params.{e}" for e in check_scorer_params(spec.name, spec.params)]
         if self.eval.scorer is not None:
             if check("eval.scorer", self.eval.scorer):
                 errors += [f"eval.scorer_params.{e}" for e in check_scorer_params(self.eval.scorer, self.eval.scorer_params)]
@@ -185,12 +198,20 @@ class Recipe(Section):
                           "params); name the scorer in eval.scorer or remove eval.scorer_params")
         return errors
 
-    def eval_scorer(self) -> tuple[str, dict[str, Any]]:
-        """(name, params) of the held-out correctness scorer: `eval.scorer`, else the first reward scorer."""
+    def eval_scorer(self, domain: str | None = None) -> tuple[str, dict[str, Any]]:
+        """(name, params) of the held-out correctness scorer: `eval.scorer`, else the first scorer
+        of `domain` (a mixture's domain with scorers of its own), else the first reward scorer."""
         if self.eval.scorer is not None:
             return self.eval.scorer, dict(self.eval.scorer_params)
-        first = self.reward.scorers[0]
+        first = self.scorers(domain)[0]
         return first.name, dict(first.params)
+
+    def scorers(self, domain: str | None = None) -> list[Any]:
+        """The reward scorers of rows of `domain`: its own (a mixture's domain), else reward.scorers."""
+        for d in getattr(self.data, "domains", None) or []:
+            if d.name == domain and d.scorers:
+                return list(d.scorers)
+        return list(self.reward.scorers)
 
     def fingerprint(self) -> str:
         """sha256 of the resolved recipe, without where it is stored and tracked, how long it runs,

@@ -113,6 +113,65 @@ class SFTConfig(Section):
     seed: int = Field(0, ge=0, description="Seed of the example order.")
 
 
+class TeacherConfig(Section):
+    """A teacher of on-policy distillation: a local folder of a model the student's family loads
+    (any size that shares the student's tokenizer), or one SFT-trained on a domain's data at the
+    run's start (`sft`, the run's `model` architecture unless `tiny` is given)."""
+
+    name: str = Field(description="The teacher's name (lowercase letters, digits, '_'): domains and `distill.teacher` "
+                      "name it, rows record it.")
+    path: str | None = Field(None, description="A local folder of the teacher's weights (the student's family's layout).")
+    sft: SFTConfig | None = Field(None, description="Train the teacher at the run's start instead: a warm start of its "
+                                  "own on `domain`'s data (e.g. `noise: 0`, more steps than the student's).")
+    domain: str | None = Field(None, description="With `sft`: the domain whose data it is trained on (empty: the "
+                               "domain naming it; a single-source run's `data`).")
+    tiny: dict[str, Any] | None = Field(None, description="With `sft`: architecture overrides of the teacher's tiny model "
+                                        "(model.tiny's fields; a bigger teacher than the student).")
+
+    @field_validator("name")
+    @classmethod
+    def _plain(cls, name: str) -> str:
+        if not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", name):
+            raise ValueError(f"{name!r} is not a teacher name; use lowercase letters, digits and '_' (at most 32, starting "
+                             "with a letter)")
+        return name
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TeacherConfig:
+        if (self.path is None) == (self.sft is None):
+            raise ValueError(f"teacher {self.name!r}: give exactly one of `path` (a local folder) and `sft` (trained at the "
+                             "run's start)")
+        if self.sft is None and (self.domain is not None or self.tiny is not None):
+            raise ValueError(f"teacher {self.name!r}: `domain` and `tiny` describe a teacher trained with `sft`; remove them")
+        return self
+
+
+class DistillConfig(Section):
+    """On-policy distillation (docs/distillation.md): the student samples, a teacher scores the
+    student's own tokens (text: its log-probs; flow: its velocity at the student's states)."""
+
+    teachers: list[TeacherConfig] = Field(min_length=1, max_length=16, description="The teachers, by name.")
+    teacher: str | None = Field(None, description="The teacher of rows whose domain names none (a single-source run's "
+                                "teacher); empty: the only teacher when there is one.")
+    mode: Literal["pure", "additive"] = Field(
+        "pure", description="pure: the per-token reverse-KL estimate coef*(log p_teacher - log p_student) is the "
+        "advantage (no reward in it); additive: it is added to the algorithm's advantage (slime's form).")
+    coef: float = Field(1.0, gt=0, description="Weight of the distillation signal.")
+
+    @model_validator(mode="after")
+    def _names(self) -> DistillConfig:
+        names = [t.name for t in self.teachers]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise ValueError(f"distill.teachers.{i}.name: {name!r} names two teachers")
+        if self.teacher is not None and self.teacher not in names:
+            raise ValueError(f"distill.teacher: {self.teacher!r} is not one of distill.teachers ({', '.join(names)})")
+        return self
+
+    def get(self, name: str) -> TeacherConfig:
+        return next(t for t in self.teachers if t.name == name)
+
+
 class EvalConfig(Section):
     """Held-out evaluation: greedy accuracy and avg@k / pass@k of sampled answers."""
 

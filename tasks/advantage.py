@@ -1,4 +1,4 @@
-"""advantage: advantages.arrow from rewards.arrow (group z-scores)."""
+"""advantage: advantages.arrow from rewards.arrow (group z-scores; with distillation, per token)."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,6 +12,9 @@ from unirl.tasks.common import storage_of
 
 
 @task(name="advantage", cache_policy=NO_CACHE)
-def advantage(recipe: Recipe, run_name: str, iteration: int, rewards: list[str]) -> dict[str, Any]:
+def advantage(recipe: Recipe, run_name: str, iteration: int, rewards: list[str], rollouts: list[str] | None = None,
+              teachers: list[str] | None = None) -> dict[str, Any]:
+    """`rollouts` and `teachers` (the teachers' shards): on-policy distillation's per-token signal."""
     storage = storage_of(recipe, run_name)
-    return it.committed(storage, iteration, "advantage", lambda: it.advantages(storage, recipe, iteration, rewards))
+    return it.committed(storage, iteration, "advantage",
+                        lambda: it.advantages(storage, recipe, iteration, rewards, rollouts, teachers))

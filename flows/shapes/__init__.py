@@ -8,7 +8,7 @@ same for every shape. A recipe's shape is `Recipe.shape`: `single`, or its `comp
 Prefect side (tasks, iteration flow, `RunShape`) is one module of this package registered under
 that name (pipeline.py, unified.py); a composed recipe's parts are named by it and run in its order.
 
-    single      rl-iteration:      generate -> score -> advantage -> train -> sync
+    single      rl-iteration:      generate -> score -> [teacher-<name> per teacher] -> advantage -> train -> sync
     pipeline    pe-iteration:      generate-<part> for each part in order -> compose -> score -> advantage
                                    -> train-<part>, sync-<part> for each part that trains
     unified     unified-iteration: generate-<stage> for each stage in order -> compose -> score -> advantage
@@ -25,7 +25,8 @@ from prefect import flow
 from prefect.states import Cancelled, State
 
 from unirl.flows.ahead import hand_over, wait_turn
-from unirl.flows.sft import run_sft
+from unirl.flows.sft import run_sft, train_teachers
+from unirl.stages.distill import taught_by
 from unirl.stages.recipe import Recipe
 from unirl.stages.runtime.registry import Registry
 from unirl.stages.runtime.run import initial_weights
@@ -37,6 +38,7 @@ from unirl.tasks.evaluate import evaluate
 from unirl.tasks.generate import generate
 from unirl.tasks.score import score
 from unirl.tasks.sync import sync
+from unirl.tasks.teach import teach
 from unirl.tasks.train import train
 
 # A registered model name -> (its run's storage, whether it trains, its `model` section): what a run publishes.
@@ -83,7 +85,8 @@ def rl_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any
         rollouts += more["files"]
         rewards += more_scored["files"]
         informative += more_scored["informative_groups"]
-    adv = advantage_(recipe, run_name, iteration, rewards)
+    taught = [staged(teach)(recipe, run_name, iteration, rollouts, t) for t in taught_by(recipe)]  # distillation's teachers
+    adv = advantage_(recipe, run_name, iteration, rewards, rollouts, [f for t in taught for f in t["files"]])
     trained = train_(recipe, run_name, iteration, rollouts, adv["files"][0])
     synced = sync_(recipe, run_name, iteration)
     metrics: dict[str, float] = dict(gen.get("metrics", {}))  # async: staleness and what was dropped
@@ -92,6 +95,8 @@ def rl_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any
     metrics.update({f"train/{k}": v for k, v in trained["metrics"].items()})
     for name, manifest in zip(STAGES, (gen, scored, adv, trained, synced)):
         metrics[f"time/{name}_s"] = float(manifest.get("seconds", 0.0))
+    if taught:
+        metrics["time/teacher_s"] = float(sum(t.get("seconds", 0.0) for t in taught))
     metrics["time/iteration_s"] = time.perf_counter() - start
     return hand_over(run_name, iteration, {
         "iteration": iteration, "policy_version": synced["policy_version"], "metrics": metrics,
@@ -114,7 +119,8 @@ def prepare_one(recipe: Recipe, storage: RunStorage) -> None:
 
 
 def warm_start_one(recipe: Recipe, run_name: str, storage: RunStorage, tracker: Tracker) -> None:
-    """The recipe's SFT, or its initial weights."""
+    """The teachers it trains (`distill.teachers[].sft`), then the recipe's SFT, or its initial weights."""
+    train_teachers(recipe, run_name, tracker)
     if recipe.sft is None:
         initial_weights(storage, recipe)
         return

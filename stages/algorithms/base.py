@@ -106,6 +106,9 @@ class Algorithm:
     # The off-policy correction levels the loss takes (rollout.correction.level; empty: it trains
     # only on rows the trained weights sampled, so no async RL and no stale engine weights).
     correction_levels: ClassVar[tuple[str, ...]] = ()
+    # Whether it trains on-policy distillation (docs/distillation.md): a token loss that takes a
+    # per-token advantage (the teacher's signal), or a flow loss that regresses on the teacher.
+    distills: ClassVar[bool] = False
 
     def __init__(self, cfg: Any, recipe: Any):
         self.cfg, self.recipe = cfg, recipe

@@ -69,6 +69,7 @@ class DRPOConfig(Section):
 @algorithms.register("drpo")
 class DRPO(TokenPolicyGradient):
     name = "drpo"
+    distills = True  # takes a per-token advantage
     config = DRPOConfig
 
     def loss(self, logp, old_logp, adv, mask, horizon):

@@ -65,6 +65,7 @@ class GRPOConfig(Section):
 @algorithms.register("grpo")
 class GRPO(TokenPolicyGradient):
     name = "grpo"
+    distills = True  # takes a per-token advantage
     config = GRPOConfig
 
     def loss(self, logp, old_logp, adv, mask, horizon):

@@ -90,7 +90,8 @@ def grids_of(stored: list[list[int]]) -> list[tuple[int, int, int]]:
 class TextBatch:
     """A micro-batch of stored text segments. ids/attn (B, T); mask (B, T-1) over response
     tokens; behaviour (B, T-1): the log-probs recorded at sampling time (0 off the mask);
-    advantage (B,); inputs: the model's other inputs (prompts with images), None for text; versions (B,): the
+    advantage (B,), or (B, T-1) per token (on-policy distillation); inputs: the model's other inputs
+    (prompts with images), None for text; versions (B,): the
     policy version that sampled each row (None: the trained one)."""
 
     sample_ids: list[str]
@@ -301,7 +302,10 @@ class TextPolicy(Policy):
                 own = pad_like([[float(m) for m in (ms or [])] or [1.0] * len(r)
                                 for ms, r in zip(take("response_mask"), take("response_ids"))], t["mask"])
                 t["mask"], behaviour = t["mask"] * own, behaviour * own
-            adv = torch.tensor([float(advantages[r]) for r in rows], dtype=torch.float32, device=self.device)
+            if rows and isinstance(advantages[rows[0]], list):  # per token (on-policy distillation): (B, T-1)
+                adv = pad_like([advantages[r] for r in rows], t["mask"])
+            else:
+                adv = torch.tensor([float(advantages[r]) for r in rows], dtype=torch.float32, device=self.device)
             shown = [] if self.images is None else [
                 self.images.decode(pngs, grids_of(grids), f"{where}: sample {sid!r}")
                 for sid, pngs, grids in zip(take("sample_id"), take("images"), take("image_grids"))]
@@ -325,6 +329,12 @@ class TextPolicy(Policy):
     def replay(self, module: Any, batch: TextBatch, selection: Any = None) -> torch.Tensor:
         """log pi(response token | prefix) under `module`, fp32: (B, T-1), meaningful on the mask."""
         return token_logp(module, batch.tokens(), self.cfg.temperature, batch.inputs, self.banned)
+
+    def teacher_scores(self, teacher: Any, batch: TextBatch) -> list[list[float]]:
+        """A teacher's log-probs of each row's response tokens (at the sampling temperature, as the
+        student's record), in order: what on-policy distillation compares the student's with."""
+        logp = token_logp(teacher, batch.tokens(), self.cfg.temperature, batch.inputs, self.banned)
+        return [logp[i][batch.mask[i] > 0].float().cpu().tolist() for i in range(len(batch.sample_ids))]
 
     def decode(self, response_ids: list[int]) -> str:
         return self.tokenizer.decode(response_ids, skip_special_tokens=True)

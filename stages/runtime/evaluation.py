@@ -54,30 +54,49 @@ def write_eval_requests(storage: RunStorage, recipe: Recipe, version: int, group
     return rel
 
 
-def correctness(storage: RunStorage, recipe: Recipe, rollouts: list[str]) -> tuple[list[str], np.ndarray]:
-    """(group ids, 0/1 correctness) of every sample in `rollouts`."""
+def correctness(storage: RunStorage, recipe: Recipe, rollouts: list[str]) -> tuple[list[str], np.ndarray, list[str | None]]:
+    """(group ids, 0/1 correctness, domains) of every sample in `rollouts`; a mixture's rows are
+    judged by their domain's correctness scorer (`Recipe.eval_scorer`)."""
+    from unirl.stages.distill import domain_parts
+    from unirl.stages.runtime.sample import metadata
+
     table = scoring_view(read_rollouts(storage, rollouts, columns=SCORED_COLUMNS))
-    name, params = recipe.eval_scorer()
-    scores = run_scorer(build_scorer(name, **params), score_batch(
-        table, prompt_images=reads([name], "image"), transcripts=reads([name], "transcript"))).scores
-    return table.column("group_id").to_pylist(), (scores >= 1.0).astype(np.float64)
+    ok = np.zeros(table.num_rows)
+    domains: list[str | None] = [None] * table.num_rows
+    parts = domain_parts(recipe, metadata(table))
+    for domain, idx in parts:
+        sub = table if len(parts) == 1 else table.take(idx)
+        name, params = recipe.eval_scorer(domain)
+        scores = run_scorer(build_scorer(name, **params), score_batch(
+            sub, prompt_images=reads([name], "image"), transcripts=reads([name], "transcript"))).scores
+        ok[idx] = (scores >= 1.0).astype(np.float64)
+        for i in idx:
+            domains[i] = domain
+    return table.column("group_id").to_pylist(), ok, domains
 
 
 def eval_metrics(storage: RunStorage, recipe: Recipe, greedy: list[str], sampled: list[str],
                  split: str = "dev") -> dict[str, float]:
+    """Greedy accuracy, avg@k and pass@k over the split, and per domain of a mixture
+    (`<prefix>/<domain>/accuracy`, ...)."""
     k, p = recipe.eval.k, PREFIX[split]
-    _, greedy_ok = correctness(storage, recipe, greedy)
-    groups, ok = correctness(storage, recipe, sampled)
-    per_prompt: dict[str, list[float]] = {}
-    for g, c in zip(groups, ok):
-        per_prompt.setdefault(g, []).append(c)
-    return {
-        f"{p}/accuracy": float(greedy_ok.mean()),
-        f"{p}/avg_at_{k}": float(ok.mean()),
-        f"{p}/pass_at_{k}": float(np.mean([max(v) for v in per_prompt.values()])),
-        f"{p}/prompts": float(len(greedy_ok)),
-        **agent_eval_metrics(storage, sampled, p),
-    }
+    _, greedy_ok, greedy_domains = correctness(storage, recipe, greedy)
+    groups, ok, domains = correctness(storage, recipe, sampled)
+
+    def scores(prefix: str, g_ok: np.ndarray, s_groups: list[str], s_ok: np.ndarray) -> dict[str, float]:
+        per_prompt: dict[str, list[float]] = {}
+        for g, c in zip(s_groups, s_ok):
+            per_prompt.setdefault(g, []).append(c)
+        return {f"{prefix}/accuracy": float(g_ok.mean()), f"{prefix}/avg_at_{k}": float(s_ok.mean()),
+                f"{prefix}/pass_at_{k}": float(np.mean([max(v) for v in per_prompt.values()])),
+                f"{prefix}/prompts": float(len(g_ok))}
+
+    out = {**scores(p, greedy_ok, groups, ok), **agent_eval_metrics(storage, sampled, p)}
+    for domain in dict.fromkeys(d for d in greedy_domains if d is not None):
+        g_idx = [i for i, d in enumerate(greedy_domains) if d == domain]
+        s_idx = [i for i, d in enumerate(domains) if d == domain]
+        out.update(scores(f"{p}/{domain}", greedy_ok[g_idx], [groups[i] for i in s_idx], ok[s_idx]))
+    return out
 
 
 def agent_eval_metrics(storage: RunStorage, sampled: list[str], prefix: str) -> dict[str, float]:

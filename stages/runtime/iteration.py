@@ -157,70 +157,105 @@ def score(
     storage: RunStorage, recipe: Recipe, iteration: int, rollouts: list[str],
     scorers: dict[str, Any] | None = None, round_index: int = 0,
 ) -> dict[str, Any]:
-    """Score every rollout with the recipe's scorers; write rewards.arrow with components."""
+    """Score every rollout with its scorers (the recipe's; a mixture's domain's own); write
+    rewards.arrow with components (and each row's `domain` in a mixture)."""
+    from unirl.stages.distill import domain_parts
+
     table = scoring_view(read_rollouts(storage, rollouts, columns=SCORED_COLUMNS))
     names = table.schema.names
-    scorer_names = [s.name for s in recipe.reward.scorers]
-    batch = score_batch(table, prompt_images=reads(scorer_names, "image"), transcripts=reads(scorer_names, "transcript"))
-    results, weights = {}, {}
-    for spec in recipe.reward.scorers:
-        scorer = (scorers or {}).get(spec.component) or build_scorer(spec.name, **spec.params)
-        results[spec.component] = run_scorer(scorer, batch)
-        weights[spec.component] = spec.weight
-    total = aggregate(results, weights, recipe.reward.aggregation)
-    overlong = recipe.reward.overlong
-    if overlong.truncated != "keep" and "response_ids" in names:
-        assert batch.finish_reasons is not None, "text rollouts record their finish reasons"
-        scores, added = apply_overlong(
-            total.scores, [len(r) for r in table.column("response_ids").to_pylist()], batch.finish_reasons,
-            mode=overlong.truncated, max_new_tokens=recipe.rollout.max_new_tokens,
-            buffer=overlong.buffer, penalty=overlong.penalty,
-        )
-        total = ScoreResult(scores, {**total.components, "overlong": added})
+    n = table.num_rows
+    parts = domain_parts(recipe, metadata(table))
+    scores = np.zeros(n)
+    components: dict[str, np.ndarray] = {}
+    finish: list[str] | None = None
+    for domain, idx in parts:
+        sub = table if len(parts) == 1 else table.take(idx)
+        specs = recipe.scorers(domain)
+        spec_names = [s.name for s in specs]
+        batch = score_batch(sub, prompt_images=reads(spec_names, "image"), transcripts=reads(spec_names, "transcript"))
+        results, weights = {}, {}
+        for spec in specs:
+            scorer = (scorers or {}).get(spec.component) if domain is None else None
+            results[spec.component] = run_scorer(scorer or build_scorer(spec.name, **spec.params), batch)
+            weights[spec.component] = spec.weight
+        total = aggregate(results, weights, recipe.reward.aggregation)
+        overlong = recipe.reward.overlong
+        if overlong.truncated != "keep" and "response_ids" in names:
+            assert batch.finish_reasons is not None, "text rollouts record their finish reasons"
+            capped, added = apply_overlong(
+                total.scores, [len(r) for r in sub.column("response_ids").to_pylist()], batch.finish_reasons,
+                mode=overlong.truncated, max_new_tokens=recipe.rollout.max_new_tokens,
+                buffer=overlong.buffer, penalty=overlong.penalty,
+            )
+            total = ScoreResult(capped, {**total.components, "overlong": added})
+        scores[idx] = total.scores
+        for k, v in total.components.items():  # a component a domain does not score is NaN on its rows
+            components.setdefault(k, np.full(n, np.nan))[idx] = v
+    if "finish_reason" in names:
+        finish = table.column("finish_reason").to_pylist()
+    domains = [d for d, idx in parts for _ in idx]
+    order = [i for _, idx in parts for i in idx]
+    domain_of = dict(zip(order, domains))
     rows = []
-    for i, sid in enumerate(batch.sample_ids):
-        row = {"sample_id": sid, "group_id": table.column("group_id")[i].as_py(), "reward": float(total.scores[i])}
-        row.update({f"reward/{k}": float(v[i]) for k, v in total.components.items()})
+    for i, sid in enumerate(table.column("sample_id").to_pylist()):
+        row = {"sample_id": sid, "group_id": table.column("group_id")[i].as_py(), "reward": float(scores[i])}
+        row.update({f"reward/{k}": None if np.isnan(v[i]) else float(v[i]) for k, v in components.items()})
+        if domain_of[i] is not None:
+            row["domain"] = domain_of[i]
         rows.append(row)
     rel = join(iter_dir(iteration), f"rewards{round_suffix(round_index)}.arrow")
     write_shard(storage, rel, table_from_rows(rows, "rewards"))
-    stats = group_stats(total.scores, table.column("group_id").to_pylist())
+    groups = table.column("group_id").to_pylist()
+    stats = group_stats(scores, groups)
     metrics = {
-        "rollout/reward_mean": float(np.mean(total.scores)),
-        "rollout/reward_std": float(np.std(total.scores)),
+        "rollout/reward_mean": float(np.mean(scores)),
+        "rollout/reward_std": float(np.std(scores)),
         "rollout/zero_std_group_frac": stats["zero_std_group_frac"],
     }
     if "response_ids" in names:
-        assert batch.finish_reasons is not None, "text rollouts record their finish reasons"
+        assert finish is not None, "text rollouts record their finish reasons"
         metrics["rollout/response_len_mean"] = float(np.mean([len(r) for r in table.column("response_ids").to_pylist()]))
-        metrics["rollout/truncated_frac"] = float(np.mean([r == "length" for r in batch.finish_reasons]))
-    metrics.update({f"rollout/reward/{k}": float(np.mean(v)) for k, v in total.components.items()})
+        metrics["rollout/truncated_frac"] = float(np.mean([r == "length" for r in finish]))
+    metrics.update({f"rollout/reward/{k}": float(np.nanmean(v)) for k, v in components.items() if not np.isnan(v).all()})
+    for domain, idx in parts:
+        if domain is not None:  # per domain: its reward and its groups' signal
+            part = group_stats(scores[idx], [groups[i] for i in idx])
+            metrics[f"rollout/{domain}/reward_mean"] = float(np.mean(scores[idx]))
+            metrics[f"rollout/{domain}/zero_std_group_frac"] = part["zero_std_group_frac"]
     informative = stats["num_groups"] * (1.0 - stats["zero_std_group_frac"])
     return {"files": [rel], "rows": len(rows), "metrics": metrics, "informative_groups": int(round(informative))}
 
 
-def advantages(storage: RunStorage, recipe: Recipe, iteration: int, rewards: list[str]) -> dict[str, Any]:
-    """Group-relative advantages from the rewards of every round (DESIGN.md section 5). With
-    dynamic sampling, groups whose rewards are all equal are dropped and at most
-    `prompts_per_iteration` informative groups are kept, in round order."""
+def advantages(storage: RunStorage, recipe: Recipe, iteration: int, rewards: list[str],
+               rollouts: list[str] | None = None, teachers: list[str] | None = None) -> dict[str, Any]:
+    """Group-relative advantages from the rewards of every round (DESIGN.md section 5), computed
+    per domain in a mixture (a domain's batch statistics never mix with another's). With dynamic
+    sampling, groups whose rewards are all equal are dropped and at most `prompts_per_iteration`
+    informative groups are kept, in round order. With `distill`, per-token advantages from the
+    teachers' log-probs (`teachers`: their shards) of the student's tokens (`rollouts`)
+    (stages/runtime/distillation.py)."""
     import pyarrow as pa
 
-    table = pa.concat_tables([read_shard(storage, r, "rewards").select(["sample_id", "group_id", "reward"]) for r in rewards])
+    table = pa.concat_tables([read_shard(storage, r, "rewards") for r in rewards], promote_options="default")
     a = recipe.advantage
-    adv = group_advantages(
-        table.column("reward").to_pylist(), table.column("group_id").to_pylist(),
-        scope=a.scope, normalize=a.normalize, use_global_std=a.use_global_std, eps=a.eps,
-    )
+    group_ids, domains = table.column("group_id").to_pylist(), (
+        table.column("domain").to_pylist() if "domain" in table.schema.names else [None] * table.num_rows)
+    adv = np.zeros(table.num_rows)
+    reward = np.asarray(table.column("reward").to_pylist(), dtype=np.float64)
+    for domain in dict.fromkeys(domains):
+        idx = [i for i, d in enumerate(domains) if d == domain]
+        adv[idx] = group_advantages(reward[idx].tolist(), [group_ids[i] for i in idx], scope=a.scope, normalize=a.normalize,
+                                    use_global_std=a.use_global_std, eps=a.eps)
     rows = [
-        {"sample_id": s, "group_id": g, "advantage": float(x)}
-        for s, g, x in zip(table.column("sample_id").to_pylist(), table.column("group_id").to_pylist(), adv.tolist())
+        {"sample_id": s, "group_id": g, "advantage": float(x), **({"domain": d} if d is not None else {})}
+        for s, g, x, d in zip(table.column("sample_id").to_pylist(), group_ids, adv.tolist(), domains)
     ]
     metrics: dict[str, float] = {}
     if recipe.rollout.dynamic_sampling is not None:
         rewards_of: dict[str, set[float]] = {}
-        for g, r in zip(table.column("group_id").to_pylist(), table.column("reward").to_pylist()):
+        for g, r in zip(group_ids, reward.tolist()):
             rewards_of.setdefault(g, set()).add(r)
-        informative = [g for g in dict.fromkeys(table.column("group_id").to_pylist()) if len(rewards_of[g]) > 1]
+        informative = [g for g in dict.fromkeys(group_ids) if len(rewards_of[g]) > 1]
         keep = set(informative[: recipe.rollout.prompts_per_iteration])
         metrics.update({
             "rollout/dynamic_rounds": float(len(rewards)), "rollout/groups_kept": float(len(keep)),
@@ -231,6 +266,10 @@ def advantages(storage: RunStorage, recipe: Recipe, iteration: int, rewards: lis
             # whose advantages are all 0, so the step changes nothing but stays counted.
             keep = set(list(rewards_of)[: recipe.rollout.prompts_per_iteration])
         rows = [r for r in rows if r["group_id"] in keep]
+    if recipe.distill is not None:
+        from unirl.stages.runtime.distillation import token_advantages
+
+        metrics.update(token_advantages(storage, recipe, rows, rollouts or [], teachers or []))
     rel = join(iter_dir(iteration), "advantages.arrow")
     write_shard(storage, rel, table_from_rows(rows, "advantages"))
     values = np.array([r["advantage"] for r in rows])

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from unirl.stages.distill import taught_by
 from unirl.stages.runtime import iteration as it
 from unirl.stages.runtime.accumulation import closes, window
 from unirl.stages.runtime.storage import RunStorage, iter_dir
@@ -42,7 +43,9 @@ class InProcessLoop:
         times["generate_s"] = time.perf_counter() - start
         start = time.perf_counter()
         scored = it.score(self.storage, self.recipe, iteration, gen["files"])
-        adv = it.advantages(self.storage, self.recipe, iteration, scored["files"])
+        taught = [f for t in taught_by(self.recipe) for f in self.worker.teach(
+            iteration=iteration, rollouts=gen["files"], teacher=t, out_dir=f"{iter_dir(iteration)}/teacher-{t}")["files"]]
+        adv = it.advantages(self.storage, self.recipe, iteration, scored["files"], gen["files"], taught)
         times["score_s"] = time.perf_counter() - start
         start = time.perf_counter()
         if not closes(self.recipe, iteration):  # rollout accumulation: the window's last iteration updates on it

@@ -76,7 +76,11 @@ TURN_COLUMNS: dict[str, pa.DataType] = {
     "latency_s": pa.float64(), "error": pa.string(), "stop_reason": pa.string(),
 }
 
+# A teacher's log-probs of the student's response tokens (stages/runtime/distillation.py), one row per sample.
+TEACHER_COLUMNS: dict[str, pa.DataType] = {"sample_id": pa.string(), "teacher": pa.string(), "teacher_logprobs": _LIST_F32}
+
 KINDS: dict[str, dict[str, pa.DataType]] = {
+    "teacher": TEACHER_COLUMNS,
     "sft": SFT_COLUMNS,
     "requests": REQUEST_COLUMNS,
     "rewards": REWARD_COLUMNS,
@@ -110,7 +114,9 @@ def table_from_rows(rows: list[dict[str, Any]], kind: str, segments: Iterable[st
         )
     extra = sorted(({k for r in rows for k in r} | set(extra)) - set(schema.names))
     known = {"response": pa.string(), "media_png": pa.binary(), "metadata": pa.string(), "turns": pa.string(),
-             "media_frames": pa.list_(pa.binary()), **IMAGE_COLUMNS, **TOKEN_COLUMNS}
+             "media_frames": pa.list_(pa.binary()), **IMAGE_COLUMNS, **TOKEN_COLUMNS,
+             # a mixture's domain and a row's teacher; on-policy distillation's per-token advantages
+             "domain": pa.string(), "teacher": pa.string(), "token_advantages": _LIST_F32}
     for name in extra:  # e.g. reward/<component>; SFT's response / media_png; a prompt's images
         dtype = known.get(name, pa.float64())
         schema = schema.append(pa.field(name, dtype))

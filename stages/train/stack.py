@@ -144,15 +144,21 @@ class TrainStack:
                 lora_init(bundle.module, seed)  # the values a sharded load draws too
         bundle.module = self.module = self._build(bundle.module, weights_dir, seed, mixed_precision)
         self._reference = None
+        self._seed, self._sharded_load, self._mixed_precision = seed, sharded_load, mixed_precision
         if reference_dir is not None and lora is None:  # a full fine-tune keeps a frozen copy
-            ref = load_bundle(family, reference_dir, reference_cfg, device, sharded=sharded_load).module
-            self._reference = self._build(ref.requires_grad_(False).eval(), reference_dir, seed, mixed_precision)
+            self._reference = self.frozen(reference_dir, reference_cfg)
         self.trainable = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
         self.ema = EMA(self.module, spec.ema) if spec.ema else None
         self._ema_decay = ema_decay
         self.opt_steps = 0
         self.ema_full: dict[str, torch.Tensor] | None = None  # gathered by publish
+
+    def frozen(self, directory: Any, cfg: Any) -> torch.nn.Module:
+        """The family's model in `directory`, frozen and sharded as the trained module is (the
+        reference policy; a distillation teacher, of any size the family loads)."""
+        module = load_bundle(self.family, directory, cfg, self.device, sharded=self._sharded_load).module
+        return self._build(module.requires_grad_(False).eval(), directory, self._seed, self._mixed_precision)
 
     def _build(self, module: torch.nn.Module, weights_dir: Any, seed: int, mixed_precision: str) -> torch.nn.Module:
         """`module` sharded on this stack's device; one built on the meta device gets only this

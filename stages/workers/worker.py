@@ -18,6 +18,7 @@ import torch
 from unirl.stages.algorithms.base import get_algorithm
 from unirl.stages.compose import shape_of
 from unirl.stages.compose.shared import JointSFT, split_by_stage, with_stage
+from unirl.stages.distill import teacher_folders
 from unirl.stages.models.family import get_family
 from unirl.stages.policies import behaviour_tolerance, policies
 from unirl.stages.recipe import Recipe
@@ -30,7 +31,7 @@ from unirl.stages.train import checkpoint
 from unirl.stages.train.stack import OptimizerSpec, TrainStack, load_bundle, rank_of, world_size
 from unirl.stages.train.update import UpdatePart, joint_update, sft_steps
 
-COMMANDS = ("ping", "generate", "train", "sft", "save", "publish", "publish_adapter", "weight_specs",
+COMMANDS = ("ping", "generate", "teach", "train", "sft", "save", "publish", "publish_adapter", "weight_specs",
             "join_update_group", "broadcast_weights")
 
 
@@ -95,6 +96,9 @@ class Worker:
             mixed_precision=recipe.train.mixed_precision,
         )
         self._sft_info: dict[str, Any] | None = None
+        # On-policy distillation's teachers (docs/distillation.md), frozen beside the student, sharded like it.
+        self.teachers = {name: self.stack.frozen(self._teacher_dir(name, where), recipe.model)
+                         for name, where in teacher_folders(recipe, spec["run"]).items()} if self.mode == "rl" else {}
         if spec.get("checkpoint") is not None:
             self.version = checkpoint.load(self.stack, self.storage, self.scratch, int(spec["checkpoint"]))
 
@@ -112,6 +116,16 @@ class Worker:
         `iterations`, which an extended run changes."""
         info = self.storage.read_json("run.json") if self.storage.exists("run.json") else {}
         return int(info.get("schedule_steps") or schedule_steps(self.recipe, self.recipe.iterations))
+
+    def _teacher_dir(self, name: str, where: str | tuple[str, str]) -> Path:
+        """A teacher's local folder: its `path`, or the weights of one trained at the run's start
+        (its own run folder; on an object store, a per-rank copy in the scratch folder)."""
+        if isinstance(where, str):
+            return Path(where)
+        store = RunStorage(self.storage.root, where[0], self.storage.options)
+        if (local := store.local_path(where[1])) is not None:
+            return local
+        return store.get_dir(where[1], self.scratch / "teachers" / name)
 
     def _local_weights(self, rel: str) -> Path:
         """A run folder as a local path (object stores: a per-rank copy in the scratch folder)."""
@@ -158,6 +172,38 @@ class Worker:
                 **{k: int(v) for k, v in zip(counters, totals.tolist())},
                 "policy_version": self.version, "seconds": time.perf_counter() - start}
 
+    def teach(self, iteration: int, rollouts: list[str], teacher: str, out_dir: str) -> dict[str, Any]:
+        """Teacher `teacher`'s scores of the student's samples routed to it (their domain's teacher,
+        stages/distill.py): for text, its log-probs of every response token. Each rank scores its
+        share in micro-batches of `train.micro_batch_size` and writes `out_dir/part-{rank:03d}.arrow`."""
+        from unirl.stages.distill import teacher_of
+        from unirl.stages.runtime.sample import metadata
+
+        if teacher not in self.teachers:
+            raise ValueError(f"this worker group holds the teachers {sorted(self.teachers)}, not {teacher!r}")
+        start = time.perf_counter()
+        table = read_rollouts(self.storage, rollouts).sort_by("sample_id")
+        where = self.storage.url(rollouts[0]) + (" ..." if len(rollouts) > 1 else "")
+        routed = [i for i, m in enumerate(metadata(table)) if teacher_of(self.recipe, m.get("domain")) == teacher]
+        groups, counts = self.stack.cut(self.stack.my_share(routed), self.recipe.train.micro_batch_size)
+        module, policy = self.teachers[teacher], self.policy
+        sample_ids = table.column("sample_id").to_pylist()
+        rows: list[dict[str, Any]] = []
+        with torch.no_grad():
+            for k in range(counts[0]):  # every rank runs as many forwards (the teacher is sharded)
+                if k < len(groups[0]):
+                    chunk = groups[0][k]
+                    batch = policy.batches(table, [chunk], [0.0] * table.num_rows, where)[0]
+                    rows += [{"sample_id": sample_ids[i], "teacher": teacher, "teacher_logprobs": lps}
+                             for i, lps in zip(chunk, policy.teacher_scores(module, batch))]
+                else:
+                    policy.teacher_scores(module, policy.stand_in(None))
+        write_shard(self.storage, join(out_dir, f"part-{self.rank:03d}.arrow"), table_from_rows(rows, "teacher"))
+        totals = torch.tensor([len(rows)], dtype=torch.int64, device=self.device)
+        self.stack.all_reduce(totals)
+        return {"files": [join(out_dir, f"part-{k:03d}.arrow") for k in range(self.world)], "rows": int(totals[0]),
+                "teacher": teacher, "seconds": time.perf_counter() - start}
+
     def train(self, iteration: int, rollouts: list[str], advantages: str,
               earlier: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """One update: `train.updates_per_batch` optimizer steps over this rank's micro-batches of
@@ -201,9 +247,11 @@ class Worker:
             stage, table = self._stage(name), tables[name].sort_by("sample_id")
             if adv_table.num_rows < table.num_rows and not name:  # dynamic sampling dropped groups
                 table = table.filter(pc.is_in(table.column("sample_id"), value_set=adv_table.column("sample_id")))
-            table = join_on_sample_id(table, adv_table, ["advantage"], self.storage.url(advantages))
+            per_token = "token_advantages" in adv_table.schema.names  # on-policy distillation's (docs/distillation.md)
+            table = join_on_sample_id(table, adv_table, ["token_advantages" if per_token else "advantage"],
+                                      self.storage.url(advantages))
             groups, counts = self.stack.cut(self.stack.my_share(range(table.num_rows)), t.micro_batch_size, t.updates_per_batch)
-            values = table.column("advantage").to_numpy()
+            values = table.column("token_advantages").to_pylist() if per_token else table.column("advantage").to_numpy()
             out[name] = ([stage.policy.batches(table, group, values, where) for group in groups], counts, where)
         return out
 
