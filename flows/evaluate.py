@@ -55,8 +55,11 @@ def summary(recipe: Recipe, m: dict[str, float], split: str = "dev") -> str:
     k, p = recipe.eval.k, PREFIX[split]
     agent = (f"  turns {m[f'{p}/turns_mean']:.2f}  tool ok {m[f'{p}/tool_success']:.2f}"
              if f"{p}/turns_mean" in m else "")  # an agent's sampled trajectories
+    domains = [key.split("/")[1] for key in m if key.startswith(f"{p}/") and key.endswith("/accuracy") and key.count("/") == 2]
+    scores = [f"{d} {m[p + '/' + d + '/accuracy']:.3f}" for d in domains]  # a mixture's, per domain
+    per_domain = f"  [{', '.join(scores)}]" if scores else ""
     return (f"accuracy {m[f'{p}/accuracy']:.3f}  avg@{k} {m[f'{p}/avg_at_{k}']:.3f}  pass@{k} {m[f'{p}/pass_at_{k}']:.3f}"
-            f"{agent}  ({int(m[f'{p}/prompts'])} prompts)")
+            f"{agent}  ({int(m[f'{p}/prompts'])} prompts){per_domain}")
 
 
 def test_split(recipe: Recipe, run_name: str, version: int, task: Any, *, compute: bool = True) -> dict[str, float] | None:

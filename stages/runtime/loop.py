@@ -63,4 +63,5 @@ class InProcessLoop:
         out = {f"train/{k}": v for k, v in metrics.items()}
         out.update({f"time/{k}": v for k, v in times.items()})
         out.update(scored["metrics"])
+        out.update(adv["metrics"])
         return out
