@@ -8,6 +8,7 @@ the sampling; the held-out prompts stay fixed.
     python benchmarks/quickstart_seeds.py --recipe recipes/diffusion/quickstart.yaml   # toy-GenEval strict
     python benchmarks/quickstart_seeds.py --recipe recipes/video/quickstart.yaml --components  # + per-component means
     python benchmarks/quickstart_seeds.py --recipe recipes/pe/quickstart.yaml        # the pipeline: image strict score
+    python benchmarks/quickstart_seeds.py --recipe recipes/distill/quickstart.yaml   # + per domain, beside its teacher
 
 `acc` is the greedy score (AR: greedy decoding; diffusion: the deterministic ODE sampler),
 `avg@k` the mean over k sampled answers or images per prompt; `CPU s` the user + system seconds
@@ -71,7 +72,31 @@ def seed_overrides(recipe_path: str, seed: int) -> list[str]:
     compose = raw.get("compose") or {}
     parts = compose.get("parts") if compose.get("kind") == "pipeline" else None
     prefixes = [f"compose.parts.{i}." for i in range(len(parts))] if parts else [""]
-    return [f"seed={seed}", *(f"{p}{key}={seed}" for p in prefixes for key in ("model.tiny.seed", "sft.seed"))]
+    teachers = [f"distill.teachers.{i}.sft.seed={seed}" for i, t in enumerate((raw.get("distill") or {}).get("teachers") or [])
+                if t.get("sft") is not None]  # teachers trained at the start: their example order too
+    return [f"seed={seed}", *(f"{p}{key}={seed}" for p in prefixes for key in ("model.tiny.seed", "sft.seed")), *teachers]
+
+
+def domain_line(recipe_path: str, overrides: list[str], work: Path, name: str, split: str, before: dict[str, float],
+                after: dict[str, float]) -> str:
+    """A mixture's greedy accuracy per domain before -> after, and beside it the domain's teacher's
+    (trained at the run's start, evaluated on the same split) and the student's share of it."""
+    from unirl.stages.distill import domain_names, teacher_of, teacher_run
+    from unirl.stages.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path, overrides)
+    p, sub = ("test", "test") if split == "test" else ("eval", "")
+    out = []
+    for d in domain_names(recipe):
+        text = f"{d} {before[f'{p}/{d}/accuracy']:.3f} -> {after[f'{p}/{d}/accuracy']:.3f}"
+        teacher = teacher_of(recipe, d)
+        found = work / teacher_run(name, teacher) / "eval" / "v000000" / sub / "metrics.json" if teacher else None
+        if found is not None and found.exists():
+            theirs = json.loads(found.read_text())["metrics"][f"{p}/accuracy"]
+            share = f" = {after[f'{p}/{d}/accuracy'] / theirs:.0%}" if theirs else ""
+            text += f" (teacher {teacher} {theirs:.3f}{share})"
+        out.append(text)
+    return "  " + ", ".join(out) if out else ""
 
 
 def main() -> int:
@@ -116,7 +141,8 @@ def main() -> int:
                      f"{before[f'{p}/tool_success']:.2f} -> {after[f'{p}/tool_success']:.2f}"
                      if f"{p}/turns_mean" in before else "")  # an agentic run's tool use, before and after RL
             print(f"{split:>5s} {seed:>4d} {wall:7.0f} {cpu:6.0f} {before[f'{p}/accuracy']:8.3f} {after[f'{p}/accuracy']:7.3f} "
-                  f"{gain:+6.3f} {before[f'{p}/avg_at_{k}']:10.3f} {after[f'{p}/avg_at_{k}']:9.3f} {avg_gain:+6.3f}{agent}",
+                  f"{gain:+6.3f} {before[f'{p}/avg_at_{k}']:10.3f} {after[f'{p}/avg_at_{k}']:9.3f} {avg_gain:+6.3f}{agent}"
+                  f"{domain_line(args.recipe, [*seed_overrides(args.recipe, seed), *args.overrides], work, name, split, before, after)}",
                   flush=True)
             if args.components:
                 common = [f"seed={seed}", *args.overrides]

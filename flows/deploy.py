@@ -35,7 +35,7 @@ END = "  # END recipe deployments\n"
 # recipe folder -> its flow's function in the installed package (the flow is named as Prefect's
 # `--name flow/deployment` matching reads it: `rl_train` is `rl-train`). A deployment's entrypoint is
 # that flow with its recipe's own Run form (flows/forms.py): unirl.flows.forms.<variants>:<function>.
-FLOWS: dict[str, str] = {**dict.fromkeys(("ar", "vlm", "diffusion", "video", "pipeline", "pe", "unified", "agentic"), "rl_train"),
+FLOWS: dict[str, str] = {**dict.fromkeys(("ar", "vlm", "diffusion", "video", "pipeline", "pe", "unified", "agentic", "distill"), "rl_train"),
                          "sft": "sft"}
 
 

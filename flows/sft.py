@@ -138,7 +138,7 @@ def teacher_sft(recipe: Recipe, run_name: str, teacher: str, tracker: Tracker | 
     out = run_sft(part, storage)
     metrics: dict[str, float] = {}
     try:
-        for split in ("dev", "test") if recipe.eval.test else ("dev",):
+        for split in (("dev", "test") if recipe.eval.test else ("dev",)) if recipe.eval.enabled else ():
             m = staged(evaluate)(part, run, 0, split)["metrics"]
             say(f"[unirl] teacher {teacher} {split}: {summary(part, m, split)}")
             metrics.update({f"teacher/{teacher}/{k}": v for k, v in m.items() if k.startswith(PREFIX[split] + "/")})
