@@ -194,6 +194,10 @@ class TextPolicy(Policy):
     def __init__(self, family: Any, bundle: Any, recipe: Any, device: torch.device):
         from unirl.stages.models.tokenizer import uses_chat_template
 
+        # As the flow policy: Adam's squared averages of tiny gradients turn denormal over a long
+        # warm start, and CPU kernels touching denormals run many times slower (a tiny Qwen3's SFT
+        # went from 45 to 1.5 steps/s after 300 steps).
+        torch.set_flush_denormal(True)
         self.family, self.bundle, self.recipe, self.device = family, bundle, recipe, device
         self.tokenizer = bundle.tokenizer
         self.use_chat = uses_chat_template(self.tokenizer, recipe.model.chat_template)
