@@ -100,12 +100,13 @@ def with_image_grids(recipe: Recipe, rows: list[dict[str, Any]], images: list[tu
 
 
 def check_prompts(recipe: Recipe, prompts: list[Any]) -> None:
-    """Fail before sampling when a scorer of the recipe cannot score one of `prompts`, naming it."""
-    for spec in recipe.reward.scorers:
-        check = prompt_check(spec.name)
-        if check is None:
-            continue
-        for p in prompts:
+    """Fail before sampling when a scorer of the recipe (of a mixture's prompt: its domain's)
+    cannot score one of `prompts`, naming it."""
+    for p in prompts:
+        for spec in recipe.scorers(p.metadata.get("domain")):
+            check = prompt_check(spec.name)
+            if check is None:
+                continue
             try:
                 check(p.text)
             except ValueError as exc:
