@@ -173,3 +173,18 @@ def test_the_teacher_stage_scores_the_students_tokens_and_distillation_pulls_tow
         loop.iteration(i)
     after = reverse_kl()
     assert after < 0.85 * before, f"reverse KL to the teacher on held-out prompts: {before:.3f} -> {after:.3f}"
+
+
+def test_distillation_batches_accumulate_into_one_update(tiny_weights):
+    """Two iterations' distillation batches (each domain's rows, each with per-token advantages)
+    make one optimizer step at the window's end (train.accumulate_rollouts: 2)."""
+    from unirl.stages.runtime.loop import InProcessLoop
+
+    student = str(tiny_weights("qwen3"))
+    recipe = build_recipe(distilled(student, iterations=2, train={"accumulate_rollouts": 2}, distill={"mode": "additive"}))
+    loop = InProcessLoop(recipe, student)
+    first = loop.iteration(0)
+    assert "train/loss" not in first and loop.worker.version == 0 and first["distill/taught_frac"] == 1.0
+    second = loop.iteration(1)
+    assert second["train/accumulated_batches"] == 2 and second["train/grad_norm"] > 0
+    assert loop.worker.version == 1 and loop.worker.stack.opt_steps == 1
