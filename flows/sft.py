@@ -130,6 +130,7 @@ def teacher_sft(recipe: Recipe, run_name: str, teacher: str, tracker: Tracker | 
     from unirl.tasks.common import close_engine, staged
     from unirl.tasks.evaluate import evaluate
 
+    assert recipe.distill is not None, "train_teachers starts this task for a recipe's own teachers"
     part = teacher_recipe(recipe, recipe.distill.get(teacher))
     run = teacher_run(run_name, teacher)
     storage = RunStorage(recipe.storage.root, run, recipe.storage.options)

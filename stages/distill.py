@@ -193,5 +193,6 @@ def taught_by(recipe: Any) -> list[str]:
 
     if recipe.distill is None or policies.get(recipe.rollout.kind).segment != "text":
         return []
-    routed = {teacher_of(recipe, d) for d in domain_names(recipe) or [None]}
+    doms: list[str | None] = [*domain_names(recipe)] or [None]
+    routed = {teacher_of(recipe, d) for d in doms}
     return [t.name for t in recipe.distill.teachers if t.name in routed]
