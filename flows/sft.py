@@ -140,7 +140,8 @@ def teacher_sft(recipe: Recipe, run_name: str, teacher: str, tracker: Tracker | 
     if not storage.exists(join(storage.weights_rel(0), MANIFEST)):
         say(f"[unirl] teacher {teacher}: SFT on {part.data.name} ({part.sft.steps} steps) into {storage.url()}")
         if config.init == "student":
-            student_base(RunStorage(recipe.storage.root, run_name, recipe.storage.options), storage)
+            student_base(RunStorage(recipe.storage.root, run_name, recipe.storage.options), storage,
+                         part if config.tiny else None)
     out = run_sft(part, storage)
     metrics: dict[str, float] = {}
     try:
@@ -156,9 +157,16 @@ def teacher_sft(recipe: Recipe, run_name: str, teacher: str, tracker: Tracker | 
     return {**out, "metrics": metrics}
 
 
-def student_base(student: RunStorage, teacher: RunStorage) -> None:
+def student_base(student: RunStorage, teacher: RunStorage, fresh: Recipe | None = None) -> None:
     """A teacher with `init: student` starts its SFT from the student's initial weights: they
-    become its run's `sft/base` (copied once; run_sft then finds its base there)."""
+    become its run's `sft/base` (copied once; run_sft then finds its base there). `fresh`: the
+    teacher's recipe when its `tiny` gives it a transformer of its own: that recipe's base model,
+    with the student's VAE, text encoders and tokenizers (a bigger teacher in the student's latent
+    space)."""
+    import shutil
+
+    from unirl.stages.models.flow_folder import LATENT_SPACE
+
     if teacher.exists(join(BASE, MANIFEST)):
         return
     source = student.weights_rel(0)
@@ -168,4 +176,10 @@ def student_base(student: RunStorage, teacher: RunStorage) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         local = student.get_dir(source, Path(tmp) / "student")
         (local / MANIFEST).unlink()
+        if fresh is not None:
+            built = materialize_model(fresh, Path(tmp) / "fresh")
+            for part in sorted(built.iterdir()):
+                if part.is_dir() and not part.name.startswith(LATENT_SPACE):
+                    shutil.rmtree(local / part.name, ignore_errors=True)
+                    shutil.copytree(part, local / part.name)
         write_weights_dir(teacher, local, BASE, {"version": 0, "source": student.url(source)})

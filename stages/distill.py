@@ -135,6 +135,9 @@ def distill_errors(recipe: Any, policy: Any, algo: Any) -> list[str]:
         elif t.sft is not None and doms and t.domain is None and not any(x.teacher == t.name for x in domains(recipe)):
             errors.append(f"distill.teachers.{i}: teacher {t.name!r} is trained with `sft`, but no domain names it; "
                           "set its `domain`")
+        if t.init == "student" and t.tiny and policy.segment != "latent":
+            errors.append(f"distill.teachers.{i}.tiny: a teacher with `init: student` starts from the student's weights, "
+                          "so it has the student's architecture; remove `tiny` or use `init: base`")
         if t.path is not None:
             folder = Path(t.path)
             if not folder.is_dir() or not any((folder / f).is_file() for f in ("config.json", "model_index.json")):

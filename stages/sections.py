@@ -130,7 +130,9 @@ class TeacherConfig(Section):
     init: Literal["base", "student"] = Field(
         "base", description="With `sft`: the weights its SFT starts from. base: the run's base model, as the student's "
         "SFT does; student: the student's initial weights (weights/v000000, after the student's SFT), its VAE kept: a "
-        "flow teacher must share the student's latent space, and a tiny flow model's VAE is learnt in its SFT.")
+        "flow teacher must share the student's latent space, and a tiny flow model's VAE is learnt in its SFT. With "
+        "`tiny` (a flow family's transformer fields): a fresh transformer of that size beside the student's VAE and "
+        "text encoders.")
 
     @field_validator("name")
     @classmethod
@@ -148,9 +150,6 @@ class TeacherConfig(Section):
         if self.sft is None and (self.domain is not None or self.tiny is not None or self.init != "base"):
             raise ValueError(f"teacher {self.name!r}: `domain`, `tiny` and `init` describe a teacher trained with `sft`; "
                              "remove them")
-        if self.init == "student" and self.tiny is not None:
-            raise ValueError(f"teacher {self.name!r}: `init: student` starts from the student's weights, so it has the "
-                             "student's architecture; remove `tiny` or use `init: base`")
         return self
 
 

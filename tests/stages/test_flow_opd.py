@@ -135,10 +135,8 @@ def test_a_teacher_trained_from_the_base_model_would_learn_another_latent_space(
 
     assert teacher_recipe(recipe, recipe.distill.teachers[0]).model.vae_warmup.steps == 0  # the student's VAE is kept
     assert recipe.model.vae_warmup.steps is None
-    # `init: student` has the student's architecture; a flow teacher keeps the student's VAE and text encoders
-    errors = recipe_errors(merged(TINY["sd3"], {"algorithm": {"name": "flow_opd"}, "distill": {
-        "teachers": [{"name": "t", "sft": sft, "init": "student", "tiny": {"num_layers": 2}}]}}))
-    assert any("`init: student` starts from the student's weights" in e for e in errors), errors
+    # a bigger teacher in the student's latent space: the student's VAE and text encoders, a transformer of its own
+    opd_recipe(tmp_path, sft=sft, distill={"teachers": [{"name": "t", "sft": sft, "init": "student", "tiny": {"num_layers": 2}}]})
     errors = recipe_errors(merged(TINY["sd3"], {"algorithm": {"name": "flow_opd"}, "model": {"vae_warmup": {"steps": 0}},
                                                 "distill": {"teachers": [{"name": "t", "sft": sft,
                                                                           "tiny": {"num_layers": 2, "text_hidden": 32}}]}}))
@@ -152,31 +150,42 @@ def test_a_teacher_trained_from_the_base_model_would_learn_another_latent_space(
                                                                      "init": "student"}]}})))
 
 
-def test_a_teacher_with_init_student_starts_from_the_students_initial_weights(tmp_path, monkeypatch):
+def test_a_teacher_with_init_student_starts_from_the_students_initial_weights(tiny_weights, tmp_path, monkeypatch):
+    import json
+
     from unirl.flows import sft as S
     from unirl.flows.shapes import warm_start_one
+    from unirl.stages.distill import teacher_recipe
+    from unirl.stages.models.flow_folder import latent_space_differences
     from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.train.manifests import MANIFEST, verify_weights_dir, write_weights_dir
 
     student, teacher = RunStorage(str(tmp_path), "run"), RunStorage(str(tmp_path), "run.teacher-t")
     with pytest.raises(ValueError, match="the student's initial weights are missing"):
         S.student_base(student, teacher)
-    local = tmp_path / "v0"
-    (local / "vae").mkdir(parents=True)
-    (local / "vae" / "config.json").write_text('{"scaling_factor": 0.5}')
-    write_weights_dir(student, local, student.weights_rel(0), {"version": 0})
-    S.student_base(student, teacher)
+    write_weights_dir(student, tiny_weights("sd3"), student.weights_rel(0), {"version": 0})
+    S.student_base(student, teacher)  # the student's initial weights, whole
     copy = teacher.local_path(S.BASE)
-    assert (copy / "vae" / "config.json").read_text() == '{"scaling_factor": 0.5}'
     verify_weights_dir(copy)
     assert teacher.read_json(f"{S.BASE}/{MANIFEST}")["source"] == student.url(student.weights_rel(0))
+    assert latent_space_differences(tiny_weights("sd3"), copy) == []
+    assert (copy / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes() == (
+        tiny_weights("sd3") / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes()
+    # a bigger teacher: its own fresh transformer beside the student's VAE and text encoders
+    sft = {"examples": 8, "steps": 2}
+    recipe = opd_recipe(tmp_path, sft=sft, distill={"teachers": [{"name": "t", "sft": sft, "init": "student",
+                                                                   "tiny": {"num_layers": 2}}]})
+    bigger = RunStorage(str(tmp_path), "run.teacher-big")
+    S.student_base(student, bigger, teacher_recipe(recipe, recipe.distill.teachers[0]))
+    base = bigger.local_path(S.BASE)
+    verify_weights_dir(base)
+    assert json.loads((base / "transformer" / "config.json").read_text())["num_layers"] == 2
+    assert latent_space_differences(tiny_weights("sd3"), base) == []
     # the run's warm start: base-initialised teachers, the student's SFT, then student-initialised teachers
     calls = []
     monkeypatch.setattr("unirl.flows.shapes.train_teachers", lambda r, n, t, init="base": calls.append(f"teachers-{init}"))
     monkeypatch.setattr("unirl.flows.shapes.run_sft", lambda r, s, t: calls.append("student-sft"))
-    sft = {"examples": 8, "steps": 2}
-    warm_start_one(opd_recipe(tmp_path, sft=sft, distill={"teachers": [{"name": "t", "sft": sft, "init": "student"}]}),
-                   "run", student, None)
+    warm_start_one(recipe, "run", student, None)
     assert calls == ["teachers-base", "student-sft", "teachers-student"]
 
 
