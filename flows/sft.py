@@ -109,15 +109,16 @@ def sft(recipe: Recipe, run_name: str = "",
     return {**out, "storage": storage.url()}
 
 
-def train_teachers(recipe: Recipe, run_name: str, tracker: Tracker | None = None) -> None:
-    """The teachers a recipe trains at its start (`distill.teachers[].sft`), each its own task:
-    an SFT on its domain's data into its run folder (`<run>.teacher-<name>`, stages/distill.py),
-    then its accuracy on that domain's dev and test splits, printed and logged as
-    `teacher/<name>/eval/*` and `teacher/<name>/test/*` (what the student is measured against)."""
+def train_teachers(recipe: Recipe, run_name: str, tracker: Tracker | None = None, init: str = "base") -> None:
+    """The teachers a recipe trains at its start (`distill.teachers[].sft`) whose SFT starts from
+    `init` (base: before the student's own SFT; student: after it, from its weights/v000000),
+    each its own task: an SFT on its domain's data into its run folder (`<run>.teacher-<name>`,
+    stages/distill.py), then its accuracy on that domain's dev and test splits, printed and logged
+    as `teacher/<name>/eval/*` and `teacher/<name>/test/*` (what the student is measured against)."""
     from unirl.tasks.common import staged
 
     for t in recipe.distill.teachers if recipe.distill is not None else []:
-        if t.sft is not None:
+        if t.sft is not None and t.init == init:
             staged(teacher_sft)(recipe, run_name, t.name, tracker)
 
 
@@ -130,12 +131,17 @@ def teacher_sft(recipe: Recipe, run_name: str, teacher: str, tracker: Tracker | 
     from unirl.tasks.common import close_engine, staged
     from unirl.tasks.evaluate import evaluate
 
-    assert recipe.distill is not None, "train_teachers starts this task for a recipe's own teachers"
-    part = teacher_recipe(recipe, recipe.distill.get(teacher))
+    if recipe.distill is None:
+        raise ValueError(f"teacher {teacher!r}: the recipe has no `distill` section naming it")
+    config = recipe.distill.get(teacher)
+    part = teacher_recipe(recipe, config)
     run = teacher_run(run_name, teacher)
     storage = RunStorage(recipe.storage.root, run, recipe.storage.options)
     if not storage.exists(join(storage.weights_rel(0), MANIFEST)):
         say(f"[unirl] teacher {teacher}: SFT on {part.data.name} ({part.sft.steps} steps) into {storage.url()}")
+        if config.init == "student":
+            student_base(RunStorage(recipe.storage.root, run_name, recipe.storage.options), storage,
+                         part if config.tiny else None)
     out = run_sft(part, storage)
     metrics: dict[str, float] = {}
     try:
@@ -149,3 +155,31 @@ def teacher_sft(recipe: Recipe, run_name: str, teacher: str, tracker: Tracker | 
     if tracker is not None:
         tracker.log_metrics(0, metrics)
     return {**out, "metrics": metrics}
+
+
+def student_base(student: RunStorage, teacher: RunStorage, fresh: Recipe | None = None) -> None:
+    """A teacher with `init: student` starts its SFT from the student's initial weights: they
+    become its run's `sft/base` (copied once; run_sft then finds its base there). `fresh`: the
+    teacher's recipe when its `tiny` gives it a transformer of its own: that recipe's base model,
+    with the student's VAE, text encoders and tokenizers (a bigger teacher in the student's latent
+    space)."""
+    import shutil
+
+    from unirl.stages.models.flow_folder import LATENT_SPACE
+
+    if teacher.exists(join(BASE, MANIFEST)):
+        return
+    source = student.weights_rel(0)
+    if not student.exists(join(source, MANIFEST)):
+        raise ValueError(f"{student.url(source)}: the student's initial weights are missing; a teacher with `init: "
+                         "student` is trained after the student's SFT")
+    with tempfile.TemporaryDirectory() as tmp:
+        local = student.get_dir(source, Path(tmp) / "student")
+        (local / MANIFEST).unlink()
+        if fresh is not None:
+            built = materialize_model(fresh, Path(tmp) / "fresh")
+            for part in sorted(built.iterdir()):
+                if part.is_dir() and not part.name.startswith(LATENT_SPACE):
+                    shutil.rmtree(local / part.name, ignore_errors=True)
+                    shutil.copytree(part, local / part.name)
+        write_weights_dir(teacher, local, BASE, {"version": 0, "source": student.url(source)})

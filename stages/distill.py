@@ -59,6 +59,9 @@ def teacher_recipe(recipe: Any, teacher: Any) -> Any:
     model = recipe.model
     if teacher.tiny:
         model = model.model_copy(update={"tiny": type(model.tiny).model_validate({**model.tiny.model_dump(), **teacher.tiny})})
+    warm = getattr(model, "vae_warmup", None)
+    if teacher.init == "student" and warm is not None:  # the student's VAE is kept: its latent space is the student's
+        model = model.model_copy(update={"vae_warmup": warm.model_copy(update={"steps": 0})})
     data = teacher_domain(recipe, teacher)
     domain = next((d.name for d in domains(recipe) if d.data is data), None)
     return recipe.model_copy(update={
@@ -132,11 +135,14 @@ def distill_errors(recipe: Any, policy: Any, algo: Any) -> list[str]:
         elif t.sft is not None and doms and t.domain is None and not any(x.teacher == t.name for x in domains(recipe)):
             errors.append(f"distill.teachers.{i}: teacher {t.name!r} is trained with `sft`, but no domain names it; "
                           "set its `domain`")
+        if t.init == "student" and t.tiny and policy.segment != "latent":
+            errors.append(f"distill.teachers.{i}.tiny: a teacher with `init: student` starts from the student's weights, "
+                          "so it has the student's architecture; remove `tiny` or use `init: base`")
         if t.path is not None:
             folder = Path(t.path)
-            if not folder.is_dir() or not (folder / "config.json").is_file():
-                errors.append(f"distill.teachers.{i}.path: {t.path!r} is not a model folder (no config.json); give "
-                              "the local folder of a model that model.kind loads")
+            if not folder.is_dir() or not any((folder / f).is_file() for f in ("config.json", "model_index.json")):
+                errors.append(f"distill.teachers.{i}.path: {t.path!r} is not a model folder (no config.json or "
+                              "model_index.json); give the local folder of a model that model.kind loads")
     if d.mode == "pure":
         untaught = [dom.name for dom in domains(recipe) if teacher_of(recipe, dom.name) is None]
         if untaught:
@@ -186,13 +192,19 @@ def domain_parts(recipe: Any, metas: list[dict[str, Any]]) -> list[tuple[str | N
     return [(n, idx) for n, idx in by.items() if idx]
 
 
+def distills_tokens(recipe: Any) -> bool:
+    """Whether the run's advantages take its teachers' token log-probs (a text run's distillation);
+    a flow run's teachers work inside its train step (flow_opd), after plain advantages."""
+    from unirl.stages.policies import policies
+
+    return recipe.distill is not None and policies.get(recipe.rollout.kind).segment == "text"
+
+
 def taught_by(recipe: Any) -> list[str]:
     """The teachers whose log-probs a text run's advantages take (those some row is routed to, in
     the recipe's order); a flow run's teachers work inside its train step (flow_opd): none here."""
-    from unirl.stages.policies import policies
-
-    if recipe.distill is None or policies.get(recipe.rollout.kind).segment != "text":
+    if not distills_tokens(recipe):
         return []
-    doms: list[str | None] = [*domain_names(recipe)] or [None]
-    routed = {teacher_of(recipe, d) for d in doms}
+    rows: list[str | None] = [*domain_names(recipe)] or [None]
+    routed = {teacher_of(recipe, d) for d in rows}
     return [t.name for t in recipe.distill.teachers if t.name in routed]

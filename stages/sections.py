@@ -127,6 +127,12 @@ class TeacherConfig(Section):
                                "domain naming it; a single-source run's `data`).")
     tiny: dict[str, Any] | None = Field(None, description="With `sft`: architecture overrides of the teacher's tiny model "
                                         "(model.tiny's fields; a bigger teacher than the student).")
+    init: Literal["base", "student"] = Field(
+        "base", description="With `sft`: the weights its SFT starts from. base: the run's base model, as the student's "
+        "SFT does; student: the student's initial weights (weights/v000000, after the student's SFT), its VAE kept: a "
+        "flow teacher must share the student's latent space, and a tiny flow model's VAE is learnt in its SFT. With "
+        "`tiny` (a flow family's transformer fields): a fresh transformer of that size beside the student's VAE and "
+        "text encoders.")
 
     @field_validator("name")
     @classmethod
@@ -141,8 +147,9 @@ class TeacherConfig(Section):
         if (self.path is None) == (self.sft is None):
             raise ValueError(f"teacher {self.name!r}: give exactly one of `path` (a local folder) and `sft` (trained at the "
                              "run's start)")
-        if self.sft is None and (self.domain is not None or self.tiny is not None):
-            raise ValueError(f"teacher {self.name!r}: `domain` and `tiny` describe a teacher trained with `sft`; remove them")
+        if self.sft is None and (self.domain is not None or self.tiny is not None or self.init != "base"):
+            raise ValueError(f"teacher {self.name!r}: `domain`, `tiny` and `init` describe a teacher trained with `sft`; "
+                             "remove them")
         return self
 
 

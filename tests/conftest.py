@@ -205,6 +205,39 @@ def tiny_weights(tmp_path_factory):
     return get
 
 
+def perturbed_copy(folder: Path, into: Path, case: str, *, scale: float, seed: int = 1) -> Path:
+    """The model of `folder` (tests/tiny.py `case`) with Gaussian noise of `scale` times each
+    trainable tensor's std added, saved to `into`; every other component is the folder's own."""
+    import torch
+
+    from tests.tiny import CASES
+    from unirl.stages.models.family import families
+
+    model = CASES[case]["model"]
+    fam = families.get(model["kind"])
+    bundle = fam.load(folder, fam.config.model_validate(model), "cpu")
+    g = torch.Generator().manual_seed(seed)
+    state = {k: v + scale * v.float().std() * torch.randn(v.shape, generator=g) if v.is_floating_point() and v.numel() > 1 else v
+             for k, v in bundle.module.state_dict().items()}
+    fam.export(bundle, into, state, lora=None)
+    return into
+
+
+@pytest.fixture(scope="session")
+def teacher_weights(tiny_weights, tmp_path_factory):
+    """`teacher_weights(case)`: a distillation teacher for the tiny model of `case`: its trained
+    module perturbed (its VAE and text encoders the student's), built once per session."""
+    built: dict[str, Path] = {}
+
+    def get(case: str) -> Path:
+        if case not in built:
+            built[case] = perturbed_copy(tiny_weights(case), tmp_path_factory.mktemp(f"{case}-teacher") / "teacher", case,
+                                         scale=0.3)
+        return built[case]
+
+    return get
+
+
 def recipe_errors(data: dict) -> list[str]:
     """The `field.path: ...` lines of a recipe that must not validate."""
     from unirl.stages.recipe import RecipeError, build_recipe

@@ -119,12 +119,14 @@ def prepare_one(recipe: Recipe, storage: RunStorage) -> None:
 
 
 def warm_start_one(recipe: Recipe, run_name: str, storage: RunStorage, tracker: Tracker) -> None:
-    """The teachers it trains (`distill.teachers[].sft`), then the recipe's SFT, or its initial weights."""
+    """The teachers it trains (`distill.teachers[].sft`) from the base model, then the recipe's SFT
+    (or its initial weights), then the teachers that start from the student's initial weights."""
     train_teachers(recipe, run_name, tracker)
     if recipe.sft is None:
         initial_weights(storage, recipe)
-        return
-    run_sft(recipe, storage, tracker)
+    else:
+        run_sft(recipe, storage, tracker)
+    train_teachers(recipe, run_name, tracker, init="student")
 
 
 def policy_preview(recipe: Recipe, tracker: Tracker, storage: RunStorage, iteration: int) -> str | None:

@@ -64,6 +64,10 @@ class TrainContext:
     def reference(self) -> Any:
         return self.stack.reference()
 
+    def teacher(self, name: str) -> Any:
+        """The frozen teacher `name` of on-policy distillation, sharded as the module is."""
+        return self.stack.teacher(name)
+
 
 def behaviour_mismatch(replayed: torch.Tensor, recorded: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
     """(max, mean) |replayed - recorded| over the mask: the behaviour-vs-trainer mismatch, measured

@@ -10,6 +10,7 @@ losses such as NFT); otherwise x_i and x_{i+1} of every SDE step i, and x_T.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,7 @@ class LatentBatch:
     stored: list[int]
     plan: Plan
     advantage: Tensor | None = None  # (B,), attached for training
+    domains: list[str | None] | None = None  # each row's domain (a mixture's; routes its distillation teacher)
 
     def at(self, step: int) -> Tensor:
         """x at step `step` (B, *latent); KeyError naming the stored steps when it was not kept."""
@@ -113,5 +115,7 @@ def read_latents(table: pa.Table, rows: list[int], *, kind: str, eta: float, whe
         raise ShardSchemaError(f"{where}: {shape[0]} stored latents per sample match neither the SDE steps' "
                                f"transitions ({len(stored)}) nor the final sample alone (1)")
     prompts = table.column("prompt").to_pylist()
+    metas = table.column("metadata").to_pylist() if "metadata" in table.schema.names else None
+    domains = [json.loads(metas[r] or "{}").get("domain") if metas is not None else None for r in rows]
     return LatentBatch([ids[r] for r in rows], [prompts[r] for r in rows], torch.stack(latents),
-                       torch.stack(logprobs), stored, plan)
+                       torch.stack(logprobs), stored, plan, domains=domains)

@@ -134,3 +134,55 @@ def write_index(root: Path, pipeline: str, components: dict[str, tuple[str, str]
     for name, entry in components.items():
         index[name] = list(entry) if entry is not None else [None, None]
     (Path(root) / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+# The components that fix a flow model's latent space and its text conditioning: what a teacher of
+# on-policy distillation must share with its student (its transformer is the only part it runs).
+LATENT_SPACE = ("vae", "text_encoder", "tokenizer")
+
+
+def same_tensors(a: Path, b: Path) -> bool:
+    """Whether two safetensors files hold the same tensors (names, dtypes, values), read lazily."""
+    from safetensors import safe_open
+
+    with safe_open(str(a), "pt") as fa, safe_open(str(b), "pt") as fb:
+        keys = sorted(fa.keys())
+        return keys == sorted(fb.keys()) and all(torch.equal(fa.get_tensor(k), fb.get_tensor(k)) for k in keys)
+
+
+def latent_space_differences(student: Path, teacher: Path) -> list[str]:
+    """The files of the VAE, text encoders and tokenizers (`LATENT_SPACE`) in which folder
+    `teacher` differs from folder `student`: a file one lacks, other tensors (safetensors files,
+    equal at once where both folders' weights manifests give one sha256), a JSON file that says
+    something else (its `_`-keys, such as `_name_or_path`, aside), or other bytes."""
+    from unirl.stages.train.manifests import MANIFEST
+
+    def listing(root: Path) -> dict[str, Path]:
+        return {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*"))
+                if p.is_file() and len(p.relative_to(root).parts) > 1 and p.relative_to(root).parts[0].startswith(LATENT_SPACE)}
+
+    def digests(root: Path) -> dict[str, str]:
+        path = root / MANIFEST
+        return {k: v["sha256"] for k, v in json.loads(path.read_text())["files"].items()} if path.is_file() else {}
+
+    def plain(path: Path) -> Any:
+        data = json.loads(path.read_text())
+        return {k: v for k, v in data.items() if not k.startswith("_")} if isinstance(data, dict) else data
+
+    mine, theirs = listing(Path(student)), listing(Path(teacher))
+    known_s, known_t = digests(Path(student)), digests(Path(teacher))
+    out = []
+    for name in sorted(set(mine) | set(theirs)):
+        if name not in mine or name not in theirs:
+            out.append(name)
+        elif known_s.get(name) is not None and known_s.get(name) == known_t.get(name):
+            continue
+        elif name.endswith(".safetensors"):
+            if not same_tensors(mine[name], theirs[name]):
+                out.append(name)
+        elif name.endswith(".json"):
+            if plain(mine[name]) != plain(theirs[name]):
+                out.append(name)
+        elif mine[name].read_bytes() != theirs[name].read_bytes():
+            out.append(name)
+    return out

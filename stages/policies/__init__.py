@@ -112,6 +112,10 @@ class Policy(ABC):
         """Largest behaviour-vs-replay log-prob difference of trainside sampling at `dtype`."""
         raise NotImplementedError
 
+    def check_teacher(self, name: str, directory: Any) -> None:
+        """Refuse the folder of distillation teacher `name` where it cannot teach this policy's
+        model (nothing here: a text teacher's tokenizer is checked by `unirl validate`)."""
+
     def canary(self, module: Any) -> dict[str, Any] | None:
         """What a dedicated engine's load of these weights is verified against (stages/engines/canary.py):
         {"tokens", "logprobs"} of the module; None where the policy has none (every rank calls it)."""

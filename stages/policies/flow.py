@@ -254,6 +254,20 @@ class FlowPolicy(Policy):
 
         return bind(self.family, self.bundle, self.encode(prompts), self.sampler.guidance_scale, module)
 
+    def check_teacher(self, name: str, directory: Any) -> None:
+        """A flow teacher runs in the student's latent space on the student's text conditioning
+        (only its transformer is loaded), so its folder's VAE, text encoders and tokenizers must
+        be the student's: ValueError naming the files that differ."""
+        from unirl.stages.models.flow_folder import latent_space_differences
+
+        differ = latent_space_differences(self.bundle.directory, directory)
+        if differ:
+            raise ValueError(
+                f"distillation teacher {name!r} ({directory}): its {', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''} "
+                f"differ from the student's ({self.bundle.directory}); a flow teacher's velocity is only meaningful in "
+                "the student's latent space, with the student's text encoders. Give a teacher trained from the "
+                "student's initial weights (`sft` with `init: student`, or a folder made so)")
+
     def plan(self, iteration: int, *, deterministic: bool = False) -> Any:
         """The sampling plan of `iteration`: its SDE steps are drawn per update (`version_of`), so
         the batches of a rollout-accumulation window, trained as one, share them."""
@@ -354,14 +368,21 @@ class FlowPolicy(Policy):
         return LatentBatch(["stand-in"], [""], torch.zeros_like(template.latents[:1]), torch.zeros_like(template.logprobs[:1]),
                            template.stored, template.plan, torch.zeros(1, device=self.device))
 
-    def replay(self, module: Any, batch: Any, selection: int) -> Any:
+    def replay(self, module: Any, batch: Any, selection: int, v: torch.Tensor | None = None) -> Any:
         """The stored transition at SDE step `selection` scored under `module`: SDEStepOutput
-        (log_prob (B,), mean, std); the same kernel call the sampler made."""
+        (log_prob (B,), mean, std); the same kernel call the sampler made. `v`: the velocity
+        at the stored state when the caller has it (`state_velocity`), instead of a forward."""
         from unirl.stages.diffusion.sampling import replay_step
 
+        if v is None:
+            v = self.state_velocity(module, batch, selection)
+        return replay_step(batch.plan, selection, batch.at(selection), v, batch.at(selection + 1))
+
+    def state_velocity(self, module: Any, batch: Any, selection: int) -> torch.Tensor:
+        """(B, *latent) velocity of `module` at the stored state x of step `selection` (sigma of
+        that step), on the rows' prompts: the forward `replay` scores the transition with."""
         x = batch.at(selection)
-        sigma = batch.plan.sigmas[selection].expand(x.shape[0])
-        return replay_step(batch.plan, selection, x, self.velocity(module, batch.prompts)(x, sigma), batch.at(selection + 1))
+        return self.velocity(module, batch.prompts)(x, batch.plan.sigmas[selection].expand(x.shape[0]))
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return self.family.decode(self.bundle, latents)

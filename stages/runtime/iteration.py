@@ -267,7 +267,9 @@ def advantages(storage: RunStorage, recipe: Recipe, iteration: int, rewards: lis
             # whose advantages are all 0, so the step changes nothing but stays counted.
             keep = set(list(rewards_of)[: recipe.rollout.prompts_per_iteration])
         rows = [r for r in rows if r["group_id"] in keep]
-    if recipe.distill is not None:
+    from unirl.stages.distill import distills_tokens
+
+    if distills_tokens(recipe):
         from unirl.stages.runtime.distillation import token_advantages
 
         metrics.update(token_advantages(storage, recipe, rows, rollouts or [], teachers or []))

@@ -144,6 +144,7 @@ class TrainStack:
                 lora_init(bundle.module, seed)  # the values a sharded load draws too
         bundle.module = self.module = self._build(bundle.module, weights_dir, seed, mixed_precision)
         self._reference = None
+        self.teachers: dict[str, torch.nn.Module] = {}  # on-policy distillation's, by name (set by the worker)
         self._seed, self._sharded_load, self._mixed_precision = seed, sharded_load, mixed_precision
         if reference_dir is not None and lora is None:  # a full fine-tune keeps a frozen copy
             self._reference = self.frozen(reference_dir, reference_cfg)
@@ -159,6 +160,12 @@ class TrainStack:
         reference policy; a distillation teacher, of any size the family loads)."""
         module = load_bundle(self.family, directory, cfg, self.device, sharded=self._sharded_load).module
         return self._build(module.requires_grad_(False).eval(), directory, self._seed, self._mixed_precision)
+
+    def teacher(self, name: str) -> torch.nn.Module:
+        """The frozen teacher `name` (on-policy distillation, docs/distillation.md)."""
+        if name not in self.teachers:
+            raise ValueError(f"this train stack holds the teachers {sorted(self.teachers)}, not {name!r}")
+        return self.teachers[name]
 
     def _build(self, module: torch.nn.Module, weights_dir: Any, seed: int, mixed_precision: str) -> torch.nn.Module:
         """`module` sharded on this stack's device; one built on the meta device gets only this

@@ -97,8 +97,11 @@ class Worker:
         )
         self._sft_info: dict[str, Any] | None = None
         # On-policy distillation's teachers (docs/distillation.md), frozen beside the student, sharded like it.
-        self.teachers = {name: self.stack.frozen(self._teacher_dir(name, where), recipe.model)
-                         for name, where in teacher_folders(recipe, spec["run"]).items()} if self.mode == "rl" else {}
+        self.teachers = self.stack.teachers
+        for name, where in teacher_folders(recipe, spec["run"]).items() if self.mode == "rl" else []:
+            directory = self._teacher_dir(name, where)
+            self.policy.check_teacher(name, directory)
+            self.teachers[name] = self.stack.frozen(directory, recipe.model)
         if spec.get("checkpoint") is not None:
             self.version = checkpoint.load(self.stack, self.storage, self.scratch, int(spec["checkpoint"]))
 

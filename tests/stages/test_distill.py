@@ -99,7 +99,7 @@ def test_validate_refuses_what_distillation_cannot_take(tmp_path, tiny_weights):
         "algorithm.name: 'gspo' cannot train on-policy distillation of text segments; use an algorithm that takes "
         "per-token advantages (grpo, drpo)"]
     assert recipe_errors(distilled(str(tmp_path / "nowhere"))) == [
-        f"distill.teachers.0.path: '{tmp_path / 'nowhere'}' is not a model folder (no config.json); give the local folder "
+        f"distill.teachers.0.path: '{tmp_path / 'nowhere'}' is not a model folder (no config.json or model_index.json); give the local folder "
         "of a model that model.kind loads"]
     untaught = distilled(student)
     untaught["data"]["domains"][1].pop("teacher")

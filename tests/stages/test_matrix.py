@@ -53,10 +53,12 @@ def test_every_family_has_a_tiny_recipe_and_every_algorithm_a_family():
 
 
 @pytest.mark.parametrize("family,algo", pairs(), ids=lambda x: x)
-def test_one_iteration(family, algo, tiny_weights, tmp_path):
+def test_one_iteration(family, algo, tiny_weights, teacher_weights, tmp_path):
     from unirl.stages.runtime.loop import InProcessLoop
 
-    recipe = recipe_of(family, algo, tmp_path)
+    teaches = algorithms.get(algo).distills and algorithms.get(algo).segment == "latent"  # flow_opd needs its teacher
+    recipe = recipe_of(family, algo, tmp_path, **({"distill": {"teachers": [{"name": "teacher", "path": str(teacher_weights(family))}]}}
+                                                  if teaches else {}))
     loop = InProcessLoop(recipe, str(tiny_weights(family)))
     before = [p.detach().clone() for p in loop.worker.stack.trainable]
     m = loop.iteration(0)
