@@ -24,6 +24,15 @@ def add(totals: dict[str, float], metrics: dict[str, float], weight: float) -> N
         totals[key] = totals.get(key, 0.0) + float(value) * weight
 
 
+def sde_steps(algorithm: str, batch: Any, iteration: int) -> list[int]:
+    """The SDE steps of a micro-batch's trajectories, which the flow losses train at; none is an error."""
+    steps: list[int] = batch.plan.sde_indices.tolist()
+    if not steps:
+        raise ValueError(f"{algorithm} trains at SDE steps, but the rollouts (iteration {iteration}) were sampled with "
+                         "no SDE step (rollout.sampler.sde_kind: ode or eta: 0)")
+    return steps
+
+
 @torch.no_grad()
 def transition_means(ctx: TrainContext, batch: Any) -> torch.Tensor:
     """(B, K, *latent) means of every SDE transition of `batch` under the module in place."""
@@ -48,10 +57,7 @@ class FlowLikelihood(Algorithm):
         raise NotImplementedError
 
     def loss_backward(self, ctx: TrainContext, batch: Any, frozen: Any, *, share: float, update: int, real: bool) -> dict[str, float]:
-        steps = batch.plan.sde_indices.tolist()
-        if not steps:
-            raise ValueError(f"{self.name} trains on SDE steps, but the rollouts (iteration {ctx.iteration}) were sampled with "
-                             "no SDE step (rollout.sampler.sde_kind: ode or eta: 0)")
+        steps = sde_steps(self.name, batch, ctx.iteration)
         k = len(steps)
         weight = share * ctx.world
         totals: dict[str, float] = {}

@@ -19,6 +19,7 @@ import torch
 
 from unirl.stages.algorithms.aggregate import LossOutput
 from unirl.stages.algorithms.base import Algorithm, TrainContext, algorithms, check_behaviour
+from unirl.stages.algorithms.flow_likelihood import sde_steps
 from unirl.stages.runtime.config_base import Section
 
 # Fields of a tiny flow model (model.tiny) that shape only its transformer: a teacher trained with
@@ -129,10 +130,7 @@ class FlowOPD(Algorithm):
         return out
 
     def loss_backward(self, ctx: TrainContext, batch: Any, frozen: Any, *, share: float, update: int, real: bool) -> dict[str, float]:
-        steps = batch.plan.sde_indices.tolist()
-        if not steps:
-            raise ValueError(f"flow_opd trains at the states of SDE steps, but the rollouts (iteration {ctx.iteration}) were "
-                             "sampled with none (rollout.sampler.sde_kind: ode or eta: 0)")
+        steps = sde_steps(self.name, batch, ctx.iteration)
         k = len(steps)
         weight = share * ctx.world
         totals: dict[str, float] = {}
