@@ -54,6 +54,7 @@ def teacher_run(run_name: str, teacher: str) -> str:
 def teacher_recipe(recipe: Any, teacher: Any) -> Any:
     """The recipe a teacher with `sft` is trained by: the run's model (with `tiny` overrides), its
     domain's data, its own `sft`; no distillation, no agent."""
+    from unirl.stages.algorithms.base import algorithms
     from unirl.stages.policies import engine_config_default
 
     model = recipe.model
@@ -64,8 +65,13 @@ def teacher_recipe(recipe: Any, teacher: Any) -> Any:
         model = model.model_copy(update={"vae_warmup": warm.model_copy(update={"steps": 0})})
     data = teacher_domain(recipe, teacher)
     domain = next((d.name for d in domains(recipe) if d.data is data), None)
+    algorithm = recipe.algorithm
+    if algorithms.get(algorithm.name).needs_teacher:  # a teacher has no teacher: another algorithm of its segment,
+        segment = algorithms.get(algorithm.name).segment  # one that leaves the sampler as it is (the teacher never runs it)
+        algorithm = next(cls for _, cls in algorithms.items() if cls.segment == segment and not cls.needs_teacher
+                         and not cls.sampler_defaults() and not cls.samples_with_ema).config()
     return recipe.model_copy(update={
-        "model": model, "data": data, "sft": teacher.sft, "distill": None, "agent": None,
+        "model": model, "data": data, "sft": teacher.sft, "distill": None, "agent": None, "algorithm": algorithm,
         "name": f"{recipe.name}-teacher-{teacher.name}",
         "reward": recipe.reward.model_copy(update={"scorers": recipe.scorers(domain)}),
         # evaluated where it lives, in its own worker group (a dedicated engine serves the student)

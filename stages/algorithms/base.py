@@ -113,6 +113,8 @@ class Algorithm:
     # Whether it trains on-policy distillation (docs/distillation.md): a token loss that takes a
     # per-token advantage (the teacher's signal), or a flow loss that regresses on the teacher.
     distills: ClassVar[bool] = False
+    # Whether it trains only on a teacher's signal, so a recipe without `distill` cannot use it.
+    needs_teacher: ClassVar[bool] = False
 
     def __init__(self, cfg: Any, recipe: Any):
         self.cfg, self.recipe = cfg, recipe

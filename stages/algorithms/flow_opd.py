@@ -96,6 +96,7 @@ class FlowOPD(Algorithm):
     anchors: ClassVar[tuple[str, ...]] = ("sde_logprobs",)
     replays_transitions: ClassVar[bool] = True
     distills: ClassVar[bool] = True
+    needs_teacher: ClassVar[bool] = True
 
     @classmethod
     def check(cls, recipe: Any) -> None:

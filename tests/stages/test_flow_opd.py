@@ -133,7 +133,10 @@ def test_a_teacher_trained_from_the_base_model_would_learn_another_latent_space(
     recipe = opd_recipe(tmp_path, sft=sft, distill={"teachers": [{"name": "t", "sft": sft, "init": "student"}]})
     from unirl.stages.distill import teacher_recipe
 
-    assert teacher_recipe(recipe, recipe.distill.teachers[0]).model.vae_warmup.steps == 0  # the student's VAE is kept
+    own = teacher_recipe(recipe, recipe.distill.teachers[0])
+    assert own.model.vae_warmup.steps == 0  # the student's VAE is kept
+    # the teacher's own recipe (its SFT and evaluation, in a worker group of its own) has no teacher
+    assert own.distill is None and type(own).model_validate(own.model_dump(mode="json")).algorithm.name != "flow_opd"
     assert recipe.model.vae_warmup.steps is None
     # a bigger teacher in the student's latent space: the student's VAE and text encoders, a transformer of its own
     opd_recipe(tmp_path, sft=sft, distill={"teachers": [{"name": "t", "sft": sft, "init": "student", "tiny": {"num_layers": 2}}]})
