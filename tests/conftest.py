@@ -15,10 +15,6 @@ REPO = Path(__file__).resolve().parents[1]
 # time (nothing is compiled at install, README "Set up"), so none compiles torch or transformers again.
 # An environment with PYTHONDONTWRITEBYTECODE would have every process compile every module anew.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-# Two pytest workers on two cores, each with torch's OpenMP threads: threads that spin while they
-# wait for a descheduled sibling make every CPU kernel crawl. Set before torch loads (the fork
-# server's children inherit it); the worker groups' own default (stages/workers/group.py) is the same.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.dont_write_bytecode = False
 # Every process the suite starts records the recipe fields its run code reads (stages/runtime/config_base.py);
 # `pytest_sessionfinish` below fails the whole suite on a field no run read (tests/recipe_fields.py).

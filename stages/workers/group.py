@@ -183,11 +183,8 @@ class WorkerGroup(ModelGroup):
         for path in (self.scratch / "spec.json", self.scratch / "ready.json"):
             path.unlink(missing_ok=True)
         threads = threads_per_rank(t.nproc_per_node)
-        # OpenMP threads that spin while they wait make a rank's CPU kernels crawl when anything else
-        # holds a core (a tiny Qwen3's SFT: 45 steps/s alone, under 1 with a second busy process);
-        # waiting passively costs nothing measurable alone. A user's own OMP_WAIT_POLICY wins.
         env = {**os.environ, "UNIRL_CONTROL_TOKEN": self.token, "OMP_NUM_THREADS": str(threads),
-               "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), "UNIRL_OWNER_PID": str(os.getpid())}
+               "UNIRL_OWNER_PID": str(os.getpid())}
         spec_path = self.scratch / "spec.json"
         preload = ["--preload", ",".join(self._preload())]
         self._threads = threads
