@@ -67,7 +67,9 @@ def recipe_deployments(root: Path = ROOT) -> list[dict[str, Any]]:
             raise ValueError(f"{path}: no flow for recipe folder {domain!r} (known: {', '.join(FLOWS)}); add it to FLOWS")
         function = FLOWS[domain]
         flow_name = function.replace("_", "-")
-        recipe = load_recipe(path)  # fails here, naming the field, if a shipped recipe is invalid
+        # fails here, naming the field, if a shipped recipe is invalid; the model folders it names are
+        # read where it runs (a teacher made by another run need not exist where prefect.yaml is written)
+        recipe = load_recipe(path, local_files=False)
         entrypoint = form_entrypoint(function, recipe)
         raw = yaml.safe_load(path.read_text()) or {}
         raw.setdefault("name", recipe.name)

@@ -112,8 +112,9 @@ def vocabulary(model: Any) -> tuple[str, dict[str, int]] | None:
     return f"the tiny model's character tokenizer ({charset!r})", dict(build_char_tokenizer(charset).get_vocab())
 
 
-def distill_errors(recipe: Any, policy: Any, algo: Any) -> list[str]:
-    """What a recipe's `distill` section and its domains' teachers must satisfy."""
+def distill_errors(recipe: Any, policy: Any, algo: Any, *, local_files: bool = True) -> list[str]:
+    """What a recipe's `distill` section and its domains' teachers must satisfy (`local_files`: also
+    that each teacher folder is a model folder with the student's tokenizer)."""
     errors: list[str] = []
     d = recipe.distill
     names = [t.name for t in d.teachers] if d is not None else []
@@ -144,7 +145,7 @@ def distill_errors(recipe: Any, policy: Any, algo: Any) -> list[str]:
         if t.init == "student" and t.tiny and policy.segment != "latent":
             errors.append(f"distill.teachers.{i}.tiny: a teacher with `init: student` starts from the student's weights, "
                           "so it has the student's architecture; remove `tiny` or use `init: base`")
-        if t.path is not None:
+        if t.path is not None and local_files:
             folder = Path(t.path)
             if not folder.is_dir() or not any((folder / f).is_file() for f in ("config.json", "model_index.json")):
                 errors.append(f"distill.teachers.{i}.path: {t.path!r} is not a model folder (no config.json or "
@@ -156,7 +157,7 @@ def distill_errors(recipe: Any, policy: Any, algo: Any) -> list[str]:
                           "has none (name one in its `teacher`, set distill.teacher, or use mode: additive)")
         elif not domains(recipe) and teacher_of(recipe, None) is None:
             errors.append("distill.teacher: several teachers and a single data source; name the one that teaches it")
-    if policy.segment == "text" and not errors:
+    if policy.segment == "text" and not errors and local_files:
         errors += tokenizer_errors(recipe)
     return errors
 

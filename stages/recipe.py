@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union, get_args
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from unirl.stages.algorithms.base import algorithms
 from unirl.stages.compose import shapes
@@ -103,9 +103,11 @@ class Recipe(Section):
         return _fill_rollout_kind(data)
 
     @model_validator(mode="after")
-    def _check_combination(self) -> Recipe:
+    def _check_combination(self, info: ValidationInfo) -> Recipe:
         """Every rule that needs two sections at once, so `unirl validate` finds what the run would
-        otherwise meet inside the worker group; all problems are reported together."""
+        otherwise meet inside the worker group; all problems are reported together. With the
+        validation context `{"local_files": False}` the rules that read local model folders are
+        skipped: a deployment's folders are on its workers, not where prefect.yaml is written."""
         if self.shape != "single":  # a composed recipe: its shape's own checks (stages/compose)
             errors = shapes.get(self.shape).errors(self) + accumulation_errors(self)
             if self.distill is not None:
@@ -143,7 +145,7 @@ class Recipe(Section):
             errors += agent_errors(self, policy)
         from unirl.stages.distill import distill_errors
 
-        errors += distill_errors(self, policy, algo)
+        errors += distill_errors(self, policy, algo, local_files=(info.context or {}).get("local_files", True))
         if errors:
             raise ValueError("\n".join(errors))
         from unirl.stages.engines import engines
@@ -446,9 +448,10 @@ def format_errors(exc: ValidationError, model: type[BaseModel] | None = None) ->
     return lines
 
 
-def build_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
+def build_recipe(data: dict[str, Any], source: str = "recipe", *, local_files: bool = True) -> Recipe:
+    """`data` validated; `local_files=False` skips the checks that read the model folders it names."""
     try:
-        return Recipe.model_validate(data)
+        return Recipe.model_validate(data, context={"local_files": local_files})
     except ValidationError as exc:
         raise RecipeError(source, format_errors(exc)) from None
 
@@ -461,8 +464,9 @@ def with_overrides(recipe: Recipe, overrides: list[str], source: str = "override
     return build_recipe(apply_overrides(recipe.model_dump(mode="json", exclude_unset=True), list(overrides)), source)
 
 
-def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
-    """Read a YAML recipe (or the defaults when `path` is None), apply overrides, validate."""
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None, *, local_files: bool = True) -> Recipe:
+    """Read a YAML recipe (or the defaults when `path` is None), apply overrides, validate
+    (`local_files=False`: without reading the model folders it names; see build_recipe)."""
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
@@ -481,7 +485,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise RecipeError(source, ["the recipe must be a mapping of sections"])
         data = loaded
         data.setdefault("name", p.stem)
-    return build_recipe(apply_overrides(data, overrides or []), source)
+    return build_recipe(apply_overrides(data, overrides or []), source, local_files=local_files)
 
 
 def agent_errors(recipe: Recipe, policy: Any) -> list[str]:

@@ -101,6 +101,8 @@ def test_validate_refuses_what_distillation_cannot_take(tmp_path, tiny_weights):
     assert recipe_errors(distilled(str(tmp_path / "nowhere"))) == [
         f"distill.teachers.0.path: '{tmp_path / 'nowhere'}' is not a model folder (no config.json or model_index.json); give the local folder "
         "of a model that model.kind loads"]
+    # where prefect.yaml is written the folder may not exist yet (another run makes it): not read there
+    assert build_recipe(distilled(str(tmp_path / "nowhere")), local_files=False).distill.teachers[0].path == str(tmp_path / "nowhere")
     untaught = distilled(student)
     untaught["data"]["domains"][1].pop("teacher")
     untaught["distill"]["teachers"].append({"name": "u", "path": student})
