@@ -9,6 +9,8 @@ the sampling; the held-out prompts stay fixed.
     python benchmarks/quickstart_seeds.py --recipe recipes/video/quickstart.yaml --components  # + per-component means
     python benchmarks/quickstart_seeds.py --recipe recipes/pe/quickstart.yaml        # the pipeline: image strict score
     python benchmarks/quickstart_seeds.py --recipe recipes/distill/quickstart.yaml   # + per domain, beside its teacher
+    python benchmarks/quickstart_seeds.py --recipe recipes/distill/flow.yaml --teacher recipes/distill/flow_teacher.yaml
+                                      # per seed: the teacher's run (its own rows), then the student distilled from it
 
 `acc` is the greedy score (AR: greedy decoding; diffusion: the deterministic ODE sampler),
 `avg@k` the mean over k sampled answers or images per prompt; `CPU s` the user + system seconds
@@ -71,10 +73,16 @@ def seed_overrides(recipe_path: str, seed: int) -> list[str]:
     raw = yaml.safe_load(Path(recipe_path).read_text()) or {}
     compose = raw.get("compose") or {}
     parts = compose.get("parts") if compose.get("kind") == "pipeline" else None
-    prefixes = [f"compose.parts.{i}." for i in range(len(parts))] if parts else [""]
+    sections = [(f"compose.parts.{i}.", part) for i, part in enumerate(parts)] if parts else [("", raw)]
+    keys = []
+    for prefix, part in sections:
+        if not (part.get("model") or {}).get("path"):  # a model loaded from a folder has no initialisation to seed
+            keys.append(f"{prefix}model.tiny.seed={seed}")
+        if part.get("sft") is not None:
+            keys.append(f"{prefix}sft.seed={seed}")
     teachers = [f"distill.teachers.{i}.sft.seed={seed}" for i, t in enumerate((raw.get("distill") or {}).get("teachers") or [])
                 if t.get("sft") is not None]  # teachers trained at the start: their example order too
-    return [f"seed={seed}", *(f"{p}{key}={seed}" for p in prefixes for key in ("model.tiny.seed", "sft.seed")), *teachers]
+    return [f"seed={seed}", *keys, *teachers]
 
 
 def domain_line(recipe_path: str, overrides: list[str], work: Path, name: str, split: str, before: dict[str, float],
@@ -99,6 +107,31 @@ def domain_line(recipe_path: str, overrides: list[str], work: Path, name: str, s
     return "  " + ", ".join(out) if out else ""
 
 
+def run(recipe: str, name: str, overrides: list[str], work: Path, env: dict[str, str]) -> tuple[float, float]:
+    """One run of `recipe` as `<work>/<name>`, its console in `<work>/<name>.log`: wall and CPU seconds."""
+    cmd = [sys.executable, "-m", "unirl.flows.cli", "run", recipe, f"storage.root={work}", "--run-name", name, *overrides]
+    start, cpu_start = time.perf_counter(), _children_cpu()
+    log = work / f"{name}.log"
+    with log.open("w") as console:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=console, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        sys.exit(log.read_text()[-4000:])
+    return time.perf_counter() - start, _children_cpu() - cpu_start
+
+
+def evaluations(work: Path, name: str, split: str) -> tuple[list[str], dict[str, float], dict[str, float]]:
+    """A run's evaluated versions of `split` and the metrics of its first and last."""
+    sub = "test" if split == "test" else ""
+    versions = sorted(v.name for v in (work / name / "eval").iterdir() if (v / sub / "metrics.json").exists())
+    first, last = (json.loads((work / name / "eval" / v / sub / "metrics.json").read_text())["metrics"]
+                   for v in (versions[0], versions[-1]))
+    return versions, first, last
+
+
+def last_weights(work: Path, name: str) -> Path:
+    return max((work / name / "weights").glob("v[0-9]*"), key=lambda v: int(v.name[1:]))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -108,48 +141,51 @@ def main() -> int:
     parser.add_argument("--split", choices=("test", "dev", "both"), default="test",
                         help="the held-out split to report (test: what tables report; dev: what recipes are tuned on; "
                         "both: a row for each, from the same runs)")
+    parser.add_argument("--teacher", metavar="RECIPE",
+                        help="a distillation from another run: per seed, RECIPE runs first (as `teacher<seed>`, with the "
+                        "seed's overrides), then the recipe starts from its warm start (model.path = its weights/v000000) "
+                        "and is taught by its last weights (distill.teachers.0.path); the teacher's rows are printed too")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="unirl-seeds-"))
     env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_LOGGING_LEVEL": "WARNING"}
     print(f"runs and their console logs: {work}", flush=True)
     splits = ("dev", "test") if args.split == "both" else (args.split,)
-    for n, seed in enumerate(args.seeds):
+    header = False
+    for seed in args.seeds:
         name = f"seed{seed}"
-        cmd = [sys.executable, "-m", "unirl.flows.cli", "run", args.recipe, f"storage.root={work}", "--run-name", name,
-               *seed_overrides(args.recipe, seed), *args.overrides]
-        start, cpu_start = time.perf_counter(), _children_cpu()
-        log = work / f"{name}.log"
-        with log.open("w") as console:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=console, stderr=subprocess.STDOUT)
-        wall, cpu = time.perf_counter() - start, _children_cpu() - cpu_start
-        if proc.returncode != 0:
-            sys.exit(log.read_text()[-4000:])
-        for split in splits:
-            sub, p = ("test", "test") if split == "test" else ("", "eval")
-            versions = sorted(v.name for v in (work / name / "eval").iterdir() if (v / sub / "metrics.json").exists())
-            before = json.loads((work / name / "eval" / versions[0] / sub / "metrics.json").read_text())["metrics"]
-            after = json.loads((work / name / "eval" / versions[-1] / sub / "metrics.json").read_text())["metrics"]
-            k = next(key for key in before if key.startswith(f"{p}/avg_at_")).rsplit("_", 1)[1]
-            if n == 0 and split == splits[0]:
-                print(f"{'split':>5s} {'seed':>4s} {'wall s':>7s} {'CPU s':>6s} {'acc SFT':>8s} {'acc RL':>7s} {'gain':>6s} "
-                      f"{f'avg@{k} SFT':>10s} {f'avg@{k} RL':>9s} {'gain':>6s}")
-            gain = after[f"{p}/accuracy"] - before[f"{p}/accuracy"]
-            avg_gain = after[f"{p}/avg_at_{k}"] - before[f"{p}/avg_at_{k}"]
-            # one row as soon as its run is done: a long sweep shows its results as it goes
-            agent = (f"  turns {before[f'{p}/turns_mean']:.2f} -> {after[f'{p}/turns_mean']:.2f}  tool ok "
-                     f"{before[f'{p}/tool_success']:.2f} -> {after[f'{p}/tool_success']:.2f}"
-                     if f"{p}/turns_mean" in before else "")  # an agentic run's tool use, before and after RL
-            print(f"{split:>5s} {seed:>4d} {wall:7.0f} {cpu:6.0f} {before[f'{p}/accuracy']:8.3f} {after[f'{p}/accuracy']:7.3f} "
-                  f"{gain:+6.3f} {before[f'{p}/avg_at_{k}']:10.3f} {after[f'{p}/avg_at_{k}']:9.3f} {avg_gain:+6.3f}{agent}"
-                  f"{domain_line(args.recipe, [*seed_overrides(args.recipe, seed), *args.overrides], work, name, split, before, after)}",
-                  flush=True)
-            if args.components:
-                common = [f"seed={seed}", *args.overrides]
-                for label, version in (("SFT", versions[0]), ("RL", versions[-1])):
-                    parts = components(args.recipe, common, work, name, version, split)
-                    print(f"{split} seed {seed} {label} components: " + "  ".join(f"{k} {v:.3f}" for k, v in parts.items()),
-                          flush=True)
+        rows = [(name, args.recipe, [*seed_overrides(args.recipe, seed), *args.overrides])]
+        if args.teacher:
+            rows.insert(0, (f"teacher{seed}", args.teacher, seed_overrides(args.teacher, seed)))
+        for run_name, recipe, overrides in rows:
+            if run_name == name and args.teacher:
+                overrides = [*overrides, f"model.path={work / f'teacher{seed}' / 'weights' / 'v000000'}",
+                             f"distill.teachers.0.path={last_weights(work, f'teacher{seed}')}"]
+            wall, cpu = run(recipe, run_name, overrides, work, env)
+            for split in splits:
+                p = "test" if split == "test" else "eval"
+                versions, before, after = evaluations(work, run_name, split)
+                k = next(key for key in before if key.startswith(f"{p}/avg_at_")).rsplit("_", 1)[1]
+                if not header:
+                    header = True
+                    print(f"{'split':>5s} {'seed':>4s} {'wall s':>7s} {'CPU s':>6s} {'acc SFT':>8s} {'acc RL':>7s} {'gain':>6s} "
+                          f"{f'avg@{k} SFT':>10s} {f'avg@{k} RL':>9s} {'gain':>6s}")
+                gain = after[f"{p}/accuracy"] - before[f"{p}/accuracy"]
+                avg_gain = after[f"{p}/avg_at_{k}"] - before[f"{p}/avg_at_{k}"]
+                # one row as soon as its run is done: a long sweep shows its results as it goes
+                agent = (f"  turns {before[f'{p}/turns_mean']:.2f} -> {after[f'{p}/turns_mean']:.2f}  tool ok "
+                         f"{before[f'{p}/tool_success']:.2f} -> {after[f'{p}/tool_success']:.2f}"
+                         if f"{p}/turns_mean" in before else "")  # an agentic run's tool use, before and after RL
+                label = "  (the teacher's run)" if run_name != name else ""
+                print(f"{split:>5s} {seed:>4d} {wall:7.0f} {cpu:6.0f} {before[f'{p}/accuracy']:8.3f} {after[f'{p}/accuracy']:7.3f} "
+                      f"{gain:+6.3f} {before[f'{p}/avg_at_{k}']:10.3f} {after[f'{p}/avg_at_{k}']:9.3f} {avg_gain:+6.3f}{agent}"
+                      f"{domain_line(recipe, overrides, work, run_name, split, before, after)}{label}", flush=True)
+                if args.components:
+                    common = [f"seed={seed}", *overrides]
+                    for what, version in (("SFT", versions[0]), ("RL", versions[-1])):
+                        parts = components(recipe, common, work, run_name, version, split)
+                        print(f"{split} seed {seed} {what} components: " + "  ".join(f"{k} {v:.3f}" for k, v in parts.items()),
+                              flush=True)
     return 0
 
 

@@ -153,6 +153,21 @@ def test_a_teacher_trained_from_the_base_model_would_learn_another_latent_space(
                                                                      "init": "student"}]}})))
 
 
+def test_the_shipped_flow_distillation_reads_the_weights_its_teacher_run_writes():
+    # recipes/distill/flow.yaml distills recipes/distill/flow_teacher.yaml's warm start from its last
+    # weights: changing the teacher run's name, root or length must move the paths with it
+    from unirl.stages.recipe import load_recipe
+
+    repo = Path(__file__).resolve().parents[2]
+    teacher_run = load_recipe(repo / "recipes" / "distill" / "flow_teacher.yaml")
+    student = load_recipe(repo / "recipes" / "distill" / "flow.yaml", local_files=False)  # made by the teacher run
+    weights = Path(teacher_run.storage.root) / teacher_run.name / "weights"
+    assert Path(student.model.path) == weights / "v000000"
+    assert [Path(t.path) for t in student.distill.teachers] == [weights / f"v{teacher_run.iterations:06d}"]
+    assert student.model.kind == teacher_run.model.kind and student.data == teacher_run.data
+    assert student.rollout.sampler.num_steps == teacher_run.rollout.sampler.num_steps
+
+
 def test_a_teacher_with_init_student_starts_from_the_students_initial_weights(tiny_weights, tmp_path, monkeypatch):
     import json
 
