@@ -44,7 +44,7 @@ def components(recipe_path: str, overrides: list[str], work: Path, name: str, ve
     from unirl.stages.runtime.sample import read_rollouts, scoring_view
     from unirl.stages.runtime.storage import RunStorage
 
-    recipe = load_recipe(recipe_path, overrides)
+    recipe = load_recipe(recipe_path, overrides, local_files=False)  # its domains and routing; the run read the folders
     scorer_name, params = recipe.eval_scorer()
     storage = RunStorage(str(work), name)
     out = {}
@@ -92,7 +92,7 @@ def domain_line(recipe_path: str, overrides: list[str], work: Path, name: str, s
     from unirl.stages.distill import domain_names, teacher_of, teacher_run
     from unirl.stages.recipe import load_recipe
 
-    recipe = load_recipe(recipe_path, overrides)
+    recipe = load_recipe(recipe_path, overrides, local_files=False)  # its domains and routing; the run read the folders
     p, sub = ("test", "test") if split == "test" else ("eval", "")
     out = []
     for d in domain_names(recipe):
@@ -128,8 +128,15 @@ def evaluations(work: Path, name: str, split: str) -> tuple[list[str], dict[str,
     return versions, first, last
 
 
-def last_weights(work: Path, name: str) -> Path:
-    return max((work / name / "weights").glob("v[0-9]*"), key=lambda v: int(v.name[1:]))
+def taught_by(work: Path, teacher_run: str) -> list[str]:
+    """The overrides that make a distillation start from `teacher_run`'s warm start (its first
+    published weights) and learn from its last, as the run's storage lists them."""
+    from unirl.stages.runtime.storage import RunStorage
+
+    storage = RunStorage(str(work), teacher_run)
+    first, *_, last = storage.weights_versions()
+    folder = work / teacher_run
+    return [f"model.path={folder / storage.weights_rel(first)}", f"distill.teachers.0.path={folder / storage.weights_rel(last)}"]
 
 
 def main() -> int:
@@ -152,40 +159,41 @@ def main() -> int:
     print(f"runs and their console logs: {work}", flush=True)
     splits = ("dev", "test") if args.split == "both" else (args.split,)
     header = False
+
+    def report(seed: int, run_name: str, recipe: str, overrides: list[str], wall: float, cpu: float, label: str = "") -> None:
+        """One row per split as soon as its run is done: a long sweep shows its results as it goes."""
+        nonlocal header
+        for split in splits:
+            p = "test" if split == "test" else "eval"
+            versions, before, after = evaluations(work, run_name, split)
+            k = next(key for key in before if key.startswith(f"{p}/avg_at_")).rsplit("_", 1)[1]
+            if not header:
+                header = True
+                print(f"{'split':>5s} {'seed':>4s} {'wall s':>7s} {'CPU s':>6s} {'acc SFT':>8s} {'acc RL':>7s} {'gain':>6s} "
+                      f"{f'avg@{k} SFT':>10s} {f'avg@{k} RL':>9s} {'gain':>6s}")
+            gain = after[f"{p}/accuracy"] - before[f"{p}/accuracy"]
+            avg_gain = after[f"{p}/avg_at_{k}"] - before[f"{p}/avg_at_{k}"]
+            agent = (f"  turns {before[f'{p}/turns_mean']:.2f} -> {after[f'{p}/turns_mean']:.2f}  tool ok "
+                     f"{before[f'{p}/tool_success']:.2f} -> {after[f'{p}/tool_success']:.2f}"
+                     if f"{p}/turns_mean" in before else "")  # an agentic run's tool use, before and after RL
+            print(f"{split:>5s} {seed:>4d} {wall:7.0f} {cpu:6.0f} {before[f'{p}/accuracy']:8.3f} {after[f'{p}/accuracy']:7.3f} "
+                  f"{gain:+6.3f} {before[f'{p}/avg_at_{k}']:10.3f} {after[f'{p}/avg_at_{k}']:9.3f} {avg_gain:+6.3f}{agent}"
+                  f"{domain_line(recipe, overrides, work, run_name, split, before, after)}{label}", flush=True)
+            if args.components:
+                common = [f"seed={seed}", *overrides]
+                for what, version in (("SFT", versions[0]), ("RL", versions[-1])):
+                    parts = components(recipe, common, work, run_name, version, split)
+                    print(f"{split} seed {seed} {what} components: " + "  ".join(f"{k} {v:.3f}" for k, v in parts.items()),
+                          flush=True)
+
     for seed in args.seeds:
-        name = f"seed{seed}"
-        rows = [(name, args.recipe, [*seed_overrides(args.recipe, seed), *args.overrides])]
+        overrides = [*seed_overrides(args.recipe, seed), *args.overrides]
         if args.teacher:
-            rows.insert(0, (f"teacher{seed}", args.teacher, seed_overrides(args.teacher, seed)))
-        for run_name, recipe, overrides in rows:
-            if run_name == name and args.teacher:
-                overrides = [*overrides, f"model.path={work / f'teacher{seed}' / 'weights' / 'v000000'}",
-                             f"distill.teachers.0.path={last_weights(work, f'teacher{seed}')}"]
-            wall, cpu = run(recipe, run_name, overrides, work, env)
-            for split in splits:
-                p = "test" if split == "test" else "eval"
-                versions, before, after = evaluations(work, run_name, split)
-                k = next(key for key in before if key.startswith(f"{p}/avg_at_")).rsplit("_", 1)[1]
-                if not header:
-                    header = True
-                    print(f"{'split':>5s} {'seed':>4s} {'wall s':>7s} {'CPU s':>6s} {'acc SFT':>8s} {'acc RL':>7s} {'gain':>6s} "
-                          f"{f'avg@{k} SFT':>10s} {f'avg@{k} RL':>9s} {'gain':>6s}")
-                gain = after[f"{p}/accuracy"] - before[f"{p}/accuracy"]
-                avg_gain = after[f"{p}/avg_at_{k}"] - before[f"{p}/avg_at_{k}"]
-                # one row as soon as its run is done: a long sweep shows its results as it goes
-                agent = (f"  turns {before[f'{p}/turns_mean']:.2f} -> {after[f'{p}/turns_mean']:.2f}  tool ok "
-                         f"{before[f'{p}/tool_success']:.2f} -> {after[f'{p}/tool_success']:.2f}"
-                         if f"{p}/turns_mean" in before else "")  # an agentic run's tool use, before and after RL
-                label = "  (the teacher's run)" if run_name != name else ""
-                print(f"{split:>5s} {seed:>4d} {wall:7.0f} {cpu:6.0f} {before[f'{p}/accuracy']:8.3f} {after[f'{p}/accuracy']:7.3f} "
-                      f"{gain:+6.3f} {before[f'{p}/avg_at_{k}']:10.3f} {after[f'{p}/avg_at_{k}']:9.3f} {avg_gain:+6.3f}{agent}"
-                      f"{domain_line(recipe, overrides, work, run_name, split, before, after)}{label}", flush=True)
-                if args.components:
-                    common = [f"seed={seed}", *overrides]
-                    for what, version in (("SFT", versions[0]), ("RL", versions[-1])):
-                        parts = components(recipe, common, work, run_name, version, split)
-                        print(f"{split} seed {seed} {what} components: " + "  ".join(f"{k} {v:.3f}" for k, v in parts.items()),
-                              flush=True)
+            teacher, theirs = f"teacher{seed}", seed_overrides(args.teacher, seed)
+            report(seed, teacher, args.teacher, theirs, *run(args.teacher, teacher, theirs, work, env), "  (the teacher's run)")
+            overrides += taught_by(work, teacher)
+        name = f"seed{seed}"
+        report(seed, name, args.recipe, overrides, *run(args.recipe, name, overrides, work, env))
     return 0
 
 
