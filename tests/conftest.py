@@ -34,13 +34,28 @@ TINY = REPO / "recipes" / "ar" / "tiny.yaml"
 # pytest workers take a file at a time (`--dist loadfile`), so these start first and the short
 # files fill in around them instead of one long file running alone at the end.
 LONGEST_FIRST = [
-    "e2e/test_deployment.py", "e2e/test_learning_gate.py", "e2e/test_multinode.py", "e2e/test_faults_ranks.py", "e2e/test_rl_flow.py",
-    "stages/test_matrix.py", "e2e/test_flow_family_runs.py", "e2e/test_pe_flow.py", "e2e/test_unified_flow.py",
-    "e2e/test_faults_outages.py", "stages/engines/test_vllm.py", "e2e/test_faults_kills.py", "e2e/test_ar_algorithms.py",
-    "stages/engines/test_engine_sync.py", "e2e/test_diffusion_flow.py", "e2e/test_vlm_flow.py", "e2e/test_reward_server.py",
-    "e2e/test_async_rl.py", "e2e/test_accumulation_flow.py", "e2e/test_rl_s3.py", "stages/test_sharded_load.py",
-    "stages/test_sd3_bundle.py", "test_zygote.py",
+    "e2e/test_deployment.py", "e2e/test_agent_flow.py", "e2e/test_learning_gate.py", "e2e/test_rl_flow.py",
+    "test_lint.py", "e2e/test_multinode.py", "stages/engines/test_vllm.py", "e2e/test_faults_kills.py",
+    "e2e/test_flow_family_runs.py", "e2e/test_diffusion_flow.py", "e2e/test_agent_vlm.py",
+    "e2e/test_faults_outages.py", "stages/test_matrix.py", "e2e/test_faults_ranks.py", "e2e/test_pe_flow.py",
+    "e2e/test_ar_algorithms.py", "e2e/test_distill_flow.py", "e2e/test_unified_flow.py",
+    "e2e/test_accumulation_flow.py", "e2e/test_vlm_flow.py", "e2e/test_reward_server.py", "e2e/test_async_rl.py",
+    "stages/test_hostile_input.py", "e2e/test_rl_s3.py", "flows/test_k8s_nodes.py", "stages/test_sharded_load.py",
+    "stages/test_sd3_bundle.py", "stages/engines/test_engine_server_limits.py", "test_zygote.py",
+    "stages/tools/test_tools.py", "stages/test_math_rewards.py", "stages/engines/test_engine_sync.py",
+    "flows/test_artifacts.py", "flows/test_deploy.py",
 ]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The two pytest workers (pyproject.toml `-n 2`) share the machine's cores, so every process
+    of the suite computes on one thread: the workers' own torch (set here, before the workers start
+    and before any test imports torch), and the worker ranks, engines and producers their runs
+    start (threads_per_rank caps a rank's threads at OMP_NUM_THREADS). Two processes of two OpenMP
+    threads each on two cores spend much of their CPU spinning while they wait for each other (the
+    unit tier took 223 s with the default, 156 s with one thread; docs/contributing.md). Set in a
+    hook, not at import: the commands a test runs may import this module."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -110,9 +125,8 @@ def isolated_env(tmp: Path, forked: bool = True) -> dict[str, str]:
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PYTHONUNBUFFERED": "1",
     })
-    # Worker ranks take cores / ranks threads, capped by OMP_NUM_THREADS when it is set: the
-    # tests leave it unset, as a user on one machine would.
-    env.pop("OMP_NUM_THREADS", None)
+    # OMP_NUM_THREADS stays as `pytest_configure` sets it: worker ranks take cores / ranks
+    # threads, capped at one while two pytest workers share the cores.
     env.pop("UNIRL_FORKSERVER", None)
     env.pop("UNIRL_LAUNCHER", None)
     if forked:

@@ -28,7 +28,7 @@ from typing import Any
 
 from tests import forkserver
 
-MODULES = ("unirl.flows.cli",)  # `python -m` commands a test forks (the rest fork through the launch hook)
+MODULES = ("unirl.flows.cli", "unirl.flows.deploy")  # `python -m` commands a test forks (the rest fork through the launch hook)
 
 
 def import_env() -> dict[str, str]:
@@ -85,13 +85,14 @@ class Zygote:
         return proc
 
     def run(self, cmd: list[str], *, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None, timeout: float | None = None,
-            stdout: Any = None, stderr: Any = None, capture_output: bool = False, text: bool = False) -> subprocess.CompletedProcess:
+            stdin: Any = None, stdout: Any = None, stderr: Any = None, capture_output: bool = False,
+            text: bool = False) -> subprocess.CompletedProcess:
         """`subprocess.run` of a forked command; output is captured through files (no pipe to drain)."""
         if not capture_output:
-            proc = self.popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text)
+            proc = self.popen(cmd, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr, text=text)
             return subprocess.CompletedProcess(cmd, _wait(proc, timeout))
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            proc = self.popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err)
+            proc = self.popen(cmd, cwd=cwd, env=env, stdin=stdin, stdout=out, stderr=err)
             code = _wait(proc, timeout)
             texts = []
             for f in (out, err):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import sys
 import uuid
 from typing import Any
@@ -19,6 +18,7 @@ from prefect.client.orchestration import PrefectClient
 from prefect.client.schemas.objects import FlowRun
 from prefect_kubernetes.worker import KubernetesWorker, KubernetesWorkerJobConfiguration
 
+from tests import zygote
 from tests.conftest import REPO
 from unirl.flows.k8s_nodes import NODE_LABEL, RDZV_LABEL, flow_template, node_template, rdzv_service
 from unirl.stages.runtime.multinode import RDZV_ENV, SECRET_ENV
@@ -97,14 +97,19 @@ def test_the_flow_pod_gets_the_same_secrets_and_no_gpus() -> None:
     assert "nvidia.com/gpu" not in json.dumps(container.get("resources", {}))
 
 
-def test_the_cli_writes_the_templates_of_docs_deploy_md() -> None:
-    default = json.dumps(KubernetesWorker.get_default_base_job_template())
+def test_the_cli_writes_the_templates_of_docs_deploy_md(tmp_path) -> None:
+    default = tmp_path / "default.json"
+    default.write_text(json.dumps(KubernetesWorker.get_default_base_job_template()))
     run = [sys.executable, "-m", "unirl.flows.deploy"]
-    nodes = json.loads(subprocess.run([*run, "k8s-node-template", "--gpus", "8"], input=default, capture_output=True, text=True,
-                                      cwd=REPO, check=True).stdout)
+    with default.open() as stdin:  # forked from the suite's warm interpreter (tests/zygote.py), as a fresh one would run
+        made = zygote.run([*run, "k8s-node-template", "--gpus", "8"], stdin=stdin, capture_output=True, text=True, cwd=REPO)
+    assert made.returncode == 0, made.stderr
+    nodes = json.loads(made.stdout)
     assert nodes["variables"]["properties"]["gpus"]["default"] == 8 and "node_index" in nodes["variables"]["properties"]
-    svc = json.loads(subprocess.run([*run, "k8s-rdzv-service", "--name", "unirl-rdzv", "--namespace", "ml"], capture_output=True,
-                                    text=True, cwd=REPO, check=True).stdout)
+    made = zygote.run([*run, "k8s-rdzv-service", "--name", "unirl-rdzv", "--namespace", "ml"], capture_output=True, text=True,
+                      cwd=REPO)
+    assert made.returncode == 0, made.stderr
+    svc = json.loads(made.stdout)
     assert svc == rdzv_service("unirl-rdzv", "ml")
     docs = (REPO / "docs" / "deploy.md").read_text()
     assert "python -m unirl.flows.deploy k8s-node-template --gpus 8 < default.json" in docs and "k8s-rdzv-service" in docs
