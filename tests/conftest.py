@@ -34,16 +34,12 @@ TINY = REPO / "recipes" / "ar" / "tiny.yaml"
 # pytest workers take a file at a time (`--dist loadfile`), so these start first and the short
 # files fill in around them instead of one long file running alone at the end.
 LONGEST_FIRST = [
-    "e2e/test_deployment.py", "e2e/test_agent_flow.py", "e2e/test_learning_gate.py", "e2e/test_rl_flow.py",
-    "test_lint.py", "e2e/test_multinode.py", "stages/engines/test_vllm.py", "e2e/test_faults_kills.py",
-    "e2e/test_flow_family_runs.py", "e2e/test_diffusion_flow.py", "e2e/test_agent_vlm.py",
-    "e2e/test_faults_outages.py", "stages/test_matrix.py", "e2e/test_faults_ranks.py", "e2e/test_pe_flow.py",
-    "e2e/test_ar_algorithms.py", "e2e/test_distill_flow.py", "e2e/test_unified_flow.py",
-    "e2e/test_accumulation_flow.py", "e2e/test_vlm_flow.py", "e2e/test_reward_server.py", "e2e/test_async_rl.py",
-    "stages/test_hostile_input.py", "e2e/test_rl_s3.py", "flows/test_k8s_nodes.py", "stages/test_sharded_load.py",
-    "stages/test_sd3_bundle.py", "stages/engines/test_engine_server_limits.py", "test_zygote.py",
-    "stages/tools/test_tools.py", "stages/test_math_rewards.py", "stages/engines/test_engine_sync.py",
-    "flows/test_artifacts.py", "flows/test_deploy.py",
+    "e2e/test_deployment.py", "e2e/test_learning_gate.py", "e2e/test_multinode.py", "e2e/test_faults_ranks.py", "e2e/test_rl_flow.py",
+    "stages/test_matrix.py", "e2e/test_flow_family_runs.py", "e2e/test_pe_flow.py", "e2e/test_unified_flow.py",
+    "e2e/test_faults_outages.py", "stages/engines/test_vllm.py", "e2e/test_faults_kills.py", "e2e/test_ar_algorithms.py",
+    "stages/engines/test_engine_sync.py", "e2e/test_diffusion_flow.py", "e2e/test_vlm_flow.py", "e2e/test_reward_server.py",
+    "e2e/test_async_rl.py", "e2e/test_accumulation_flow.py", "e2e/test_rl_s3.py", "stages/test_sharded_load.py",
+    "stages/test_sd3_bundle.py", "test_zygote.py",
 ]
 
 
