@@ -98,18 +98,19 @@ def test_the_flow_pod_gets_the_same_secrets_and_no_gpus() -> None:
 
 
 def test_the_cli_writes_the_templates_of_docs_deploy_md(tmp_path) -> None:
+    def cli(*args: str, stdin: Any = None) -> Any:
+        """`python -m unirl.flows.deploy ARGS`'s JSON, forked from the suite's warm interpreter
+        (tests/zygote.py) as a fresh one would run it."""
+        made = zygote.run([sys.executable, "-m", "unirl.flows.deploy", *args], stdin=stdin, capture_output=True, text=True,
+                          cwd=REPO)
+        assert made.returncode == 0, made.stderr
+        return json.loads(made.stdout)
+
     default = tmp_path / "default.json"
     default.write_text(json.dumps(KubernetesWorker.get_default_base_job_template()))
-    run = [sys.executable, "-m", "unirl.flows.deploy"]
-    with default.open() as stdin:  # forked from the suite's warm interpreter (tests/zygote.py), as a fresh one would run
-        made = zygote.run([*run, "k8s-node-template", "--gpus", "8"], stdin=stdin, capture_output=True, text=True, cwd=REPO)
-    assert made.returncode == 0, made.stderr
-    nodes = json.loads(made.stdout)
+    with default.open() as stdin:
+        nodes = cli("k8s-node-template", "--gpus", "8", stdin=stdin)
     assert nodes["variables"]["properties"]["gpus"]["default"] == 8 and "node_index" in nodes["variables"]["properties"]
-    made = zygote.run([*run, "k8s-rdzv-service", "--name", "unirl-rdzv", "--namespace", "ml"], capture_output=True, text=True,
-                      cwd=REPO)
-    assert made.returncode == 0, made.stderr
-    svc = json.loads(made.stdout)
-    assert svc == rdzv_service("unirl-rdzv", "ml")
+    assert cli("k8s-rdzv-service", "--name", "unirl-rdzv", "--namespace", "ml") == rdzv_service("unirl-rdzv", "ml")
     docs = (REPO / "docs" / "deploy.md").read_text()
     assert "python -m unirl.flows.deploy k8s-node-template --gpus 8 < default.json" in docs and "k8s-rdzv-service" in docs
