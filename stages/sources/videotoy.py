@@ -17,8 +17,8 @@ class VideoToyData(Section):
     name: Literal["videotoy"] = "videotoy"
     seed: int = Field(1234, ge=0, description="Seed of the prompt stream.")
     heldout_size: int = Field(
-        64, ge=0, description="Size of each of the dev and test splits (never trained on), drawn with replacement from "
-        "the grammar's 8 dev and 7 test prompts.")
+        64, ge=0, description="Size of each of the dev and test splits (never trained on): the grammar's 13 dev (13 test) "
+        "prompts, each drawn equally often (to within one).")
     prompts: list[str] = Field(
         default_factory=list,
         description="Train on these prompts (cycled in order) instead of the generated stream; each must parse and be "

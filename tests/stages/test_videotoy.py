@@ -30,21 +30,24 @@ def test_the_grammar_its_split_and_the_prompt_errors():
     assert all(parse_prompt(p).text == p for p in prompts)
     assert parse_prompt("Two Blue squares moving up quickly.") == ClipSpec(2, "blue", "up", "quickly")
     train, heldout = set(all_prompts("train")), set(all_prompts("heldout"))
-    assert train.isdisjoint(heldout) and len(train) + len(heldout) == 64 and 8 <= len(heldout) <= 20
+    assert train.isdisjoint(heldout) and len(train) + len(heldout) == 64 and 20 <= len(heldout) <= 30
     assert split_of("two blue squares moving up slowly") == split_of("Two blue squares moving up slowly.")
     # every word of a held-out prompt is seen in training: held-out prompts are new combinations
     assert {w for p in heldout for w in p.split()} <= {w for p in train for w in p.split()}
     assert set(sample_prompts(100, 0, "heldout")) <= heldout
-    assert sample_prompts(5, 1) == ["a yellow square moving down quickly", "two red squares moving left quickly",  # recorded once
-                                    "two blue squares moving left slowly", "two yellow squares moving up slowly",
+    assert sample_prompts(5, 1) == ["a yellow square moving left quickly", "a yellow square moving down quickly",  # recorded once
+                                    "two green squares moving right quickly", "two yellow squares moving down slowly",
                                     "a red square moving right slowly"]
     # dev and test halve the held-out prompts, fixed (evaluations stored under one stay comparable)
     dev, test = all_prompts("dev"), all_prompts("test")
-    assert (len(dev), len(test)) == (8, 7) and not set(dev) & set(test) and set(dev) | set(test) == heldout
-    assert dev[:2] == ["a red square moving left slowly", "a red square moving down quickly"]
-    assert test[:2] == ["a green square moving right quickly", "a yellow square moving right quickly"]
+    assert (len(dev), len(test)) == (13, 13) and not set(dev) & set(test) and set(dev) | set(test) == heldout
+    assert dev[:2] == ["a green square moving right quickly", "a yellow square moving left slowly"]
+    assert test[:2] == ["a red square moving left slowly", "a red square moving down quickly"]
     assert {parse_prompt(p).count for p in test} == {parse_prompt(p).count for p in dev} == {1, 2}
     assert set(sample_prompts(100, 0, "test")) <= set(test)
+    # a held-out set weighs every prompt of its split alike: 64 draws of 13 prompts, 4 or 5 each
+    drawn = sample_prompts(64, 0, "dev")
+    assert set(drawn) == set(dev) and {drawn.count(p) for p in dev} == {4, 5}
     for bad in ("a red square moving sideways slowly", "two red square moving up slowly", "a purple square moving up slowly",
                 "a red square"):
         with pytest.raises(ValueError, match="cannot parse toy video prompt"):
@@ -110,8 +113,8 @@ def test_the_source_and_its_sft_records_carry_the_teachers_slip(tmp_path):
                                                "sft": {"examples": 40, "noise": 0.5, "seed": 3}, "storage": {"root": str(tmp_path)}}))
     src = sources.get("videotoy")
     prompts = src.build(recipe.data)
-    assert [p.text for p in prompts.batch(2, 4)] == ["two blue squares moving down slowly", "a blue square moving up quickly",
-                                                     "two red squares moving left quickly", "a green square moving up quickly"]
+    assert [p.text for p in prompts.batch(2, 4)] == ["two blue squares moving right slowly", "a blue square moving right quickly",
+                                                     "a yellow square moving down quickly", "a green square moving left quickly"]
     assert [p.text for p in prompts.batch(2, 4)] != [p.text for p in prompts.batch(3, 4)]
     assert all(split_of(p.text) == "train" for p in prompts.batch(0, 50))
     assert len(prompts.heldout()) == 16 and all(split_of(p.text) == "heldout" for p in prompts.heldout())
