@@ -130,6 +130,30 @@ def test_scores_in_a_thread_as_the_reward_server_does():
     assert comps["extracted"] == [1.0] * 4
 
 
+def test_a_started_worker_compares_without_loading_anything_under_the_alarm():
+    """math-verify loads its LaTeX grammar and parts of sympy on its first comparison; under the
+    TIMEOUT_S alarm that took 2.3 s on a loaded 2-core machine and scored a right answer (x^2+2x+1
+    against (x+1)^2) 0. A started Checker worker has loaded them: a fresh interpreter, after
+    `_start_worker`, imports no module while comparing answers of every kind the scorer meets."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(r"""
+        import sys
+        from unirl.stages.rewards.math import _start_worker, answers_equal
+        _start_worker()
+        before = set(sys.modules)
+        pairs = [("x^2+2x+1", "(x+1)^2"), (r"\frac{\sqrt{3}}{2}", r"\frac{\sqrt3}{2}"), (r"50\%", "0.5"),
+                 (r"\{1, 2\}", r"\{1,2\}"), ("x = 5", "5"), ("3/4", "0.75"), (r"\text{(B)}", "B")]
+        assert all(answers_equal(a, b) for a, b in pairs)
+        print(sorted(set(sys.modules) - before))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", f"loaded under the alarm: {done.stdout.strip()}"
+
+
 def test_a_comparison_past_the_deadline_is_wrong_and_its_worker_replaced(monkeypatch):
     from unirl.stages.rewards import math as math_rewards
 
