@@ -109,7 +109,8 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
         artifacts.start(first)
         caught = catch_up(shape, recipe, tracker, storage, run_name, models, first)
         if caught:
-            say(f"[unirl] {', '.join(iter_dir(i) for i in caught)}: committed but not reported by the killed run; reported now")
+            # Not worded as an iteration's line ("[unirl] iter-..."): the killed run may have printed those already.
+            say(f"[unirl] the killed run committed {', '.join(iter_dir(i) for i in caught)} but had not logged it to MLflow: logged now")
         progress = Progress(recipe.iterations, first)
         evals: dict[int, dict[str, float]] = {}
         last: dict[str, Any] = {}

@@ -1,6 +1,7 @@
 """Rollout accumulation through the real CLI (`train.accumulate_rollouts=2`, 4 iterations: 2
 updates), killed with SIGKILL mid-window in turn, as the fault table's chained rows are
-(benchmarks/faults.py): in iteration 1's generate (iteration 0's batch committed, no update yet),
+(benchmarks/faults.py): in iteration 0's report (its line printed, its MLflow step not logged:
+the resumed run logs it and must not print it again), in iteration 1's generate (iteration 0's batch committed, no update yet),
 at iteration 1's sync (the update taken and committed, no checkpoint of it: the resumed run must
 replay it from both batches) and in iteration 3's train (its work done, not committed). The same
 command resumes each time; the run ends where an uninterrupted one does (per-iteration metrics,
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 ARGS = ["run", str(TINY), "iterations=4", "train.accumulate_rollouts=2", "reward.scorers=[{name: integer_format}]",
         "checkpoint_every=2", "eval.enabled=false"]
-KILLS = ["generate@1", "sync@1", "train@3"]
+KILLS = ["report@0", "generate@1", "sync@1", "train@3"]
 
 
 def test_a_run_killed_mid_window_resumes_without_loss_or_double_counting(tmp_path, unirl_env):
@@ -41,7 +42,7 @@ def test_a_run_killed_mid_window_resumes_without_loss_or_double_counting(tmp_pat
     resumed = run_unirl([*args, "--run-name", "killed"], unirl_env)
     said.append(resumed.stdout)
     # After the kill at sync@1 the update of iterations 0 and 1 exists in storage only: rebuilt from both batches.
-    assert "replaying the train step of iter-000001 (one update on the batches of iter-000000 .. iter-000001)" in said[2]
+    assert "replaying the train step of iter-000001 (one update on the batches of iter-000000 .. iter-000001)" in said[3]
     done = [line.split()[1] for out in said for line in out.splitlines() if line.startswith("[unirl] iter-")]
     assert done == [f"iter-{i:06d}" for i in range(4)], said  # each iteration committed (and reported) once
     a, b = (faults.snapshot(root / name, unirl_env, 4, version=2) for name in ("killed", "ref"))
