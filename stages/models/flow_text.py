@@ -110,7 +110,7 @@ def build_tiny_clip_tokenizer(words: Sequence[str] | None = None, model_max_leng
         words = WORDS
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab, merges = learn_bpe(list(words), alphabet)
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)  # type: ignore[arg-type]
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
 
 
 def seeded(seed: int, build: Any) -> Any:
@@ -221,7 +221,7 @@ def tiny_t5(tokenizer: Any, *, hidden: int, seed: int) -> Any:
     """A tiny T5EncoderModel (SD3's third text encoder): one layer, 4 heads, gated-gelu like T5 v1.1, no dropout."""
     from transformers import T5Config, T5EncoderModel
 
-    cfg = T5Config(vocab_size=len(tokenizer), d_model=hidden, d_kv=hidden // 4, d_ff=2 * hidden, num_layers=1,  # type: ignore[call-arg]
+    cfg = T5Config(vocab_size=len(tokenizer), d_model=hidden, d_kv=hidden // 4, d_ff=2 * hidden, num_layers=1,
                    num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
                    feed_forward_proj="gated-gelu", dropout_rate=0.0, pad_token_id=tokenizer.pad_token_id,
                    eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id)
@@ -240,7 +240,7 @@ def tiny_byt5(*, hidden: int, seed: int) -> tuple[Any, Any]:
     from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
 
     tok = ByT5Tokenizer()
-    cfg = T5Config(vocab_size=len(tok), d_model=hidden, d_kv=hidden // 2, d_ff=2 * hidden, num_layers=1, num_heads=2,  # type: ignore[call-arg]
+    cfg = T5Config(vocab_size=len(tok), d_model=hidden, d_kv=hidden // 2, d_ff=2 * hidden, num_layers=1, num_heads=2,
                    relative_attention_num_buckets=8, relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
                    dropout_rate=0.0, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                    decoder_start_token_id=tok.pad_token_id)

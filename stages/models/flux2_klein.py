@@ -120,7 +120,7 @@ class Flux2Klein(FlowFamily):
                 "num_attention_heads": tiny.num_heads, "joint_attention_dim": 3 * tiny.text_hidden,
                 "timestep_guidance_channels": 32, "axes_dims_rope": (axes,) * 4, "guidance_embeds": tiny.guidance_embeds}
         T.seeded(tiny.seed * 100 + 2, lambda: Flux2Transformer2DModel(**spec)).save_pretrained(root / "transformer")
-        FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True).save_pretrained(root / "scheduler")  # type: ignore[attr-defined]
+        FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True).save_pretrained(root / "scheduler")
         write_index(root, "Flux2KleinPipeline", {
             "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"), "vae": ("diffusers", "AutoencoderKLFlux2"),
             "text_encoder": ("transformers", "Qwen3ForCausalLM"), "tokenizer": ("transformers", "PreTrainedTokenizerFast"),

@@ -165,7 +165,7 @@ class HunyuanVideo(FlowFamily):
             from diffusers import ClassifierFreeGuidance
 
             guider = ClassifierFreeGuidance(guidance_scale=6.0)  # the pipeline's; unirl's CFG is the sampler's
-            guider.save_pretrained(root / "guider")  # type: ignore[attr-defined]
+            guider.save_pretrained(root / "guider")
             encoders = {"text_encoder": ("transformers", "Qwen2_5_VLTextModel"), "text_encoder_2": ("transformers", "T5EncoderModel"),
                         "tokenizer_2": ("transformers", "ByT5Tokenizer"), "guider": ("diffusers", "ClassifierFreeGuidance")}
             classes = ("AutoencoderKLHunyuanVideo15", "HunyuanVideo15Transformer3DModel")
@@ -183,7 +183,7 @@ class HunyuanVideo(FlowFamily):
         glyph_tok.save_pretrained(root / "tokenizer_2")
         vae.save_pretrained(root / "vae")
         transformer.save_pretrained(root / "transformer")
-        FlowMatchEulerDiscreteScheduler(shift=7.0 if tiny.version == "1.0" else 5.0).save_pretrained(root / "scheduler")  # type: ignore[attr-defined]
+        FlowMatchEulerDiscreteScheduler(shift=7.0 if tiny.version == "1.0" else 5.0).save_pretrained(root / "scheduler")
         write_index(root, PIPELINES[tiny.version], {
             **encoders, "tokenizer": ("transformers", "PreTrainedTokenizerFast"), "vae": ("diffusers", classes[0]),
             "transformer": ("diffusers", classes[1]), "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),

@@ -106,7 +106,7 @@ class QwenImage(FlowFamily):
                 "joint_attention_dim": tiny.text_hidden,
                 "axes_dims_rope": (frame_axis, height_axis, tiny.head_dim - frame_axis - height_axis)}
         T.seeded(tiny.seed * 100 + 2, lambda: QwenImageTransformer2DModel(**spec)).save_pretrained(root / "transformer")
-        FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,  # type: ignore[attr-defined]
+        FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
                                         base_image_seq_len=256, max_image_seq_len=8192).save_pretrained(root / "scheduler")
         write_index(root, "QwenImagePipeline", {
             "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"), "vae": ("diffusers", "AutoencoderKLQwenImage"),

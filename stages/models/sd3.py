@@ -177,7 +177,7 @@ class SD3(FlowFamily):
             tok.save_pretrained(root / name.replace("text_encoder", "tokenizer"))
         T.seeded(seed + 3, lambda: AutoencoderKL(**tiny_vae_config(tiny))).save_pretrained(root / "vae")
         T.seeded(seed + 4, lambda: SD3Transformer2DModel(**tiny_transformer_config(tiny))).save_pretrained(root / "transformer")
-        FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0).save_pretrained(root / "scheduler")  # type: ignore[attr-defined]
+        FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0).save_pretrained(root / "scheduler")
         clip, t5 = ("transformers", "CLIPTextModelWithProjection"), ("transformers", "T5EncoderModel")
         tokenizer = ("transformers", "CLIPTokenizer")
         write_index(root, "StableDiffusion3Pipeline", {

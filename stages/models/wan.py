@@ -147,7 +147,7 @@ class Wan(FlowFamily):
         names = ["transformer", "transformer_2"][:tiny.experts]
         for k, name in enumerate(names):
             T.seeded(tiny.seed * 100 + 2 + k, lambda: WanTransformer3DModel(**spec)).save_pretrained(root / name)
-        FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(root / "scheduler")  # type: ignore[attr-defined]
+        FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(root / "scheduler")
         two = tiny.experts == 2
         write_index(root, "WanPipeline", {
             "tokenizer": ("transformers", "PreTrainedTokenizerFast"), "text_encoder": ("transformers", "UMT5EncoderModel"),

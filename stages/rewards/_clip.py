@@ -38,12 +38,12 @@ class ClipEmbedder:
         proc_dir = local_dir(processor_path, scorer, "processor_path") if processor_path else model_dir
         self.device, self.batch_size = pick_device(device), batch_size
         self.model = CLIPModel.from_pretrained(model_dir, dtype=pick_dtype(dtype), local_files_only=True)
-        self.model.to(self.device).eval()  # type: ignore[arg-type]
+        self.model.to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(proc_dir, local_files_only=True)
         self.image_processor = AutoImageProcessor.from_pretrained(proc_dir, local_files_only=True)
         # Prompts longer than the text tower's positions are truncated, as CLIP was trained.
         self.max_text_len = min(
-            self.tokenizer.model_max_length, self.model.config.text_config.max_position_embeddings  # type: ignore[union-attr]
+            self.tokenizer.model_max_length, self.model.config.text_config.max_position_embeddings
         )
 
     @property

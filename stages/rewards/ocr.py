@@ -80,7 +80,7 @@ class OcrScore:
         self.device, self.batch_size, self.max_new_tokens = pick_device(device), batch_size, max_new_tokens
         self.ignore_case, self.ignore_spaces = ignore_case, ignore_spaces
         self.model = VisionEncoderDecoderModel.from_pretrained(path, dtype=pick_dtype(dtype), local_files_only=True)
-        self.model.to(self.device).eval()  # type: ignore[arg-type]
+        self.model.to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
 

@@ -68,7 +68,7 @@ class VlmJudge:
         self.min_score, self.max_score = float(min_score), float(max_score)
         self.max_new_tokens, self.batch_size, self.device = max_new_tokens, batch_size, pick_device(device)
         self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=pick_dtype(dtype), local_files_only=True)
-        self.model.to(self.device).eval()  # type: ignore[arg-type]
+        self.model.to(self.device).eval()
         # The processor class is not used because it also needs a video processor (torchvision);
         # the one thing it adds, expanding <|image_pad|> to the image's token count, is done here.
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, padding_side="left")
