@@ -82,7 +82,7 @@ def run_args(root: Path, name: str, extra: Sequence[str] = ()) -> list[str]:
 
 def notable(out: str) -> str:
     """What a resumed run says about the fault it recovers from."""
-    keys = ("replaying", "not reported", "not usable", "taking over", "unreachable", "resum", "starting worker group: 1 rank(s), checkpoint")
+    keys = ("replaying", "had not logged", "not usable", "taking over", "unreachable", "resum", "starting worker group: 1 rank(s), checkpoint")
     lines = [ln.removeprefix("[unirl] ") for ln in out.splitlines() if any(k in ln for k in keys)]
     return "; ".join(dict.fromkeys(lines))[:300] or "resumes silently: every committed stage is reused"
 
@@ -296,7 +296,12 @@ def node_row(bench: Bench) -> Row:
 
 def s3_row(bench: Bench) -> Row:
     """moto's S3 stopped for 10 s mid-run and started again: storage calls retry with backoff and
-    the run completes; meanwhile the same run started again on S3 is refused, naming the owner."""
+    the run completes; meanwhile the same run started again on S3 is refused, naming the owner.
+    The run stops itself (SIGSTOP) once iteration 1's rollouts are written, before it commits
+    them: the second start meets a run that cannot have finished (before, a loaded machine could
+    start it after the run's end), and the run goes on (SIGCONT) as S3 goes down. botocore's
+    own retries may ride out the 10 s unseen ("no call met the outage")."""
+    import psutil
     import s3fs
     from moto.server import ThreadedMotoServer
 
@@ -311,22 +316,18 @@ def s3_row(bench: Bench) -> Row:
     fs.mkdir(bucket)
     root = f"s3://{bucket}/runs"
     args = run_args(root, "r", NO_SFT)  # type: ignore[arg-type]
-    proc = popen([sys.executable, "-m", "unirl.flows.cli", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                 stderr=subprocess.PIPE, text=True)
+    proc = popen([sys.executable, "-m", "unirl.flows.cli", *args], cwd=REPO, env={**env, "UNIRL_FAULTS": "generate@1:stop"},
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 600
-        while not fs.exists(f"{bucket}/runs/r/lease.json"):
+        while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the S3 run ended before it could be faulted: {proc.communicate()[1][-3000:]}")
-            time.sleep(0.2)
+                raise RuntimeError(f"the S3 run never reached iteration 1's commit: {proc.communicate()[1][-3000:]}")
+            time.sleep(0.1)
         twice = unirl(args, env, check=False)
         refused = next((ln for ln in twice.stderr.splitlines() if "is being run by" in ln), "")
-        while not fs.exists(f"{bucket}/runs/r/iter-000001/_SUCCESS"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the S3 run ended before the outage: {proc.communicate()[1][-3000:]}")
-            time.sleep(0.2)
-            fs.invalidate_cache()
         server.stop()
+        os.kill(proc.pid, signal.SIGCONT)
         time.sleep(10)
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
         server.start()

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 def test_s3_outage_is_retried_and_a_second_start_refused(bench):
     row = faults.s3_row(bench)
-    assert "is being run by host" in row.seen
+    assert "is being run by host" in row.seen, row.seen
     check([row], bench)
 
 
