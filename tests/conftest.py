@@ -75,7 +75,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def whole_suite(config: pytest.Config) -> bool:
-    return (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
+    return (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword and not config.option.collectonly
             and not config.option.markexpr and not config.option.deselect)
 
 

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.conftest import TINY
+from tests.conftest import REPO, TINY
 from tests.prefect_server import PrefectServer
 from unirl.flows.hooks import worker_processes
 
@@ -52,6 +52,7 @@ class Deployments:
 
 
 AS_WRITTEN = ("retrain/tiny-nightly", "rl-train/pe-quickstart", "rl-train/unified-quickstart")
+RUN_HERE = ("tiny", "tiny-on-prompts")
 
 
 def tiny_recipe(**changes: Any) -> dict[str, Any]:
@@ -70,14 +71,19 @@ def server(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPathFacto
     srv = Deployments(prefect_server, tmp_path_factory.mktemp("deploy") / "runs")
     try:
         srv.cli("work-pool", "create", "cpu", "--type", "process")
-        # Deployments of prefect.yaml deploy as written (every one of them is checked against its
-        # recipe in tests/flows/test_deploy.py; deploying all 29 here took 85 s): the schedule, one
-        # per composed mode ...
-        srv.cli("--no-prompt", "deploy", *[a for name in AS_WRITTEN for a in ("--name", name)], timeout=300)
-        # ... then the ones this test runs are redeployed with the run folders in the temp dir.
-        params = json.dumps({"recipe": tiny_recipe(**{"storage.root": str(srv.runs), "eval.enabled": False})})
-        for name in ("tiny", "tiny-on-prompts"):
-            srv.cli("--no-prompt", "deploy", "--name", name, "--params", params, timeout=300)
+        # Deployments of prefect.yaml in one `prefect deploy` (each CLI start costs seconds): some
+        # as written (every one of them is checked against its recipe in tests/flows/test_deploy.py;
+        # deploying all 29 here took 85 s): the schedule, one per composed mode; and the ones this
+        # test runs, from a copy of the file whose recipe puts their run folders in the temp dir.
+        project = yaml.safe_load((REPO / "prefect.yaml").read_text())
+        ours = tiny_recipe(**{"storage.root": str(srv.runs), "eval.enabled": False})
+        for deployment in project["deployments"]:
+            if deployment["name"] in RUN_HERE:
+                deployment["parameters"]["recipe"] = ours
+        copy = srv.runs.parent / "prefect.yaml"
+        copy.write_text(yaml.safe_dump(project, sort_keys=False))
+        srv.cli("--no-prompt", "deploy", "--prefect-file", str(copy), *[a for name in (*AS_WRITTEN, *RUN_HERE) for a in ("--name", name)],
+                timeout=300)
         srv.worker = prefect_server.start("worker", "worker", "start", "--pool", "cpu", "--type", "process", env=srv.env)
         yield srv
     finally:
