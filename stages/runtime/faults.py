@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 POINTS = ("requests", "generate", "score", "advantage", "train", "sync", "checkpoint", "evaluate", "sft", "report",
           "produce", "engine-generate")
@@ -45,7 +46,10 @@ def fault_point(point: str, iteration: int | None = None, *, owner: bool = True,
             if not _first_time():
                 return
             if mode == "stop":
-                os.kill(os.getpid(), signal.SIGSTOP)
+                # To this thread, not the process: a process-directed SIGSTOP may be taken by another
+                # thread, and until that thread runs, this one went on (a loaded machine saw the
+                # stage's manifest committed by a run "stopped" before it). SIGSTOP stops every thread.
+                signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
                 return
             pid = int(os.environ.get("UNIRL_OWNER_PID", "0") or 0) if owner else 0
             if pid and pid != os.getpid():
