@@ -35,17 +35,17 @@ class PrefectServer:
             "PREFECT_API_URL": self.url,
             "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{tmp / 'prefect.db'}",
             "PREFECT_SERVER_UI_ENABLED": "false",
-            "PREFECT_SERVER_SERVICES_FOREMAN_ENABLED": "false",
-            "PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED": "false",
-            # What no test reads: the event feed's store (automations' triggers read the event stream,
-            # not the store), late-run marking, pause expiry, and the scheduler (the one scheduled
-            # deployment ships paused). The two servers of a session spent 272 CPU-s of the suite's
-            # 1873 with them on; a tiny 6-iteration run cost its server 4.5 CPU-s, 3.2 without.
-            **{f"PREFECT_SERVER_SERVICES_{service}_ENABLED": "false"
-               for service in ("EVENT_PERSISTER", "LATE_RUNS", "PAUSE_EXPIRATIONS", "SCHEDULER")},
-            # task runs recorded in batches, as unirl's own ephemeral API does (docs/deploy.md):
-            # one transaction each makes every iteration's next flow run wait behind them
-            **{k: v for k, v in LEAN_SERVER_ENV.items() if "TASK_RUN_RECORDER" in k or "ANALYTICS" in k},
+            # From unirl's own lean ephemeral API (flows/ephemeral.py): task runs recorded in batches
+            # (one transaction each makes every iteration's next flow run wait behind them), and the
+            # services no test reads off: the event feed's store (automations' triggers read the
+            # event stream, not the store), late-run marking, pause expiry, the scheduler (the one
+            # scheduled deployment ships paused), foreman, vacuum. The two servers of a session
+            # spent 272 CPU-s of the suite's 1873 with the first four on; a tiny 6-iteration run
+            # cost its server 4.5 CPU-s, 3.2 without. Triggers, the repossessor and cancellation
+            # clean-up stay: the deployment tests' event-started and cancelled runs need them.
+            **{k: v for k, v in LEAN_SERVER_ENV.items() if any(part in k for part in (
+                "TASK_RUN_RECORDER", "ANALYTICS", "EVENT_PERSISTER", "LATE_RUNS", "PAUSE_EXPIRATIONS", "SCHEDULER",
+                "FOREMAN", "DB_VACUUM"))},
             "PREFECT_WORKER_QUERY_SECONDS": "1",
             "PREFECT_CLIENT_CSRF_SUPPORT_ENABLED": "false",  # our own loopback server has CSRF protection off
             # plain http on loopback: a client need not load certifi's whole bundle (as unirl's own
