@@ -10,6 +10,7 @@ from prefect.artifacts import create_table_artifact
 
 from unirl.flows.artifacts import artifact_key
 from unirl.flows.console import say
+from unirl.flows.forms import InnerRecipe
 from unirl.stages.recipe import Recipe
 from unirl.stages.runtime.evaluation import PREFIX, eval_dir, has_split
 from unirl.stages.runtime.run import open_run
@@ -93,7 +94,7 @@ def report_test(recipe: Recipe, run_name: str, tracker: Tracker, before: dict[st
 
 
 @flow(name="evaluate", flow_run_name="{recipe.name}/{run_name}/eval")
-def evaluate_run(recipe: Recipe, run_name: str = "", version: int | None = None, split: str = "dev") -> dict[str, Any]:
+def evaluate_run(recipe: InnerRecipe, run_name: str = "", version: int | None = None, split: str = "dev") -> dict[str, Any]:
     """Evaluate policy `version` of run `run_name` (default: its last finished iteration) on the
     `dev` or `test` split."""
     from unirl.flows.shapes import shape_of

@@ -28,14 +28,30 @@ import importlib.util
 import inspect
 import sys
 import types
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from prefect import Flow
-from pydantic import WithJsonSchema
+from pydantic import PlainValidator, WithJsonSchema
 
 from unirl.stages.recipe import Recipe
 
 SEP, IS, OR = "__", "_is_", "_or_"
+
+
+def _as_recipe(value: Any) -> Recipe:
+    return value if isinstance(value, Recipe) else Recipe.model_validate(value)
+
+
+# The `recipe` parameter of the flows a run starts inside itself (`rl-iteration`, `evaluate`),
+# which no deployment names as its entrypoint: validated as `Recipe`, shown as an object. Prefect
+# builds a flow's parameter schema when the flow is defined, in every `unirl` process; with
+# `Recipe` as the annotation that walked the whole recipe model (about 0.2 CPU-s a flow) for a
+# schema nothing reads.
+if TYPE_CHECKING:
+    InnerRecipe = Recipe
+else:
+    InnerRecipe = Annotated[Any, PlainValidator(_as_recipe), WithJsonSchema({
+        "type": "object", "title": "Recipe", "description": "The run's recipe (the rl-train flow's form shows its fields)."})]
 
 
 @functools.cache

@@ -24,8 +24,10 @@ What the forked child keeps from a fresh start:
   `ps` and `unirl.flows.hooks.worker_processes` see `python -m unirl.stages.workers --spec ...`;
 * its exit status reads as Popen's (`-9` after SIGKILL);
 * its parent as unirl asks for it (`parent_pid`): the process that asked, not the server.
-What is preloaded is third-party only: unirl's own modules (and Prefect, which reads its settings
-from the environment when imported) are imported by the child under the command's environment.
+What is preloaded is listed by its owner (tests/zygote.py `preload`): third-party modules,
+Prefect and `unirl.stages`. Prefect reads its settings from the environment when imported, so a
+child reads them again under its command's environment before it runs; `unirl.flows` is imported
+by the child.
 
     python tests/forkserver.py SOCKET [--preload m1,m2] [--pad N]   # the server
     python tests/forkserver.py --exec SOCKET python -m MODULE ...   # one command, forked by it
@@ -185,6 +187,10 @@ def run_child(command: dict[str, Any]) -> int:
     os.environ.update(command["env"])
     sys.path[0] = command["cwd"]  # `python -m` puts the working directory first
     sys.argv = [command["module"], *command["args"]]
+    if command["module"].startswith("unirl.flows.") and "prefect.context" in sys.modules:
+        # Prefect's settings as its import reads them, under this environment (0.09 CPU-s; the
+        # other commands, ranks and engines, never use Prefect)
+        sys.modules["prefect.context"].refresh_global_settings_context()
     if "numpy" in sys.modules:  # a fresh interpreter's global generator differs from process to process
         sys.modules["numpy"].random.seed()  # (`random` reseeds itself after a fork)
     gc.enable()

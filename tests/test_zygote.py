@@ -3,6 +3,7 @@ interpreter gives: the same output and exit status, the command's folder, enviro
 `-9` for a SIGKILL, and a fresh start for what it cannot serve the same."""
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import subprocess
@@ -55,6 +56,42 @@ def test_what_would_run_differently_starts_fresh():
     assert not zygote.forks(cli, {"MLFLOW_LOGGING_LEVEL": "DEBUG"})
     assert not zygote.forks([sys.executable, "-m", "unirl.flows.reward_server"], {})
     assert not zygote.forks(["prefect", "server", "start"], {})
+
+
+def import_time_env_reads(tree: ast.Module) -> list[int]:
+    """Lines of a module that read the environment when it is imported: outside function bodies
+    (a function's defaults and decorators run at import; its body does not)."""
+    lines: list[int] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for part in [*node.decorator_list, *node.args.defaults, *node.args.kw_defaults]:
+                if part is not None:
+                    visit(part)
+            return
+        if isinstance(node, ast.Lambda):
+            return
+        if (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb")) or (
+                isinstance(node, ast.Name) and node.id in ("environ", "getenv")):
+            lines.append(node.lineno)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return lines
+
+
+def test_no_preloaded_unirl_module_reads_the_environment_at_import():
+    """The fork server imports every `unirl.stages` module once (tests/zygote.py `preload`): one
+    that read a variable at import would give every forked command the server's value of it."""
+    assert import_time_env_reads(ast.parse("X = float(os.environ.get('A', '1'))\ndef f(y=os.getenv('B')):\n"
+                                           "    return os.environ['C']\n")) == [1, 2]
+    modules = zygote.stages_modules()
+    assert "unirl.stages.runtime.storage" in modules and "unirl.stages.recipe" in modules
+    found = []
+    for path in sorted((REPO / "stages").rglob("*.py")):
+        found += [f"{path.relative_to(REPO)}:{line}" for line in import_time_env_reads(ast.parse(path.read_text()))]
+    assert not found, f"read at import (read it where it is used): {found}"
 
 
 if __name__ == "__main__":  # the probe the argv test runs

@@ -5,9 +5,13 @@ ranks, torchrun agents, rollout engines and producers, are forked from instead o
 A tiny `unirl run` spends about half of its flow process's CPU, and a worker rank nearly all of
 its ~5 CPU-s, importing torch, transformers, diffusers, peft, pyarrow, MLflow and SQLAlchemy
 (benchmarks/README.md, "Start-up"), and the suite starts a few hundred of them. The server
-imports those once (third-party only: Prefect reads its settings from the environment when it is
-imported, and unirl's own modules are imported by each child under its command's environment)
-and forks one child per command. From the test's side a forked command is a process like any
+imports those once, with Prefect (not `prefect.main`, which configures logging: each child does
+that under its own environment) and every module of `unirl.stages`, and forks one child per
+command. Prefect reads its settings from the environment when it is imported, so each child reads
+them again under its command's environment (`refresh_global_settings_context`, tests/forkserver.py
+`run_child`); no `unirl.stages` module reads the environment at import (tests/test_zygote.py checks
+that), and `unirl.flows` is imported by each child. A forked tiny 2-iteration `unirl run` took
+6.8 CPU-s with third-party modules only preloaded, 5.9 with `unirl.stages` too, 4.9 with Prefect too. From the test's side a forked command is a process like any
 other: a pid to signal, an exit status (`-9` when SIGKILLed), its output, its command line in
 `ps`. The one setting a preloaded library reads at import is MLflow's log level, which `unirl`
 sets before it imports MLflow (flows/console.py `QUIET_ENV`): the server is started with that
@@ -44,6 +48,9 @@ PRELOAD = (
     "httpx", "anyio", "rich.console", "sqlalchemy", "fastapi", "uvicorn", "mlflow", "mlflow.tracking",
     "mlflow.store.tracking.sqlalchemy_store", "aiohttp", "botocore.session", "cryptography.fernet", "griffe", "websockets",
     "jsonschema", "coolname",
+    # Prefect itself (its flows, tasks and client, not `prefect.main`, which configures logging):
+    # the settings it reads at import are read again in each child (forkserver.run_child)
+    "prefect",
     # a worker rank's and a torchrun agent's
     "torch.distributed", "torch.distributed.run", "torch.distributed.device_mesh", "torch.distributed.fsdp",
     "torch.distributed.checkpoint", "torch.distributed.tensor", "transformers", "diffusers", "peft",
@@ -51,13 +58,23 @@ PRELOAD = (
 
 
 def preload() -> list[str]:
-    """PRELOAD and what every model family's worker rank imports (`Family.modules`)."""
+    """PRELOAD, what every model family's worker rank imports (`Family.modules`), and every module
+    of `unirl.stages` (none reads the environment when it is imported: tests/test_zygote.py checks)."""
     from unirl.stages.models.family import families
 
     names = list(PRELOAD)
     for kind in families.names():
         names += [m for m in families.get(kind).modules if m not in names]
-    return names
+    return names + stages_modules()
+
+
+def stages_modules() -> list[str]:
+    """Every module of the `unirl.stages` package but its entry points (`__main__`)."""
+    import pkgutil
+
+    import unirl.stages
+
+    return [m.name for m in pkgutil.walk_packages(unirl.stages.__path__, "unirl.stages.") if not m.name.endswith("__main__")]
 
 
 class Zygote:

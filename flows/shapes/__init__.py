@@ -25,6 +25,7 @@ from prefect import flow
 from prefect.states import Cancelled, State
 
 from unirl.flows.ahead import hand_over, wait_turn
+from unirl.flows.forms import InnerRecipe
 from unirl.flows.sft import run_sft, train_teachers
 from unirl.stages.distill import taught_by
 from unirl.stages.recipe import Recipe
@@ -69,7 +70,7 @@ def stopped(run_name: str, iteration: int) -> State[Any]:
 
 
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
-def rl_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any] | State[Any]:
+def rl_iteration(recipe: InnerRecipe, run_name: str, iteration: int) -> dict[str, Any] | State[Any]:
     if not wait_turn(run_name, iteration):  # started ahead (flows/ahead.py), and the run stopped meanwhile
         return stopped(run_name, iteration)
     start = time.perf_counter()

@@ -35,8 +35,12 @@ def join(*parts: str) -> str:
     return posixpath.join(*parts)
 
 
-# How long object-store calls are retried while the store is unreachable (an outage, a restart).
-RETRY_S = float(os.environ.get("UNIRL_STORAGE_RETRY_S", "300"))
+def retry_s() -> float:
+    """How long object-store calls are retried while the store is unreachable (an outage, a
+    restart): `UNIRL_STORAGE_RETRY_S`, 300 s by default, read when a call is made."""
+    return float(os.environ.get("UNIRL_STORAGE_RETRY_S", "300"))
+
+
 # Set when the process is being interrupted (Ctrl-C): retries of every thread stop at once and
 # their last error is raised, so an interrupt never waits for an outage to end.
 STOPPING = threading.Event()
@@ -142,7 +146,7 @@ class RunStorage:
     # -- writing ----------------------------------------------------------------------------
     def io(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """`fn(*args, **kwargs)` on the store; on an object store that is unreachable for a while,
-        retried with exponential backoff (1 s doubling to 15 s) for up to RETRY_S seconds, saying so
+        retried with exponential backoff (1 s doubling to 15 s) for up to `retry_s()` seconds, saying so
         on stderr; the last error is raised as it was."""
         if self.local:
             return fn(*args, **kwargs)
@@ -154,7 +158,7 @@ class RunStorage:
 
         retrying = tenacity.Retrying(retry=tenacity.retry_if_exception(transient),
                                      wait=tenacity.wait_exponential(multiplier=1, min=1, max=15),
-                                     stop=tenacity.stop_before_delay(RETRY_S) | tenacity.stop_when_event_set(STOPPING),
+                                     stop=tenacity.stop_before_delay(retry_s()) | tenacity.stop_when_event_set(STOPPING),
                                      sleep=_sleep, before_sleep=say, reraise=True)
         return retrying(fn, *args, **kwargs)
 

@@ -258,7 +258,7 @@ def test_urls_without_credentials_are_shown_exactly_as_given_and_accepted(url):
 
 @pytest.mark.slow  # a `unirl run` started and interrupted
 def test_ctrl_c_stops_a_run_promptly_while_the_object_store_is_unreachable(tmp_path):
-    """SIGINT used to wait for the storage retries (up to RETRY_S, 300 s) to run out; now it stops
+    """SIGINT used to wait for the storage retries (up to UNIRL_STORAGE_RETRY_S, 300 s) to run out; now it stops
     every retry at once and the run exits 130, resumable."""
     import signal
     import time

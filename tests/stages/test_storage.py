@@ -163,9 +163,7 @@ def test_io_stops_retrying_at_once_when_the_process_is_interrupted(monkeypatch):
 
 
 def test_io_gives_up_after_retry_s_with_the_original_error(monkeypatch):
-    from unirl.stages.runtime import storage as storage_mod
-
-    monkeypatch.setattr(storage_mod, "RETRY_S", 0.0)
+    monkeypatch.setenv("UNIRL_STORAGE_RETRY_S", "0")
     s = RunStorage(f"memory://giveup-{os.getpid()}", "r1")
     error = ConnectionRefusedError("store down")
 
@@ -190,9 +188,7 @@ def test_missing_paths_on_s3_under_names_with_503_fail_at_once(moto_endpoint, mo
 
     import s3fs
 
-    from unirl.stages.runtime import storage as storage_mod
-
-    monkeypatch.setattr(storage_mod, "RETRY_S", 30.0)  # long enough that one wrong retry shows
+    monkeypatch.setenv("UNIRL_STORAGE_RETRY_S", "30")  # long enough that one wrong retry shows
     options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": moto_endpoint}}
     s3fs.S3FileSystem(**options).mkdir("store-503")
     s = RunStorage("s3://store-503/team", "r503", options)
