@@ -17,6 +17,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from unirl.flows.forms import InnerRecipe
 from unirl.stages.recipe import Recipe, build_recipe
 from unirl.stages.runtime.accumulation import version_of
 from unirl.stages.runtime.async_rollout import behaviour_version
@@ -34,7 +35,7 @@ def published(storage: Any, recipe: Recipe, version: int) -> bool:
 
 
 @flow(name="rl-producer", flow_run_name="{recipe.name}/{run_name}/producer")
-def rl_producer(recipe: Recipe, run_name: str, poll_s: float = 0.05) -> dict[str, Any]:
+def rl_producer(recipe: InnerRecipe, run_name: str, poll_s: float = 0.05) -> dict[str, Any]:
     """Sample every iteration's batch of the run on its engine, up to `rollout.max_staleness`
     updates ahead of the trainer."""
     logger = get_run_logger()

@@ -2,21 +2,22 @@
 that the suite's `python -m unirl.flows.cli ...` commands, and through unirl's launch hook (UNIRL_LAUNCHER) their worker
 ranks, torchrun agents, rollout engines and producers, are forked from instead of started cold.
 
-A tiny `unirl run` spends about half of its flow process's CPU, and a worker rank nearly all of
-its ~5 CPU-s, importing torch, transformers, diffusers, peft, pyarrow, MLflow and SQLAlchemy
-(benchmarks/README.md, "Start-up"), and the suite starts a few hundred of them. The server
-imports those once, with Prefect (not `prefect.main`, which configures logging: each child does
-that under its own environment) and every module of `unirl.stages`, and forks one child per
-command. Prefect reads its settings from the environment when it is imported, so each child reads
-them again under its command's environment (`refresh_global_settings_context`, tests/forkserver.py
-`run_child`); no `unirl.stages` module reads the environment at import (tests/test_zygote.py checks
-that), and `unirl.flows` is imported by each child. A forked tiny 2-iteration `unirl run` took
-6.8 CPU-s with third-party modules only preloaded, 5.9 with `unirl.stages` too, 4.9 with Prefect too. From the test's side a forked command is a process like any
-other: a pid to signal, an exit status (`-9` when SIGKILLed), its output, its command line in
-`ps`. The one setting a preloaded library reads at import is MLflow's log level, which `unirl`
-sets before it imports MLflow (flows/console.py `QUIET_ENV`): the server is started with that
-value, and a command that would run with another (`--verbose`, its own MLFLOW_LOGGING_LEVEL)
-starts fresh, as do commands of other modules (`popen` falls back to `subprocess.Popen`).
+A tiny `unirl run` spends about half of its flow process's CPU, and a worker rank nearly all of its
+~5 CPU-s, importing torch, transformers, diffusers, peft, pyarrow, MLflow and SQLAlchemy
+(benchmarks/README.md, "Start-up"), and the suite starts a few hundred of them. The server imports
+those once, with Prefect (not `prefect.main`, which configures logging: each child does that under
+its own environment) and every module of `unirl.stages`, and forks one child per command. Prefect
+reads its settings from the environment when it is imported, so each child reads them again under
+its command's environment (`refresh_global_settings_context`, tests/forkserver.py `run_child`); no
+`unirl.stages` module reads the environment at import (tests/test_zygote.py checks that), and
+`unirl.flows` is imported by each child. A forked tiny 2-iteration `unirl run` took 6.8 CPU-s with
+third-party modules only preloaded, 5.9 with `unirl.stages` too, 4.9 with Prefect too. From the
+test's side a forked command is a process like any other: a pid to signal, an exit status (`-9`
+when SIGKILLed), its output, its command line in `ps`. The one setting a preloaded library reads at
+import is MLflow's log level, which `unirl` sets before it imports MLflow (flows/console.py
+`QUIET_ENV`): the server is started with that value, and a command that would run with another
+(`--verbose`, its own MLFLOW_LOGGING_LEVEL) starts fresh, as do commands of other modules (`popen`
+falls back to `subprocess.Popen`).
 
 Where a test needs the processes of a run to be its flow process's children (the Prefect worker's
 runs in tests/e2e/test_deployment.py), its environment has no UNIRL_LAUNCHER and they start fresh.

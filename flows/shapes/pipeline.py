@@ -15,6 +15,7 @@ from prefect.states import State
 
 from unirl.flows.ahead import hand_over, wait_turn
 from unirl.flows.console import say
+from unirl.flows.forms import InnerRecipe
 from unirl.flows.sft import run_sft
 from unirl.flows.shapes import Models, RunShape, run_shapes, stopped
 from unirl.flows.shapes.composed import (
@@ -115,7 +116,7 @@ def evaluate_pipeline(recipe: Recipe, run_name: str, version: int, split: str = 
 
 
 @flow(name="pe-iteration", flow_run_name="iter-{iteration:06d}")
-def pe_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any] | State[Any]:
+def pe_iteration(recipe: InnerRecipe, run_name: str, iteration: int) -> dict[str, Any] | State[Any]:
     if not wait_turn(run_name, iteration):
         return stopped(run_name, iteration)
     start = time.perf_counter()

@@ -14,6 +14,7 @@ from prefect.states import State
 
 from unirl.flows.ahead import hand_over, wait_turn
 from unirl.flows.console import say
+from unirl.flows.forms import InnerRecipe
 from unirl.flows.shapes import RunShape, one_model, run_shapes, stopped, warm_start_one
 from unirl.flows.shapes.composed import (
     chain,
@@ -114,7 +115,7 @@ def evaluate_unified(recipe: Recipe, run_name: str, version: int, split: str = "
 
 
 @flow(name="unified-iteration", flow_run_name="iter-{iteration:06d}")
-def unified_iteration(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any] | State[Any]:
+def unified_iteration(recipe: InnerRecipe, run_name: str, iteration: int) -> dict[str, Any] | State[Any]:
     if not wait_turn(run_name, iteration):
         return stopped(run_name, iteration)
     start = time.perf_counter()
