@@ -43,10 +43,10 @@ def _as_recipe(value: Any) -> Recipe:
 
 
 # The `recipe` parameter of the flows a run starts inside itself (each shape's iteration flow, the
-# async producer) and of `evaluate`, which no deployment names as its entrypoint: validated as `Recipe`, shown as an object. Prefect
-# builds a flow's parameter schema when the flow is defined, in every `unirl` process; with
-# `Recipe` as the annotation that walked the whole recipe model (about 0.2 CPU-s a flow) for a
-# schema nothing reads.
+# async producer) and of `evaluate`, which no deployment names as its entrypoint: validated as
+# `Recipe`, shown as an object. Prefect builds a flow's parameter schema when the flow is defined,
+# in every `unirl` process; with `Recipe` as the annotation that walked the whole recipe model
+# (about 0.2 CPU-s a flow) for a schema nothing reads.
 if TYPE_CHECKING:
     InnerRecipe = Recipe
 else:
