@@ -49,7 +49,7 @@ from typing import Any
 FORKABLE = ("unirl.flows.cli", "unirl.stages.workers", "unirl.stages.engine_server", "unirl.flows.producer", "torch.distributed.run")
 # Read by a preloaded library at import: a command must run with the server's value, or start fresh.
 IMPORT_ENV = ("MLFLOW_LOGGING_LEVEL", "MLFLOW_CONFIGURE_LOGGING", "TRANSFORMERS_VERBOSITY", "HF_HUB_OFFLINE",
-              "HF_HOME", "TORCH_LOGS")
+              "HF_HOME", "TORCH_LOGS", "UNIRL_FIELD_TRACE")  # the last: the recipe-field tracer, set up when unirl.stages is imported
 PAD = 4096  # bytes of argv the server keeps for its children's command lines
 PARENT: int | None = None  # in a forked child: the pid of the process that would have been its parent
 SOCKET_ENV = "UNIRL_FORKSERVER"  # the server's socket, beside UNIRL_LAUNCHER=<this file>
@@ -183,10 +183,13 @@ def run_child(command: dict[str, Any]) -> int:
         die_with(command["caller"])
     set_cmdline([sys.executable, "-m", command["module"], *command["args"]])
     os.chdir(command["cwd"])
+    plugins = os.environ.get("UNIRL_PLUGINS")
     os.environ.clear()
     os.environ.update(command["env"])
     sys.path[0] = command["cwd"]  # `python -m` puts the working directory first
     sys.argv = [command["module"], *command["args"]]
+    if os.environ.get("UNIRL_PLUGINS") != plugins:
+        load_plugins_again(command)
     if command["module"].startswith("unirl.flows.") and "prefect.context" in sys.modules:
         # Prefect's settings as its import reads them, under this environment (0.09 CPU-s; the
         # other commands, ranks and engines, never use Prefect)
@@ -207,6 +210,24 @@ def run_child(command: dict[str, Any]) -> int:
         traceback.print_exc()
         code = 1
     return code
+
+
+def load_plugins_again(command: dict[str, Any]) -> None:
+    """The command names other plugins (UNIRL_PLUGINS) than the server, whose preloaded registries
+    loaded its own: import them as a fresh process would when its registries load. A plugin that
+    adds a model family, source, policy, engine, algorithm or kernel would be missing from the
+    unions the preloaded `Recipe` was built with (the suite's add tools, looked up by name), so
+    then the command runs as a fresh interpreter in this process instead."""
+    registry = sys.modules.get("unirl.stages.runtime.registry")
+    if registry is None:
+        return
+    registries = [v for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith("unirl.")
+                  for v in vars(m).values() if isinstance(v, registry.Registry) and v.what != "tool"]
+    before = [sorted(r._entries) for r in registries]
+    registry._PLUGINS_LOADED = False
+    registry.load_plugins()
+    if [sorted(r._entries) for r in registries] != before:
+        os.execv(sys.executable, [sys.executable, "-m", command["module"], *command["args"]])
 
 
 def leave(code: int) -> None:

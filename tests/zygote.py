@@ -9,15 +9,17 @@ those once, with Prefect (not `prefect.main`, which configures logging: each chi
 its own environment) and every module of `unirl.stages`, and forks one child per command. Prefect
 reads its settings from the environment when it is imported, so each child reads them again under
 its command's environment (`refresh_global_settings_context`, tests/forkserver.py `run_child`); no
-`unirl.stages` module reads the environment at import (tests/test_zygote.py checks that), and
-`unirl.flows` is imported by each child. A forked tiny 2-iteration `unirl run` took 6.8 CPU-s with
-third-party modules only preloaded, 5.9 with `unirl.stages` too, 4.9 with Prefect too. From the
-test's side a forked command is a process like any other: a pid to signal, an exit status (`-9`
-when SIGKILLed), its output, its command line in `ps`. The one setting a preloaded library reads at
-import is MLflow's log level, which `unirl` sets before it imports MLflow (flows/console.py
-`QUIET_ENV`): the server is started with that value, and a command that would run with another
-(`--verbose`, its own MLFLOW_LOGGING_LEVEL) starts fresh, as do commands of other modules (`popen`
-falls back to `subprocess.Popen`).
+`unirl.stages` module reads the environment at import (tests/test_zygote.py checks that) but
+through the registries, which load the plugins UNIRL_PLUGINS names (a child naming others loads
+them again: forkserver.load_plugins_again), and the recipe-field tracer (UNIRL_FIELD_TRACE, which a
+forked command must share with the server); `unirl.flows` is imported by each child. A forked tiny
+2-iteration `unirl run` took 6.8 CPU-s with third-party modules only preloaded, 5.9 with
+`unirl.stages` too, 4.9 with Prefect too. From the test's side a forked command is a process like
+any other: a pid to signal, an exit status (`-9` when SIGKILLed), its output, its command line in
+`ps`. The one setting a preloaded library reads at import is MLflow's log level, which `unirl` sets
+before it imports MLflow (flows/console.py `QUIET_ENV`): the server is started with that value, and
+a command that would run with another (`--verbose`, its own MLFLOW_LOGGING_LEVEL) starts fresh, as
+do commands of other modules (`popen` falls back to `subprocess.Popen`).
 
 Where a test needs the processes of a run to be its flow process's children (the Prefect worker's
 runs in tests/e2e/test_deployment.py), its environment has no UNIRL_LAUNCHER and they start fresh.
@@ -137,7 +139,8 @@ def forks(cmd: list[str], env: dict[str, str] | None) -> bool:
     if not (len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m" and cmd[2] in MODULES) or "--verbose" in cmd:
         return False
     environ = os.environ if env is None else env
-    return all(environ.get(key, value) == value for key, value in import_env().items())
+    return (all(environ.get(key, value) == value for key, value in import_env().items())
+            and environ.get("UNIRL_FIELD_TRACE") == os.environ.get("UNIRL_FIELD_TRACE"))  # forkserver.IMPORT_ENV
 
 
 def server() -> Zygote:
