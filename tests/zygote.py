@@ -40,10 +40,14 @@ MODULES = ("unirl.flows.cli", "unirl.flows.deploy")  # `python -m` commands a te
 
 def import_env() -> dict[str, str]:
     """The settings the preloaded libraries read at import, as `unirl` sets them before it imports
-    them (flows/console.py `QUIET_ENV`)."""
+    them (flows/console.py `QUIET_ENV`), and the suite's recipe-field tracer, which is set up when
+    `unirl.stages` is imported (tests/conftest.py sets UNIRL_FIELD_TRACE for the session)."""
     from unirl.flows.console import QUIET_ENV
 
-    return {k: QUIET_ENV[k] for k in ("MLFLOW_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    env = {k: QUIET_ENV[k] for k in ("MLFLOW_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    if "UNIRL_FIELD_TRACE" in os.environ:
+        env["UNIRL_FIELD_TRACE"] = os.environ["UNIRL_FIELD_TRACE"]
+    return env
 
 
 PRELOAD = (
@@ -139,8 +143,7 @@ def forks(cmd: list[str], env: dict[str, str] | None) -> bool:
     if not (len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m" and cmd[2] in MODULES) or "--verbose" in cmd:
         return False
     environ = os.environ if env is None else env
-    return (all(environ.get(key, value) == value for key, value in import_env().items())
-            and environ.get("UNIRL_FIELD_TRACE") == os.environ.get("UNIRL_FIELD_TRACE"))  # forkserver.IMPORT_ENV
+    return all(environ.get(key, value) == value for key, value in import_env().items())
 
 
 def server() -> Zygote:
