@@ -223,10 +223,10 @@ def load_plugins_again(command: dict[str, Any]) -> None:
         return
     registries = [v for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith("unirl.")
                   for v in vars(m).values() if isinstance(v, registry.Registry) and v.what != "tool"]
-    before = [sorted(r._entries) for r in registries]
+    before = [r.names() for r in registries]
     vars(registry)["_PLUGINS_LOADED"] = False
     registry.load_plugins()
-    if [sorted(r._entries) for r in registries] != before:
+    if [r.names() for r in registries] != before:
         os.execv(sys.executable, [sys.executable, "-m", command["module"], *command["args"]])
 
 
