@@ -9,6 +9,7 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from unirl.flows.artifacts import artifact_key
+from unirl.flows.bookkeeping import Bookkeeping
 from unirl.flows.console import say
 from unirl.flows.forms import InnerRecipe
 from unirl.stages.recipe import Recipe
@@ -78,19 +79,25 @@ def test_split(recipe: Recipe, run_name: str, version: int, task: Any, *, comput
 
 
 def report_test(recipe: Recipe, run_name: str, tracker: Tracker, before: dict[str, float] | None, version: int,
-                task: Any) -> None:
+                task: Any, books: Bookkeeping) -> None:
     """The test split after RL, beside its value before RL: printed once, logged to MLflow as `test/*`
-    (and on the registry version it evaluates)."""
+    (and on the registry version it evaluates). The MLflow writes queue on `books` (bookkeeping.py,
+    one thread in order), after the registration of `version` queued before them."""
     after = test_split(recipe, run_name, version, task)
     if after is None:
         return
+    books.submit(log_test, recipe, run_name, tracker, before, version, after)
+    was = f"  (v000000 before RL: {summary(recipe, before, 'test')})" if before is not None else ""
+    say(f"[unirl] test v{version:06d} (after RL): {summary(recipe, after, 'test')}{was}")
+
+
+def log_test(recipe: Recipe, run_name: str, tracker: Tracker, before: dict[str, float] | None, version: int,
+             after: dict[str, float]) -> None:
     if before is not None:
         tracker.log_metrics(0, before, key="test/accuracy")
     tracker.log_metrics(version, after, key="test/accuracy")
     if recipe.tracking.registry:
         tracker.tag_version(recipe.name, run_name, version, after)
-    was = f"  (v000000 before RL: {summary(recipe, before, 'test')})" if before is not None else ""
-    say(f"[unirl] test v{version:06d} (after RL): {summary(recipe, after, 'test')}{was}")
 
 
 @flow(name="evaluate", flow_run_name="{recipe.name}/{run_name}/eval")

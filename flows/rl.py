@@ -135,7 +135,7 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
                         label = "after RL" if last_ else ""
                         evals[version] = held_out(shape, recipe, run_name, version, tracker, models, label, books)
                         if label:
-                            report_test(recipe, run_name, tracker, tested, version, shape.evaluate)
+                            report_test(recipe, run_name, tracker, tested, version, shape.evaluate, books)
                 storage.mark_success(i, summary_)
                 books.submit(report, shape, recipe, tracker, storage, artifacts, i, summary_)
                 last = summary_
