@@ -108,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from unirl.stages.runtime.storage import interrupt
 
-    signal.signal(signal.SIGINT, interrupt)  # Ctrl-C also stops every thread's object-store retries
+    # Ctrl-C, and SIGTERM (Prefect cancellation, Kubernetes, `kill`), stop the run the same way:
+    # every thread's object-store retries end, and the main thread is interrupted.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, interrupt)
     if args.command == "agent":  # no Prefect here: the flow runs elsewhere
         startup.imports_done()
         return node_agent(recipe, args.run_name or recipe.name, args.group)
@@ -120,32 +123,41 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
-    from unirl.flows.console import error_text, failures_once, quiet_prefect
+    from unirl.flows.console import error_text, failures_once, quiet_prefect, say
 
     quiet_prefect(args.verbose)  # before Prefect configures its logging
+    run_name = args.run_name or recipe.name
     try:
-        from unirl.flows.ephemeral import lean_ephemeral_api, tie_ephemeral_api
+        from unirl.flows.ephemeral import local_api
 
         failures_once(args.verbose)
-
-        with lean_ephemeral_api():
-            tie_ephemeral_api()  # a killed `unirl` must not leave Prefect's temporary API server behind
+        with local_api(api_folder(recipe, run_name), log=say) as api:
             if args.command == "sft":
                 from unirl.flows.sft import sft
 
                 startup.imports_done(*RUN_IMPORTS)
-                sft(recipe, args.run_name or recipe.name)
+                sft(recipe, run_name)
                 return 0
             if args.command == "evaluate":
                 from unirl.flows.evaluate import evaluate_run
 
                 startup.imports_done(*RUN_IMPORTS)
-                evaluate_run(recipe, args.run_name or recipe.name, args.version, args.split)
+                evaluate_run(recipe, run_name, args.version, args.split)
                 return 0
             from unirl.flows.rl import rl_train
 
             startup.imports_done(*RUN_IMPORTS)
-            result = rl_train(recipe, args.run_name or recipe.name)
+            while True:
+                restarts = api.restarts if api is not None else 0
+                try:
+                    result = rl_train(recipe, run_name)
+                    break
+                except Exception:
+                    # A run that failed while its local API server died and was started again goes on
+                    # from its last commit (bounded: the server is started again a few times at most).
+                    if api is None or api.restarts == restarts or api.gave_up:
+                        raise
+                    say("[unirl] the run failed while Prefect's local API server was down; resuming from its last commit")
     except KeyboardInterrupt:
         print("interrupted; run the same command again to resume", file=sys.stderr)
         return 130
@@ -154,6 +166,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"[unirl] done: {result['iterations']} iterations in {result['storage']}", flush=True)
     return 0
+
+
+def api_folder(recipe, run_name: str):
+    """Where the local Prefect API of a command keeps its database and log: `<run>/prefect/` for a
+    local storage root; a scratch folder, removed at exit, for an object store."""
+    from unirl.stages.runtime.scratch import scratch_dir
+    from unirl.stages.runtime.storage import RunStorage
+
+    local = RunStorage(recipe.storage.root, run_name, recipe.storage.options).local_path("prefect")
+    return local if local is not None else scratch_dir("unirl-prefect-api-")
 
 
 def audit(run: str, root: str | None) -> int:

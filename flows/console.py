@@ -150,8 +150,15 @@ def iteration_line(i: int, total: int, m: dict[str, float]) -> str:
     return (
         f"[unirl] iter-{i:06d} ({i + 1}/{total})  reward {m['rollout/reward_mean']:.3f}±{m['rollout/reward_std']:.3f}"
         f"{domain_part(m)}  loss {m['train/loss']:+.4f}{kl}{clip}  grad {m['train/grad_norm']:.3f}{agent_part(m)}"
-        f"  {m['time/iteration_s']:.1f}s"
+        f"{masked_part(m)}  {m['time/iteration_s']:.1f}s"
     )
+
+
+def masked_part(m: dict[str, float]) -> str:
+    """The share of response tokens the behaviour check masked (a replay a hair off its record,
+    stages/algorithms/base.py), when any was."""
+    frac = m.get("train/behaviour_masked_frac", 0.0)
+    return f"  masked {frac:.2%} tok (replay off record)" if frac > 0 else ""
 
 
 def domain_part(m: dict[str, float]) -> str:

@@ -1,25 +1,32 @@
-"""Not a speed workaround: without it every SIGKILLed `unirl run` leaves a Prefect API server
-behind (tests/flows/test_ephemeral.py).
+"""Prefect's API for one local `unirl` command: a server of the run's own, that dies with it and
+is started again when it dies first.
 
-Prefect's ephemeral API server, tied to the life of the `unirl` process that uses it.
+Without `PREFECT_API_URL`, Prefect would start its temporary API server (`SubprocessASGIServer`)
+at the first API call. Three things went wrong with it (docs/deploy.md, "The local Prefect API"):
+* every local run on a machine shared one SQLite file (`~/.prefect/prefect.db`);
+* it chooses a random port, checks that it is free and starts uvicorn, which binds only after its
+  start-up (migrations, seconds): two runs starting together can take the same port, and the
+  loser's health check is answered by the winner's server, which it then uses until the winner's
+  run ends and takes it down (`Connection refused` mid-run);
+* a server that died took the run down with it, and its stderr went to the run's terminal.
 
-Without `PREFECT_API_URL`, Prefect starts a temporary API server as a subprocess at the first API
-call and stops it when the interpreter exits. A `unirl run` killed with SIGKILL (by the OOM
-killer, a scheduler, `kill -9`) never exits that way, and the server lives on: its port, its
-SQLite database and a couple of hundred MB, one more for every killed run. `tie_ephemeral_api()`
-starts the server up front and leaves a watchdog process that stops it once its parent is gone.
-The worker group needs no such help: its processes die with their parent (`PR_SET_PDEATHSIG`).
-
-    python flows/ephemeral.py PARENT_PID SERVER_PID     # the watchdog, as tie_ephemeral_api starts it
+`LocalApi` binds the listening socket itself (port 0: the kernel's choice, no race) and hands it to
+uvicorn (`--fd`), with a database of the run's own and its log in the run folder. The socket
+stays open in `unirl` for the run's whole life, so a server that dies is started again behind the
+same address: requests made meanwhile wait in the socket's backlog instead of being refused. The
+server dies with `unirl` (PR_SET_PDEATHSIG), a SIGKILLed run included.
 """
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -54,20 +61,175 @@ LEAN_CLIENT = {"client.csrf_support_enabled": False, "logging.to_api.enabled": F
 STARTUP_TIMEOUT_S = 120
 
 
-def lean_ephemeral_api() -> AbstractContextManager[Any]:
-    """Inside the block, a run on Prefect's ephemeral API uses the settings above (a user's own
-    server is left as configured). A variable the user set wins."""
-    from prefect.settings import get_current_settings, temporary_settings
+# Set in `unirl`'s environment to its local API's URL while it serves: `on_server()` (tasks/common.py)
+# tells that API from a Prefect server the user runs.
+LOCAL_API_ENV = "UNIRL_LOCAL_PREFECT_API"
+# How often a local API server that died is started again before the run is let fail.
+RESTARTS = 5
 
-    from unirl.tasks.common import on_server
 
-    if on_server() or not get_current_settings().server.ephemeral.enabled:
-        return nullcontext()
+def wanted() -> bool:
+    """Whether this process should serve its own API: no Prefect server configured
+    (`PREFECT_API_URL`), and Prefect's ephemeral mode not switched off."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    return settings.api.url is None and settings.server.ephemeral.enabled
+
+
+@contextmanager
+def local_api(folder: Path, log: Callable[[str], None] = print) -> Iterator[LocalApi | None]:
+    """Inside the block, Prefect reports to a `LocalApi` whose database and log are in `folder`
+    (None where a Prefect server is configured: the user's server is left as it is), with the lean
+    settings above; a variable the user set wins."""
+    from prefect.settings import temporary_settings
+
+    if not wanted():
+        yield None
+        return
     for key, value in LEAN_SERVER_ENV.items():
         os.environ.setdefault(key, value)
-    updates = {**LEAN_CLIENT, "api.ssl_cert_file": str(loopback_ca_file())}
-    return temporary_settings(updates={k: v for k, v in updates.items()
-                                       if f"PREFECT_{k.upper().replace('.', '_')}" not in os.environ})
+    api = LocalApi(folder, log=log)
+    url = api.start()
+    updates: dict[str, Any] = {**LEAN_CLIENT, "api.ssl_cert_file": str(loopback_ca_file())}
+    updates = {k: v for k, v in updates.items() if f"PREFECT_{k.upper().replace('.', '_')}" not in os.environ}
+    os.environ[LOCAL_API_ENV] = url
+    try:
+        with temporary_settings(updates={**updates, "api.url": url}):
+            yield api
+    finally:
+        os.environ.pop(LOCAL_API_ENV, None)
+        api.close()
+
+
+class LocalApiDown(RuntimeError):
+    """The local API server could not be started."""
+
+
+class LocalApi:
+    """A Prefect API server for this process (module docstring): `folder/prefect.db`, its output
+    appended to `folder/server.log`; `start()` returns its URL, which stays the same across
+    restarts. `restarts`: how often it was started again after dying."""
+
+    def __init__(self, folder: Path, *, log: Callable[[str], None] = print, restarts: int = RESTARTS):
+        self.folder, self.say, self.max_restarts = Path(folder), log, restarts
+        self.db, self.log_path = self.folder / "prefect.db", self.folder / "server.log"
+        self.sock: socket.socket | None = None
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self.gave_up = False
+        self._closing = threading.Event()
+        self._started = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.sock is not None, "start() first"
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}/api"
+
+    def start(self) -> str:
+        """Bind the socket, start the server and wait until it answers; its URL."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(256)
+        # One thread starts the server and starts it again, and lives as long as the API:
+        # PR_SET_PDEATHSIG fires when the thread that forked a child ends, not its process.
+        self._watcher = threading.Thread(target=self._serve, name="unirl-local-api", daemon=True)
+        self._watcher.start()
+        self._started.wait()
+        if self._error is not None:
+            self.close()
+            raise self._error
+        return self.url
+
+    def _launch(self) -> subprocess.Popen:
+        from unirl.stages.workers.processes import die_with_parent
+
+        assert self.sock is not None
+        env = {**os.environ, "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT_UI_ENABLED": "0",
+               "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{self.db}"}
+        env.pop("PREFECT_API_URL", None)
+        fd = self.sock.fileno()
+        with open(self.log_path, "a") as out:
+            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} unirl (pid {os.getpid()}) starts the server on {self.url}\n")
+            out.flush()
+            return subprocess.Popen(
+                [sys.executable, "-m", "uvicorn", "--fd", str(fd), "--factory", "prefect.server.api.server:create_app",
+                 "--lifespan", "on", "--log-level", "warning"],
+                pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent, start_new_session=True,  # Ctrl-C is for unirl, which then stops it
+            )
+
+    def _wait_healthy(self, proc: subprocess.Popen) -> None:
+        import httpx
+
+        timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", STARTUP_TIMEOUT_S))
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=5) as client:
+            while True:
+                if proc.poll() is not None:
+                    raise LocalApiDown(f"Prefect's local API server exited with code {proc.returncode} while starting "
+                                       f"(its log: {self.log_path}):\n{self.log_tail()}")
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise LocalApiDown(f"Prefect's local API server did not answer within {timeout:.0f} s (its log: "
+                                       f"{self.log_path}; PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS allows longer)")
+                time.sleep(0.1)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def _serve(self) -> None:
+        """The watcher thread: start the server, then start it again each time it dies on its own."""
+        try:
+            self.proc = self._launch()
+            self._wait_healthy(self.proc)
+        except BaseException as exc:  # noqa: BLE001 - handed to start(), which raises it
+            self._error = exc
+            self._started.set()
+            return
+        self._started.set()
+        while not self._closing.wait(0.5):
+            code = self.proc.poll()
+            if code is None:
+                continue
+            if self.restarts >= self.max_restarts:
+                self.gave_up = True
+                self.say(f"[unirl] Prefect's local API server died again (exit code {code}) after {self.restarts} "
+                         f"restarts; the run stops here (server log: {self.log_path})")
+                return
+            self.restarts += 1
+            self.say(f"[unirl] Prefect's local API server exited with code {code} (its log: {self.log_path}); "
+                     f"started again on the same address ({self.restarts} of {self.max_restarts})")
+            try:
+                self.proc = self._launch()
+                self._wait_healthy(self.proc)
+            except LocalApiDown as exc:
+                self.say(f"[unirl] {exc}")
+
+    def close(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 10 s) and close the socket."""
+        self._closing.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.sock is not None:
+            self.sock.close()
 
 
 def loopback_ca_file() -> Path:
@@ -88,59 +250,3 @@ def loopback_ca_file() -> Path:
     return path
 
 
-def tie_ephemeral_api() -> None:
-    """Start the ephemeral API server now if this process will use one, and its watchdog (on a
-    real Prefect server there is nothing to tie)."""
-    from prefect.settings import get_current_settings
-
-    from unirl.tasks.common import on_server
-
-    if on_server() or not get_current_settings().server.ephemeral.enabled:
-        return
-    from prefect.server.api.server import SubprocessASGIServer
-
-    server = SubprocessASGIServer()
-    # A startup timeout the user set wins.
-    server.start(timeout=None if "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in os.environ else STARTUP_TIMEOUT_S)
-    if server.server_process is None:
-        return
-    subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), str(os.getpid()), str(server.server_process.pid)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,  # Ctrl-C in the terminal is for unirl, which then stops the server itself
-    )
-
-
-def _running(proc) -> bool:
-    import psutil
-
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE  # is_running: not a reused pid
-    except psutil.NoSuchProcess:
-        return False
-
-
-def watch(parent_pid: int, server_pid: int, poll_s: float = 0.5, grace_s: float = 10.0) -> None:
-    """Return when the server is gone; if the parent goes first, stop the server (SIGTERM, then
-    SIGKILL after `grace_s`)."""
-    import psutil
-
-    try:
-        parent, server = psutil.Process(parent_pid), psutil.Process(server_pid)
-    except psutil.NoSuchProcess:
-        return
-    while _running(server):
-        if not _running(parent):
-            try:
-                server.terminate()
-                server.wait(grace_s)
-            except psutil.TimeoutExpired:
-                server.kill()
-            except psutil.NoSuchProcess:
-                pass
-            return
-        time.sleep(poll_s)
-
-
-if __name__ == "__main__":
-    watch(int(sys.argv[1]), int(sys.argv[2]))

@@ -228,6 +228,14 @@ class Recipe(Section):
         if self.compose is not None:  # a part's placement too (a pipeline's parts have their own `train`, accumulating never)
             exclude["compose"] = {self.compose.members_field: {"__all__": {"train": placement | {"accumulate_rollouts"}}}}
         data = self.model_dump(mode="json", exclude=exclude)
+        # The behaviour check's mask band at its defaults is left out too: a run started before those
+        # fields resumes (and runs under them: docs/extending.md, "The behaviour check").
+        for rollout in [data.get("rollout")] + [m.get("rollout") for m in (data.get("compose") or {}).get(
+                self.compose.members_field if self.compose is not None else "", []) if isinstance(m, dict)]:
+            if isinstance(rollout, dict):
+                for key, default in BEHAVIOUR_DEFAULTS.items():
+                    if rollout.get(key, default) == default:
+                        rollout.pop(key, None)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def to_yaml(self) -> str:
@@ -236,6 +244,7 @@ class Recipe(Section):
         return yaml.safe_dump(self.model_dump(mode="json", exclude=unset), sort_keys=False)
 
 
+BEHAVIOUR_DEFAULTS = {"behaviour_mask_limit": None, "behaviour_max_masked_frac": 0.2}
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 

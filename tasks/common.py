@@ -2,6 +2,7 @@
 other nodes of a multi-node group start (`node_launcher`)."""
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
@@ -23,8 +24,9 @@ _ENGINES: dict[str, RolloutEngine] = {}
 
 def on_server() -> bool:
     """True when runs report to a Prefect server (a deployment, or `PREFECT_API_URL` set); False
-    under `unirl run`'s ephemeral API."""
-    return get_current_settings().api.url is not None
+    under the local API of `unirl run` (flows/ephemeral.py, which names it in UNIRL_LOCAL_PREFECT_API)."""
+    url = get_current_settings().api.url
+    return url is not None and url != os.environ.get("UNIRL_LOCAL_PREFECT_API")
 
 
 def staged(task: T) -> T:
@@ -123,11 +125,7 @@ def start_producer(recipe: Recipe, run_name: str, storage: RunStorage) -> None:
     API); it dies with this process."""
     from unirl.stages.runtime.producer_process import ProducerProcess
 
-    url = get_current_settings().api.url
-    if url is None:  # the ephemeral API of `unirl run`: the producer reports to the same server
-        from prefect.server.api.server import SubprocessASGIServer
-
-        url = SubprocessASGIServer().api_url
+    url = get_current_settings().api.url  # a server's, or the local API of `unirl run`: the producer reports there
     producer = _PRODUCERS[storage.url()] = ProducerProcess(recipe, run_name, api_url=url,
                                                            log=announce(get_run_logger()))
     producer.start()

@@ -61,15 +61,19 @@ class FlowLikelihood(Algorithm):
         k = len(steps)
         weight = share * ctx.world
         totals: dict[str, float] = {}
-        largest = 0.0
+        largest, masked = 0.0, 0.0
         for j, step in enumerate(steps):
             out = ctx.policy.replay(ctx.module, batch, step)
             logp = out.log_prob[:, None]
             old = batch.logprobs[:, j:j + 1]
+            adv = batch.advantage
             if update == 0 and real:
-                diff, _ = check_behaviour(logp, old, None, ctx=ctx, sample_ids=batch.sample_ids, what=f"SDE step {step}")
+                diff, _, keep = check_behaviour(logp, old, None, ctx=ctx, sample_ids=batch.sample_ids, what=f"SDE step {step}")
                 largest = max(largest, diff)
-            res = self.step_loss(logp, old, batch.advantage, out, None if frozen is None else frozen[:, j])
+                masked += float((keep == 0).sum()) / (len(batch.sample_ids) * k)
+                if not bool(keep.all()):  # a step a hair off its record: advantage 0 in this step's loss
+                    adv = adv * keep[:, 0]
+            res = self.step_loss(logp, old, adv, out, None if frozen is None else frozen[:, j])
             loss, metrics = res.loss, dict(res.metrics)
             kl_coef = self.kl_coef
             if kl_coef > 0:
@@ -83,4 +87,5 @@ class FlowLikelihood(Algorithm):
             add(totals, metrics, 1.0 / k)
         if update == 0 and real:
             totals["behaviour_logp_max_abs_diff"] = largest
+            totals["behaviour_masked_frac"] = masked
         return totals

@@ -140,8 +140,9 @@ class FlowOPD(Algorithm):
             v_student = ctx.policy.state_velocity(ctx.module, batch, step)
             if update == 0 and real:  # the on-policy check: this velocity replays the sampler's record
                 logp = ctx.policy.replay(ctx.module, batch, step, v=v_student.detach()).log_prob[:, None]
-                diff, _ = check_behaviour(logp, batch.logprobs[:, j:j + 1], None, ctx=ctx, sample_ids=batch.sample_ids,
-                                          what=f"SDE step {step}")
+                # No masking: the distillation loss regresses on the teacher and takes no advantage to zero.
+                diff, _, _ = check_behaviour(logp, batch.logprobs[:, j:j + 1], None, ctx=ctx, sample_ids=batch.sample_ids,
+                                             what=f"SDE step {step}", maskable=False)
                 largest = max(largest, diff)
             res = flow_opd_loss(v_student, self.teacher_velocity(ctx, batch, step, v_student), self.recipe.distill.coef)
             (res.loss * (weight / k)).backward()

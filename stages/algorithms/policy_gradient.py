@@ -43,12 +43,29 @@ class TokenPolicyGradient(Algorithm):
         """The loss against the proximal old log-probs o (the live replay, detached, on the first
         mini-batch; frozen before any step on the later ones). With `rollout.correction` the
         behaviour log-probs b recorded at sampling time enter too (stages/algorithms/correction.py):
-        importance weights o/b on the advantage, or b as the PPO anchor itself."""
+        importance weights o/b on the advantage, or b as the PPO anchor itself. Rows the trained
+        weights sampled are checked against their record first (the on-policy check): a token a
+        hair off it (above the tolerance, within the mask limit) gets advantage 0, the whole
+        sequence for a sequence-level loss (GSPO); it still counts in the loss's normalisation."""
         logp = ctx.policy.replay(ctx.module, batch)
         proximal = logp.detach() if frozen is None else frozen
         old_logp, adv = proximal, batch.advantage
-        correction = self.recipe.rollout.correction
         metrics: dict[str, float] = {}
+        keep = None
+        if real:
+            # Rows sampled by the weights being trained must replay to their record (the
+            # on-policy check); rows of older versions are expected to differ and are only measured.
+            fresh = batch.fresh(ctx.trained_version)
+            if bool(fresh.any()):
+                _, _, keep = check_behaviour(proximal, batch.behaviour, batch.mask * fresh[:, None], ctx=ctx,
+                                             sample_ids=batch.sample_ids, what="the response tokens")
+            largest, mean = behaviour_mismatch(proximal, batch.behaviour, batch.mask)
+            masked = 0.0 if keep is None else float(((1.0 - keep) * batch.mask).sum())
+            metrics["behaviour_logp_abs_diff"] = mean
+            metrics["behaviour_logp_max_abs_diff"] = largest
+            metrics["behaviour_masked_frac"] = masked / max(float(batch.mask.sum()), 1.0)
+            metrics["stale_frac"] = float(1.0 - fresh.float().mean())
+        correction = self.recipe.rollout.correction
         if correction is not None:
             c = correction
             w, stats = importance_weights(proximal, batch.behaviour, batch.mask, level=c.level, mode=c.mode, cap=c.cap,
@@ -58,6 +75,8 @@ class TokenPolicyGradient(Algorithm):
             adv = weighted_advantage(adv, w)
             if real:
                 metrics.update(stats)
+        if keep is not None and not bool(keep.all()):
+            adv = masked_advantage(adv, keep, token_level="token" in self.correction_levels)
         out = self.loss(logp, old_logp, adv, batch.mask, self.recipe.rollout.max_new_tokens)
         loss, metrics = out.loss, {**metrics, **out.metrics}
         cfg = self.cfg
@@ -68,16 +87,14 @@ class TokenPolicyGradient(Algorithm):
             loss = loss + cfg.kl_coef * kl_mean
             metrics["kl"] = float(kl_mean.detach())
         (loss * share * ctx.world).backward()
-        if real:
-            # Rows sampled by the weights being trained must replay to their record (the
-            # on-policy check); rows of older versions are expected to differ and are only measured.
-            fresh = batch.fresh(ctx.trained_version)
-            if bool(fresh.any()):
-                check_behaviour(proximal, batch.behaviour, batch.mask * fresh[:, None], ctx=ctx,
-                                sample_ids=batch.sample_ids, what="the response tokens")
-            largest, mean = behaviour_mismatch(proximal, batch.behaviour, batch.mask)
-            metrics["behaviour_logp_abs_diff"] = mean
-            metrics["behaviour_logp_max_abs_diff"] = largest
-            metrics["stale_frac"] = float(1.0 - fresh.float().mean())
         metrics["loss"] = float(loss.detach())
         return metrics
+
+
+def masked_advantage(adv: torch.Tensor, keep: torch.Tensor, *, token_level: bool) -> torch.Tensor:
+    """adv (B,) or (B, L) with the elements where keep (B, L) is 0 set to 0: per token, or, not
+    `token_level`, for the whole row (B,) of any such token."""
+    if not token_level:
+        row = keep.amin(dim=-1)
+        return adv * (row[:, None] if adv.dim() == 2 else row)
+    return (adv[:, None] if adv.dim() == 1 else adv) * keep

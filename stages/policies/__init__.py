@@ -21,7 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from unirl.stages.algorithms.correction import CorrectionConfig
 from unirl.stages.engines import engine_config
@@ -54,6 +54,18 @@ class RolloutBase(Section):
         "(empty: the engine's or the policy's measured default, see docs/extending.md). Only rows sampled by the "
         "weights being trained are held to it; rows of older versions are measured (train/behaviour_logp_*).",
     )
+    behaviour_mask_limit: float | None = Field(
+        None, ge=0,
+        description="A token of a row the trained weights sampled whose |replayed - recorded| log-prob is above the "
+        "tolerance but at most this is masked out of the loss (advantage 0) and counted (train/behaviour_masked_frac) "
+        "instead of failing the run; above it the update fails (empty: the policy's default, 1e-2 for text in fp32, "
+        "1.0 in bf16; flow policies replay exactly and mask nothing; docs/extending.md, 'The behaviour check').",
+    )
+    behaviour_max_masked_frac: float = Field(
+        0.2, ge=0, le=1,
+        description="The update fails when more than this fraction of the samples a rank checks in it had a token "
+        "masked: rounding leaves a few tokens a hair off their record, a real misalignment many.",
+    )
     mode: Literal["sync", "async"] = Field(
         "sync", description="sync: each iteration samples, then trains; async: a producer flow keeps sampling later "
         "iterations on a dedicated engine while the trainer trains (docs/engines.md). async needs rollout.correction.")
@@ -64,6 +76,14 @@ class RolloutBase(Section):
     correction: CorrectionConfig | None = Field(
         None, description="Off-policy correction of rows whose behaviour log-probs differ from the trainer's "
         "(stages/algorithms/correction.py); empty: every row must be on-policy.")
+
+    @model_validator(mode="after")
+    def _mask_band(self) -> RolloutBase:
+        tol, limit = self.behaviour_tolerance, self.behaviour_mask_limit
+        if tol is not None and limit is not None and limit < tol:
+            raise ValueError(f"rollout.behaviour_mask_limit: {limit:g} is below rollout.behaviour_tolerance ({tol:g}); "
+                             "tokens up to the tolerance train, those above it up to the mask limit are masked: raise it")
+        return self
 
 
 def engine_config_default() -> Section:
@@ -111,6 +131,12 @@ class Policy(ABC):
     def default_tolerance(cls, dtype: str) -> float:
         """Largest behaviour-vs-replay log-prob difference of trainside sampling at `dtype`."""
         raise NotImplementedError
+
+    @classmethod
+    def default_mask_limit(cls, dtype: str) -> float | None:
+        """Largest difference a token may have and be masked instead of failing the update, at
+        `dtype` (None: no mask band, as for a policy that replays exactly)."""
+        return None
 
     def check_teacher(self, name: str, directory: Any) -> None:
         """Refuse the folder of distillation teacher `name` where it cannot teach this policy's
@@ -202,5 +228,18 @@ def behaviour_tolerance(recipe: Any) -> float:
     tolerance = recipe.rollout.behaviour_tolerance
     if tolerance is None:
         tolerance = engines.get(recipe.rollout.engine.name).behaviour_tolerance
-    compute = "bfloat16" if recipe.train.mixed_precision == "bf16" else recipe.model.dtype
-    return policy_for(recipe).default_tolerance(compute) if tolerance is None else tolerance
+    return policy_for(recipe).default_tolerance(compute_dtype(recipe)) if tolerance is None else tolerance
+
+
+def compute_dtype(recipe: Any) -> str:
+    """The dtype the policy's forward computes in (bf16 mixed precision: bfloat16)."""
+    return "bfloat16" if recipe.train.mixed_precision == "bf16" else recipe.model.dtype
+
+
+def behaviour_mask_limit(recipe: Any) -> float | None:
+    """The top of the behaviour check's mask band (`rollout.behaviour_mask_limit`, else the policy's
+    default; None: no band), never below the tolerance."""
+    limit = recipe.rollout.behaviour_mask_limit
+    if limit is None:
+        limit = policy_for(recipe).default_mask_limit(compute_dtype(recipe))
+    return None if limit is None else max(limit, behaviour_tolerance(recipe))

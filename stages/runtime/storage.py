@@ -93,8 +93,8 @@ def _sleep(seconds: float) -> None:
 
 
 def interrupt(signum: int, frame: Any) -> None:
-    """SIGINT handler of `unirl` commands: stop all object-store retries, then interrupt as Python
-    does (KeyboardInterrupt in the main thread)."""
+    """SIGINT and SIGTERM handler of `unirl` commands: stop all object-store retries, then interrupt
+    as Python does on Ctrl-C (KeyboardInterrupt in the main thread)."""
     STOPPING.set()
     raise KeyboardInterrupt
 

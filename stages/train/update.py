@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from unirl.stages.algorithms.base import TrainContext
+from unirl.stages.algorithms.base import TrainContext, judge_masked
 
 
 def _extreme(key: str) -> str | None:
@@ -33,7 +33,8 @@ def _extreme(key: str) -> str | None:
 class UpdatePart:
     """One policy's share of an optimizer step: its algorithm, this rank's micro-batches
     (`batches[k]`: of mini-batch k; `counts[k]`: the most any rank has), the behaviour tolerance
-    of its on-policy check, the weight of its loss and the prefix of its metrics."""
+    of its on-policy check, the weight of its loss, the prefix of its metrics, and the check's
+    mask band (stages/algorithms/base.py: `check_behaviour`)."""
 
     policy: Any
     algo: Any
@@ -42,6 +43,8 @@ class UpdatePart:
     tolerance: float
     weight: float = 1.0
     prefix: str = ""
+    mask_limit: float | None = None
+    max_masked_frac: float = 0.0
 
 
 def joint_update(stack: Any, parts: list[UpdatePart], *, iteration: int, seed: int, version: int | None = None) -> dict[str, Any]:
@@ -62,7 +65,8 @@ def joint_update(stack: Any, parts: list[UpdatePart], *, iteration: int, seed: i
         def get(k: int, j: int, part: UpdatePart = part, template: Any = template) -> tuple[Any, float]:
             return (part.batches[k][j], 1.0) if j < len(part.batches[k]) else (part.policy.stand_in(template), 0.0)
 
-        ctx = TrainContext(part.policy, stack, iteration, seed, part.tolerance, stack.rank, version)
+        ctx = TrainContext(part.policy, stack, iteration, seed, part.tolerance, stack.rank, version,
+                           mask_limit=part.mask_limit, max_masked_frac=part.max_masked_frac)
         frozen: dict[tuple[int, int], Any] = {}
         with torch.no_grad(), stack.maybe_ema(part.algo.samples_with_ema):
             for k, count in enumerate(part.counts):
@@ -92,6 +96,7 @@ def joint_update(stack: Any, parts: list[UpdatePart], *, iteration: int, seed: i
                     else:
                         st["extremes"].setdefault(key, -np.inf)
                 st["weight"] += w
+            judge_masked(st["ctx"])  # too many samples a hair off their record is a real misalignment
         norm = stack.step()
         if np.isfinite(norm):
             norms.append(norm)

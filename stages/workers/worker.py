@@ -20,7 +20,7 @@ from unirl.stages.compose import shape_of
 from unirl.stages.compose.shared import JointSFT, split_by_stage, with_stage
 from unirl.stages.distill import teacher_folders
 from unirl.stages.models.family import get_family
-from unirl.stages.policies import behaviour_tolerance, policies
+from unirl.stages.policies import behaviour_mask_limit, behaviour_tolerance, policies
 from unirl.stages.recipe import Recipe
 from unirl.stages.runtime.faults import fault_point
 from unirl.stages.runtime.images import IMAGE_COLUMNS
@@ -37,13 +37,15 @@ COMMANDS = ("ping", "generate", "teach", "train", "sft", "save", "publish", "pub
 
 @dataclass
 class Stage:
-    """A policy the group runs, with its algorithm, the behaviour tolerance of its on-policy check
-    and the weight of its loss in a joint step."""
+    """A policy the group runs, with its algorithm, the behaviour tolerance of its on-policy check,
+    the weight of its loss in a joint step, and the check's mask band (stages/algorithms/base.py)."""
 
     policy: Any
     algorithm: Any
     tolerance: float
     weight: float
+    mask_limit: float | None = None
+    max_masked_frac: float = 0.0
 
 
 def rl_spec(recipe: Recipe, schedule_steps: int) -> OptimizerSpec:
@@ -80,7 +82,8 @@ class Worker:
         for name, (part, weight) in (self.grouped or {"": (recipe, 1.0)}).items():
             policy_cls = policies.get(part.rollout.kind)
             self.stages[name] = Stage(policy_cls(self.family, bundle, part, device), get_algorithm(part.algorithm.name)(part.algorithm, part),
-                                      behaviour_tolerance(part), weight)
+                                      behaviour_tolerance(part), weight, behaviour_mask_limit(part),
+                                      part.rollout.behaviour_max_masked_frac)
         self._main = main = list(self.stages.values())[-1]  # of several stages, the last
         self.policy, self.algorithm = main.policy, main.algorithm
         if self.mode == "sft":
@@ -230,7 +233,8 @@ class Worker:
             parts.append(UpdatePart(stage.policy, stage.algorithm,
                                     [[b for batches, _, _ in pieces for b in batches[k]] for k in range(updates)],
                                     [sum(counts[k] for _, counts, _ in pieces) for k in range(updates)],
-                                    stage.tolerance, stage.weight, f"{name}/" if name else ""))
+                                    stage.tolerance, stage.weight, f"{name}/" if name else "", stage.mask_limit,
+                                    stage.max_masked_frac))
         metrics = joint_update(self.stack, parts, iteration=iteration, seed=self.recipe.seed, version=self.version)
         self.version += 1
         return {"iteration": iteration, "policy_version": self.version, "metrics": metrics, "seconds": time.perf_counter() - start}

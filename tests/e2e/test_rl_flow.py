@@ -333,3 +333,38 @@ def test_resume_with_a_different_recipe_is_refused(reference, unirl_env):
     assert out.returncode == 1
     assert "was started with a different recipe" in out.stderr
     assert sorted(str(p) for p in run.rglob("*")) == before  # nothing written, nothing left behind
+
+
+def test_a_local_run_outlives_its_prefect_api_server(tmp_path, ephemeral_env, reference):
+    """`unirl run` on its own local Prefect API (flows/ephemeral.py): the server is SIGKILLed while
+    the run is held inside iteration 1 (stopped at sync, before its commit). The run starts the
+    server again behind the same address, finishes, and ends as the uninterrupted run did: every
+    iteration once, the same losses. The server's database and log are in the run folder."""
+    root = tmp_path / "runs"
+    args = [*REFERENCE, f"storage.root={root}"]
+    proc = zygote.popen([sys.executable, "-m", "unirl.flows.cli", *args], env={**ephemeral_env, "UNIRL_FAULTS": STOP_AT_SYNC},
+                        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_stopped(proc)
+        api = [c for c in psutil.Process(proc.pid).children() if "prefect.server.api.server" in " ".join(c.cmdline())]
+        assert len(api) == 1, "no local Prefect API server was running"
+        api[0].kill()
+        api[0].wait(timeout=30)
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert "Prefect's local API server exited with code -9" in out and "started again on the same address (1 of 5)" in out
+    for i in range(4):
+        assert out.count(f"[unirl] iter-{i:06d} ({i + 1}/4)") == 1, out
+    run = root / "tiny"
+    check_layout(run, 4)
+    ref_run, _ = reference
+    for i in range(4):
+        a = json.loads((run / f"iter-{i:06d}/train.json").read_text())["metrics"]
+        b = json.loads((ref_run / f"iter-{i:06d}/train.json").read_text())["metrics"]
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], i
+    log = (run / "prefect" / "server.log").read_text()
+    assert log.count("starts the server on http://127.0.0.1:") == 2
+    assert (run / "prefect" / "prefect.db").is_file()
