@@ -157,6 +157,7 @@ class WorkerGroup(ModelGroup):
         self._threads = threads_per_rank(recipe.train.nproc_per_node)
         self._lock = threading.Lock()
         self._checked = (0.0, False)  # (when, whether the group's records said it is failing)
+        self._busy = False  # a command was sent and its reply never read (stop() then kills at once)
 
     # -- lifecycle --------------------------------------------------------------------------
     def alive(self) -> bool:
@@ -248,6 +249,7 @@ class WorkerGroup(ModelGroup):
     def start(self, checkpoint: int | None) -> None:
         """Load `checkpoint` (a committed version) or the initial weights into the group: the
         prewarmed processes when they are waiting, else newly launched ones."""
+        self._busy = False
         self._boot(self._load(self.recipe, self.storage, self.init_weights, checkpoint),
                    f"checkpoint {checkpoint}" if checkpoint is not None else "initial weights")
 
@@ -317,7 +319,10 @@ class WorkerGroup(ModelGroup):
     def stop(self, timeout: float = 20.0) -> None:
         if self.proc is None and self.plan is None:
             return
-        if self.alive() and self.port is not None:  # a group that never became ready has no control port
+        # A command left without its reply (the run interrupted by SIGINT or SIGTERM, or failing, while
+        # rank 0 works on a warm-up or an update) keeps the group busy: it would take the shutdown only
+        # when done, and nothing it has not committed is worth waiting for.
+        if self.alive() and self.port is not None and not self._busy:  # a group that never became ready has no control port
             try:
                 self._send("shutdown", {}, timeout=timeout)
             except (WorkerError, OSError):
@@ -376,6 +381,7 @@ class WorkerGroup(ModelGroup):
             raise WorkerGroupDied(f"worker group is not running:\n{self.log_tail()}")
         assert self.port is not None, "commands go to a group that is ready (it reported its control port)"
         with self._lock, socket.create_connection((self.host, self.port), timeout=30) as sock:
+            self._busy = True
             send_json(sock, {"token": self.token, "cmd": cmd, "args": args})
             sock.settimeout(1.0)
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -391,6 +397,7 @@ class WorkerGroup(ModelGroup):
                 except ConnectionError:
                     time.sleep(0.5)
                     raise self.died(f"(it closed the connection) during {cmd!r}") from None
+            self._busy = False
         if not reply.get("ok"):
             if cmd != "shutdown" and self.multinode:
                 died = self.died(f"during {cmd!r}")

@@ -349,7 +349,10 @@ def test_a_local_run_outlives_its_prefect_api_server(tmp_path, ephemeral_env, re
         api = [c for c in psutil.Process(proc.pid).children() if "prefect.server.api.server" in " ".join(c.cmdline())]
         assert len(api) == 1, "no local Prefect API server was running"
         api[0].kill()
-        api[0].wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while api[0].is_running() and api[0].status() != psutil.STATUS_ZOMBIE:  # the stopped run cannot reap it yet
+            assert time.monotonic() < deadline, "the API server did not die"
+            time.sleep(0.05)
         os.kill(proc.pid, signal.SIGCONT)
         out, _ = proc.communicate(timeout=600)
     finally:
