@@ -5,9 +5,10 @@ full forward at the response tokens.
 
 Behaviour policy. Sampling decodes incrementally with a KV cache over left-padded prompts; the
 replay is one full forward over right-padded sequences. In fp32 the two differ by rounding only
-(the measured bound is in `docs/extending.md`); the default tolerance is 1e-4 (bf16 parameters:
-0.1). A larger difference means sampling and training did not see the same weights, tokens or
-positions, and the first update fails naming the sample.
+(docs/extending.md, "The behaviour check"): the default tolerance is 1e-4 (bf16 parameters: 0.1),
+a token up to 1e-2 off (bf16: 1.0) is masked out of the loss, and beyond that, or on many
+samples, sampling and training did not see the same weights, tokens or positions: the update
+fails naming the sample.
 
 Prompts with images (a family that `takes_images`: the Qwen-VL families). The family's
 `image_prompts` turns a prompt's text and stored images into token ids (image placeholders

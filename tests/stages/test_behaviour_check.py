@@ -4,13 +4,19 @@ and counted, far beyond it (or a little beyond on many samples) stops the update
 they are sized for: long multi-turn trajectories sampled with a KV cache, replayed in one forward."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
+from tests.conftest import REPO
 from tests.stages.test_seams import worker_for
 from unirl.stages.algorithms import BehaviourMismatchError, TrainContext
 from unirl.stages.algorithms.base import check_behaviour, judge_masked
 from unirl.stages.algorithms.policy_gradient import masked_advantage
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from behaviour_rounding import PAD, multi_turn, replay_diffs, tiny_agent_model  # noqa: E402
 
 
 def ctx(tolerance=1e-4, mask_limit=1e-2, max_masked_frac=0.2) -> TrainContext:
@@ -102,58 +108,25 @@ def test_through_the_seam_one_token_a_hair_off_trains_masked_a_real_misalignment
 
 
 def test_long_multi_turn_trajectories_replay_within_the_mask_band():
-    """Trajectories at the agentic quickstart's size (its tiny Qwen3's geometry, 16 rows, three
-    assistant turns of up to 80 tokens with a 20-token tool turn prefilled between them, about 300
-    tokens each), sampled as an agent's turns are (each turn a fresh left-padded prefill of the
-    whole context, then incremental decoding with a KV cache), replayed in one right-padded
-    forward as the trainer does. Every policy token stays within the mask limit and only a few
-    beyond the tolerance; a replay blind to the tool turns (a real misalignment) leaves it."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
+    """Trajectories at the agentic quickstart's size (its tiny Qwen3's geometry, logits at a trained
+    model's scale, 16 rows, three assistant turns of up to 80 tokens with a 20-token tool turn
+    prefilled between them, about 300 tokens each), sampled as an agent's turns are (each turn a
+    fresh left-padded prefill of the whole context, then incremental decoding with a KV cache),
+    replayed in one right-padded forward as the trainer does (benchmarks/behaviour_rounding.py).
+    Every policy token stays within the mask limit and few beyond the tolerance; a replay blind to
+    the tool turns (a real misalignment) leaves it."""
     from unirl.stages.policies.text import token_batch, token_logp
-    from unirl.stages.policies.text_sampling import sample
 
-    torch.manual_seed(0)
-    vocab, eos, pad = 64, 1, 0
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                         num_key_value_heads=1, head_dim=32, intermediate_size=128,
-                                         max_position_embeddings=512, tie_word_embeddings=False)).eval()
-    with torch.no_grad():  # logits at the scale a trained model reaches (|logit| ~ 10), not a random init's ~0.1
-        model.lm_head.weight.mul_(60.0)
-    gen = torch.Generator().manual_seed(1)
-    contexts = [torch.randint(2, vocab, (int(n),), generator=gen).tolist() for n in torch.randint(6, 12, (16,), generator=gen)]
-    prompts = [list(c) for c in contexts]
-    own: list[list[int]] = [[] for _ in contexts]  # per row: 1 on the policy's own tokens after the prompt, 0 on tool tokens
-    records: list[list[float]] = [[] for _ in contexts]  # the sampler's log-probs on the same positions (0 on tool tokens)
-    for turn in range(3):
-        out = sample(model, contexts, [100 * turn + i for i in range(16)], max_new_tokens=80, temperature=1.0, top_p=1.0,
-                     eos_id=eos, pad_id=pad, device=torch.device("cpu"))
-        for i, (resp, lps) in enumerate(zip(out.response_ids, out.logprobs)):
-            tool = torch.randint(2, vocab, (20,), generator=gen).tolist() if turn < 2 else []
-            contexts[i] = contexts[i] + resp + tool
-            own[i] += [1] * len(resp) + [0] * len(tool)
-            records[i] += list(lps) + [0.0] * len(tool)
-    responses = [c[len(p):] for c, p in zip(contexts, prompts)]
-    assert max(len(c) for c in contexts) >= 250
-    diffs, counted = [], 0
-    for lo in range(0, 16, 8):  # micro-batches of 8, as the trainer cuts them
-        batch = token_batch(prompts[lo:lo + 8], responses[lo:lo + 8], pad, torch.device("cpu"))
-        with torch.no_grad():
-            replayed = token_logp(model, batch, 1.0)
-        for j in range(8):
-            i = lo + j
-            start = len(prompts[i]) - 1
-            rep = replayed[j, start:start + len(responses[i])]
-            mine = torch.tensor(own[i], dtype=torch.bool)
-            diffs.append((rep[mine] - torch.tensor(records[i])[mine]).abs())
-            counted += int(mine.sum())
-    d = torch.cat(diffs)
-    assert d.numel() == counted > 2000
+    model = tiny_agent_model(0)
+    prompts, responses, own, records = multi_turn(model, rows=16, turns=3, seed=0)
+    assert max(len(p) + len(r) for p, r in zip(prompts, responses)) >= 250
+    d, _, _ = replay_diffs(model, prompts, responses, own, records, micro_batch=8)
+    assert d.numel() > 2000
     assert float(d.max()) <= 1e-2, "a token beyond the mask limit: not rounding"
     assert float((d > 1e-4).float().mean()) <= 0.01, f"{int((d > 1e-4).sum())} of {d.numel()} tokens beyond the tolerance"
     # The control, a real misalignment: the replay does not attend to the tool turns (as a trainer
     # that dropped the context tokens it does not train would).
-    batch = token_batch(prompts[:8], responses[:8], pad, torch.device("cpu"))
+    batch = token_batch(prompts[:8], responses[:8], PAD, torch.device("cpu"))
     start = len(prompts[0]) - 1
     mine = torch.tensor(own[0], dtype=torch.bool)
     batch["attn"][0, start + 1:start + 1 + len(responses[0])][~mine] = 0
