@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_prefect(args.verbose)  # before Prefect configures its logging
     run_name = args.run_name or recipe.name
     try:
-        from unirl.flows.ephemeral import local_api
+        from unirl.flows.ephemeral import LocalApiDown, local_api
 
         failures_once(args.verbose)
         with local_api(api_folder(recipe, run_name), log=say) as api:
@@ -152,10 +152,13 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     result = rl_train(recipe, run_name)
                     break
-                except Exception:
+                except Exception as exc:
                     # A run that failed while its local API server died and was started again goes on
                     # from its last commit (bounded: the server is started again a few times at most).
-                    if api is None or api.restarts == restarts or api.gave_up:
+                    if api is not None and api.gave_up:
+                        raise LocalApiDown(f"Prefect's local API server kept dying (its log: {api.log_path}); nothing "
+                                           "committed is lost: run the same command again to resume") from exc
+                    if api is None or api.restarts == restarts:
                         raise
                     say("[unirl] the run failed while Prefect's local API server was down; resuming from its last commit")
     except KeyboardInterrupt:

@@ -30,6 +30,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from unirl.stages.runtime.scratch import log_tail
+
 # The ephemeral API serves one local run and stops with it: nobody schedules, automates or reads
 # its logs later. Its server keeps only what a run needs and records task runs in batches (one
 # transaction per task run made the next iteration's flow-run creation wait behind it).
@@ -103,7 +105,7 @@ def local_api(folder: Path, log: Callable[[str], None] = print) -> Iterator[Loca
 
 
 class LocalApiDown(RuntimeError):
-    """The local API server could not be started."""
+    """The local API server could not be started, or kept dying."""
 
 
 class LocalApi:
@@ -183,10 +185,7 @@ class LocalApi:
                 time.sleep(0.1)
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return log_tail(self.log_path, lines, missing="")
 
     def _serve(self) -> None:
         """The watcher thread: start the server, then start it again each time it dies on its own."""
@@ -204,6 +203,8 @@ class LocalApi:
                 continue
             if self.restarts >= self.max_restarts:
                 self.gave_up = True
+                if self.sock is not None:
+                    self.sock.close()  # requests are refused now, not left waiting in the backlog
                 self.say(f"[unirl] Prefect's local API server died again (exit code {code}) after {self.restarts} "
                          f"restarts; the run stops here (server log: {self.log_path})")
                 return

@@ -20,6 +20,7 @@ from pydantic import Field
 
 from unirl.stages.engines.client import EngineClient, EngineUnreachable
 from unirl.stages.engines.dedicated import DedicatedConfig, DedicatedEngine
+from unirl.stages.runtime.scratch import log_tail
 from unirl.stages.train.manifests import MANIFEST
 
 
@@ -118,10 +119,7 @@ class LaunchedEngine(DedicatedEngine):
         print(f"[unirl] {message}", file=sys.stderr, flush=True)
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return "(no log)"
+        return log_tail(self.log_path, lines)
 
     def generate(self, requests: str, out_dir: str, iteration: int, policy_version: int, *,
                  greedy: bool = False, seed_tag: str = "") -> dict[str, Any]:

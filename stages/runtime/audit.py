@@ -14,9 +14,10 @@ committed iteration (`iter-NNNNNN/_SUCCESS`; one still running is not looked at)
 3. every published folder (weights/vN, adapters/vN) matches the sha256 its manifest lists
    (stages/train/manifests.py);
 4. the behaviour check held: the first update's largest |replayed - recorded| log-prob
-   (`behaviour_logp_max_abs_diff` in train.json) is within the tolerance the run used, wherever
-   every trained row (of the update's whole window) was sampled by the weights being trained
-   (rows of older versions are only measured, by the trainer as here).
+   (`behaviour_logp_max_abs_diff` in train.json) is within the tolerance the run used, or within
+   its mask limit with the tokens above the tolerance masked (`behaviour_masked_frac` > 0),
+   wherever every trained row (of the update's whole window) was sampled by the weights being
+   trained (rows of older versions are only measured, by the trainer as here).
 
 An iteration's trained rows are what its train step read: the rows of the files its committed
 generate stages list (`manifests/generate*.json`) that have an advantage (`advantages.arrow`).
@@ -282,11 +283,19 @@ class RunAudit:
             value = float(value)
             line.behaviour = value if line.behaviour is None else max(line.behaviour, value)
             line.measured_only = not fresh
-            tolerance = self.tolerances.get(stage)
-            if fresh and tolerance is not None and not value <= tolerance:  # also catches nan
-                what = f"stage {stage!r}: " if stage else ""
+            tolerance, limit = self.tolerances.get(stage, (None, None))
+            if not fresh or tolerance is None or value <= tolerance:
+                continue
+            what = f"stage {stage!r}: " if stage else ""
+            masked = float(metrics.get(key.replace(BEHAVIOUR, "behaviour_masked_frac"), 0.0))
+            if not value <= limit:  # also catches nan
                 problem("behaviour", f"{what}the first update's replay differs from the log-probs recorded at sampling by "
-                                     f"{value:.3g}, above the run's tolerance {tolerance:.3g} ({rel} {key})")
+                                     f"{value:.3g}, above the run's tolerance {tolerance:.3g}"
+                                     + (f" and mask limit {limit:.3g}" if limit > tolerance else "") + f" ({rel} {key})")
+            elif not masked > 0:
+                problem("behaviour", f"{what}the first update's replay differs from the log-probs recorded at sampling by "
+                                     f"{value:.3g}, above the run's tolerance {tolerance:.3g}, and no token was masked "
+                                     f"({rel} {key})")
 
     # -- 3: the published weights -----------------------------------------------------------------------
     def published(self) -> dict[int, list[str]]:
@@ -326,14 +335,19 @@ def staleness(recipe: Any) -> tuple[int, str]:
     return 0, "sync rollout with the trained weights"
 
 
-def tolerances(recipe: Any) -> dict[str, float]:
-    """The behaviour tolerance of each policy the run trains, by the prefix of its train metrics
-    ("": a single model's; a unified model's stages by name)."""
+def tolerances(recipe: Any) -> dict[str, tuple[float, float]]:
+    """The behaviour tolerance and mask limit (the tolerance where there is no mask band) of each
+    policy the run trains, by the prefix of its train metrics ("": a single model's; a unified
+    model's stages by name)."""
     from unirl.stages.compose import shape_of
-    from unirl.stages.policies import behaviour_tolerance
+    from unirl.stages.policies import behaviour_mask_limit, behaviour_tolerance
+
+    def levels(part: Any) -> tuple[float, float]:
+        tolerance, limit = behaviour_tolerance(part), behaviour_mask_limit(part)
+        return tolerance, tolerance if limit is None else max(limit, tolerance)
 
     shape = shape_of(recipe)
     grouped = shape.group_stages(recipe) if shape is not None else None
     if grouped is None:
-        return {"": behaviour_tolerance(recipe)}
-    return {name: behaviour_tolerance(part) for name, (part, _) in grouped.items()}
+        return {"": levels(recipe)}
+    return {name: levels(part) for name, (part, _) in grouped.items()}

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from unirl.stages.runtime.scratch import scratch_dir
+from unirl.stages.runtime.scratch import log_tail, scratch_dir
 
 
 class ProducerGone(RuntimeError):
@@ -59,10 +59,7 @@ class ProducerProcess:
         self.start()
 
     def tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return "(no log)"
+        return log_tail(self.log_path, lines)
 
     def stop(self) -> None:
         from unirl.stages.workers.group import kill_tree

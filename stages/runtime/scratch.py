@@ -74,3 +74,11 @@ def _remove_own() -> None:
 
 
 atexit.register(_remove_own)
+
+
+def log_tail(path: Path, lines: int, missing: str = "(no log)") -> str:
+    """The last `lines` lines of a process's log file (undecodable bytes replaced), or `missing`."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return missing

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from unirl.stages.recipe import Recipe
-from unirl.stages.runtime.scratch import scratch_dir
+from unirl.stages.runtime.scratch import log_tail, scratch_dir
 from unirl.stages.runtime.storage import RunStorage, iter_dir
 from unirl.stages.workers import rendezvous as rdzv
 from unirl.stages.workers.control import recv_json, send_json
@@ -370,10 +370,7 @@ class WorkerGroup(ModelGroup):
         return WorkerGroupDied(f"{head} (rerun to resume from the last checkpoint):\n{tail}", kind)
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return "(no log)"
+        return log_tail(self.log_path, lines)
 
     # -- commands ---------------------------------------------------------------------------
     def _send(self, cmd: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:

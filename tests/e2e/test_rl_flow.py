@@ -168,6 +168,17 @@ def test_four_iterations_layout_shards_advantages_and_mlflow(tmp_path, reference
     assert (run / "weights" / "v000004" / "model.safetensors").is_file()
 
 
+def same_as(run: Path, ref_run: Path, iterations: int) -> None:
+    """The run's iterations trained and rewarded exactly as the uninterrupted reference run's."""
+    for i in range(iterations):
+        a = json.loads((run / f"iter-{i:06d}/train.json").read_text())["metrics"]
+        b = json.loads((ref_run / f"iter-{i:06d}/train.json").read_text())["metrics"]
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], i
+        ra = json.loads((run / f"iter-{i:06d}/_SUCCESS").read_text())["metrics"]["rollout/reward_mean"]
+        rb = json.loads((ref_run / f"iter-{i:06d}/_SUCCESS").read_text())["metrics"]["rollout/reward_mean"]
+        assert ra == rb, f"iteration {i}: reward {ra} after resume, {rb} uninterrupted"
+
+
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -224,13 +235,7 @@ def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, eph
     check_layout(run, 4)
     # The same command uninterrupted (the reference run): identical results and final weights.
     ref_run, _ = reference
-    for i in range(4):
-        a = json.loads((run / f"iter-{i:06d}/train.json").read_text())["metrics"]
-        b = json.loads((ref_run / f"iter-{i:06d}/train.json").read_text())["metrics"]
-        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], i
-        ra = json.loads((run / f"iter-{i:06d}/_SUCCESS").read_text())["metrics"]["rollout/reward_mean"]
-        rb = json.loads((ref_run / f"iter-{i:06d}/_SUCCESS").read_text())["metrics"]["rollout/reward_mean"]
-        assert ra == rb, f"iteration {i}: reward {ra} after resume, {rb} uninterrupted"
+    same_as(run, ref_run, 4)
     wa = json.loads((run / "weights/v000004/manifest.json").read_text())["files"]["model.safetensors"]["sha256"]
     wb = json.loads((ref_run / "weights/v000004/manifest.json").read_text())["files"]["model.safetensors"]["sha256"]
     assert wa == wb
@@ -363,11 +368,7 @@ def test_a_local_run_outlives_its_prefect_api_server(tmp_path, ephemeral_env, re
         assert out.count(f"[unirl] iter-{i:06d} ({i + 1}/4)") == 1, out
     run = root / "tiny"
     check_layout(run, 4)
-    ref_run, _ = reference
-    for i in range(4):
-        a = json.loads((run / f"iter-{i:06d}/train.json").read_text())["metrics"]
-        b = json.loads((ref_run / f"iter-{i:06d}/train.json").read_text())["metrics"]
-        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], i
+    same_as(run, reference[0], 4)
     log = (run / "prefect" / "server.log").read_text()
     assert log.count("starts the server on http://127.0.0.1:") == 2
     assert (run / "prefect" / "prefect.db").is_file()

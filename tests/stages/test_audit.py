@@ -228,6 +228,22 @@ def test_a_behaviour_difference_above_the_tolerance_is_named(run_copy):
                                 "above the run's tolerance 0.0001")
 
 
+def test_a_difference_in_the_mask_band_passes_only_with_its_tokens_masked(run_copy):
+    """Above the tolerance (1e-4) but within the text policy's mask limit (1e-2) the run masked the
+    tokens (docs/extending.md, "The behaviour check"): train.json says so, or the audit names it."""
+    storage = run_copy()
+    rel = join(iter_dir(1), "train.json")
+    trained = storage.read_json(rel)
+    trained["metrics"].update(behaviour_logp_max_abs_diff=5e-4, behaviour_masked_frac=0.002)
+    storage.write_json(rel, trained)
+    assert audit(storage).ok
+    trained["metrics"]["behaviour_masked_frac"] = 0.0
+    storage.write_json(rel, trained)
+    (violation,) = audit(storage).violations
+    assert violation == (f"iter-000001: the first update's replay differs from the log-probs recorded at sampling by 0.0005, "
+                         f"above the run's tolerance 0.0001, and no token was masked ({rel} behaviour_logp_max_abs_diff)")
+
+
 def test_an_iteration_still_running_is_not_audited(run_copy):
     storage = run_copy()
     storage.remove(join(iter_dir(2), "_SUCCESS"))
