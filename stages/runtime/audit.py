@@ -283,8 +283,10 @@ class RunAudit:
             value = float(value)
             line.behaviour = value if line.behaviour is None else max(line.behaviour, value)
             line.measured_only = not fresh
-            tolerance, limit = self.tolerances.get(stage, (None, None))
-            if not fresh or tolerance is None or value <= tolerance:
+            if not fresh or stage not in self.tolerances:
+                continue
+            tolerance, limit = self.tolerances[stage]
+            if value <= tolerance:
                 continue
             what = f"stage {stage!r}: " if stage else ""
             masked = float(metrics.get(key.replace(BEHAVIOUR, "behaviour_masked_frac"), 0.0))
