@@ -61,6 +61,9 @@ def failures_once(verbose: bool) -> None:
         for handler in logger.handlers:
             if isinstance(handler, PrefectConsoleHandler) and not any(isinstance(f, _FailureTraces) for f in handler.filters):
                 handler.addFilter(_FailureTraces())
+    # Prefect's event stream logs a traceback when its websocket's keepalive fails, as it does while
+    # a local API server that died is started again (a `[unirl]` line says so; it reconnects).
+    logging.getLogger("websockets.client").setLevel(logging.CRITICAL)
 
 
 def error_text(exc: BaseException, lines: int = 30) -> str:
