@@ -87,7 +87,7 @@ class RewardConfig(Section):
 
 
 class AdvantageConfig(Section):
-    """Group-relative advantages (DESIGN.md section 5, `group_advantages`)."""
+    """Group-relative advantages (docs/architecture.md, "The math contract", `group_advantages`)."""
 
     scope: Literal["group", "global"] = Field("group", description="Baseline over the prompt group or the batch.")
     normalize: bool = Field(True, description="Divide by the standard deviation.")

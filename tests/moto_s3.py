@@ -1,5 +1,5 @@
-"""moto's S3 server on a free loopback port, for the tests that run against s3:// (DESIGN.md
-section 6): `with moto_endpoint() as url:` gives its endpoint URL and stops it after."""
+"""moto's S3 server on a free loopback port, for the tests that run against s3:// (docs/contributing.md):
+`with moto_endpoint() as url:` gives its endpoint URL and stops it after."""
 from __future__ import annotations
 
 import contextlib

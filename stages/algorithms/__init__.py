@@ -1,4 +1,4 @@
-"""Algorithms, one per file: the pure loss kernel (DESIGN.md section 5) and the registered class
+"""Algorithms, one per file: the pure loss kernel (docs/architecture.md, "The math contract") and the registered class
 that trains with it (stages/algorithms/base.py describes the seam)."""
 from unirl.stages.algorithms.aggregate import AGG_MODES, LossOutput
 from unirl.stages.algorithms.base import Algorithm, BehaviourMismatchError, TrainContext, algorithms, get_algorithm

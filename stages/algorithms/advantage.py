@@ -2,7 +2,7 @@
 
 Every prompt is sampled G times; the G rewards form a group and each sample's advantage is its
 reward relative to the group: A = (r - mean_group) / (std + eps), with the population std (ddof=0).
-Variants (DESIGN.md section 5):
+Variants (docs/architecture.md, "The math contract"):
   use_global_std=True   divide by the std of the whole batch instead of the group's
                         (keeps small within-group differences from being blown up).
   scope="global"        the whole batch is one group: mean and std over the batch.

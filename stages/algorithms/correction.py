@@ -1,4 +1,4 @@
-"""Off-policy correction (DESIGN.md section 5): rollouts sampled by an engine, or by an older
+"""Off-policy correction (docs/architecture.md, "The math contract"): rollouts sampled by an engine, or by an older
 policy version (async RL, `sync.every` > 1), carry behaviour log-probs b that differ from the
 trainer's proximal log-probs o (its replay before the batch's first step). The correction
 reweights or drops tokens by the importance ratio o/b:
@@ -10,7 +10,7 @@ reweights or drops tokens by the importance ratio o/b:
 
 w is detached and multiplies each token's (or sequence's) loss. Every loss kernel here
 (grpo_loss, gspo_loss, drpo_loss) is positively homogeneous in the advantage, l(w*A) = w*l(A) for
-w >= 0, so the weighted loss is the kernel applied to w*A: the kernels stay as DESIGN.md states them.
+w >= 0, so the weighted loss is the kernel applied to w*A: the kernels stay as docs/architecture.md states them.
 
 Objectives. `decoupled` (Hilton et al. 2022, "Batch size-invariance for policy optimization";
 AReaL's decoupled PPO): the PPO ratio and its clip are taken against the proximal policy o, and w

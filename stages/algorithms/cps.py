@@ -1,6 +1,6 @@
 """Flow-GRPO with the coefficients-preserving sampler (CPS, Wang et al. 2025): the SDE step keeps
 the noise level of the schedule exactly (`sde_kind: cps`), and its log-prob drops the Gaussian's
-constants (DESIGN.md section 5)."""
+constants (docs/architecture.md, "The math contract")."""
 from __future__ import annotations
 
 from typing import Any, Literal

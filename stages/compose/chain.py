@@ -1,7 +1,7 @@
 """What every composed shape shares along its chain of parts: the requests of a part from the
 samples of the one before it, the composed rows (one per last-part sample, with every part's
 sample that led to it, under the part's name; stages/runtime/sample.py), and the advantages of
-each part within its own groups, rewards propagating up the lineage (DESIGN.md section 5)."""
+each part within its own groups, rewards propagating up the lineage (docs/architecture.md, "The math contract")."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -62,7 +62,7 @@ def compose(storage: RunStorage, rel: str, chain: list[tuple[str, str, RunStorag
 
 def advantage_rows(recipe: Recipe, storage: RunStorage, composed: list[str], rewards: list[str],
                    parts: list[str]) -> dict[str, list[dict[str, Any]]]:
-    """Advantage rows of each of `parts` within its own groups (DESIGN.md section 5): a last-part
+    """Advantage rows of each of `parts` within its own groups (docs/architecture.md, "The math contract"): a last-part
     sample's among the samples of its group (one upstream sample's, or one user prompt's); an
     earlier part's sample, whose reward is the mean of the rewards of the samples drawn from it,
     among the samples of its group."""

@@ -30,7 +30,7 @@ from unirl.stages.engine_server.core import EngineCore, EngineRequestError
 from unirl.stages.engine_server.limits import SEED_BOUND, Limits, integer, number, over, shown, text_field
 from unirl.stages.runtime.seeds import derive_seed
 
-# SGLang's rollout_sde_type -> our SDE kernel (DESIGN.md section 5).
+# SGLang's rollout_sde_type -> our SDE kernel (docs/architecture.md, "The math contract").
 SDE_KINDS = {kernel.sglang: name for name, kernel in kernels.items() if kernel.sglang is not None}
 SERVED = {"prompt", "negative_prompt", "seed", "generator_device", "width", "height", "num_inference_steps",
           "num_outputs_per_prompt", "guidance_scale", "rollout", "rollout_sde_type", "rollout_noise_level",

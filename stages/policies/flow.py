@@ -66,7 +66,7 @@ class FlowSampler(Section):
     """How latents are sampled."""
 
     num_steps: int = Field(10, ge=1, description="Denoising steps T.")
-    shift: float = Field(3.0, gt=0, description="Sigma shift (DESIGN.md `shifted_sigmas`).")
+    shift: float = Field(3.0, gt=0, description="Sigma shift (docs/architecture.md, `shifted_sigmas`).")
     dynamic_shift: bool = Field(False, description="Shift from the number of latent tokens (FLUX / SD3.5) instead of `shift`.")
     guidance_scale: float = Field(1.0, ge=1, description="Classifier-free guidance; 1 is guidance-free.")
     negative_prompt: str = Field("", description="Negative prompt for CFG.")

@@ -346,7 +346,7 @@ def tolerances(recipe: Any) -> dict[str, tuple[float, float]]:
 
     def levels(part: Any) -> tuple[float, float]:
         tolerance, limit = behaviour_tolerance(part), behaviour_mask_limit(part)
-        return tolerance, tolerance if limit is None else max(limit, tolerance)
+        return tolerance, tolerance if limit is None else limit  # never below the tolerance
 
     shape = shape_of(recipe)
     grouped = shape.group_stages(recipe) if shape is not None else None

@@ -229,7 +229,7 @@ def score(
 
 def advantages(storage: RunStorage, recipe: Recipe, iteration: int, rewards: list[str],
                rollouts: list[str] | None = None, teachers: list[str] | None = None) -> dict[str, Any]:
-    """Group-relative advantages from the rewards of every round (DESIGN.md section 5), computed
+    """Group-relative advantages from the rewards of every round (docs/architecture.md, "The math contract"), computed
     per domain in a mixture (a domain's batch statistics never mix with another's). With dynamic
     sampling, groups whose rewards are all equal are dropped and at most `prompts_per_iteration`
     informative groups are kept, in round order. With `distill`, per-token advantages from the

@@ -1,4 +1,4 @@
-"""Sample shards: the Arrow IPC file format every stage reads and writes (DESIGN.md section 2).
+"""Sample shards: the Arrow IPC file format every stage reads and writes (docs/architecture.md, "Storage").
 
 One row per generated sample. Columns every rollout shard has: `sample_id` ("{group_id}/{j}"),
 `group_id`, `iteration`, `policy_version`, `parts` (the ordered segment kinds of the row, e.g.

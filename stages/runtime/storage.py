@@ -1,4 +1,4 @@
-"""The run layout (DESIGN.md section 2) on any fsspec URL.
+"""The run layout (docs/architecture.md, "Storage") on any fsspec URL.
 
 Commit protocol: every file is written whole (temp file then rename on local disk; object stores
 make a single PUT visible atomically), and a stage's outputs count only once its manifest

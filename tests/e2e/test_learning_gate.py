@@ -1,4 +1,4 @@
-"""The learning gate (DESIGN.md section 7): for each track (text, vision-language, image and
+"""The learning gate (docs/contributing.md): for each track (text, vision-language, image and
 video flow matching) one short `unirl run` through the real CLI and loop, from a shipped recipe of
 the track (recipes/ar/tiny.yaml, the VLM, image and video quickstarts) with a tiny seeded model
 and budget and a task reward a random model can climb, whose training reward must rise by a

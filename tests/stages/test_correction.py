@@ -1,4 +1,4 @@
-"""Off-policy correction (DESIGN.md section 5) on hand-computed tensors, and through the algorithm
+"""Off-policy correction (docs/architecture.md, "The math contract") on hand-computed tensors, and through the algorithm
 seam: the weighted loss is the kernel's loss times the weights, metrics are reported, the recipe
 refuses what an algorithm cannot take."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Flow-matching RL losses against hand-computed values from DESIGN.md section 5 (Math contract)."""
+"""Flow-matching RL losses against hand-computed values from docs/architecture.md, "The math contract"."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""unirl.stages.diffusion.sde against hand-computed values from DESIGN.md section 5 (Math contract)."""
+"""unirl.stages.diffusion.sde against hand-computed values from docs/architecture.md, "The math contract"."""
 from __future__ import annotations
 
 import math

@@ -1,7 +1,7 @@
 """SDE sampler kernels (`rollout.sampler.sde_kind`): one file each, registered in `kernels`.
 
 A kernel maps one step's float32 inputs (`Step`) to the step's mean, its noise scale and the
-log-probability of a sampled x' (DESIGN.md section 5); `unirl.stages.diffusion.sde.sde_step` runs
+log-probability of a sampled x' (docs/architecture.md, "The math contract"); `unirl.stages.diffusion.sde.sde_step` runs
 it at sampling time and at replay alike. `sglang` is SGLang diffusion's `rollout_sde_type` for
 the kernel (None: SGLang has no such kernel, and ours sends it as `extra_sampling_params.sde_kind`
 to engines that serve it). `ode` is the deterministic Euler step every kernel falls back to at
