@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         from unirl.flows.ephemeral import LocalApiDown, local_api
 
         failures_once(args.verbose)
-        with local_api(api_folder(recipe, run_name), log=say) as api:
+        with local_api(lambda: api_folder(recipe, run_name), log=say) as api:
             if args.command == "sft":
                 from unirl.flows.sft import sft
 

@@ -80,9 +80,9 @@ def wanted() -> bool:
 
 
 @contextmanager
-def local_api(folder: Path, log: Callable[[str], None] = print) -> Iterator[LocalApi | None]:
-    """Inside the block, Prefect reports to a `LocalApi` whose database and log are in `folder`
-    (None where a Prefect server is configured: the user's server is left as it is), with the lean
+def local_api(folder: Callable[[], Path], log: Callable[[str], None] = print) -> Iterator[LocalApi | None]:
+    """Inside the block, Prefect reports to a `LocalApi` whose database and log are in `folder()`,
+    asked only when one is started (None where a Prefect server is configured: the user's server is left as it is), with the lean
     settings above; a variable the user set wins."""
     from prefect.settings import temporary_settings
 
@@ -91,7 +91,7 @@ def local_api(folder: Path, log: Callable[[str], None] = print) -> Iterator[Loca
         return
     for key, value in LEAN_SERVER_ENV.items():
         os.environ.setdefault(key, value)
-    api = LocalApi(folder, log=log)
+    api = LocalApi(folder(), log=log)
     url = api.start()
     updates: dict[str, Any] = {**LEAN_CLIENT, "api.ssl_cert_file": str(loopback_ca_file())}
     updates = {k: v for k, v in updates.items() if f"PREFECT_{k.upper().replace('.', '_')}" not in os.environ}
