@@ -79,3 +79,51 @@ def sum_(a: int, b: int) -> int:
         open("sum-died", "w").close()
         os._exit(1)
     return a + b
+
+
+@register_tool("peek")
+def peek(names: list[str], values: list[str]) -> dict:
+    """What of the run a tool can see: the variables `names` in its environment, and every process
+    whose environment holds one of `values` (/proc/<pid>/environ)."""
+    seen = {}
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                held = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        hits = [v for v in values if v in held]
+        if hits:
+            seen[pid] = hits
+    return {"env": {n: os.environ[n] for n in names if n in os.environ}, "processes": seen}
+
+
+@register_tool("fork_bomb")
+def fork_bomb() -> str:
+    """Forks without end (every child too)."""
+    while True:
+        try:
+            os.fork()
+        except OSError:
+            pass
+
+
+@register_tool("hog")
+def hog(mb: int, processes: int = 1) -> str:
+    """Holds `mb` MiB in each of `processes` processes (itself and children) for a while."""
+    for _ in range(processes - 1):
+        if os.fork() == 0:
+            break
+    held = bytearray(mb << 20)
+    for i in range(0, len(held), 4096):
+        held[i] = 1
+    time.sleep(30)
+    return f"held {len(held) >> 20} MiB"
+
+
+@register_tool("spin")
+def spin() -> str:
+    """Computes without end."""
+    n = 0
+    while True:
+        n += 1

@@ -7,6 +7,7 @@ when `iter-NNNNNN/_SUCCESS` exists; a run resumes after the last one.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -15,12 +16,15 @@ import re
 import sys
 import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import fsspec
 import tenacity
 from fsspec.implementations.local import LocalFileSystem
+
+from unirl.stages.runtime.lease import check_held
 
 ITER_RE = re.compile(r"^iter-(\d{6})$")
 CKPT_RE = re.compile(r"^(\d{6})$")
@@ -83,6 +87,25 @@ def transient(exc: BaseException) -> bool:
                 return False
             return code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS
         if isinstance(e, (ConnectionError, TimeoutError)) or any(c.__name__ in _TRANSIENT for c in type(e).__mro__):
+            return True
+    return False
+
+
+_PROCESS_CAS = threading.Lock()
+
+
+def _local_tag(st: os.stat_result) -> str:
+    return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """Whether an object-store error is a conditional request whose condition did not hold."""
+    from botocore.exceptions import ClientError
+
+    for e in _chain(exc):
+        if isinstance(e, FileExistsError):
+            return True
+        if isinstance(e, ClientError) and str(e.response.get("Error", {}).get("Code", "")) in ("PreconditionFailed", "412"):
             return True
     return False
 
@@ -207,6 +230,151 @@ class RunStorage:
         with open(local, "rb") as fh:
             return self.write_bytes(rel, fh.read())
 
+    # -- compare-and-swap (the run's lease) -------------------------------------------------
+    # A file's version tag: on local disk its inode, mtime and size (every write is a rename, so a
+    # new inode); on S3 its ETag. Of two writers that race, exactly one succeeds: local disk by an
+    # exclusive link(2) and, for replace and remove, a flock(2) on `.<name>.lock` beside the file;
+    # S3 by conditional requests (If-None-Match: *, If-Match: <etag>). Any other fsspec store
+    # (memory://, one process) compares under a lock of this process.
+    def create_new(self, rel: str, data: bytes) -> str | None:
+        """Write `rel` only if no file is there: its version tag, or None when one was."""
+        target = self.path(rel)
+        if self.local:
+            os.makedirs(posixpath.dirname(target), exist_ok=True)
+            tmp = self._local_tmp(target, data)
+            try:
+                os.link(tmp, target)
+            except FileExistsError:
+                return None
+            finally:
+                tag = _local_tag(os.stat(tmp))
+                os.remove(tmp)
+            return tag
+        if self.protocol in ("s3", "s3a"):
+            try:
+                return self.io(f"create {rel}", self.fs.pipe_file, target, data, mode="create")["ETag"]
+            except OSError as exc:
+                if _precondition_failed(exc):
+                    return None
+                raise
+        with _PROCESS_CAS:
+            if self.fs.exists(target):
+                return None
+            self.fs.pipe_file(target, data)
+            return self._other_tag(target)
+
+    def read_tagged(self, rel: str) -> tuple[bytes, str] | None:
+        """`rel`'s content and version tag read together, or None when there is no such file."""
+        target = self.path(rel)
+        if self.local:
+            try:
+                with open(target, "rb") as fh:
+                    return fh.read(), _local_tag(os.fstat(fh.fileno()))
+            except FileNotFoundError:
+                return None
+        if self.protocol in ("s3", "s3a"):
+            from fsspec.asyn import sync
+
+            async def get() -> tuple[bytes, str]:
+                bucket, key, _ = self.fs.split_path(target)
+                resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+                try:
+                    return await resp["Body"].read(), resp["ETag"]
+                finally:
+                    resp["Body"].close()
+
+            try:
+                return self.io(f"read {rel}", sync, self.fs.loop, get)
+            except FileNotFoundError:
+                return None
+        with _PROCESS_CAS:
+            return (self.fs.cat_file(target), self._other_tag(target)) if self.fs.exists(target) else None
+
+    def replace_tagged(self, rel: str, data: bytes, tag: str) -> str | None:
+        """Overwrite `rel` only if it is still at version `tag`: the new tag, or None when it is not
+        (changed or gone)."""
+        target = self.path(rel)
+        if self.local:
+            with self._local_lock(target):
+                try:
+                    if _local_tag(os.stat(target)) != tag:
+                        return None
+                except FileNotFoundError:
+                    return None
+                tmp = self._local_tmp(target, data)
+                new = _local_tag(os.stat(tmp))
+                os.replace(tmp, target)
+                return new
+        if self.protocol in ("s3", "s3a"):
+            try:
+                return self.io(f"replace {rel}", self.fs.pipe_file, target, data, IfMatch=tag)["ETag"]
+            except (OSError, FileNotFoundError) as exc:
+                if isinstance(exc, FileNotFoundError) or _precondition_failed(exc):
+                    return None
+                raise
+        with _PROCESS_CAS:
+            if not self.fs.exists(target) or self._other_tag(target) != tag:
+                return None
+            self.fs.pipe_file(target, data)
+            return self._other_tag(target)
+
+    def remove_tagged(self, rel: str, tag: str) -> bool:
+        """Delete `rel` only if it is still at version `tag`: whether it was."""
+        target = self.path(rel)
+        if self.local:
+            with self._local_lock(target):
+                try:
+                    if _local_tag(os.stat(target)) != tag:
+                        return False
+                    os.remove(target)
+                    return True
+                except FileNotFoundError:
+                    return False
+        if self.protocol in ("s3", "s3a"):
+            from fsspec.asyn import sync
+
+            bucket, key, _ = self.fs.split_path(target)
+            try:
+                self.io(f"remove {rel}", sync, self.fs.loop, self.fs._call_s3, "delete_object", Bucket=bucket, Key=key,
+                        IfMatch=tag)
+            except (OSError, FileNotFoundError) as exc:
+                if isinstance(exc, FileNotFoundError) or _precondition_failed(exc):
+                    return False
+                raise
+            finally:
+                self.fs.invalidate_cache(target)
+            return True
+        with _PROCESS_CAS:
+            if not self.fs.exists(target) or self._other_tag(target) != tag:
+                return False
+            self.fs.rm_file(target)
+            return True
+
+    def _local_tmp(self, target: str, data: bytes) -> str:
+        tmp = join(posixpath.dirname(target), f".{posixpath.basename(target)}.{uuid.uuid4().hex}.tmp")
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        return tmp
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _local_lock(target: str) -> Iterator[None]:
+        import fcntl
+
+        with open(join(posixpath.dirname(target), f".{posixpath.basename(target)}.lock"), "a") as fh:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+    def _other_tag(self, target: str) -> str:
+        import hashlib
+
+        return hashlib.sha256(self.fs.cat_file(target)).hexdigest()
+
     # -- reading ----------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
         return self.io(f"exists {rel}", self.fs.exists, self.path(rel))
@@ -261,6 +429,7 @@ class RunStorage:
         for rel in manifest.get("files", []):
             if not self.exists(rel):
                 raise FileNotFoundError(f"{stage} manifest lists {self.url(rel)}, which was not written")
+        check_held(self.url())
         self.write_json(self.manifest_rel(iteration, stage), manifest)
         return manifest
 
@@ -269,6 +438,7 @@ class RunStorage:
         return self.read_json(rel) if self.exists(rel) else None
 
     def mark_success(self, iteration: int, summary: dict[str, Any]) -> None:
+        check_held(self.url())
         self.write_json(join(iter_dir(iteration), "_SUCCESS"), summary)
 
     def is_success(self, iteration: int) -> bool:

@@ -2,8 +2,12 @@
 (in the sandbox unless told otherwise), every call bounded (a timeout, an output cap), and every
 failure an observation the trajectory records instead of an exception: a malformed call, a tool
 that raises, one that hangs (the server is stopped and started again), a result too large or not
-text, a server that died (started again, up to `restarts` times; after that every call answers
-that the server is down).
+text, a server that died or was stopped by the sandbox for a limit (started again, up to `restarts`
+times in a row with no call answered in between; after that every call answers that the server is
+down).
+
+The server's environment is an allow-list (`tool_env`): the run's credentials (object-store keys,
+MLflow and reward tokens) never reach a tool unless the recipe names them in `pass_env`.
 
 The client runs the MCP session in one task of its own event loop, in a thread: calls from the
 rollout's thread queue up and are answered in order.
@@ -21,6 +25,27 @@ from pathlib import Path
 from typing import Any
 
 from unirl.stages.tools import ToolSpec
+from unirl.stages.tools.sandbox import STOPPED, Limits
+
+# What a tool server's environment holds of the run's, besides what the recipe names (`pass_env`):
+# enough to find programs and start the run's interpreter, never a credential.
+PASSED_ENV = frozenset({"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV",
+                        "LD_LIBRARY_PATH", "UNIRL_PLUGINS"})
+
+
+def tool_env(scratch: Path, env: dict[str, str], pass_env: tuple[str, ...] | list[str] = (), where: str = "agent") -> dict[str, str]:
+    """A tool server's whole environment: the allow-list above (and the LC_* locale), a home and
+    temporary folder inside its scratch folder, the run's variables named in `pass_env`, then
+    `env`. A `pass_env` name the run does not have is an error naming it (`where`)."""
+    out = {k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith("LC_")}
+    missing = [name for name in pass_env if name not in os.environ]
+    if missing:
+        raise ToolServerDown(f"{where}.pass_env names {missing}, which this process's environment does not have: "
+                             "set them where the run starts (its worker's environment) or drop them from pass_env")
+    out.update({name: os.environ[name] for name in pass_env})
+    out.update(HOME=str(scratch), TMPDIR=str(scratch))
+    out.update(env)
+    return out
 
 
 @dataclass
@@ -45,6 +70,8 @@ class ServerSpec:
     env: dict[str, str]
     scratch: Path
     sandbox: bool = True
+    limits: Limits = Limits()
+    pass_env: tuple[str, ...] = ()
     timeout_s: float = 10.0
     max_chars: int = 4096
     restarts: int = 3
@@ -56,6 +83,7 @@ class ToolServer:
         self.spec = spec
         self.specs: dict[str, ToolSpec] = {}
         self.starts = 0
+        self.in_a_row = 0  # starts since a call was last answered
         self.down: str | None = None
         self._queue: asyncio.Queue | None = None
         self._loop = asyncio.new_event_loop()
@@ -76,9 +104,26 @@ class ToolServer:
         s = self.spec  # its scratch folder exists: `_main` makes it before the first start
         command = list(s.command)
         if s.sandbox:
-            command = [sys.executable, "-m", "unirl.stages.tools.sandbox", "--scratch", str(s.scratch), "--", *command]
-        return StdioServerParameters(command=command[0], args=command[1:], env={**os.environ, **s.env}, cwd=str(s.scratch),
-                                     encoding_error_handler="replace")
+            lim = s.limits
+            command = [sys.executable, "-m", "unirl.stages.tools.sandbox", "--scratch", str(s.scratch), "--cpu-s", str(lim.cpu_s),
+                       "--memory-mb", str(lim.memory_mb), "--files", str(lim.files), "--procs", str(lim.procs), "--", *command]
+        return StdioServerParameters(command=command[0], args=command[1:], env=tool_env(s.scratch, s.env, s.pass_env, s.name),
+                                     cwd=str(s.scratch), encoding_error_handler="replace")
+
+    @property
+    def _errlog(self) -> Path:
+        return self.spec.scratch.parent / f"{self.spec.name}.stderr.log"
+
+    def _stop_reason(self, since: int) -> str:
+        """The sandbox's last `stopped:` line written since byte `since` of the server's stderr log ('' if none)."""
+        try:
+            with open(self._errlog, "rb") as f:
+                f.seek(since)
+                tail = f.read(1 << 16).decode("utf-8", "replace")
+        except OSError:
+            return ""
+        lines = [line[len(STOPPED):].strip() for line in tail.splitlines() if line.startswith(STOPPED)]
+        return lines[-1] if lines else ""
 
     async def _main(self) -> None:
         from mcp import ClientSession
@@ -89,8 +134,10 @@ class ToolServer:
         pending: tuple[str, dict[str, Any], Future] | None = None
         while True:
             self.starts += 1
+            self.in_a_row += 1
+            since = self._errlog.stat().st_size if self._errlog.exists() else 0
             try:
-                with open(self.spec.scratch.parent / f"{self.spec.name}.stderr.log", "a") as errlog:
+                with open(self._errlog, "a") as errlog:
                     async with stdio_client(self._params(), errlog=errlog) as (read, write), ClientSession(read, write) as session:
                         await asyncio.wait_for(session.initialize(), self.spec.startup_timeout_s)
                         listed = await session.list_tools()
@@ -108,16 +155,19 @@ class ToolServer:
                             fut.set_result(result)
                             if restart:
                                 break  # stop the server (a hung call may still run in it) and start it again
+                            self.in_a_row = 0  # a call answered: the server works
             except Exception as exc:  # noqa: BLE001 - a server that died or never answered
                 if not self._ready.done():
                     self._ready.set_exception(ToolServerDown(self._start_error(exc)))
                     return
                 if pending is not None:  # the call in flight when the server went away: answered, not asked again
+                    reason = self._stop_reason(since) or type(exc).__name__
                     pending[2].set_result(Observation("", f"tool server {self.spec.name!r} died during {pending[0]} "
-                                                          f"({type(exc).__name__}); it is started again", 0.0))
+                                                          f"({reason}); it is started again", 0.0))
                     pending = None
-            if self.starts > self.spec.restarts:
-                self.down = f"tool server {self.spec.name!r} is down (died {self.starts} times; agent.restarts {self.spec.restarts})"
+            if self.in_a_row > self.spec.restarts:
+                self.down = (f"tool server {self.spec.name!r} is down (died {self.in_a_row} times with no call answered in "
+                             f"between; agent.restarts {self.spec.restarts})")
                 while True:
                     name, args, fut = await self._queue.get()
                     if fut is None:
@@ -125,7 +175,7 @@ class ToolServer:
                     fut.set_result(Observation("", self.down, 0.0))
 
     def _start_error(self, exc: BaseException) -> str:
-        log = self.spec.scratch.parent / f"{self.spec.name}.stderr.log"
+        log = self._errlog
         tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
         hint = " (agent.sandbox: the sandbox needs CAP_SYS_ADMIN or user namespaces; false runs tools unsandboxed)" \
             if "tool sandbox" in tail else ""
@@ -175,4 +225,4 @@ def python_tools_server(names: list[str], scratch: Path, **options: Any) -> Tool
     """unirl's MCP server of the registered Python tools `names` (stages/tools/serve.py)."""
     command = [sys.executable, "-m", "unirl.stages.tools.serve", *[a for n in names for a in ("--tool", n)],
                "--max-chars", str(options.get("max_chars", 4096))]
-    return ToolServer(ServerSpec("python-tools", command, {}, scratch, **options))
+    return ToolServer(ServerSpec("python-tools", command, options.pop("env", {}), scratch, **options))

@@ -21,6 +21,7 @@ from typing import Any
 from unirl.stages.tools.agent import STOPS, Trajectory, run, training_row, turn_rows
 from unirl.stages.tools.calls import ToolFormat
 from unirl.stages.tools.client import Observation, ServerSpec, ToolServer, python_tools_server
+from unirl.stages.tools.sandbox import Limits
 
 
 class ToolBox:
@@ -28,14 +29,18 @@ class ToolBox:
     recipe's Python tools, and its MCP servers; a call goes to the server that has the tool."""
 
     def __init__(self, cfg: Any, scratch: Path):
-        options = {"sandbox": cfg.sandbox, "timeout_s": cfg.timeout_s, "max_chars": cfg.max_chars, "restarts": cfg.restarts}
+        limits = Limits(**cfg.limits.model_dump())
+        options = {"sandbox": cfg.sandbox, "limits": limits, "timeout_s": cfg.timeout_s, "max_chars": cfg.max_chars,
+                   "restarts": cfg.restarts}
         self.servers: list[ToolServer] = []
         try:
             if cfg.tools:
-                self.servers.append(python_tools_server(list(cfg.tools), scratch / "python-tools", **options))
+                self.servers.append(python_tools_server(list(cfg.tools), scratch / "python-tools",
+                                                        pass_env=tuple(cfg.pass_env), **options))
             for s in cfg.mcp_servers:  # `python` is this run's interpreter (its venv's)
                 command = [sys.executable if s.command[0] == "python" else s.command[0], *s.command[1:]]
-                self.servers.append(ToolServer(ServerSpec(s.name, command, dict(s.env), scratch / s.name, **options)))
+                self.servers.append(ToolServer(ServerSpec(s.name, command, dict(s.env), scratch / s.name,
+                                                          pass_env=tuple(s.pass_env), **options)))
         except Exception:
             self.close()
             raise

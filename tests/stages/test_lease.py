@@ -1,5 +1,7 @@
 """One owner per run: a second process refuses naming the owner; a lease whose owner is gone is
-taken over, on local disk and on S3 (moto)."""
+taken over; of starts in the same instant exactly one wins; an owner whose lease was taken over
+while it was paused stops before its next commit; on local disk and on S3 (moto's server,
+conditional requests)."""
 from __future__ import annotations
 
 import os
@@ -83,20 +85,87 @@ def test_the_heartbeat_refreshes_the_lease(storage):
     lease.release()
 
 
-def test_of_two_racing_starts_exactly_one_wins(tmp_path):
-    storage = RunStorage(str(tmp_path), "run")
+def test_of_starts_in_the_same_instant_exactly_one_wins(storage):
+    """Four starts released by one barrier: one takes the lease (an exclusive create), the others
+    read its owner and refuse; no settling delay decides it."""
     results: list[str] = []
+    barrier = threading.Barrier(4)
 
     def start() -> None:
+        lease = RunLease(storage)
+        barrier.wait()
         try:
-            RunLease(storage).acquire()
-            results.append("won")
+            lease.acquire()
+            results.append(str(lease.owner["token"]))
         except RunBusyError:
             results.append("refused")
 
-    threads = [threading.Thread(target=start) for _ in range(2)]
+    threads = [threading.Thread(target=start) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert sorted(results) == ["refused", "won"]
+    winners = [r for r in results if r != "refused"]
+    assert len(winners) == 1 and results.count("refused") == 3, results
+    assert storage.read_json(LEASE)["owner"]["token"] == winners[0]
+
+
+def test_of_two_takeovers_of_a_stale_lease_exactly_one_wins(storage):
+    storage.write_json(LEASE, {"owner": {"host": "node-7", "pid": 1, "started": 0, "token": "t"}, "heartbeat": 0})
+    results: list[str] = []
+    barrier = threading.Barrier(3)
+
+    def start() -> None:
+        lease = RunLease(storage, log=lambda m: None)
+        barrier.wait()
+        try:
+            lease.acquire()
+            results.append("won")
+        except RunBusyError:
+            results.append("refused")
+
+    threads = [threading.Thread(target=start) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == ["refused", "refused", "won"]
+
+
+def test_a_paused_owner_whose_lease_was_taken_over_stops_before_its_next_commit(storage):
+    """The owner (another host's, as far as the lease says) stops beating — paused, or cut off
+    from the storage — past the lease's life; a new run takes the run over. When the paused owner
+    wakes, its heartbeat finds the other owner, and its next commit raises, naming who runs it now;
+    nothing of it is written, and its release leaves the new owner's lease alone."""
+    from unirl.stages.runtime.lease import LeaseLostError
+
+    paused = RunLease(storage, heartbeat_s=3600, stale_s=0.5)
+    paused.owner["host"] = "node-paused"
+    paused.acquire()
+    time.sleep(0.7)
+    said: list[str] = []
+    new = RunLease(storage, log=said.append, stale_s=0.5).acquire()
+    assert "taking over the lease" in said[0] and "node-paused" in said[0]
+    assert paused.renew() is False  # the paused owner wakes: its heartbeat finds the new owner
+    with pytest.raises(LeaseLostError, match=f"is now run by host {socket.gethostname()!r}, pid {os.getpid()}"):
+        storage.commit_stage(0, "generate", {"files": []})
+    assert not storage.exists(storage.manifest_rel(0, "generate"))
+    paused.release()
+    assert storage.read_json(LEASE)["owner"]["token"] == new.owner["token"]
+    new.release()
+    assert not storage.exists(LEASE)
+
+
+def test_a_heartbeat_that_finds_another_owner_stops_and_does_not_write(storage):
+    said: list[str] = []
+    lease = RunLease(storage, log=said.append, heartbeat_s=0.1).acquire()
+    other_process_lease(storage, host="node-9")  # taken over behind its back
+    deadline = time.time() + 10
+    while lease.lost_to is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert lease.lost_to is not None and lease.lost_to["host"] == "node-9"
+    assert any("taken over by host 'node-9'" in m for m in said)
+    time.sleep(0.3)
+    assert storage.read_json(LEASE)["owner"]["token"] == "someone-else"  # its beats stopped: nothing overwritten
+    lease.release()
+    assert storage.read_json(LEASE)["owner"]["token"] == "someone-else"

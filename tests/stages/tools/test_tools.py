@@ -6,6 +6,7 @@ scratch folder."""
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 from pathlib import Path
 
@@ -74,7 +75,6 @@ def server(tmp_path_factory):
     scratch = tmp_path_factory.mktemp("tools") / "scratch"
     command = ["python", "-m", "unirl.stages.tools.serve", "--max-chars", "100",
                *[a for n in ("echo", "add", "boom", "sleepy", "huge", "binary", "dial", "write", "die") for a in ("--tool", n)]]
-    import sys
     command[0] = sys.executable
     spec = ServerSpec("test-tools", command, {"UNIRL_PLUGINS": "tests.agent_tools", "PYTHONPATH": str(REPO)}, scratch,
                       timeout_s=3.0, max_chars=200, restarts=3)
@@ -120,6 +120,104 @@ def test_tools_reach_no_network_and_write_only_in_their_scratch_folder(server, t
     inside = server.call("write", {"path": "notes.txt"})
     assert inside.error is None and (server.spec.scratch / "notes.txt").exists()
     listener.close()
+
+
+SECRETS = {"AWS_SECRET_ACCESS_KEY": "s3-key-do-not-leak", "MLFLOW_TRACKING_TOKEN": "mlflow-token-do-not-leak",
+           "UNIRL_REWARD_TOKEN": "reward-token-do-not-leak"}
+
+
+@pytest.mark.parametrize("sandbox", [True, False])
+def test_a_tool_gets_none_of_the_run_s_secrets(tmp_path, monkeypatch, sandbox):
+    """The run's object-store key, MLflow token and reward token are in its environment; a tool
+    reading its own environment and every process's /proc/<pid>/environ finds none of them, sandboxed
+    or not (not sandboxed it still sees the run's processes: only the environment is cut). A name
+    the recipe passes knowingly (`pass_env`) does arrive."""
+    import json
+
+    from unirl.stages.tools.client import ServerSpec, ToolServer
+
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TOOL_API_KEY", "passed-knowingly")
+    command = [sys.executable, "-m", "unirl.stages.tools.serve", "--tool", "peek"]
+    server = ToolServer(ServerSpec("peek", command, {"UNIRL_PLUGINS": "tests.agent_tools", "PYTHONPATH": str(REPO)},
+                                   tmp_path / "scratch", sandbox=sandbox, pass_env=("TOOL_API_KEY",)))
+    try:
+        got = server.call("peek", {"names": [*SECRETS, "TOOL_API_KEY", "HOME"], "values": list(SECRETS.values())})
+    finally:
+        server.close()
+    assert got.error is None, got
+    seen = json.loads(got.text)
+    assert seen["env"] == {"TOOL_API_KEY": "passed-knowingly", "HOME": str(tmp_path / "scratch")}
+    if sandbox:
+        assert seen["processes"] == {}, seen  # the run's processes are out of its sight
+    else:
+        assert all(pid.isdigit() for pid in seen["processes"])  # what the sandbox is for
+
+
+def test_a_pass_env_name_the_run_lacks_is_an_error_naming_it(tmp_path, monkeypatch):
+    from unirl.stages.tools.client import ToolServerDown, tool_env
+
+    monkeypatch.delenv("NOT_SET_HERE", raising=False)
+    with pytest.raises(ToolServerDown, match=r"searcher.pass_env names \['NOT_SET_HERE'\]"):
+        tool_env(tmp_path, {}, ("NOT_SET_HERE",), "searcher")
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    """A sandboxed server with small limits and a timeout longer than its CPU limit."""
+    from unirl.stages.tools.client import ServerSpec, ToolServer
+    from unirl.stages.tools.sandbox import Limits
+
+    command = [sys.executable, "-m", "unirl.stages.tools.serve",
+               *[a for n in ("echo", "fork_bomb", "hog", "spin") for a in ("--tool", n)]]
+    spec = ServerSpec("limited", command, {"UNIRL_PLUGINS": "tests.agent_tools", "PYTHONPATH": str(REPO)},
+                      tmp_path_factory.mktemp("limited") / "scratch", limits=Limits(cpu_s=4, memory_mb=300, procs=16),
+                      timeout_s=60.0, restarts=1)
+    srv = ToolServer(spec)
+    yield srv
+    srv.close()
+
+
+@pytest.mark.parametrize("call, stopped", [
+    (("fork_bomb", {}), "process limit"),
+    (("hog", {"mb": 100, "processes": 4}), "memory limit"),
+    (("spin", {}), "CPU limit"),
+])
+def test_a_tool_past_a_limit_is_stopped_and_the_run_goes_on(limited, call, stopped):
+    """A fork bomb, memory held across processes and a computation without end each stop the server
+    within seconds (not at the call's 60 s timeout); the call answers why, and the next call is
+    answered by the server started again (`restarts: 1` counts deaths in a row, so three in one
+    session do not take it down)."""
+    got = limited.call(*call)
+    assert got.error is not None and stopped in got.error and "died during" in got.error, got
+    assert got.latency_s < 30
+    assert limited.call("echo", {"text": "still here"}).text == "still here"
+    assert limited.down is None
+
+
+def test_one_process_asking_past_the_memory_limit_gets_an_error_answer(limited):
+    got = limited.call("hog", {"mb": 1024})
+    assert got.error is not None and "MemoryError" in got.error, got
+    assert limited.call("echo", {"text": "same server"}).text == "same server"
+
+
+def test_a_sandbox_step_that_fails_stops_the_server_naming_it(tmp_path):
+    """Fails closed: here the tool's own user namespace (the process limit's step) cannot be made,
+    because the namespace the sandbox runs in allows no more (max_user_namespaces 0); nothing runs."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("unshare"):
+        pytest.skip("needs util-linux unshare to make a namespace that allows no user namespaces")
+    script = (f"echo 0 > /proc/sys/user/max_user_namespaces && exec {sys.executable} -m unirl.stages.tools.sandbox "
+              f"--scratch {tmp_path / 's'} -- {sys.executable} -c 'open(\"ran\", \"w\")'")
+    out = subprocess.run(["unshare", "--user", "--map-root-user", "sh", "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    if "max_user_namespaces" in out.stderr:
+        pytest.skip(f"cannot set max_user_namespaces here: {out.stderr}")
+    assert out.returncode == 3 and "process limit: cannot enter a user namespace" in out.stderr, out
+    assert not (tmp_path / "s" / "ran").exists()
 
 
 def test_a_toolbox_routes_each_call_to_the_server_that_has_the_tool(tmp_path):
