@@ -30,6 +30,7 @@ from unirl.stages.rewards.server import ScoringService, load_config
 from unirl.stages.rewards.wire import CONTENT_TYPE, encode_batch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests/tiny_reward_models.py: tiny random reward models
 
 WORDS = ["cat", "dog", "bird", "sofa", "sunset", "a", "the", "on", "red", "blue"]
 
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     images = None
     if args.clip:
-        from unirl.stages.rewards.tiny_models import random_images, save_tiny_clip
+        from tests.tiny_reward_models import random_images, save_tiny_clip
 
         scorers.append({"name": "clip", "params": {"model_path": str(save_tiny_clip(tmp / "clip")), "device": "cpu"}})
         images = random_images(args.samples, size=(32, 32))

@@ -13,7 +13,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union, get_args
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -216,24 +216,43 @@ class Recipe(Section):
         return list(self.reward.scorers)
 
     def fingerprint(self) -> str:
-        """sha256 of the resolved recipe, without where it is stored and tracked, how long it runs,
-        and where and how it loads (nodes, ranks, how the agents start, backend, sharded loading: a
-        run checkpointed at one world size resumes at another, DCP resharding it)."""
-        placement = {"nnodes", "nproc_per_node", "min_nnodes", "rendezvous", "agents", "backend", "startup_timeout_s",
-                     "sharded_load"}
-        # Rollout accumulation's default (1) is left out: a run started before the field resumes.
+        """sha256 of what this recipe sets away from the defaults (`non_default`), tagged with
+        `FINGERPRINT_SCHEMA`, without where it is stored and tracked, how long it runs, and where
+        and how it loads (nodes, ranks, how the agents start, backend, sharded loading: a run
+        checkpointed at one world size resumes at another, DCP resharding it). A field added to
+        the schema at its default leaves it unchanged, so older runs resume; a recipe and its
+        resolved YAML (recipe.yaml, what worker nodes load) have the same one."""
+        data = non_default(self)
+        for key in ("tracking", "iterations"):
+            data.pop(key, None)
+        storage = data.get("storage") or {}
+        for key in ("root", "options", "shared"):
+            storage.pop(key, None)
+        if not storage:
+            data.pop("storage", None)
+        for section in [data] + [m for m in (data.get("compose") or {}).get(
+                self.compose.members_field if self.compose is not None else "", []) if isinstance(m, dict)]:
+            train = section.get("train")
+            if isinstance(train, dict):
+                for key in PLACEMENT:
+                    train.pop(key, None)
+                if not train:
+                    section.pop("train")
+        return hashlib.sha256(json.dumps({"schema": FINGERPRINT_SCHEMA, "recipe": data}, sort_keys=True).encode()).hexdigest()
+
+    def legacy_fingerprint(self) -> str:
+        """The fingerprint of runs started before `FINGERPRINT_SCHEMA` (every field, defaults
+        included): such a run still resumes when its recipe is unchanged (stages/runtime/run.py)."""
         alone = {"accumulate_rollouts"} if self.train.accumulate_rollouts == 1 else set()
         exclude: dict[str, Any] = {"storage": {"root", "options", "shared"}, "tracking": True, "iterations": True,
-                                   "train": placement | alone}
-        if self.compose is not None:  # a part's placement too (a pipeline's parts have their own `train`, accumulating never)
-            exclude["compose"] = {self.compose.members_field: {"__all__": {"train": placement | {"accumulate_rollouts"}}}}
+                                   "train": PLACEMENT | alone}
+        if self.compose is not None:
+            exclude["compose"] = {self.compose.members_field: {"__all__": {"train": PLACEMENT | {"accumulate_rollouts"}}}}
         data = self.model_dump(mode="json", exclude=exclude)
-        # The behaviour check's mask band at its defaults is left out too: a run started before those
-        # fields resumes (and runs under them: docs/extending.md, "The behaviour check").
         for rollout in [data.get("rollout")] + [m.get("rollout") for m in (data.get("compose") or {}).get(
                 self.compose.members_field if self.compose is not None else "", []) if isinstance(m, dict)]:
             if isinstance(rollout, dict):
-                for key, default in BEHAVIOUR_DEFAULTS.items():
+                for key, default in {"behaviour_mask_limit": None, "behaviour_max_masked_frac": 0.2}.items():
                     if rollout.get(key, default) == default:
                         rollout.pop(key, None)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
@@ -244,7 +263,47 @@ class Recipe(Section):
         return yaml.safe_dump(self.model_dump(mode="json", exclude=unset), sort_keys=False)
 
 
-BEHAVIOUR_DEFAULTS = {"behaviour_mask_limit": None, "behaviour_max_masked_frac": 0.2}
+# The fingerprint's form: raised when a default changes what a run does, so a run started under
+# the old default does not resume under the new one unnoticed.
+FINGERPRINT_SCHEMA = 2
+# Where and how a run loads: not part of its fingerprint.
+PLACEMENT = frozenset({"nnodes", "nproc_per_node", "min_nnodes", "rendezvous", "agents", "backend", "startup_timeout_s",
+                       "sharded_load"})
+
+
+def non_default(model: BaseModel) -> dict[str, Any]:
+    """The fields of `model` that differ from their defaults, as JSON values, sections pruned the
+    same way (a section set to its default instance is left out; a list's sections are each
+    pruned); a one-value `Literal` field (a union member's `kind` or `name` tag) is always kept:
+    it says which variant the rest belongs to."""
+    out: dict[str, Any] = {}
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        tag = get_origin(field.annotation) is Literal and len(get_args(field.annotation)) == 1
+        if not tag and not field.is_required():
+            default = field.get_default(call_default_factory=True)
+            if _json(value) == _json(default):
+                continue
+        out[name] = _pruned(value)
+    return out
+
+
+def _pruned(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return non_default(value)
+    if isinstance(value, (list, tuple)):
+        return [_pruned(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _pruned(v) for k, v in value.items()}
+    return _json(value)
+
+
+def _json(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    from pydantic_core import to_jsonable_python
+
+    return to_jsonable_python(value)
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 

@@ -36,7 +36,10 @@ else:
 
 
 class DynamicSamplingConfig(Section):
-    """DAPO dynamic sampling: drop groups whose rewards are all equal and refill with new prompts."""
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and refill with new prompts.
+    If no group is informative after `max_rounds`, the iteration trains on the first round's groups
+    (all advantages 0): not a no-op, since AdamW's momentum and weight decay, the schedule and a KL
+    term still act; the metric `rollout/no_signal` marks it."""
 
     max_rounds: int = Field(3, ge=1, description="Generation rounds per iteration at most (the cap).")
 

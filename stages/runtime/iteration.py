@@ -262,9 +262,13 @@ def advantages(storage: RunStorage, recipe: Recipe, iteration: int, rewards: lis
             "rollout/dynamic_rounds": float(len(rewards)), "rollout/groups_kept": float(len(keep)),
             "rollout/groups_dropped": float(len(rewards_of) - len(informative)),
         })
+        metrics["rollout/no_signal"] = float(not keep)
         if not keep:
             # No group carries a signal after the last round: train on the first round's groups,
-            # whose advantages are all 0, so the step changes nothing but stays counted.
+            # whose advantages are all 0. Their policy-gradient term is 0, but the step is still a
+            # step: AdamW's momentum from earlier steps and its weight decay move the weights, the
+            # learning-rate schedule advances, and a KL term (`algorithm.kl_coef` > 0) pulls
+            # toward the reference. `rollout/no_signal` is 1 for such an iteration.
             keep = set(list(rewards_of)[: recipe.rollout.prompts_per_iteration])
         rows = [r for r in rows if r["group_id"] in keep]
     from unirl.stages.distill import distills_tokens

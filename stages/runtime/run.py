@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from unirl.stages.recipe import Recipe
+from unirl.stages.recipe import FINGERPRINT_SCHEMA, Recipe
 from unirl.stages.runtime.storage import RunStorage, join
 from unirl.stages.train.manifests import MANIFEST, write_weights_dir
 
@@ -43,6 +43,9 @@ def open_run(recipe: Recipe, run_name: str) -> tuple[RunStorage, dict[str, Any]]
     storage = RunStorage(recipe.storage.root, run_name, recipe.storage.options)
     if storage.exists("run.json"):
         info = storage.read_json("run.json")
+        if "fingerprint_schema" not in info and info["recipe_hash"] == recipe.legacy_fingerprint():
+            info.update(recipe_hash=recipe.fingerprint(), fingerprint_schema=FINGERPRINT_SCHEMA)  # a run of before
+            storage.write_json("run.json", info)
         if info["recipe_hash"] != recipe.fingerprint():
             raise RunMismatchError(
                 f"{storage.url('run.json')}: run {run_name!r} was started with a different recipe "
@@ -58,7 +61,7 @@ def open_run(recipe: Recipe, run_name: str) -> tuple[RunStorage, dict[str, Any]]
         return storage, info
     info = {
         "run_id": uuid.uuid4().hex, "run_name": run_name, "code_version": code_version(),
-        "recipe_hash": recipe.fingerprint(), "created": datetime.now(timezone.utc).isoformat(),
+        "recipe_hash": recipe.fingerprint(), "fingerprint_schema": FINGERPRINT_SCHEMA, "created": datetime.now(timezone.utc).isoformat(),
         "iterations": recipe.iterations, "schedule_steps": schedule_steps(recipe, recipe.iterations), "mlflow_run_id": None,
     }
     storage.write_text("recipe.yaml", recipe.to_yaml())

@@ -21,11 +21,11 @@ import pytest
 import yaml
 
 from tests.conftest import TINY, run_unirl
+from tests.tiny_reward_models import random_images, save_tiny_clip
 from unirl.flows.reward_server import main
 from unirl.stages.rewards import ScoreBatch, aggregate, build_scorer, run_scorer
 from unirl.stages.rewards.client import RemoteScorer, RemoteScorerError
 from unirl.stages.rewards.server import ScoringService, load_config
-from unirl.stages.rewards.tiny_models import random_images, save_tiny_clip
 from unirl.stages.rewards.wire import encode_batch
 from unirl.stages.runtime.sample import metadata
 

@@ -8,7 +8,7 @@ import pytest
 
 from tests import zygote
 from tests.conftest import REPO, TINY
-from unirl.stages.recipe import Recipe, RecipeError, load_recipe
+from unirl.stages.recipe import Recipe, RecipeError, build_recipe, load_recipe
 
 
 def errors_of(overrides: list[str], path=TINY) -> list[str]:
@@ -72,6 +72,54 @@ def test_fingerprint_ignores_iterations_and_storage_but_not_hyperparameters():
     a = load_recipe(TINY)
     assert a.fingerprint() == load_recipe(TINY, ["iterations=9", "storage.root=s3://b/x"]).fingerprint()
     assert a.fingerprint() != load_recipe(TINY, ["train.lr=0.5"]).fingerprint()
+
+
+def test_the_fingerprint_is_what_the_recipe_sets_so_a_new_field_at_its_default_leaves_it():
+    """Fingerprinted: the fields away from their defaults, with a schema version. A section that
+    gains a field (here: the same section written twice, the second with one field more) prunes
+    to the same thing at that field's default, and differs once the field is set; a recipe and its
+    resolved YAML (what worker nodes and resumes load) have one fingerprint."""
+    import yaml
+    from pydantic import Field
+
+    from unirl.stages.recipe import non_default
+    from unirl.stages.runtime.config_base import Section
+
+    class Before(Section):
+        lr: float = Field(1e-3)
+        steps: int = Field(10)
+
+    class After(Section):
+        lr: float = Field(1e-3)
+        steps: int = Field(10)
+        warmup: int = Field(0)
+
+    assert non_default(Before(lr=0.5)) == non_default(After(lr=0.5)) == {"lr": 0.5}
+    assert non_default(After(lr=0.5, warmup=3)) == {"lr": 0.5, "warmup": 3}
+    a = load_recipe(TINY)
+    resolved = build_recipe(yaml.safe_load(a.to_yaml()))
+    assert a.fingerprint() == resolved.fingerprint()
+    assert a.fingerprint() != load_recipe(TINY, ["rollout.group_size=3"]).fingerprint()
+
+
+def test_a_run_started_under_the_old_fingerprint_resumes_and_is_upgraded(tmp_path):
+    """run.json written before the schema version (the hash of every field, defaults included)."""
+    from unirl.stages.recipe import FINGERPRINT_SCHEMA
+    from unirl.stages.runtime.run import RunMismatchError, open_run
+
+    recipe = load_recipe(TINY, [f"storage.root={tmp_path}"])
+    storage, _ = open_run(recipe, "old")
+    info = storage.read_json("run.json")
+    info.pop("fingerprint_schema")
+    info["recipe_hash"] = recipe.legacy_fingerprint()
+    storage.write_json("run.json", info)
+    _, info = open_run(recipe, "old")
+    assert info["recipe_hash"] == recipe.fingerprint() and info["fingerprint_schema"] == FINGERPRINT_SCHEMA
+    info.pop("fingerprint_schema")
+    info["recipe_hash"] = recipe.legacy_fingerprint()
+    storage.write_json("run.json", info)
+    with pytest.raises(RunMismatchError, match="different recipe"):
+        open_run(load_recipe(TINY, [f"storage.root={tmp_path}", "train.lr=0.5"]), "old")
 
 
 def test_recipe_schema_carries_descriptions():

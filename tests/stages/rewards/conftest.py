@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from unirl.stages.rewards.tiny_models import save_tiny_clip, save_tiny_ocr, save_tiny_qwen2_vl
+from tests.tiny_reward_models import save_tiny_clip, save_tiny_ocr, save_tiny_qwen2_vl
 
 
 @pytest.fixture(scope="session")

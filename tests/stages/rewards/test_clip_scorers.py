@@ -5,9 +5,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
 
+from tests.tiny_reward_models import random_images
 from unirl.stages.rewards import ScoreBatch, ScorerError, build_scorer, run_scorer
 from unirl.stages.rewards.aesthetic import load_linear_chain
-from unirl.stages.rewards.tiny_models import random_images
 
 PROMPTS = ["a cat", "a dog on a sofa", "hello", "sunset 42", "xyz", 'the sign says "ok"']
 

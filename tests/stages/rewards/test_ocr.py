@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
+from tests.tiny_reward_models import random_images
 from unirl.stages.rewards import ScoreBatch, ScorerError, build_scorer, run_scorer
 from unirl.stages.rewards.ocr import edit_distance, quoted_text, text_similarity
-from unirl.stages.rewards.tiny_models import random_images
 
 
 @pytest.mark.parametrize("a, b, d", [("", "", 0), ("abc", "", 3), ("kitten", "sitting", 3),

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
+from tests.tiny_reward_models import random_images
 from unirl.stages.rewards import ScoreBatch, ScorerError, build_scorer, run_scorer
-from unirl.stages.rewards.tiny_models import random_images
 from unirl.stages.rewards.video import frame_indices
 
 

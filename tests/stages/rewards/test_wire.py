@@ -4,8 +4,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from tests.tiny_reward_models import random_images
 from unirl.stages.rewards import ScoreBatch, ScoreResult
-from unirl.stages.rewards.tiny_models import random_images
 from unirl.stages.rewards.wire import WireError, decode_batch, encode_batch, result_from_json, result_to_json
 
 
