@@ -12,7 +12,7 @@ anchors on, and whether it needs a reference policy. It implements "freeze the o
 
 Behaviour policy. The log-probs recorded at sampling time are the behaviour policy; the trainer's
 replay before the batch's first step (the proximal policy) is compared with them by
-`check_behaviour`, on three levels (docs/extending.md, "The behaviour check"): within the
+`check_behaviour` (stages/kernels/behaviour.py), on three levels (docs/extending.md, "The behaviour check"): within the
 tolerance a token trains; above it, up to the mask limit, it is masked out of the loss and counted
 (`train/behaviour_masked_frac`); above the mask limit, or on more than `max_masked_frac` of the
 samples a rank checks in an update, the update fails loud, naming the iteration and the sample.
@@ -23,17 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
-
+from unirl.stages.kernels.errors import BehaviourMismatchError
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.registry import Registry
 
 algorithms: Registry[type[Algorithm]] = Registry("algorithm", "unirl.stages.algorithms", "algorithm.name")
-
-
-class BehaviourMismatchError(RuntimeError):
-    """The trainer's replay of sampled data differs from the behaviour log-probs recorded at
-    sampling time by more than the tolerance: sampling and training did not see the same policy."""
 
 
 @dataclass
@@ -77,49 +71,6 @@ class TrainContext:
     def teacher(self, name: str) -> Any:
         """The frozen teacher `name` of on-policy distillation, sharded as the module is."""
         return self.stack.teacher(name)
-
-
-def behaviour_mismatch(replayed: torch.Tensor, recorded: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
-    """(max, mean) |replayed - recorded| over the mask: the behaviour-vs-trainer mismatch, measured
-    without judging it (rows of older policy versions are expected to differ)."""
-    diff = torch.where(mask > 0, (replayed.detach().float() - recorded.float()).abs(), torch.zeros_like(mask))
-    return float(diff.max()) if diff.numel() else 0.0, float(diff.sum()) / max(float(mask.sum()), 1.0)
-
-
-def mismatch_error(ctx: TrainContext, sample_id: str, what: str, largest: float, limit: float) -> BehaviourMismatchError:
-    return BehaviourMismatchError(
-        f"iteration {ctx.iteration}, rank {ctx.rank}: sample {sample_id!r}: the trainer's replay of {what} "
-        f"differs from the log-probs recorded at sampling time by {largest:.3g} (tolerance {ctx.tolerance:.3g}"
-        + (f", masked up to {limit:.3g}" if limit > ctx.tolerance else "") + "); "
-        "sampling and training must see the same weights, inputs and positions (rollout.behaviour_tolerance "
-        "raises the tolerance for an engine with other kernels)"
-    )
-
-
-def check_behaviour(replayed: torch.Tensor, recorded: torch.Tensor, mask: torch.Tensor | None, *, ctx: TrainContext,
-                    sample_ids: list[str], what: str, maskable: bool = True) -> tuple[float, float, torch.Tensor]:
-    """Compare the trainer's replay with the sampler's record, replayed/recorded (B, ...), mask
-    (B, ...) or None (every element). Returns (max, mean |difference| over the mask, keep): keep
-    (B, ...) is 0 where an element is masked out of the loss (its difference above `ctx.tolerance`,
-    at most `ctx.mask_limit`), 1 elsewhere. Raises BehaviourMismatchError naming the worst sample
-    above the mask limit (above the tolerance when not `maskable`, or without a mask band)."""
-    diff = (replayed.detach().float() - recorded.float()).abs()
-    if mask is not None:
-        diff = torch.where(mask > 0, diff, torch.zeros_like(diff))
-    per_sample = diff.reshape(diff.shape[0], -1).max(dim=1).values
-    worst = int(per_sample.argmax()) if per_sample.numel() else 0
-    largest = float(per_sample.max()) if per_sample.numel() else 0.0
-    limit = max(ctx.mask_limit, ctx.tolerance) if maskable and ctx.mask_limit is not None else ctx.tolerance
-    if not largest <= limit:  # also catches nan
-        raise mismatch_error(ctx, sample_ids[worst], what, largest, limit)
-    checked = per_sample.new_ones(per_sample.shape, dtype=torch.bool) if mask is None else \
-        (mask.reshape(mask.shape[0], -1) > 0).any(dim=1)
-    ctx.checked.update(s for s, c in zip(sample_ids, checked.tolist()) if c)
-    for i in torch.nonzero(per_sample > ctx.tolerance).flatten().tolist():
-        ctx.masked[sample_ids[i]] = max(ctx.masked.get(sample_ids[i], 0.0), float(per_sample[i]))
-    keep = (diff <= ctx.tolerance).to(replayed.dtype)
-    count = float(mask.sum()) if mask is not None else float(diff.numel())
-    return largest, float(diff.sum()) / max(count, 1.0), keep
 
 
 def judge_masked(ctx: TrainContext) -> None:

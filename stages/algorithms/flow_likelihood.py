@@ -12,11 +12,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import torch
-
-from unirl.stages.algorithms.aggregate import LossOutput
-from unirl.stages.algorithms.base import Algorithm, TrainContext, check_behaviour
-from unirl.stages.algorithms.kl import flow_kl
+from unirl.stages.algorithms.base import Algorithm, TrainContext
 
 
 def add(totals: dict[str, float], metrics: dict[str, float], weight: float) -> None:
@@ -33,10 +29,12 @@ def sde_steps(algorithm: str, batch: Any, iteration: int) -> list[int]:
     return steps
 
 
-@torch.no_grad()
-def transition_means(ctx: TrainContext, batch: Any) -> torch.Tensor:
-    """(B, K, *latent) means of every SDE transition of `batch` under the module in place."""
-    return torch.stack([ctx.policy.replay(ctx.module, batch, step).mean for step in batch.plan.sde_indices.tolist()], dim=1)
+def transition_means(ctx: TrainContext, batch: Any) -> Any:
+    """(B, K, *latent) means of every SDE transition of `batch` under the module in place (no grad)."""
+    import torch  # start-up time: torch loads at the first train step
+
+    with torch.no_grad():
+        return torch.stack([ctx.policy.replay(ctx.module, batch, step).mean for step in batch.plan.sde_indices.tolist()], dim=1)
 
 
 class FlowLikelihood(Algorithm):
@@ -53,10 +51,15 @@ class FlowLikelihood(Algorithm):
     def needs_reference(self) -> bool:
         return self.kl_coef > 0
 
-    def step_loss(self, logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, out: Any, old_mean: torch.Tensor | None) -> LossOutput:
+    def step_loss(self, logp: Any, old: Any, adv: Any, out: Any, old_mean: Any) -> Any:
         raise NotImplementedError
 
     def loss_backward(self, ctx: TrainContext, batch: Any, frozen: Any, *, share: float, update: int, real: bool) -> dict[str, float]:
+        import torch  # start-up time: torch loads at the first train step
+
+        from unirl.stages.kernels.behaviour import check_behaviour
+        from unirl.stages.kernels.kl import flow_kl
+
         steps = sde_steps(self.name, batch, ctx.iteration)
         k = len(steps)
         weight = share * ctx.world

@@ -15,33 +15,13 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-import torch
-
-from unirl.stages.algorithms.aggregate import LossOutput
-from unirl.stages.algorithms.base import Algorithm, TrainContext, algorithms, check_behaviour
+from unirl.stages.algorithms.base import Algorithm, TrainContext, algorithms
 from unirl.stages.algorithms.flow_likelihood import sde_steps
 from unirl.stages.runtime.config_base import Section
 
 # Fields of a tiny flow model (model.tiny) that shape only its transformer: a teacher trained with
 # `sft` may change them (a bigger teacher); the others fix the latent space or the conditioning.
 TRANSFORMER_ONLY = ("num_layers", "num_heads", "head_dim", "patch_size")
-
-
-def flow_opd_loss(v_student: torch.Tensor, v_teacher: torch.Tensor, weight: float | torch.Tensor = 1.0) -> LossOutput:
-    """v_student, v_teacher: (N, *latent), one row per (sample, SDE step); weight: float or (N,).
-
-    mse_n = mean over the non-batch dims of (v_student - v_teacher)^2;
-    loss = mean_n(weight_n * mse_n); the teacher is detached.
-    Metrics: opd_mse = mean_n(mse_n) (unweighted).
-    """
-    if v_teacher.shape != v_student.shape:
-        raise ValueError(f"flow_opd_loss: v_teacher has shape {tuple(v_teacher.shape)}, v_student has {tuple(v_student.shape)}")
-    w = torch.as_tensor(weight, dtype=torch.float32, device=v_student.device)
-    if w.dim() > 1 or (w.dim() == 1 and w.shape != v_student.shape[:1]):
-        raise ValueError(f"flow_opd_loss: weight must be a float or (N,) = ({v_student.shape[0]},), got {tuple(w.shape)}")
-    err = (v_student.to(torch.float32) - v_teacher.detach().to(torch.float32)).square()
-    mse = err.reshape(err.shape[0], -1).mean(dim=1)
-    return LossOutput((w * mse).mean(), {"opd_mse": float(mse.detach().mean())})
 
 
 class FlowOPDConfig(Section):
@@ -116,21 +96,26 @@ class FlowOPD(Algorithm):
                 raise ValueError(f"sample {sid!r}: domain {d!r} has no distillation teacher; flow_opd teaches every row")
         return [(t.name, [i for i, n in enumerate(names) if n == t.name]) for t in self.recipe.distill.teachers]
 
-    @torch.no_grad()
-    def teacher_velocity(self, ctx: TrainContext, batch: Any, step: int, like: torch.Tensor) -> torch.Tensor:
-        """(B, *latent) velocity of each row's teacher at the row's stored state of `step`."""
+    def teacher_velocity(self, ctx: TrainContext, batch: Any, step: int, like: Any) -> Any:
+        """(B, *latent) velocity of each row's teacher at the row's stored state of `step` (no grad)."""
+        import torch  # start-up time: torch loads at the first train step
+
         x, sigma = batch.at(step), batch.plan.sigmas[step]
         out = torch.empty_like(like, dtype=torch.float32)
-        for name, rows in self.routes(batch):
-            if not rows and ctx.world == 1:
-                continue
-            run = rows or [0]  # a rank with no row of this teacher still runs its forward (collectives)
-            v = ctx.policy.velocity(ctx.teacher(name), [batch.prompts[i] for i in run])(x[run], sigma.expand(len(run)))
-            if rows:
-                out[rows] = v.float()
+        with torch.no_grad():
+            for name, rows in self.routes(batch):
+                if not rows and ctx.world == 1:
+                    continue
+                run = rows or [0]  # a rank with no row of this teacher still runs its forward (collectives)
+                v = ctx.policy.velocity(ctx.teacher(name), [batch.prompts[i] for i in run])(x[run], sigma.expand(len(run)))
+                if rows:
+                    out[rows] = v.float()
         return out
 
     def loss_backward(self, ctx: TrainContext, batch: Any, frozen: Any, *, share: float, update: int, real: bool) -> dict[str, float]:
+        from unirl.stages.kernels.behaviour import check_behaviour  # start-up time: torch loads at the first train step
+        from unirl.stages.kernels.flow_losses import flow_opd_loss
+
         steps = sde_steps(self.name, batch, ctx.iteration)
         k = len(steps)
         weight = share * ctx.world

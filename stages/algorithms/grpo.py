@@ -8,45 +8,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from pydantic import Field
 
-from unirl.stages.algorithms.aggregate import LossOutput, aggregate, loss_metrics, prepare
 from unirl.stages.algorithms.base import algorithms
 from unirl.stages.algorithms.policy_gradient import TokenPolicyGradient
 from unirl.stages.runtime.config_base import Section
-
-
-def grpo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    adv: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    agg: str = "token_mean",
-    horizon: float | None = None,
-) -> LossOutput:
-    """logp, old_logp, mask: (B, L); adv: (B,) per sequence or (B, L) per token.
-
-    r = exp(logp - old_logp); l = -min(r*A, clip(r, 1-clip_low, 1+clip_high)*A), reduced by agg.
-    Clipping is active where r > 1+clip_high with A > 0 (clip_frac_high) or r < 1-clip_low with
-    A < 0 (clip_frac_low); there the token's gradient is zero.
-    """
-    if not 0 <= clip_low < 1 or clip_high < 0:
-        raise ValueError(f"grpo_loss: need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
-    log_ratio, _, a, m = prepare(logp, old_logp, adv, mask, name="grpo_loss")
-    ratio = torch.exp(log_ratio)
-    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
-    per_token = -torch.minimum(ratio * a, clipped * a)
-    loss = aggregate(per_token, m, agg, horizon)
-    metrics = loss_metrics(
-        log_ratio, m, ratio, m,
-        clipped_low=(ratio < 1 - clip_low) & (a < 0),
-        clipped_high=(ratio > 1 + clip_high) & (a > 0),
-    )
-    return LossOutput(loss, metrics)
 
 
 class GRPOConfig(Section):
@@ -69,5 +35,7 @@ class GRPO(TokenPolicyGradient):
     config = GRPOConfig
 
     def loss(self, logp, old_logp, adv, mask, horizon):
+        from unirl.stages.kernels.token_losses import grpo_loss  # start-up time: torch loads at the first train step
+
         c = self.cfg
         return grpo_loss(logp, old_logp, adv, mask, clip_low=c.clip_low, clip_high=c.clip_high, agg=c.agg, horizon=horizon)

@@ -8,44 +8,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from pydantic import Field
 
-from unirl.stages.algorithms.aggregate import LossOutput, loss_metrics, prepare
 from unirl.stages.algorithms.base import algorithms
 from unirl.stages.algorithms.policy_gradient import TokenPolicyGradient
 from unirl.stages.runtime.config_base import Section
-
-
-def gspo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    adv: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-) -> LossOutput:
-    """logp, old_logp, mask: (B, L); adv: (B,).
-
-    s = exp(sum_t((logp-old_logp)*m) / sum_t(m)); l_b = -min(s*A, clip(s, 1-clip_low, 1+clip_high)*A);
-    loss = mean over sequences with at least one token. Ratio and clip metrics are per sequence.
-    """
-    if not 0 <= clip_low < 1 or clip_high < 0:
-        raise ValueError(f"gspo_loss: need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
-    log_ratio, _, a, m = prepare(logp, old_logp, adv, mask, name="gspo_loss", token_adv=False)
-    length = m.sum(-1)
-    has = (length > 0).to(torch.float32)
-    seq_ratio = torch.exp((log_ratio * m).sum(-1) / torch.where(length > 0, length, torch.ones_like(length)))
-    clipped = seq_ratio.clamp(1 - clip_low, 1 + clip_high)
-    per_seq = -torch.minimum(seq_ratio * a, clipped * a)
-    loss = (per_seq * has).sum() / has.sum()
-    metrics = loss_metrics(
-        log_ratio, m, seq_ratio, has,
-        clipped_low=(seq_ratio < 1 - clip_low) & (a < 0),
-        clipped_high=(seq_ratio > 1 + clip_high) & (a > 0),
-    )
-    return LossOutput(loss, metrics)
 
 
 class GSPOConfig(Section):
@@ -69,4 +36,6 @@ class GSPO(TokenPolicyGradient):
         return True
 
     def loss(self, logp, old_logp, adv, mask, horizon):
+        from unirl.stages.kernels.token_losses import gspo_loss  # start-up time: torch loads at the first train step
+
         return gspo_loss(logp, old_logp, adv, mask, clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high)

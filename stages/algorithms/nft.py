@@ -10,72 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import torch
 from pydantic import Field
 
-from unirl.stages.algorithms.aggregate import LossOutput
 from unirl.stages.algorithms.base import Algorithm, TrainContext, algorithms
 from unirl.stages.runtime.config_base import Section
-from unirl.stages.runtime.seeds import derive_seed
-
-
-def nft_loss(
-    x0: torch.Tensor,
-    xt: torch.Tensor,
-    t: float | torch.Tensor,
-    v_new: torch.Tensor,
-    v_old: torch.Tensor,
-    adv: torch.Tensor,
-    *,
-    beta: float = 1.0,
-    adv_clip: float = 5.0,
-    adaptive_weight: bool = True,
-) -> LossOutput:
-    """x0, xt, v_new, v_old: (B, ...); t: float or (B,) per sample; adv: (B,).
-
-    c = adv_clip; p = clamp(clamp(adv, -c, c)/c/2 + 0.5, 0, 1);
-    pos = beta*v_new + (1-beta)*v_old; neg = (1+beta)*v_old - beta*v_new;
-    x0p = xt - t*pos; x0n = xt - t*neg;
-    w+- = detached mean over non-batch dims of |x0+- - x0|, clamped at 1e-5 (1 without adaptive_weight);
-    loss = c * mean_b(p*mse(x0p, x0)/wp + (1-p)*mse(x0n, x0)/wn) / beta, mse per sample.
-    Metrics: pos_mse, neg_mse (batch means of the unweighted per-sample mse), p_mean.
-    """
-    name = "nft_loss"
-    if beta <= 0 or adv_clip <= 0:
-        raise ValueError(f"{name}: need beta > 0 and adv_clip > 0, got beta={beta}, adv_clip={adv_clip}")
-    for label, tensor in (("xt", xt), ("v_new", v_new), ("v_old", v_old)):
-        if tensor.shape != x0.shape:
-            raise ValueError(f"{name}: {label} has shape {tuple(tensor.shape)}, x0 has {tuple(x0.shape)}")
-    if adv.shape != x0.shape[:1]:
-        raise ValueError(f"{name}: adv must be (B,) = ({x0.shape[0]},), got {tuple(adv.shape)}")
-    dims = tuple(range(1, x0.dim()))
-
-    def per_sample_mean(e: torch.Tensor) -> torch.Tensor:
-        return e.mean(dim=dims) if dims else e
-
-    x0 = x0.detach().to(torch.float32)
-    xt = xt.detach().to(torch.float32)
-    v_new = v_new.to(torch.float32)
-    v_old = v_old.detach().to(torch.float32)
-    tt = torch.as_tensor(t, dtype=torch.float32, device=x0.device)
-    tt = tt.reshape(*tt.shape, *([1] * (x0.dim() - tt.dim())))
-
-    c = adv_clip
-    p = (adv.detach().to(torch.float32).clamp(-c, c) / c / 2 + 0.5).clamp(0, 1)
-    pos = beta * v_new + (1 - beta) * v_old
-    neg = (1 + beta) * v_old - beta * v_new
-    x0p = xt - tt * pos
-    x0n = xt - tt * neg
-    if adaptive_weight:
-        wp = per_sample_mean((x0p.detach() - x0).abs()).clamp_min(1e-5)
-        wn = per_sample_mean((x0n.detach() - x0).abs()).clamp_min(1e-5)
-    else:
-        wp = wn = torch.ones_like(p)
-    mse_p = per_sample_mean((x0p - x0).square())
-    mse_n = per_sample_mean((x0n - x0).square())
-    loss = c * (p * mse_p / wp + (1 - p) * mse_n / wn).mean() / beta
-    values = torch.stack([mse_p.mean(), mse_n.mean(), p.mean()]).detach().tolist()
-    return LossOutput(loss, dict(zip(("pos_mse", "neg_mse", "p_mean"), values)))
 
 
 class NFTConfig(Section):
@@ -103,33 +41,6 @@ class NFTConfig(Section):
         return min(max_decay, self.ema_ramp * (step - self.ema_flat_steps))
 
 
-def nft_draws(sample_ids: list[str], *, seed: int, iteration: int, update: int, draw: int,
-              sigmas: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t (B,), noise (B, *shape)) of NFT draw `draw`: t uniform over the schedule's nonzero
-    sigmas and the noise, both from a generator per sample, so a sample's draws do not depend on
-    its micro-batch."""
-    levels = sigmas[sigmas > 0]
-    ts, noises = [], []
-    for sid in sample_ids:
-        g = torch.Generator().manual_seed(derive_seed(seed, "nft", iteration, update, draw, sid))
-        ts.append(levels[int(torch.randint(0, levels.numel(), (1,), generator=g))])
-        noises.append(torch.randn(shape, generator=g))
-    return torch.stack(ts), torch.stack(noises)
-
-
-def nft_points(batch: Any, *, seed: int, iteration: int, update: int, draws: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(t (B,), x_t (B, *latent)) of each NFT draw: x_t = (1 - t) * x0 + t * noise."""
-    x0 = batch.final
-    out = []
-    for d in range(draws):
-        t, noise = nft_draws(batch.sample_ids, seed=seed, iteration=iteration, update=update, draw=d,
-                             sigmas=batch.plan.sigmas, shape=tuple(x0.shape[1:]))
-        t, noise = t.to(x0.device), noise.to(x0.device)
-        s = t.reshape(-1, *([1] * (x0.ndim - 1)))
-        out.append((t, (1 - s) * x0 + s * noise))
-    return out
-
-
 @algorithms.register("nft")
 class NFT(Algorithm):
     """DiffusionNFT over `timesteps` draws per sample; backward per draw. The EMA old policy
@@ -152,7 +63,9 @@ class NFT(Algorithm):
     def ema_decay(self, step: int, decay: float) -> float:
         return self.cfg.ema_decay(step, decay)
 
-    def _points(self, ctx: TrainContext, batch: Any, update: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _points(self, ctx: TrainContext, batch: Any, update: int) -> list[tuple[Any, Any]]:
+        from unirl.stages.kernels.flow_losses import nft_points  # start-up time: torch loads at the first train step
+
         return nft_points(batch, seed=ctx.seed, iteration=ctx.iteration, update=update, draws=self.cfg.timesteps)
 
     def freeze_old(self, ctx: TrainContext, batch: Any, update: int) -> Any:
@@ -160,6 +73,8 @@ class NFT(Algorithm):
         return [velocity(xt, tt) for tt, xt in self._points(ctx, batch, update)]
 
     def loss_backward(self, ctx: TrainContext, batch: Any, frozen: Any, *, share: float, update: int, real: bool) -> dict[str, float]:
+        from unirl.stages.kernels.flow_losses import nft_loss  # start-up time: torch loads at the first train step
+
         c = self.cfg
         weight = share * ctx.world
         totals: dict[str, float] = {}

@@ -6,12 +6,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import torch
-
-from unirl.stages.algorithms.aggregate import LossOutput
-from unirl.stages.algorithms.base import Algorithm, TrainContext, behaviour_mismatch, check_behaviour
-from unirl.stages.algorithms.correction import importance_weights, weighted_advantage
-from unirl.stages.algorithms.kl import kl
+from unirl.stages.algorithms.base import Algorithm, TrainContext
 
 
 class TokenPolicyGradient(Algorithm):
@@ -19,7 +14,8 @@ class TokenPolicyGradient(Algorithm):
     anchors: ClassVar[tuple[str, ...]] = ("response_logprobs",)
     correction_levels: ClassVar[tuple[str, ...]] = ("token", "sequence")
 
-    def loss(self, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, horizon: int) -> LossOutput:
+    def loss(self, logp: Any, old_logp: Any, adv: Any, mask: Any, horizon: int) -> Any:
+        """The algorithm's loss kernel (stages/kernels/token_losses.py) on one micro-batch: a LossOutput."""
         raise NotImplementedError
 
     @property
@@ -47,6 +43,12 @@ class TokenPolicyGradient(Algorithm):
         weights sampled are checked against their record first (the on-policy check): a token a
         hair off it (above the tolerance, within the mask limit) gets advantage 0, the whole
         sequence for a sequence-level loss (GSPO); it still counts in the loss's normalisation."""
+        import torch  # start-up time: torch loads at the first train step
+
+        from unirl.stages.kernels.behaviour import behaviour_mismatch, check_behaviour, masked_advantage
+        from unirl.stages.kernels.correction import importance_weights, weighted_advantage
+        from unirl.stages.kernels.kl import kl
+
         logp = ctx.policy.replay(ctx.module, batch)
         proximal = logp.detach() if frozen is None else frozen
         old_logp, adv = proximal, batch.advantage
@@ -89,12 +91,3 @@ class TokenPolicyGradient(Algorithm):
         (loss * share * ctx.world).backward()
         metrics["loss"] = float(loss.detach())
         return metrics
-
-
-def masked_advantage(adv: torch.Tensor, keep: torch.Tensor, *, token_level: bool) -> torch.Tensor:
-    """adv (B,) or (B, L) with the elements where keep (B, L) is 0 set to 0: per token, or, not
-    `token_level`, for the whole row (B,) of any such token."""
-    if not token_level:
-        row = keep.amin(dim=-1)
-        return adv * (row[:, None] if adv.dim() == 2 else row)
-    return (adv[:, None] if adv.dim() == 1 else adv) * keep

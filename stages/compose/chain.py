@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from unirl.stages.algorithms.advantage import group_advantages
 from unirl.stages.compose import names
+from unirl.stages.kernels.advantage import group_advantages
 from unirl.stages.runtime.sample import composed_table, namespaced, read_rollouts, read_shard, table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from unirl.stages.algorithms.advantage import group_advantages, group_stats
+from unirl.stages.kernels.advantage import group_advantages, group_stats
 from unirl.stages.recipe import Recipe
 from unirl.stages.rewards.base import ScoreBatch, ScoreResult, aggregate, build_scorer, prompt_check, run_scorer
 from unirl.stages.rewards.overlong import apply_overlong

@@ -34,7 +34,7 @@ class UpdatePart:
     """One policy's share of an optimizer step: its algorithm, this rank's micro-batches
     (`batches[k]`: of mini-batch k; `counts[k]`: the most any rank has), the behaviour tolerance
     of its on-policy check, the weight of its loss, the prefix of its metrics, and the check's
-    mask band (stages/algorithms/base.py: `check_behaviour`)."""
+    mask band (stages/kernels/behaviour.py: `check_behaviour`)."""
 
     policy: Any
     algo: Any

@@ -21,7 +21,7 @@ from mlflow.tracking import MlflowClient
 from tests import zygote
 from tests.conftest import REPO, TINY, run_unirl
 from unirl.flows.hooks import worker_processes
-from unirl.stages.algorithms.advantage import group_advantages
+from unirl.stages.kernels.advantage import group_advantages
 
 pytestmark = pytest.mark.slow
 

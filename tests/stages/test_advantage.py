@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from unirl.stages.algorithms.advantage import group_advantages, group_stats
+from unirl.stages.kernels.advantage import group_advantages, group_stats
 
 EPS = 1e-6
 

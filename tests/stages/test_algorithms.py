@@ -4,7 +4,9 @@ import math
 import pytest
 import torch
 
-from unirl.stages.algorithms import LossOutput, drpo_loss, grpo_loss, gspo_loss, kl
+from unirl.stages.kernels.aggregate import LossOutput
+from unirl.stages.kernels.kl import kl
+from unirl.stages.kernels.token_losses import drpo_loss, grpo_loss, gspo_loss
 
 METRIC_KEYS = {
     "clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean", "ratio_max", "ratio_min",

@@ -12,8 +12,8 @@ import torch
 from tests.conftest import REPO
 from tests.stages.test_seams import worker_for
 from unirl.stages.algorithms import BehaviourMismatchError, TrainContext
-from unirl.stages.algorithms.base import check_behaviour, judge_masked
-from unirl.stages.algorithms.policy_gradient import masked_advantage
+from unirl.stages.algorithms.base import judge_masked
+from unirl.stages.kernels.behaviour import check_behaviour, masked_advantage
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from behaviour_rounding import PAD, multi_turn, replay_diffs, tiny_agent_model  # noqa: E402

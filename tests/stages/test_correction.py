@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from tests.tiny import TINY, merged
-from unirl.stages.algorithms.correction import CorrectionConfig, importance_weights, weighted_advantage
-from unirl.stages.algorithms.grpo import grpo_loss
+from unirl.stages.algorithms.correction import CorrectionConfig
+from unirl.stages.kernels.correction import importance_weights, weighted_advantage
+from unirl.stages.kernels.token_losses import grpo_loss
 from unirl.stages.recipe import RecipeError, build_recipe
 
 # proximal o, behaviour b over two sequences of three tokens, the last token of row 1 padding

@@ -14,13 +14,14 @@ from typing import Any
 import pytest
 import torch
 
-from unirl.stages.algorithms import BehaviourMismatchError, TrainContext, flow_grpo_loss, nft_loss
+from unirl.stages.algorithms import BehaviourMismatchError, TrainContext
 from unirl.stages.algorithms.flow_dppo import FlowDPPO, FlowDPPOConfig
 from unirl.stages.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
 from unirl.stages.algorithms.flow_likelihood import transition_means
-from unirl.stages.algorithms.nft import NFT, NFTConfig, nft_points
+from unirl.stages.algorithms.nft import NFT, NFTConfig
 from unirl.stages.diffusion.sampling import make_plan, replay_step, sample, stored_steps
 from unirl.stages.diffusion.trajectory import LatentBatch
+from unirl.stages.kernels.flow_losses import flow_grpo_loss, nft_loss, nft_points
 from unirl.stages.models.flow_lora import merge_lora
 from unirl.stages.policies.flow import FlowSampler
 

@@ -6,11 +6,9 @@ import math
 import pytest
 import torch
 
-from unirl.stages.algorithms.aggregate import LossOutput
-from unirl.stages.algorithms.flow_dppo import flow_dppo_loss
-from unirl.stages.algorithms.flow_grpo import flow_grpo_loss
-from unirl.stages.algorithms.kl import flow_kl
-from unirl.stages.algorithms.nft import nft_loss
+from unirl.stages.kernels.aggregate import LossOutput
+from unirl.stages.kernels.flow_losses import flow_dppo_loss, flow_grpo_loss, nft_loss
+from unirl.stages.kernels.kl import flow_kl
 
 
 def close(actual, expected, atol=1e-6):

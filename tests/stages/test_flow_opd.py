@@ -13,7 +13,8 @@ import torch
 
 from tests.conftest import recipe_errors
 from tests.tiny import TINY, merged
-from unirl.stages.algorithms.flow_opd import FlowOPD, flow_opd_loss
+from unirl.stages.algorithms.flow_opd import FlowOPD
+from unirl.stages.kernels.flow_losses import flow_opd_loss
 from unirl.stages.recipe import build_recipe
 
 # -- the kernel ----------------------------------------------------------------------------------
