@@ -6,10 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from unirl.stages.compose import names
-from unirl.stages.kernels.advantage import group_advantages
 from unirl.stages.runtime.sample import composed_table, namespaced, read_rollouts, read_shard, table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage
 
@@ -66,6 +63,10 @@ def advantage_rows(recipe: Recipe, storage: RunStorage, composed: list[str], rew
     sample's among the samples of its group (one upstream sample's, or one user prompt's); an
     earlier part's sample, whose reward is the mean of the rewards of the samples drawn from it,
     among the samples of its group."""
+    import numpy as np  # start-up time: loaded on first use, not when a recipe is read
+
+    from unirl.stages.kernels.advantage import group_advantages
+
     order = names(recipe)
     table = read_rollouts(storage, composed, columns=["sample_id", *(f"{n}/{c}" for n in order for c in ("sample_id", "group_id"))])
     reward_of: dict[str, float] = {}
@@ -96,6 +97,8 @@ def advantage_rows(recipe: Recipe, storage: RunStorage, composed: list[str], rew
 
 
 def advantage_metrics(rows: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+    import numpy as np  # start-up time: loaded on first use, not when a recipe is read
+
     out = {}
     for name, part in rows.items():
         adv = np.array([r["advantage"] for r in part])

@@ -3,10 +3,12 @@ unified.py): each stage's rollout shards named by their stage, read back by stag
 train step, and the joint warm start (every stage's supervised loss in one optimizer step)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-import torch
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import torch
+
 
 STAGE_KEY = b"unirl.stage"  # a stage's rollout shard: the stage that sampled it
 
@@ -34,6 +36,8 @@ class JointSFT:
     def sft_loss(self, module: Any, step: int, *, seed: int, batch_size: int, stack: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum over the stages of weight * loss (each at its own batch size); the value summed over
         ranks likewise."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         total: Any = 0.0
         value: Any = 0.0
         for name, size in self.batch_sizes.items():
@@ -52,6 +56,8 @@ def with_stage(table: pa.Table, stage: str) -> pa.Table:
 def split_by_stage(tables: list[pa.Table], where: str) -> dict[str, pa.Table]:
     """Rollout shards by the stage that sampled them (`with_stage`); a shard that names none is an
     error naming it."""
+    import pyarrow as pa  # start-up time: loaded on first use, not when a recipe is read
+
     out: dict[str, list[pa.Table]] = {}
     for table in tables:
         stage = (table.schema.metadata or {}).get(STAGE_KEY)

@@ -42,8 +42,8 @@ class UpdateGroups:
                 and len(names) == len(dtypes) == len(shapes)):
             raise EngineRequestError("names, dtypes and shapes: lists with one entry per tensor")
         for n, d, s in zip(names, dtypes, shapes):
-            if not isinstance(n, str) or not isinstance(d, str) or d not in ug.DTYPES or not isinstance(s, list):
-                raise EngineRequestError(f"tensor {shown(n)}: a name, a dtype ({', '.join(ug.DTYPES)}) and a shape are required")
+            if not isinstance(n, str) or not isinstance(d, str) or d not in ug.DTYPE_NAMES or not isinstance(s, list):
+                raise EngineRequestError(f"tensor {shown(n)}: a name, a dtype ({', '.join(ug.DTYPE_NAMES)}) and a shape are required")
             for size in s:
                 integer(size, f"tensor {shown(n)}: shape", 0, 1 << 40)
         version = None if body.get("weight_version") is None else version_text(body["weight_version"], "weight_version")
@@ -52,12 +52,12 @@ class UpdateGroups:
             state = core.base_module().state_dict()
             unknown = [n for n in names if n not in state]
             # The trainer sends the served model's tensors: more bytes than the model is not an update.
-            sent = sum(math.prod(s) * ug.DTYPES[d].itemsize for d, s in zip(dtypes, shapes))
+            sent = sum(math.prod(s) * ug.dtype_of(d).itemsize for d, s in zip(dtypes, shapes))
             served = sum(t.numel() * t.element_size() for t in state.values())
             if sent > served:
                 raise EngineRequestError(f"an update of {sent} bytes, larger than the served model's {served}: refused "
                                          "before receiving")
-            buffers = [torch.empty(s, dtype=ug.DTYPES[d]) for d, s in zip(dtypes, shapes)]
+            buffers = [torch.empty(s, dtype=ug.dtype_of(d)) for d, s in zip(dtypes, shapes)]
             ug.broadcast(buffers, self.groups[name])  # always receive: the trainer is sending regardless
             if unknown:
                 raise EngineRequestError(f"tensors the served model does not have: {unknown[:3]}")

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from unirl.stages.diffusion.kernels import kernels
 from unirl.stages.engines.client import EngineClient, EngineError, tensor_from_wire
 from unirl.stages.runtime.seeds import derive_seed
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 # Our SDE kernel -> SGLang's rollout_sde_type (a kernel SGLang lacks is sent as an extra).
 SDE_TYPES = {name: kernel.sglang for name, kernel in kernels.items() if kernel.sglang is not None}
@@ -29,6 +30,8 @@ SDE_TYPES = {name: kernel.sglang for name, kernel in kernels.items() if kernel.s
 
 def image_uint8(image: torch.Tensor) -> np.ndarray:
     """(H, W, 3) uint8 from an engine's decoded image: uint8 HWC as ours, or float in [0, 1] CHW."""
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
     x = image.detach().cpu()
     if x.dtype != torch.uint8:
         x = (x.float().clamp(0, 1) * 255).round().to(torch.uint8)
@@ -52,6 +55,8 @@ class FlowWire:
 
     def rollout(self, client: EngineClient, samples: list[tuple[str, str, str, Any]], *, iteration: int, seed_tag: str,
                 greedy: bool, lora: str | None, transitions: bool) -> list[dict[str, Any]]:
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         from unirl.stages.diffusion.sampling import Plan, make_plan, stored_steps
         from unirl.stages.diffusion.trajectory import latent_rows
         from unirl.stages.runtime.accumulation import version_of

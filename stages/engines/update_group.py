@@ -12,12 +12,22 @@ group.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 TIMEOUT = timedelta(minutes=10)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # what the update group carries
+
+
+def dtype_of(name: str) -> Any:
+    """The torch dtype of one of DTYPE_NAMES."""
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
+
+    return getattr(torch, name)
 
 
 def init_group(*, backend: str, master_address: str, master_port: int, world_size: int, rank: int,

@@ -27,14 +27,16 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch
 from pydantic import Field
 
 from unirl.stages.models.family import Family
 from unirl.stages.models.flow_geometry import FlowGeometry
 from unirl.stages.runtime.config_base import LoraConfig, Section
+
+if TYPE_CHECKING:
+    import torch
 
 # ---------------------------------------------------------------------------- shared recipe sections
 
@@ -180,6 +182,8 @@ class FlowFamily(Family):
         the VAE, the `text` parts (encoders and tokenizers) and the transformers `experts` names
         (the first always, the others where the index lists them). The folder must be one this
         family loads (check_pipeline)."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         from unirl.stages.models.flow_folder import check_pipeline, listed, load_component
 
         root = Path(directory)
@@ -292,6 +296,8 @@ class FlowFamily(Family):
         (batched, at least B rows). guidance_scale > 1 with CFG: uncond and cond in one forward of
         2B (`neg`: the negative prompt's conditioning, batch B or 1); a guidance-distilled model gets
         the scale as its guidance input. Keeps the autograd graph."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         if guidance_scale < 1:
             raise ValueError(f"guidance_scale must be >= 1 (1 = no guidance), got {guidance_scale}")
         n = x.shape[0]
@@ -327,6 +333,8 @@ class FlowFamily(Family):
     @classmethod
     def encode_images(cls, bundle: Any, media: Any) -> torch.Tensor:
         """uint8 images (B, H, W, 3) or videos (B, F, H, W, 3) -> float32 latents (B, *latent)."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         geo = cls.geometry(bundle)
         media = torch.as_tensor(media) if not isinstance(media, (list, tuple)) else media
         if hasattr(media, "shape"):
@@ -340,6 +348,8 @@ class FlowFamily(Family):
                     world: int) -> dict[str, float]:
         """Before flow-matching SFT: warm the VAE up on the SFT media (a tiny model's VAE is random)
         and set its normalization from their latents; a checkpoint's VAE is kept (`model.vae_warmup`)."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         from unirl.stages.diffusion import sft as S
 
         warm = cfg.vae_warmup

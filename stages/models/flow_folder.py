@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 TRANSFORMER_FILE = "diffusion_pytorch_model.safetensors"
 # What a folder built in code is made for: its image side, frame count and text tokens per prompt
@@ -143,6 +145,7 @@ LATENT_SPACE = ("vae", "text_encoder", "tokenizer")
 
 def same_tensors(a: Path, b: Path) -> bool:
     """Whether two safetensors files hold the same tensors (names, dtypes, values), read lazily."""
+    import torch  # start-up time: loaded on first use, not when a recipe is read
     from safetensors import safe_open
 
     with safe_open(str(a), "pt") as fa, safe_open(str(b), "pt") as fb:

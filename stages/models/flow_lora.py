@@ -7,12 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def _layers(models: Sequence[Any]) -> list[tuple[str, Any]]:
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
     kinds = (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Conv3d)
     return [(n, m) for model in models for n, m in model.named_modules() if isinstance(m, kinds)]
 
@@ -72,6 +75,7 @@ def merge_lora(state: dict[str, torch.Tensor], *, rank: int, alpha: float, adapt
     """peft-layout weights -> plain ones: W = W_base + (alpha / r) * B @ A for every adapted layer
     (`x.base_layer.weight` + `x.lora_A.<adapter>.weight` + `x.lora_B.<adapter>.weight` -> `x.weight`);
     other keys are kept."""
+
     scale = alpha / rank
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +117,8 @@ def build_tiny_clip_tokenizer(words: Sequence[str] | None = None, model_max_leng
 
 def seeded(seed: int, build: Any) -> Any:
     """`build()` under torch's global RNG seeded with `seed`, the caller's RNG left as it was."""
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return build()
@@ -137,6 +141,8 @@ def ids_and_mask(tokenizer: Any, texts: Sequence[str] | str, max_length: int, *,
 
 def pad_rows(x: torch.Tensor, mask: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `length` rows of a (L, D) sequence and its (L,) mask, zero-padded to `length`."""
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
     x, mask = x[:length], mask[:length]
     if x.shape[0] < length:
         x = torch.cat([x, x.new_zeros(length - x.shape[0], *x.shape[1:])])

@@ -13,16 +13,21 @@ real checkpoint ships fit only its own weights).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import Tensor
+
+from unirl.stages.kernels import no_grad
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def as_uint8_media(media: Any, video: bool) -> Tensor:
     """uint8 (B, H, W, 3) images or (B, F, H, W, 3) videos (array, tensor, or a list of PIL images /
     of frame lists) as a tensor; ValueError naming the expected layout otherwise."""
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
     if isinstance(media, (list, tuple)):
         def frame(im: Any) -> np.ndarray:
             return np.asarray(im.convert("RGB") if hasattr(im, "convert") else im)
@@ -63,6 +68,8 @@ class LatentCodec:
 
     def media(self, pixels: Tensor, video: bool) -> Tensor:
         """VAE output in [-1, 1] -> uint8 media on the CPU, images (B, H, W, 3) or videos (B, F, H, W, 3)."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         out = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
         if out.ndim == 4:
             return out.permute(0, 2, 3, 1).cpu()
@@ -88,12 +95,12 @@ class LatentCodec:
     def from_policy(self, x: Tensor) -> Tensor:
         return x.unsqueeze(2) if (self.video_vae and x.ndim == 4) else x
 
-    @torch.no_grad()
+    @no_grad
     def encode(self, vae: Any, media: Any, *, video: bool, sample: bool = False, generator: Any = None) -> Tensor:
         z = self.raw_latents(vae, self.pixels(as_uint8_media(media, video)), sample=sample, generator=generator)
         return self.normalize(vae, self.to_policy(z, video))
 
-    @torch.no_grad()
+    @no_grad
     def decode(self, vae: Any, latents: Tensor) -> Tensor:
         video = latents.ndim == 5
         z = self.from_policy(self.denormalize(vae, latents.float()))
@@ -141,6 +148,8 @@ class ChannelStats(LatentCodec):
     video_vae = True
 
     def _stats(self, vae: Any, like: Tensor) -> tuple[Tensor, Tensor]:
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         shape = (1, -1) + (1,) * (like.ndim - 2)
         mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32, device=like.device).view(shape)
         std = torch.tensor(vae.config.latents_std, dtype=torch.float32, device=like.device).view(shape)
@@ -158,6 +167,8 @@ class ChannelStats(LatentCodec):
         """The decoder's own output, before the clamp to [-1, 1] these VAEs end their decode with:
         trained through the clamp, a decoder that overshoots white (the toy scenes' background)
         gets no gradient on the pixels it overshoots and settles on a blank frame."""
+        import torch
+
         posterior = vae.encode(pixels).latent_dist
         frames: list[Tensor] = []
         handle = vae.decoder.register_forward_hook(lambda module, args, out: frames.append(out))
@@ -195,6 +206,8 @@ class PatchBatchNorm(LatentCodec):
     """FLUX.2: x = (patchify(z) - bn.running_mean) / sqrt(bn.running_var + eps), per channel."""
 
     def _stats(self, vae: Any, like: Tensor) -> tuple[Tensor, Tensor]:
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         mean = vae.bn.running_mean.view(1, -1, 1, 1).to(like.device, torch.float32)
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1).to(like.device, torch.float32) + vae.config.batch_norm_eps)
         return mean, std
@@ -208,7 +221,7 @@ class PatchBatchNorm(LatentCodec):
         mean, std = self._stats(vae, x)
         return unpatchify(x * std + mean)
 
-    @torch.no_grad()
+    @no_grad
     def fit(self, vae: Any, z: Tensor) -> dict[str, float]:
         p = patchify(z)
         dims = [0, 2, 3]

@@ -17,15 +17,18 @@ The schedule's resolution-dependent shift is FLUX.2's empirical mu (`dynamic_mu`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import Field
 
+from unirl.stages.kernels import no_grad
 from unirl.stages.models.family import families
 from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyFlow
 from unirl.stages.models.flow_geometry import FlowGeometry
 from unirl.stages.models.flow_vae import PatchBatchNorm
+
+if TYPE_CHECKING:
+    import torch
 
 FLUX2_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                       "attn.add_v_proj", "attn.to_add_out", "attn.to_qkv_mlp_proj")
@@ -154,9 +157,11 @@ class Flux2Klein(FlowFamily):
         return empirical_mu(tokens, num_steps)
 
     @classmethod
-    @torch.no_grad()
+    @no_grad
     def encode_prompt(cls, bundle: FlowBundle, text: str) -> tuple[torch.Tensor, ...]:
         """(embeds (L, 3 * D),): the templated prompt's hidden states at the three layers, per token."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         from unirl.stages.models.flow_text import ids_and_mask
 
         tok = bundle.text["tokenizer"]
@@ -172,6 +177,8 @@ class Flux2Klein(FlowFamily):
     def forward(cls, bundle: FlowBundle, module: Any, x: torch.Tensor, sigma: torch.Tensor, cond: tuple[torch.Tensor, ...],
                 guidance: float | None) -> torch.Tensor:
         """Flux2Transformer2DModel on (B, 4C, h, w) latents as h * w tokens, timestep sigma."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         (embeds,) = cond
         b, c, h, w = x.shape
         dtype = module.dtype

@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch
 from pydantic import Field
 
+from unirl.stages.kernels import no_grad
 from unirl.stages.models.family import families
 from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyVideo
 from unirl.stages.models.flow_geometry import FlowGeometry
 from unirl.stages.models.flow_vae import Scale
+
+if TYPE_CHECKING:
+    import torch
 
 HUNYUAN_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                         "attn.add_v_proj", "attn.to_add_out")
@@ -220,7 +223,7 @@ class HunyuanVideo(FlowFamily):
         return not bool(getattr(bundle.transformer.config, "guidance_embeds", False))
 
     @classmethod
-    @torch.no_grad()
+    @no_grad
     def encode_prompt(cls, bundle: FlowBundle, text: str) -> tuple[torch.Tensor, ...]:
         """1.0: (embeds (L, D), mask (L,), pooled (P,)); 1.5: (embeds, mask, glyph embeds (L2, D2), glyph mask)."""
         from unirl.stages.models.flow_text import ids_and_mask
@@ -240,6 +243,8 @@ class HunyuanVideo(FlowFamily):
     @classmethod
     def _glyphs(cls, bundle: FlowBundle, text: str) -> tuple[torch.Tensor, torch.Tensor]:
         """ByT5 embedding of the prompt's quoted text ('Text "..."', as the pipeline writes it), or zeros."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         from unirl.stages.models.flow_text import ids_and_mask
 
         length, encoder = bundle.settings["glyph_length"], bundle.text["text_encoder_2"]
@@ -256,6 +261,8 @@ class HunyuanVideo(FlowFamily):
     def forward(cls, bundle: FlowBundle, module: Any, x: torch.Tensor, sigma: torch.Tensor, cond: tuple[torch.Tensor, ...],
                 guidance: float | None) -> torch.Tensor:
         """The HunyuanVideo transformer on (B, C, F', h, w), float timestep sigma * 1000."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         dtype, timestep = module.dtype, sigma * cls.timestep_scale
         if bundle.settings["version"] == "1.0":
             embeds, mask, pooled = cond

@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import Field
 
+from unirl.stages.kernels import no_grad
 from unirl.stages.models.family import families
 from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyFlow
 from unirl.stages.models.flow_geometry import FlowGeometry
 from unirl.stages.models.flow_vae import ChannelStats
+
+if TYPE_CHECKING:
+    import torch
 
 QWEN_IMAGE_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                            "attn.add_v_proj", "attn.to_add_out")
@@ -155,9 +158,11 @@ class QwenImage(FlowFamily):
         return unpack(pack(guided) * (norm(cond) / norm(guided)), c, h, w)
 
     @classmethod
-    @torch.no_grad()
+    @no_grad
     def encode_prompt(cls, bundle: FlowBundle, text: str) -> tuple[torch.Tensor, ...]:
         """(embeds (L, D), mask (L,)): the last hidden state of the prompt's tokens in the template."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         from unirl.stages.models.flow_text import ids_and_mask, pad_rows
 
         length, prefix = bundle.settings["text_length"], bundle.settings["prefix"]
@@ -175,6 +180,8 @@ class QwenImage(FlowFamily):
     def forward(cls, bundle: FlowBundle, module: Any, x: torch.Tensor, sigma: torch.Tensor, cond: tuple[torch.Tensor, ...],
                 guidance: float | None) -> torch.Tensor:
         """QwenImageTransformer2DModel on (B, C, h, w) latents packed 2x2, timestep sigma."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         embeds, mask = cond
         b, c, h, w = x.shape
         dtype = module.dtype

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from unirl.stages.runtime.images import ImageError, decode
+
+if TYPE_CHECKING:
+    import torch
 
 QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                  "<|image_pad|>", "<|video_pad|>")
@@ -128,6 +129,7 @@ class ImagePrompts:
         as `model.chat_template` says), image processor and config (the image token ids)."""
         from types import SimpleNamespace
 
+        import torch  # start-up time: loaded on first use, not when a recipe is read
         from transformers import AutoConfig
 
         from unirl.stages.models.tokenizer import uses_chat_template

@@ -15,17 +15,19 @@ gets 256 zero rows in its place, as diffusers' pipeline does.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-import torch.nn.functional as F
 from pydantic import Field, model_validator
 
+from unirl.stages.kernels import no_grad
 from unirl.stages.models.family import families
 from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase
 from unirl.stages.models.flow_geometry import FlowGeometry, check_image_side
 from unirl.stages.models.flow_vae import ShiftScale
 from unirl.stages.runtime.config_base import Section
+
+if TYPE_CHECKING:
+    import torch
 
 # The attention projections of every MMDiT block (image and text streams), as Flow-GRPO targets.
 SD3_LORA_TARGETS = (
@@ -212,9 +214,12 @@ class SD3(FlowFamily):
         return ShiftScale()
 
     @classmethod
-    @torch.no_grad()
+    @no_grad
     def encode_prompt(cls, bundle: FlowBundle, text: str) -> tuple[torch.Tensor, ...]:
         """(embeds (L_clip + L_t5, D_joint), pooled (P,)) of one prompt (module docstring)."""
+        import torch
+        import torch.nn.functional as F  # start-up time: loaded on first use, not when a recipe is read
+
         from unirl.stages.models.flow_text import ids_and_mask
 
         device, joint = bundle.device, bundle.transformer.config.joint_attention_dim

@@ -4,8 +4,8 @@ or a tiny seeded one built in code.
 
 Wan 2.2's A14B has two experts: `transformer` denoises high noise, `transformer_2` low noise, split
 at boundary timestep = boundary_ratio * 1000 (model_index.json's `boundary_ratio`, 0.875). Both are
-the trainable module (`WanExperts`): the velocity at sigma comes from the expert whose range holds
-sigma * 1000, so sampling, the losses and the trainer's replay all switch where the pipeline does.
+the trainable module (`WanExperts`, stages/models/modules/wan_experts.py): the velocity at sigma
+comes from the expert whose range holds sigma * 1000, so sampling, the losses and the trainer's replay all switch where the pipeline does.
 
 Latents (C, F', h, w), F' = 1 + (F - 1) / 4 for the real VAE (F = 1 + 4k frames), h = H / 8; the
 transformer patches them (1, 2, 2) itself, and takes timestep = sigma * 1000 (per token for
@@ -16,15 +16,18 @@ Default shift: 3.0 at 480p, 5.0 at 720p (the recipes set it).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import Field
 
+from unirl.stages.kernels import no_grad
 from unirl.stages.models.family import families
 from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyVideo
 from unirl.stages.models.flow_geometry import FlowGeometry
 from unirl.stages.models.flow_vae import ChannelStats
+
+if TYPE_CHECKING:
+    import torch
 
 WAN_LORA_TARGETS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
                     "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0")
@@ -43,52 +46,6 @@ class WanModelConfig(FlowModelBase):
 
     kind: Literal["wan"] = "wan"
     tiny: TinyWan = Field(default_factory=TinyWan, description="Tiny architecture, used only without `path`.")
-
-
-class WanExperts(torch.nn.Module):
-    """Wan 2.2's two experts as one module: `transformer` for timesteps >= `boundary` (high noise),
-    `transformer_2` below. Called like one WanTransformer3DModel."""
-
-    def __init__(self, transformer: Any, transformer_2: Any, boundary: float):
-        super().__init__()
-        self.transformer, self.transformer_2, self.boundary = transformer, transformer_2, float(boundary)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
-
-    @property
-    def config(self) -> Any:
-        return self.transformer.config
-
-    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                return_dict: bool = False) -> tuple[torch.Tensor]:
-        t = timestep if timestep.ndim == 1 else timestep[:, 0]
-        high = t >= self.boundary
-        if bool(high.all()) or bool((~high).all()):  # every step of a sampler: one expert for the batch
-            expert = self.transformer if bool(high.all()) else self.transformer_2
-            out = expert(hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
-                         return_dict=False)[0]
-            return (out + self._idle(self.transformer_2 if expert is self.transformer else self.transformer,
-                                     hidden_states, timestep, encoder_hidden_states),)
-        out = torch.empty_like(hidden_states, dtype=torch.float32)
-        for expert, mask in ((self.transformer, high), (self.transformer_2, ~high)):
-            idx = mask.nonzero().flatten()
-            v = expert(hidden_states=hidden_states[idx], timestep=timestep[idx], encoder_hidden_states=encoder_hidden_states[idx],
-                       return_dict=False)[0]
-            out = out.index_put((idx,), v.float())
-        return (out.to(hidden_states.dtype),)
-
-    @staticmethod
-    def _idle(expert: Any, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> Any:
-        """Under FSDP2 with several ranks every rank must run both experts (their parameters are
-        gathered and their gradients reduced collectively), also when none of its samples is in
-        one expert's range: a one-sample pass whose output enters with weight 0. One process: 0."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return 0
-        return 0 * expert(hidden_states=x[:1], timestep=t[:1], encoder_hidden_states=text[:1], return_dict=False)[0].sum()
 
 
 def geometry_of(vae: dict[str, Any], transformer: dict[str, Any], where: str) -> FlowGeometry:
@@ -165,6 +122,8 @@ class Wan(FlowFamily):
         parts = cls.load_parts(directory, cfg, device, experts=("transformer", "transformer_2"))
         experts, index = parts.transformers, parts.index
         if len(experts) == 2:
+            from unirl.stages.models.modules.wan_experts import WanExperts  # start-up time: a torch module, built on load
+
             module: Any = WanExperts(experts[0], experts[1], boundary=float(index["boundary_ratio"]) * 1000).eval()
         else:
             module = experts[0]
@@ -175,6 +134,8 @@ class Wan(FlowFamily):
 
     @classmethod
     def transformers(cls, module: Any) -> list[Any]:
+        from unirl.stages.models.modules.wan_experts import WanExperts  # start-up time: a torch module
+
         return [module.transformer, module.transformer_2] if isinstance(module, WanExperts) else [module]
 
     @classmethod
@@ -190,9 +151,11 @@ class Wan(FlowFamily):
         return ChannelStats()
 
     @classmethod
-    @torch.no_grad()
+    @no_grad
     def encode_prompt(cls, bundle: FlowBundle, text: str) -> tuple[torch.Tensor, ...]:
         """(embeds (L, D),): the encoder's last hidden state over the prompt's tokens, zero rows after."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         from unirl.stages.models.flow_text import ids_and_mask
 
         length = bundle.settings["text_length"]

@@ -17,13 +17,15 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
-import torch
 from pydantic import Field, model_validator
 
 from unirl.stages.diffusion.kernels import kernels
 from unirl.stages.policies import SAMPLES_COLUMNS, Policy, RolloutBase, iteration_rollouts, policies, samples_table
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.seeds import derive_seed
+
+if TYPE_CHECKING:
+    import torch
 
 if TYPE_CHECKING:
     KernelName = str
@@ -231,6 +233,8 @@ class FlowPolicy(Policy):
         return log_eval_grid(tracker, storage, version)
 
     def __init__(self, family: Any, bundle: Any, recipe: Any, device: torch.device):
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         from unirl.stages.diffusion.model import PromptCache
 
         # Policy-gradient steps make many tiny gradients; Adam's squared averages of those turn
@@ -284,6 +288,8 @@ class FlowPolicy(Policy):
         """Sample this rank's (sample id, group id, prompt, metadata) micro-batch by micro-batch.
         `transitions`: keep x_i and x_{i+1} of every SDE step (likelihood losses), else only x_T.
         greedy: the deterministic ODE sampler (evaluation)."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         from unirl.stages.diffusion.sampling import sample, stored_steps
         from unirl.stages.diffusion.sde import initial_noise
         from unirl.stages.diffusion.trajectory import latent_rows
@@ -321,6 +327,8 @@ class FlowPolicy(Policy):
     # -- replay ---------------------------------------------------------------------------------
     def batches(self, table: pa.Table, chunks: list[list[int]], advantages: Any, where: str) -> list[Any]:
         """Micro-batches (LatentBatch with advantages) of a rollout table, one per chunk of rows."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         from unirl.stages.diffusion.trajectory import read_latents
 
         kind, eta = self.sampler.kernel, self.sampler.eta
@@ -346,6 +354,8 @@ class FlowPolicy(Policy):
 
     def template(self, batch: Any, stack: Any) -> Any:
         """A rank without any micro-batch still needs the plan and shapes: take the first rank's."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         from unirl.stages.diffusion.sampling import Plan
         from unirl.stages.diffusion.trajectory import LatentBatch
 
@@ -363,6 +373,8 @@ class FlowPolicy(Policy):
 
     def stand_in(self, template: Any) -> Any:
         """A one-sample batch of zeros shaped like `template` (weight 0: collectives only)."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         from unirl.stages.diffusion.trajectory import LatentBatch
 
         return LatentBatch(["stand-in"], [""], torch.zeros_like(template.latents[:1]), torch.zeros_like(template.logprobs[:1]),
@@ -402,6 +414,8 @@ class FlowPolicy(Policy):
     def sft_setup(self, table: pa.Table, where: str, stack: Any, seed: int) -> dict[str, Any]:
         """Decode the records' images (or clips), let the family prepare its VAE for them (a tiny
         model's is random), and encode every record to latents once."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         from unirl.stages.diffusion import sft as S
 
         if self.num_frames is not None:
@@ -434,6 +448,8 @@ class FlowPolicy(Policy):
     def sft_loss(self, module: Any, step: int, *, seed: int, batch_size: int, stack: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Flow matching on step `step`'s records (a function of (seed, step)), as this rank's share
         of the batch mean: (loss to backpropagate, its value to sum over ranks)."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         from unirl.stages.diffusion import sft as S
 
         idx = S.batch_indices(step, seed=seed, batch_size=batch_size, num_records=len(self._sft_prompts))

@@ -20,14 +20,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
-import torch
 from pydantic import Field
 
 from unirl.stages.policies import Policy, RolloutBase, policies, samples_table
 from unirl.stages.runtime.seeds import derive_seed
+
+if TYPE_CHECKING:
+    import torch
 
 
 class TextRollout(RolloutBase):
@@ -42,6 +44,8 @@ class TextRollout(RolloutBase):
 def token_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Right-padded prompt+response ids and a mask over response positions of the labels
     (logits at position t predict token t+1). Shapes: ids/attn (B, T), mask (B, T-1)."""
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
     seqs = [p + r for p, r in zip(prompt_ids, response_ids)]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -68,6 +72,8 @@ def token_logp(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperatu
 
 def pad_like(lists: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
     """Per-sample values over the response positions of `mask` (B, T-1), zeros elsewhere."""
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
     out = torch.zeros_like(mask)
     for i, vals in enumerate(lists):
         idx = torch.nonzero(mask[i]).squeeze(-1)
@@ -106,6 +112,8 @@ class TextBatch:
 
     def fresh(self, version: int) -> torch.Tensor:
         """(B,) bool: the rows sampled by policy `version` (all of them when versions are not known)."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         if self.versions is None:
             return torch.ones(len(self.sample_ids), dtype=torch.bool, device=self.mask.device)
         return self.versions == version
@@ -200,6 +208,8 @@ class TextPolicy(Policy):
         return [(*s, by_group[s[1]], ids.get(s[1])) for s in base]
 
     def __init__(self, family: Any, bundle: Any, recipe: Any, device: torch.device):
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         from unirl.stages.models.tokenizer import uses_chat_template
 
         # As the flow policy: Adam's squared averages of tiny gradients turn denormal over a long
@@ -215,6 +225,8 @@ class TextPolicy(Policy):
 
     def canary(self, module: Any) -> dict[str, Any] | None:
         """The run's canary tokens and the module's log-probs of them at temperature 1 (fp32)."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         from unirl.stages.engines.canary import canary_tokens
 
         vocab = min(len(self.tokenizer), module.get_input_embeddings().num_embeddings)
@@ -293,6 +305,8 @@ class TextPolicy(Policy):
     # -- replay ---------------------------------------------------------------------------------
     def batches(self, table: pa.Table, chunks: list[list[int]], advantages: Any, where: str) -> list[TextBatch]:
         """Micro-batches of a rollout table (sorted by sample id): one per chunk of row indices."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         names = ["sample_id", "prompt_ids", "response_ids", "response_logprobs", "policy_version"]
         masked = "response_mask" in table.schema.names
         if masked:
@@ -328,6 +342,8 @@ class TextPolicy(Policy):
 
     def stand_in(self, template: Any) -> TextBatch:
         """A one-sample batch (an eos and a token) for ranks short of micro-batches: its weight is 0."""
+        import torch  # start-up time: loaded on first use, not when a recipe is read
+
         eos = self.tokenizer.eos_token_id
         # With images, a blank one: every rank runs the vision tower (FSDP2 gathers its blocks collectively).
         prompt, shown = ([eos], []) if self.images is None else self.images.stand_in()
@@ -396,6 +412,7 @@ class TextPolicy(Policy):
         epoch, split across ranks), as this rank's share of the batch mean: (loss to backpropagate
         times world, its value summed over ranks)."""
         import numpy as np
+        import torch  # start-up time: loaded on first use, not when a recipe is read
 
         n = len(self._sft_prompts)
         order = np.random.default_rng(derive_seed(seed, "sft-epoch", (step * batch_size) // n)).permutation(n)

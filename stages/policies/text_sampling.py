@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+from unirl.stages.kernels import no_grad
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -23,6 +26,8 @@ class SampleOutput:
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of tokens whose mass reaches `top_p`, renormalized. probs: (B, V)."""
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
     if top_p >= 1.0:
         return probs
     sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -34,6 +39,8 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Token per row whose CDF interval contains u. probs: (B, V), u: (B,) in [0, 1)."""
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
     cdf = probs.cumsum(-1)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
     return idx.clamp(max=probs.shape[-1] - 1)
@@ -53,6 +60,8 @@ def log_probs(logits: torch.Tensor, temperature: float, banned: torch.Tensor | N
     (a VLM's image placeholders, which a response must not contain) at probability 0: their
     logits are -1e9, not -inf, so the log-probs of the prompt's own image tokens stay finite
     (losses multiply them by a zero mask, and -inf * 0 would be nan)."""
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
     scaled = logits.float() / temperature
     if banned is not None:
         scaled = scaled.index_fill(-1, banned.to(scaled.device), -1e9)
@@ -69,7 +78,7 @@ def next_positions(positions: torch.Tensor) -> torch.Tensor:
     return (positions.amax(dim=(0, 2)) + 1).unsqueeze(0).expand(positions.shape[0], -1)
 
 
-@torch.no_grad()
+@no_grad
 def sample(
     model: torch.nn.Module,
     prompts: list[list[int]],
@@ -90,6 +99,9 @@ def sample(
     `inputs(ids, attn)`: the prompts' other model inputs for the prefill (a VLM's pixel values)
     and their positions, (B, T) or M-RoPE's (3, B, T); default: 1-D positions of the text.
     `banned`: token ids never sampled (`log_probs`)."""
+    import torch
+    import torch.distributed as dist  # start-up time: loaded on first use, not when a recipe is read
+
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     empty = not prompts
     if empty:  # this rank has nothing to do but must take part in every forward

@@ -2,8 +2,10 @@
 algorithms, rollout engines, data sources (scorers keep their own in stages/rewards/base.py).
 
 A registry is filled by the modules that define its entries (`@families.register("qwen3")` in
-stages/models/qwen3.py): on first use it imports every public module of its own package, which
-holds entries and their helpers only, never test fixtures. Code elsewhere asks the registry for
+stages/models/qwen3.py): on first use it imports every public module of its own package (not its
+subpackages), which holds entries and their helpers only, never test fixtures. Reading a recipe
+loads every registry, so these modules import torch and model libraries only where they run a
+model (subpackages such as stages/models/modules/ hold what must import them at the top). Code elsewhere asks the registry for
 an entry by the recipe's name and never compares names itself.
 
 Entries from outside this repository register the same way from their own modules, named in
@@ -69,7 +71,7 @@ class Registry(Generic[T]):
         self._loaded = True
         pkg = importlib.import_module(self.package)
         for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
-            if not info.name.startswith("_"):
+            if not info.name.startswith("_") and not info.ispkg:  # a subpackage holds helpers (e.g. torch modules)
                 importlib.import_module(f"{self.package}.{info.name}")
         load_plugins()
 

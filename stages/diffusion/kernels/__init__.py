@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from unirl.stages.runtime.registry import Registry
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 ODE = "ode"  # the deterministic kernel: held-out (greedy) images, and any step that is not an SDE step
 LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -41,7 +41,7 @@ class Step:
 
 
 # step -> (mean, scale, log_prob(x', mean, scale)); log_prob None for a deterministic step.
-Moments = tuple[Tensor, Any, Any]
+Moments = tuple["Tensor", Any, Any]
 
 
 @dataclass(frozen=True)
@@ -67,11 +67,15 @@ def mean_over_sample(t: Tensor) -> Tensor:
 
 
 def gaussian_log_prob(prev: Tensor, mean: Tensor, scale: Tensor) -> Tensor:
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
     return mean_over_sample(-((prev - mean) ** 2) / (2 * scale**2) - torch.log(scale) - LOG_SQRT_2PI)
 
 
 def reverse_sde(st: Step, std: Tensor) -> Moments:
     """The SDE with the flow ODE's marginals, at noise std `std` (flow, dance)."""
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
     s, dt = st.s, st.dt
     mean = st.x * (1 + std**2 / (2 * s) * dt) + st.v * (1 + std**2 * (1 - s) / (2 * s)) * dt
     return mean, std * torch.sqrt(-dt), gaussian_log_prob

@@ -4,11 +4,12 @@ std^2); log_prob = -mean((x'-mean)^2) (the Gaussian's constants and 1/(2 std^2) 
 from __future__ import annotations
 
 import math
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from unirl.stages.diffusion.kernels import Kernel, Moments, Step, mean_over_sample, register
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def log_prob(prev: Tensor, mean: Tensor, scale: Tensor) -> Tensor:
@@ -16,6 +17,8 @@ def log_prob(prev: Tensor, mean: Tensor, scale: Tensor) -> Tensor:
 
 
 def moments(st: Step) -> Moments:
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
     s, s_next = st.s, st.s_next
     std = s_next * math.sin(st.eta * math.pi / 2)
     x0 = st.x - s * st.v

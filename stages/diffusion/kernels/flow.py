@@ -2,12 +2,12 @@
 where sigma == 1 (sigma_t in the paper)."""
 from __future__ import annotations
 
-import torch
-
 from unirl.stages.diffusion.kernels import Kernel, Moments, Step, register, reverse_sde
 
 
 def moments(st: Step) -> Moments:
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
     if bool((st.sig == 1).any()) and not 0 < st.sigma_max < 1:
         raise ValueError(
             f"sigma_max must be in (0, 1) for kind 'flow' at sigma == 1, got {st.sigma_max}; "
