@@ -31,7 +31,7 @@ def main() -> int:
 
     from unirl.stages.policies.text import TextPolicy
     from unirl.stages.recipe import load_recipe
-    from unirl.stages.runtime import iteration as it
+    from unirl.stages.run import iteration as it
     from unirl.stages.runtime.sample import read_rollouts
     from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.workers.worker import Worker
@@ -44,7 +44,7 @@ def main() -> int:
         "data.digits=3", "data.operands=3", "data.operators=[+, -, '*']", "reward.scorers=[{name: integer_format}]",
         "rollout.behaviour_tolerance=1.0",  # measure, do not stop
     ])
-    from unirl.stages.runtime.run import initial_weights
+    from unirl.stages.run.record import initial_weights
 
     storage = RunStorage(str(work), "run")
     spec = {"recipe": recipe.model_dump(mode="json"), "root": str(work), "run": "run",

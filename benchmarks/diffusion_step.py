@@ -1,6 +1,6 @@
 """One FlowGRPO iteration of a flow family's recipe (default: the diffusion quickstart, SD3) through
 the full flow (Prefect tasks, Arrow shards in run storage, the torchrun FSDP2 worker group) and the
-same math in a minimal in-process loop (`unirl.stages.runtime.loop.InProcessLoop`: the same worker, policy,
+same math in a minimal in-process loop (`unirl.stages.run.loop.InProcessLoop`: the same worker, policy,
 algorithm and train stack on in-memory storage), side by side, at 1x, 2x and 4x the group size.
 Prints seconds per iteration at steady state, the flow/loop ratio (target: at most 1.15) and how
 cost grows with the batch.
@@ -60,7 +60,7 @@ def in_process(recipe_path: Path, weights: str, iterations: int, overrides: list
     import torch
 
     from unirl.stages.recipe import load_recipe
-    from unirl.stages.runtime.loop import InProcessLoop
+    from unirl.stages.run.loop import InProcessLoop
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     recipe = load_recipe(recipe_path, ["sft=null", *overrides])

@@ -83,7 +83,7 @@ def recipe_for(root: Path, g: Geometry, engine: dict[str, Any]) -> Any:
 def write_requests(storage: Any, recipe: Any, g: Geometry, iteration: int) -> str:
     """Iteration `iteration`'s requests at geometry `g`, kept under a name of their own (the
     iteration's own file is written again by the next geometry)."""
-    from unirl.stages.runtime import iteration as it
+    from unirl.stages.run import iteration as it
 
     written = it.write_requests(storage, recipe, iteration)["files"][0]
     rel = f"bench-requests/{g.name}-{iteration:03d}.arrow"
@@ -103,7 +103,7 @@ def timed(engine: Any, requests: list[str], out: str) -> list[tuple[int, float]]
 
 def trainside(recipes: dict[str, Any], storage: Any, root: Path) -> dict[str, Any]:
     """{geometry: the trainside engine over a worker in this process holding that recipe}."""
-    from unirl.stages.engines import engines
+    from unirl.stages.runtime.registry import engines
     from unirl.stages.workers.worker import Worker
 
     out = {}
@@ -117,8 +117,8 @@ def trainside(recipes: dict[str, Any], storage: Any, root: Path) -> dict[str, An
 def attach(launcher: Any, recipe: Any, batch: int) -> Any:
     """An engine of `recipe` (its geometry's sampling parameters) on `launcher`'s running server,
     reached at its URL with its token, as a server started by hand is: one start serves every geometry."""
-    from unirl.stages.engines import engines
     from unirl.stages.recipe import with_overrides
+    from unirl.stages.runtime.registry import engines
 
     client = launcher.client(0)
     os.environ[launcher.cfg.token_env] = client._http.headers["Authorization"].removeprefix("Bearer ")
@@ -127,9 +127,9 @@ def attach(launcher: Any, recipe: Any, batch: int) -> Any:
 
 
 def main() -> int:
-    from unirl.stages.engines import engines
     from unirl.stages.engines.launched import LaunchedEngine
-    from unirl.stages.runtime.run import initial_weights
+    from unirl.stages.run.record import initial_weights
+    from unirl.stages.runtime.registry import engines
     from unirl.stages.runtime.storage import RunStorage
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

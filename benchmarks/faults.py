@@ -11,7 +11,7 @@ and started again, a full tmpfs, a checkpoint file corrupted or its commit marke
 reward server that comes up late, the same run started twice, a node of a two-node group lost
 (its `unirl agent`, torchrun agent and rank SIGKILLed mid-train). tests/e2e/test_faults_*.py run the
 same rows at tiny size (the SIGKILL rows chained in one run folder). Every run a row resumes (and
-each killed one of the chain) is audited too (`unirl audit`, stages/runtime/audit.py: each group
+each killed one of the chain) is audited too (`unirl audit`, stages/run/audit.py: each group
 trained once, within the staleness bound, weights matching their manifests, the behaviour check
 held); a violation fails the row.
 """
@@ -139,7 +139,7 @@ class Bench:
     def audit(self, run_dir: Path | str, options: dict[str, Any] | None = None) -> list[str]:
         """`unirl audit` of a run folder (a path, or a URL with its storage options), in this
         process; its violations, recorded in `audits`."""
-        from unirl.stages.runtime.audit import audit_run, resolve
+        from unirl.stages.run.audit import audit_run, resolve
 
         storage = resolve(str(run_dir), options=options)
         violations = audit_run(storage).violations
@@ -510,7 +510,7 @@ def engine_limit_rows(bench: Bench) -> list[Row]:
     accept and for requests past them; a normal request still samples after each."""
     import httpx
 
-    from unirl.stages.engine_server.limits import Limits
+    from unirl.stages.engines.limits import Limits
 
     limits, port, token = Limits(), free_port(), "fault-table-token"
     server = subprocess.Popen([sys.executable, "-m", "unirl.flows.cli", "engine-server", str(REPO / "recipes" / "ar" / "tiny.yaml"),

@@ -14,7 +14,7 @@ Checks, each independent (one that fails prints its traceback, the others still 
   checkpoint. Wall time per command; the first update's ratio is exactly 1 (the workers raise
   otherwise; ratio_min/max where reported). At world size 1 the workers keep the plain module
   (`unirl.stages.workers.base.shard`), so NCCL runs (the all-reduces of counts and metrics), FSDP2 does not.
-* speed_sd3_loop: `unirl.stages.runtime.loop.InProcessLoop` at model.dtype float32 and bfloat16, a wider
+* speed_sd3_loop: `unirl.stages.run.loop.InProcessLoop` at model.dtype float32 and bfloat16, a wider
   and deeper transformer than the tiny default on cuda; steady-state seconds per iteration, ratio.
 * speed_qwen3_worker: there is no in-process AR loop, so the AR worker group's generate and train
   step at both dtypes (a larger tiny Qwen3 on cuda); steady-state seconds, ratio.
@@ -149,7 +149,7 @@ def check_env(device: str) -> dict[str, Any]:
 @contextmanager
 def worker_group(recipe: Any, root: Path) -> Iterator[Any]:
     """A started WorkerGroup on the recipe's tiny seeded model (weights v000000 built first)."""
-    from unirl.stages.runtime.run import initial_weights
+    from unirl.stages.run.record import initial_weights
     from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.workers.group import WorkerGroup
 
@@ -166,7 +166,7 @@ def worker_group(recipe: Any, root: Path) -> Iterator[Any]:
 
 def one_iteration(group: Any, recipe: Any, i: int) -> dict[str, Any]:
     """generate -> score -> advantage -> train of iteration i, as the tasks run it (without Prefect)."""
-    from unirl.stages.runtime import iteration as it
+    from unirl.stages.run import iteration as it
 
     storage = group.storage
     req = it.write_requests(storage, recipe, i)
@@ -230,7 +230,7 @@ def time_loop(recipe: Any, weights: str, device: str, dtype: str, warmup: int, t
     import torch
 
     from unirl.stages.algorithms import BehaviourMismatchError
-    from unirl.stages.runtime.loop import InProcessLoop
+    from unirl.stages.run.loop import InProcessLoop
 
     with ExitStack():
         loop = InProcessLoop(recipe, weights, device=device)  # at recipe.model.dtype
@@ -274,7 +274,7 @@ def time_loop(recipe: Any, weights: str, device: str, dtype: str, warmup: int, t
 
 
 def check_speed_sd3(device: str, work: Path, warmup: int, timed: int) -> dict[str, Any]:
-    from unirl.stages.runtime.run import initial_weights
+    from unirl.stages.run.record import initial_weights
     from unirl.stages.runtime.storage import RunStorage
 
     out: dict[str, Any] = {"overrides": SD3_SPEED[device], "warmup": warmup, "timed": timed}

@@ -38,7 +38,7 @@ def build(folder: Path) -> Path:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from unirl.stages.models.tokenizer import build_char_tokenizer
+    from unirl.stages.runtime.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer("0123456789+-=*() ")
     config = Qwen3Config(**ARCH, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

@@ -40,7 +40,7 @@ def components(recipe_path: str, overrides: list[str], work: Path, name: str, ve
 
     from unirl.stages.recipe import load_recipe
     from unirl.stages.rewards.base import build_scorer, run_scorer
-    from unirl.stages.runtime.iteration import SCORED_COLUMNS, reads, score_batch
+    from unirl.stages.run.iteration import SCORED_COLUMNS, reads, score_batch
     from unirl.stages.runtime.sample import read_rollouts, scoring_view
     from unirl.stages.runtime.storage import RunStorage
 

@@ -3,7 +3,7 @@
 (`engine.sync`): full weights (publish weights/vN: gather, export, sha256 manifest, tensor
 checksum, the canary's log-probs; the engine loads the folder and reports its version, the engine
 server its checksum too) and LoRA adapters only (adapters/vN, hot-loaded under vN); every load is
-verified by the canary (stages/engines/canary.py), whose check is part of the seconds. Models: a
+verified by the canary (stages/runtime/canary.py), whose check is part of the seconds. Models: a
 tiny Qwen3 whose head width vLLM's CPU attention serves (head_dim 32) and a ~0.5B-parameter Qwen3
 config (random init saved to disk, the tiny character tokenizer).
 
@@ -89,10 +89,10 @@ def launch_fields(engine: str, cores: list[int], python: str | None) -> dict[str
 
 
 def measure(size: str, weights: str, engine_name: str, versions: int, root: Path, fields: dict[str, Any]) -> dict[str, Any]:
-    from unirl.stages.engines import engines
     from unirl.stages.engines.launched import LaunchedEngine
     from unirl.stages.recipe import build_recipe
-    from unirl.stages.runtime.run import initial_weights
+    from unirl.stages.run.record import initial_weights
+    from unirl.stages.runtime.registry import engines
     from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.workers.worker import Worker
 

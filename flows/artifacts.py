@@ -28,8 +28,8 @@ from prefect.artifacts import (
 )
 
 from unirl.stages.recipe import Recipe
+from unirl.stages.run.tracking import browse
 from unirl.stages.runtime.storage import RunStorage, iter_dir, join
-from unirl.stages.runtime.tracking import browse
 
 # (column, metric key): the columns of the iterations table, in order.
 COLUMNS: tuple[tuple[str, str], ...] = (

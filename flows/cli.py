@@ -20,7 +20,7 @@ startup.importing()  # until the command's imports are done (stages/runtime/star
 
 from unirl.stages.recipe import RecipeError, load_recipe  # noqa: E402
 
-# What every run, SFT and evaluation imports once it has started (stages/runtime/tracking.py), imported
+# What every run, SFT and evaluation imports once it has started (stages/run/tracking.py), imported
 # with the collector still off.
 RUN_IMPORTS = ("mlflow.tracking",)
 
@@ -116,14 +116,14 @@ def main(argv: list[str] | None = None) -> int:
         startup.imports_done()
         return node_agent(recipe, args.run_name or recipe.name, args.group)
     if args.command in ("run", "sft"):
-        from unirl.stages.runtime.run import check_inputs
+        from unirl.stages.run.record import check_inputs
 
         try:
             check_inputs(recipe)  # a bad model folder or data file, before Prefect, MLflow or a model start
         except (OSError, ValueError) as exc:
             print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
-    from unirl.flows.console import error_text, failures_once, quiet_prefect, say
+    from unirl.tasks.console import error_text, failures_once, quiet_prefect, say
 
     quiet_prefect(args.verbose)  # before Prefect configures its logging
     run_name = args.run_name or recipe.name
@@ -183,8 +183,8 @@ def api_folder(recipe, run_name: str):
 
 def audit(run: str, root: str | None) -> int:
     """`unirl audit`: the table of a run's committed iterations and every violation (exit 1 on any),
-    or exit 2 when RUN is not a run (stages/runtime/audit.py)."""
-    from unirl.stages.runtime.audit import audit_run, resolve
+    or exit 2 when RUN is not a run (stages/run/audit.py)."""
+    from unirl.stages.run.audit import audit_run, resolve
 
     try:
         report = audit_run(resolve(run, root))

@@ -151,7 +151,7 @@ class LocalApi:
         return self.url
 
     def _launch(self) -> subprocess.Popen:
-        from unirl.stages.workers.processes import die_with_parent
+        from unirl.stages.runtime.processes import die_with_parent
 
         assert self.sock is not None
         env = {**os.environ, "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT_UI_ENABLED": "0",

@@ -10,15 +10,15 @@ from prefect.artifacts import create_table_artifact
 
 from unirl.flows.artifacts import artifact_key
 from unirl.flows.bookkeeping import Bookkeeping
-from unirl.flows.console import say
 from unirl.flows.forms import InnerRecipe
 from unirl.stages.recipe import Recipe
-from unirl.stages.runtime.evaluation import PREFIX, eval_dir, has_split
-from unirl.stages.runtime.run import open_run
+from unirl.stages.run.evaluation import PREFIX, eval_dir, has_split
+from unirl.stages.run.record import open_run
+from unirl.stages.run.tracking import Tracker
 from unirl.stages.runtime.storage import join
-from unirl.stages.runtime.tracking import Tracker
 from unirl.stages.workers.group import close_group
 from unirl.tasks.common import close_engine, staged, storage_of
+from unirl.tasks.console import say
 
 
 def eval_artifact(recipe: Recipe, run_name: str, version: int, metrics: dict[str, float]) -> None:

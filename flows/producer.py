@@ -1,10 +1,10 @@
 """The producer of async RL (`rollout.mode: async`): its own long-running Prefect flow run
 `rl-producer`, one `produce` task run per iteration's batch, sampling on the dedicated engine
 ahead of the trainer. Batch j waits until the trainer has published the version the staleness
-bound schedules for it (stages/runtime/async_rollout.py `behaviour_version`): the trainer's sync task is
+bound schedules for it (stages/run/async_rollout.py `behaviour_version`): the trainer's sync task is
 the barrier. It resumes at the first batch it had not committed.
 
-    python -m unirl.flows.producer --spec FILE     # as the trainer's run starts it (stages/runtime/producer_process.py)
+    python -m unirl.flows.producer --spec FILE     # as the trainer's run starts it (stages/run/producer_process.py)
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from prefect import flow, get_run_logger
 
 from unirl.flows.forms import InnerRecipe
 from unirl.stages.recipe import Recipe, build_recipe
+from unirl.stages.run.async_rollout import behaviour_version
 from unirl.stages.runtime.accumulation import version_of
-from unirl.stages.runtime.async_rollout import behaviour_version
 from unirl.stages.runtime.storage import join
 from unirl.stages.train.manifests import MANIFEST
 from unirl.tasks.common import close_engine, staged, storage_of

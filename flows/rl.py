@@ -19,23 +19,23 @@ from pydantic import Field
 from unirl.flows.ahead import Ahead
 from unirl.flows.artifacts import RunArtifacts
 from unirl.flows.bookkeeping import Bookkeeping
-from unirl.flows.console import Progress, log_to_run_folder, say
 from unirl.flows.evaluate import eval_artifact, eval_preview, report_test, summary, test_split
 from unirl.flows.hooks import stop_worker_group
 from unirl.flows.shapes import Models, RunShape, rl_iteration, shape_of
-from unirl.stages.models.family import families
 from unirl.stages.recipe import MAX_OVERRIDES, Recipe, with_overrides
+from unirl.stages.run.evaluation import eval_dir
+from unirl.stages.run.record import open_run, update_run_info
+from unirl.stages.run.tracking import Tracker, model_card
 from unirl.stages.runtime.accumulation import closes, iterations_error, version_after
 from unirl.stages.runtime.data import build_prompt_source
-from unirl.stages.runtime.evaluation import eval_dir
 from unirl.stages.runtime.faults import fault_point
 from unirl.stages.runtime.lease import RunLease
-from unirl.stages.runtime.run import open_run, update_run_info
+from unirl.stages.runtime.registry import families
 from unirl.stages.runtime.storage import iter_dir, join
-from unirl.stages.runtime.tracking import Tracker, model_card
 from unirl.stages.train.manifests import MANIFEST
 from unirl.stages.workers.group import close_group
 from unirl.tasks.common import close_engine, run_tags, staged, start_producer, stop_producer, storage_of
+from unirl.tasks.console import Progress, log_to_run_folder, say
 
 __all__ = ["rl_iteration", "rl_train", "train_run"]
 

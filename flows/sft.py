@@ -20,17 +20,17 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import Field
 
-from unirl.flows.console import say
 from unirl.stages.compose import shape_of
 from unirl.stages.recipe import MAX_OVERRIDES, Recipe, with_overrides
+from unirl.stages.run.record import materialize_model, open_run, update_run_info
+from unirl.stages.run.tracking import Tracker
 from unirl.stages.runtime.faults import fault_point
-from unirl.stages.runtime.run import materialize_model, open_run, update_run_info
 from unirl.stages.runtime.storage import RunStorage, join
-from unirl.stages.runtime.tracking import Tracker
 from unirl.stages.train.manifests import MANIFEST, write_weights_dir
 from unirl.stages.train.sft import write_sft_data
 from unirl.stages.workers.group import WorkerGroup
 from unirl.tasks.common import announce, node_launcher
+from unirl.tasks.console import say
 
 BASE = "sft/base"
 CHUNK = 50
@@ -126,7 +126,7 @@ def train_teachers(recipe: Recipe, run_name: str, tracker: Tracker | None = None
 def teacher_sft(recipe: Recipe, run_name: str, teacher: str, tracker: Tracker | None = None) -> dict[str, Any]:
     from unirl.flows.evaluate import summary
     from unirl.stages.distill import teacher_recipe, teacher_run
-    from unirl.stages.runtime.evaluation import PREFIX
+    from unirl.stages.run.evaluation import PREFIX
     from unirl.stages.workers.group import close_group
     from unirl.tasks.common import close_engine, staged
     from unirl.tasks.evaluate import evaluate

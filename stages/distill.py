@@ -54,8 +54,7 @@ def teacher_run(run_name: str, teacher: str) -> str:
 def teacher_recipe(recipe: Any, teacher: Any) -> Any:
     """The recipe a teacher with `sft` is trained by: the run's model (with `tiny` overrides), its
     domain's data, its own `sft`; no distillation, no agent."""
-    from unirl.stages.algorithms.base import algorithms
-    from unirl.stages.policies import engine_config_default
+    from unirl.stages.runtime.registry import algorithms, engines
 
     model = recipe.model
     if teacher.tiny:
@@ -75,7 +74,7 @@ def teacher_recipe(recipe: Any, teacher: Any) -> Any:
         "name": f"{recipe.name}-teacher-{teacher.name}",
         "reward": recipe.reward.model_copy(update={"scorers": recipe.scorers(domain)}),
         # evaluated where it lives, in its own worker group (a dedicated engine serves the student)
-        "rollout": recipe.rollout.model_copy(update={"engine": engine_config_default(), "mode": "sync",
+        "rollout": recipe.rollout.model_copy(update={"engine": engines.get("trainside").config(), "mode": "sync",
                                                      "correction": None}),
         "train": recipe.train.model_copy(update={"accumulate_rollouts": 1})})
 
@@ -98,7 +97,7 @@ def teacher_folders(recipe: Any, run_name: str) -> dict[str, str | tuple[str, st
 def vocabulary(model: Any) -> tuple[str, dict[str, int]] | None:
     """(what it is, its token -> id map) of a text model section's tokenizer: the folder's
     (`path`), or the tiny model's character tokenizer; None where there is none to compare yet."""
-    from unirl.stages.models.tokenizer import build_char_tokenizer, load_tokenizer
+    from unirl.stages.runtime.tokenizer import build_char_tokenizer, load_tokenizer
 
     path = getattr(model, "path", None)
     if path:
@@ -202,7 +201,7 @@ def domain_parts(recipe: Any, metas: list[dict[str, Any]]) -> list[tuple[str | N
 def distills_tokens(recipe: Any) -> bool:
     """Whether the run's advantages take its teachers' token log-probs (a text run's distillation);
     a flow run's teachers work inside its train step (flow_opd), after plain advantages."""
-    from unirl.stages.policies import policies
+    from unirl.stages.runtime.registry import policies
 
     return recipe.distill is not None and policies.get(recipe.rollout.kind).segment == "text"
 

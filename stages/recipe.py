@@ -11,23 +11,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from unirl.stages.algorithms.base import algorithms
-from unirl.stages.compose import shapes
-from unirl.stages.models.family import families
-from unirl.stages.policies import policies
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.multinode import multinode_errors
+from unirl.stages.runtime.registry import algorithms, families, policies, shapes, sources
+from unirl.stages.runtime.storage import check_run_name
 from unirl.stages.runtime.yaml_input import MAX_BYTES as YAML_MAX_BYTES
 from unirl.stages.runtime.yaml_input import YamlInputError, load_yaml
 from unirl.stages.sections import (
     AdvantageConfig,
+    AgentConfig,
     AlgorithmConfig,
     DataConfig,
     DistillConfig,
@@ -41,8 +39,6 @@ from unirl.stages.sections import (
     TrainConfig,
     _fill_rollout_kind,
 )
-from unirl.stages.sources import sources
-from unirl.stages.tools.config import AgentConfig
 
 if TYPE_CHECKING:  # the union of the registered composed shapes' sections (stages/compose), built at import
     Composition = Any
@@ -148,7 +144,7 @@ class Recipe(Section):
         errors += distill_errors(self, policy, algo, local_files=(info.context or {}).get("local_files", True))
         if errors:
             raise ValueError("\n".join(errors))
-        from unirl.stages.engines import engines
+        from unirl.stages.runtime.registry import engines
 
         for check in (policy.check, family.check, algo.check, sources.get(self.data.name).check,
                       engines.get(self.rollout.engine.name).check):
@@ -163,7 +159,7 @@ class Recipe(Section):
     def scorer_errors(self, produces: tuple[str, ...], producer: str) -> list[str]:
         """Unknown scorers, bad params, and scorers reading media that `producer` (the model that
         makes the scored samples) does not produce."""
-        from unirl.stages.rewards.base import check_scorer_params, scorer_names, scorer_reads
+        from unirl.stages.runtime.scorers import check_scorer_params, scorer_names, scorer_reads
 
         known = scorer_names()
         errors: list[str] = []
@@ -242,7 +238,7 @@ class Recipe(Section):
 
     def legacy_fingerprint(self) -> str:
         """The fingerprint of runs started before `FINGERPRINT_SCHEMA` (every field, defaults
-        included): such a run still resumes when its recipe is unchanged (stages/runtime/run.py)."""
+        included): such a run still resumes when its recipe is unchanged (stages/run/record.py)."""
         alone = {"accumulate_rollouts"} if self.train.accumulate_rollouts == 1 else set()
         exclude: dict[str, Any] = {"storage": {"root", "options", "shared"}, "tracking": True, "iterations": True,
                                    "train": PLACEMENT | alone}
@@ -304,27 +300,16 @@ def _json(value: Any) -> Any:
     from pydantic_core import to_jsonable_python
 
     return to_jsonable_python(value)
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-
-def check_run_name(name: str, field: str) -> str:
-    """A run name is a plain folder name under the storage root: letters, digits, '.', '_', '-',
-    not starting with '.' or '-' (no '/', '..', URL characters: it cannot leave the root)."""
-    if not RUN_NAME.fullmatch(name or "") or ".." in name:
-        raise ValueError(f"{field}: {name!r} is not a plain run name; use letters, digits, '.', '_' and '-' "
-                         "(at most 128, starting with a letter or digit)")
-    return name
-
 
 def accumulation_errors(recipe: Recipe) -> list[str]:
     """`train.accumulate_rollouts` (stages/runtime/accumulation.py): a run of whole windows, in a
     single-model run (a composed run's parts step once per iteration)."""
-    from unirl.stages.compose import members
     from unirl.stages.runtime.accumulation import iterations_error
 
     if recipe.compose is not None:
+        parts = getattr(recipe.compose, recipe.compose.members_field)
         accumulating = [f"compose.{recipe.compose.members_field}.{i}.train.accumulate_rollouts"
-                        for i, part in enumerate(members(recipe)) if getattr(part, "train", None) is not None
+                        for i, part in enumerate(parts) if getattr(part, "train", None) is not None
                         and part.train.accumulate_rollouts != 1]
         if recipe.train.accumulate_rollouts != 1:
             accumulating.insert(0, "train.accumulate_rollouts")
@@ -559,7 +544,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None, *, 
 def agent_errors(recipe: Recipe, policy: Any) -> list[str]:
     """The `agent` section's rules: text policies only, tools that are registered (their schemas
     were checked when they registered), MCP servers with distinct names."""
-    from unirl.stages.tools import REFUSED, tools
+    from unirl.stages.runtime.registry import tools
 
     agent = recipe.agent
     assert agent is not None
@@ -572,8 +557,8 @@ def agent_errors(recipe: Recipe, policy: Any) -> list[str]:
     except ValueError as exc:  # a registered tool whose schema cannot be made
         return [*errors, f"agent.tools: {exc}"]
     for i, name in enumerate(agent.tools):
-        if name in REFUSED:
-            errors.append(f"agent.tools.{i}: {REFUSED[name]}; the tool was not registered")
+        if name in tools.refused:
+            errors.append(f"agent.tools.{i}: {tools.refused[name]}; the tool was not registered")
         elif name not in known:
             errors.append(f"agent.tools.{i}: unknown tool {name!r} (registered: {', '.join(known) or 'none'}; register one "
                           "with @register_tool, or serve it from agent.mcp_servers)")

@@ -10,12 +10,13 @@ from typing import Any, TypeVar
 from prefect import get_run_logger, tags
 from prefect.settings import get_current_settings
 
-from unirl.flows.console import say
-from unirl.stages.engines import RolloutEngine, engines, in_group
+from unirl.stages.engines import RolloutEngine, in_group
 from unirl.stages.recipe import Recipe
+from unirl.stages.runtime.registry import engines
 from unirl.stages.runtime.storage import RunStorage
 from unirl.stages.workers.group import ModelGroup, NodeLauncher, WorkerGroup, get_group
 from unirl.stages.workers.rendezvous import GroupPlan, NodeSetupError
+from unirl.tasks.console import say
 
 T = TypeVar("T")
 _UNTAGGED: dict[int, tuple[Any, Any]] = {}
@@ -100,7 +101,7 @@ def engine_of(recipe: Recipe, storage: RunStorage) -> RolloutEngine:
     key = storage.url()
     engine = _ENGINES.get(key)
     if engine is None:
-        from unirl.stages.tools.engine import agentic
+        from unirl.stages.engines.agentic import agentic
 
         engine = engines.get(recipe.rollout.engine.name)(recipe, storage, group_of(recipe, storage))
         engine = _ENGINES[key] = agentic(engine, recipe, storage)  # multi-turn with tools: the recipe's `agent`
@@ -111,7 +112,7 @@ def eval_engine_of(recipe: Recipe, storage: RunStorage) -> RolloutEngine:
     """Where held-out evaluation samples: the run's engine, except in async RL, where the engine
     belongs to the producer (which must not be moved to another version): the worker group."""
     if recipe.rollout.mode == "async":
-        from unirl.stages.tools.engine import agentic
+        from unirl.stages.engines.agentic import agentic
 
         return agentic(in_group()(recipe, storage, group_of(recipe, storage)), recipe, storage)
     return engine_of(recipe, storage)
@@ -123,7 +124,7 @@ _PRODUCERS: dict[str, Any] = {}
 def start_producer(recipe: Recipe, run_name: str, storage: RunStorage) -> None:
     """Start the async run's producer process (its own `rl-producer` flow run on this Prefect
     API); it dies with this process."""
-    from unirl.stages.runtime.producer_process import ProducerProcess
+    from unirl.stages.run.producer_process import ProducerProcess
 
     url = get_current_settings().api.url  # a server's, or the local API of `unirl run`: the producer reports there
     producer = _PRODUCERS[storage.url()] = ProducerProcess(recipe, run_name, api_url=url,

@@ -7,7 +7,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from unirl.stages.recipe import Recipe
-from unirl.stages.runtime.evaluation import eval_dir, eval_metrics, write_eval_requests
+from unirl.stages.run.evaluation import eval_dir, eval_metrics, write_eval_requests
 from unirl.stages.runtime.faults import fault_point
 from unirl.stages.runtime.storage import join
 from unirl.tasks.common import eval_engine_of, group_of, say_retry, storage_of

@@ -8,7 +8,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from unirl.stages.recipe import Recipe
-from unirl.stages.runtime import iteration as it
+from unirl.stages.run import iteration as it
 from unirl.stages.runtime.accumulation import version_of
 from unirl.stages.runtime.storage import iter_dir, join
 from unirl.tasks.common import engine_of, producer_alive, say_retry, storage_of
@@ -20,7 +20,7 @@ def generate(recipe: Recipe, run_name: str, iteration: int, round_index: int = 0
     """Round 0, or refill round `round_index` of dynamic sampling (files suffixed -rN)."""
     storage = storage_of(recipe, run_name)
     if recipe.rollout.mode == "async":
-        from unirl.stages.runtime.async_rollout import collect
+        from unirl.stages.run.async_rollout import collect
 
         return it.committed(storage, iteration, "generate",
                             lambda: collect(storage, recipe, iteration, alive=producer_alive(storage)))

@@ -1,5 +1,5 @@
 """produce: the async producer's batch of one iteration: its requests, sampled on the dedicated
-engine with the policy version the staleness bound schedules (stages/runtime/async_rollout.py), committed
+engine with the policy version the staleness bound schedules (stages/run/async_rollout.py), committed
 as stage `produce` (the trainer's generate stage waits for it)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from unirl.stages.recipe import Recipe
-from unirl.stages.runtime import iteration as it
+from unirl.stages.run import iteration as it
 from unirl.stages.runtime.storage import iter_dir, join
 from unirl.tasks.common import engine_of, say_retry, storage_of
 

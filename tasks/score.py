@@ -7,7 +7,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from unirl.stages.recipe import Recipe
-from unirl.stages.runtime import iteration as it
+from unirl.stages.run import iteration as it
 from unirl.tasks.common import say_retry, storage_of
 
 

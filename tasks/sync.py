@@ -13,7 +13,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from unirl.stages.recipe import Recipe
-from unirl.stages.runtime import iteration as it
+from unirl.stages.run import iteration as it
 from unirl.stages.runtime.accumulation import closes, final_version, version_after
 from unirl.tasks.common import engine_of, group_of, storage_of
 

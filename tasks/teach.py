@@ -9,7 +9,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from unirl.stages.recipe import Recipe
-from unirl.stages.runtime import iteration as it
+from unirl.stages.run import iteration as it
 from unirl.stages.runtime.accumulation import version_of
 from unirl.stages.runtime.storage import iter_dir, join
 from unirl.tasks.common import engine_of, group_of, say_retry, storage_of

@@ -23,7 +23,7 @@ if "UNIRL_FIELD_TRACE" not in os.environ:
     os.environ["UNIRL_FIELD_TRACE"] = tempfile.mkdtemp(prefix="unirl-field-trace-")
     _MADE.append(os.environ["UNIRL_FIELD_TRACE"])
 # Tiny models are built once per `model:` section for the whole session, in every process the
-# suite starts (stages/runtime/run.py `materialize_model`); a run's weights v000000 are copied from there.
+# suite starts (stages/run/record.py `materialize_model`); a run's weights v000000 are copied from there.
 if "UNIRL_TINY_CACHE" not in os.environ:
     os.environ["UNIRL_TINY_CACHE"] = tempfile.mkdtemp(prefix="unirl-tiny-cache-")
     _MADE.append(os.environ["UNIRL_TINY_CACHE"])
@@ -197,7 +197,7 @@ def tiny_weights(tmp_path_factory):
     tests/tiny.py, built once per session and saved in its checkpoint layout, so tests load it by
     path like real weights."""
     from tests.tiny import CASES
-    from unirl.stages.models.family import families
+    from unirl.stages.runtime.registry import families
 
     built: dict[str, Path] = {}
 
@@ -217,7 +217,7 @@ def perturbed_copy(folder: Path, into: Path, case: str, *, scale: float, seed: i
     import torch
 
     from tests.tiny import CASES
-    from unirl.stages.models.family import families
+    from unirl.stages.runtime.registry import families
 
     model = CASES[case]["model"]
     fam = families.get(model["kind"])

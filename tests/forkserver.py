@@ -1,6 +1,6 @@
 """The test suite's fork server: a warm interpreter that forks unirl's processes instead of
 starting each one fresh. Test machinery only: unirl reaches it through its one launch hook
-(`UNIRL_LAUNCHER`, unirl.stages.workers.processes `launcher`), which the suite points at this file.
+(`UNIRL_LAUNCHER`, unirl.stages.runtime.processes `launcher`), which the suite points at this file.
 
 A worker rank spends about 5 CPU-s importing torch, transformers, diffusers, peft and
 torch.distributed.checkpoint before it does anything (benchmarks/README.md, "Start-up"), and the
@@ -61,7 +61,7 @@ def env(socket_path: str) -> dict[str, str]:
     return {"UNIRL_LAUNCHER": os.path.abspath(__file__), SOCKET_ENV: socket_path}
 
 
-# -- the launch hook (unirl.stages.workers.processes `launcher`) --------------------------------------
+# -- the launch hook (unirl.stages.runtime.processes `launcher`) --------------------------------------
 
 
 def parent_pid() -> int:
@@ -442,7 +442,7 @@ def proxy(path: str, cmd: list[str]) -> int:
     forks it with this process's stdio and environment, this process passes the signals it gets
     on and exits as the command does (a command killed by a signal, by the same signal). Killed
     itself, it takes the command with it."""
-    from unirl.stages.workers.processes import die_with_parent
+    from unirl.stages.runtime.processes import die_with_parent
 
     die_with_parent()  # the rank's parent is torchrun's agent: its death takes this proxy, and with it the rank
     proc = popen(path, cmd, start_new_session=True, watch=True, parent=os.getppid(), modules=None)

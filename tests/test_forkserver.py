@@ -98,7 +98,7 @@ def test_the_proxy_exits_as_its_command_and_passes_signals_on(server):
 if __name__ == "__main__":
     what = sys.argv[1]
     if what == "parent":
-        from unirl.stages.workers.processes import parent_pid
+        from unirl.stages.runtime.processes import parent_pid
 
         print(parent_pid(), flush=True)
         time.sleep(600)

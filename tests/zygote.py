@@ -17,7 +17,7 @@ forked command must share with the server); `unirl.flows` is imported by each ch
 `unirl.stages` too, 4.9 with Prefect too. From the test's side a forked command is a process like
 any other: a pid to signal, an exit status (`-9` when SIGKILLed), its output, its command line in
 `ps`. The one setting a preloaded library reads at import is MLflow's log level, which `unirl` sets
-before it imports MLflow (flows/console.py `QUIET_ENV`): the server is started with that value, and
+before it imports MLflow (tasks/console.py `QUIET_ENV`): the server is started with that value, and
 a command that would run with another (`--verbose`, its own MLFLOW_LOGGING_LEVEL) starts fresh, as
 do commands of other modules (`popen` falls back to `subprocess.Popen`).
 
@@ -40,9 +40,9 @@ MODULES = ("unirl.flows.cli", "unirl.flows.deploy")  # `python -m` commands a te
 
 def import_env() -> dict[str, str]:
     """The settings the preloaded libraries read at import, as `unirl` sets them before it imports
-    them (flows/console.py `QUIET_ENV`), and the suite's recipe-field tracer, which is set up when
+    them (tasks/console.py `QUIET_ENV`), and the suite's recipe-field tracer, which is set up when
     `unirl.stages` is imported (tests/conftest.py sets UNIRL_FIELD_TRACE for the session)."""
-    from unirl.flows.console import QUIET_ENV
+    from unirl.tasks.console import QUIET_ENV
 
     env = {k: QUIET_ENV[k] for k in ("MLFLOW_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS")}
     if "UNIRL_FIELD_TRACE" in os.environ:
@@ -67,7 +67,7 @@ PRELOAD = (
 def preload() -> list[str]:
     """PRELOAD, what every model family's worker rank imports (`Family.modules`), and every module
     of `unirl.stages` (none reads the environment when it is imported: tests/test_zygote.py checks)."""
-    from unirl.stages.models.family import families
+    from unirl.stages.runtime.registry import families
 
     names = list(PRELOAD)
     for kind in families.names():

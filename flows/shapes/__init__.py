@@ -29,10 +29,10 @@ from unirl.flows.forms import InnerRecipe
 from unirl.flows.sft import run_sft, train_teachers
 from unirl.stages.distill import taught_by
 from unirl.stages.recipe import Recipe
+from unirl.stages.run.record import initial_weights
+from unirl.stages.run.tracking import Tracker
 from unirl.stages.runtime.registry import Registry
-from unirl.stages.runtime.run import initial_weights
 from unirl.stages.runtime.storage import RunStorage, iter_dir
-from unirl.stages.runtime.tracking import Tracker
 from unirl.tasks.advantage import advantage
 from unirl.tasks.common import engine_of, group_of, staged
 from unirl.tasks.evaluate import evaluate
@@ -149,7 +149,7 @@ def agent_transcripts(tracker: Tracker, storage: RunStorage, version: int) -> st
     `version`, each rendered as a chat with its stop reason and reference answer."""
     import json
 
-    from unirl.stages.runtime.evaluation import eval_dir
+    from unirl.stages.run.evaluation import eval_dir
     from unirl.stages.runtime.sample import read_rollouts, read_shard
     from unirl.stages.runtime.storage import join
     from unirl.stages.tools.agent import transcript_table

@@ -9,10 +9,10 @@ from typing import Any
 from unirl.stages.compose import members, names
 from unirl.stages.compose.chain import compose as compose_rows
 from unirl.stages.compose.chain import next_requests
-from unirl.stages.policies import policies
 from unirl.stages.recipe import Recipe
+from unirl.stages.run.tracking import Tracker
+from unirl.stages.runtime.registry import policies
 from unirl.stages.runtime.storage import RunStorage, join
-from unirl.stages.runtime.tracking import Tracker
 from unirl.tasks.common import staged
 from unirl.tasks.score import score
 
@@ -60,7 +60,7 @@ def evaluate_composed(recipe: Recipe, storage: Any, version: int, first: Recipe,
     (eval/vNNNNNN/<name>/composed.arrow) and scored by the eval scorer against the user's intent.
     `draw(part, requests, folder, greedy)` samples a part's requests into files of
     `stores[part]`; `first` is the first part's recipe (its held-out prompts)."""
-    from unirl.stages.runtime.evaluation import eval_dir, eval_metrics, write_eval_requests
+    from unirl.stages.run.evaluation import eval_dir, eval_metrics, write_eval_requests
 
     order = names(recipe)
     outputs = {}

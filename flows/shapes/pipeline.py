@@ -14,7 +14,6 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
 from unirl.flows.ahead import hand_over, wait_turn
-from unirl.flows.console import say
 from unirl.flows.forms import InnerRecipe
 from unirl.flows.sft import run_sft
 from unirl.flows.shapes import Models, RunShape, run_shapes, stopped
@@ -32,12 +31,13 @@ from unirl.stages.compose.chain import compose as compose_rows
 from unirl.stages.compose.chain import next_requests
 from unirl.stages.compose.pipeline import PipelineConfig
 from unirl.stages.recipe import Recipe
-from unirl.stages.runtime import iteration as it
-from unirl.stages.runtime.run import initial_weights, open_run
+from unirl.stages.run import iteration as it
+from unirl.stages.run.record import initial_weights, open_run
+from unirl.stages.run.tracking import Tracker
 from unirl.stages.runtime.storage import RunStorage, iter_dir, join
-from unirl.stages.runtime.tracking import Tracker
 from unirl.stages.workers.group import SharedGroup, share_group
 from unirl.tasks.common import announce, engine_of, say_retry, staged, storage_of
+from unirl.tasks.console import say
 from unirl.tasks.sync import sync
 from unirl.tasks.train import train
 
@@ -96,7 +96,7 @@ def evaluate_pipeline(recipe: Recipe, run_name: str, version: int, split: str = 
     `sampled` is `eval.k` samples of the first part per prompt and one sample of each later part
     each; both scored on the composed rows (eval/vNNNNNN/<name>/composed.arrow) by the eval
     scorer, against the user's intent."""
-    from unirl.stages.runtime.evaluation import eval_dir
+    from unirl.stages.run.evaluation import eval_dir
 
     storage = storage_of(recipe, run_name)
     rel = join(eval_dir(version, split), "metrics.json")

@@ -13,7 +13,6 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
 from unirl.flows.ahead import hand_over, wait_turn
-from unirl.flows.console import say
 from unirl.flows.forms import InnerRecipe
 from unirl.flows.shapes import RunShape, one_model, run_shapes, stopped, warm_start_one
 from unirl.flows.shapes.composed import (
@@ -29,11 +28,12 @@ from unirl.stages.compose.chain import advantage_metrics, advantage_rows, next_r
 from unirl.stages.compose.chain import compose as compose_rows
 from unirl.stages.compose.unified import stage_recipe
 from unirl.stages.recipe import Recipe
-from unirl.stages.runtime import iteration as it
+from unirl.stages.run import iteration as it
+from unirl.stages.run.tracking import Tracker
 from unirl.stages.runtime.sample import table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage, iter_dir, join
-from unirl.stages.runtime.tracking import Tracker
 from unirl.tasks.common import group_of, say_retry, staged, storage_of
+from unirl.tasks.console import say
 from unirl.tasks.sync import sync
 from unirl.tasks.train import train
 
@@ -94,7 +94,7 @@ def evaluate_unified(recipe: Recipe, run_name: str, version: int, split: str = "
     """Held-out results at `version`: every stage's greedy sample (an image stage's by the ODE
     sampler), and `eval.k` samples of the first stage per prompt with one sample of each later
     stage each, scored against the user's intent."""
-    from unirl.stages.runtime.evaluation import eval_dir
+    from unirl.stages.run.evaluation import eval_dir
 
     storage = storage_of(recipe, run_name)
     rel = join(eval_dir(version, split), "metrics.json")

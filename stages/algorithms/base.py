@@ -25,9 +25,7 @@ from typing import Any, ClassVar
 
 from unirl.stages.kernels.errors import BehaviourMismatchError
 from unirl.stages.runtime.config_base import Section
-from unirl.stages.runtime.registry import Registry
-
-algorithms: Registry[type[Algorithm]] = Registry("algorithm", "unirl.stages.algorithms", "algorithm.name")
+from unirl.stages.runtime.registry import algorithms
 
 
 @dataclass

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from unirl.stages.algorithms.base import algorithms
 from unirl.stages.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
+from unirl.stages.runtime.registry import algorithms
 
 
 class CPSConfig(FlowGRPOConfig):

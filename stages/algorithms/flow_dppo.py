@@ -13,9 +13,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from unirl.stages.algorithms.base import TrainContext, algorithms
+from unirl.stages.algorithms.base import TrainContext
 from unirl.stages.algorithms.flow_likelihood import FlowLikelihood, transition_means
 from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.registry import algorithms
 
 
 class FlowDPPOConfig(Section):

@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from unirl.stages.algorithms.base import algorithms
 from unirl.stages.algorithms.flow_likelihood import FlowLikelihood
 from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.registry import algorithms
 
 
 class FlowGRPOConfig(Section):

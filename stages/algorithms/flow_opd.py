@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from unirl.stages.algorithms.base import Algorithm, TrainContext, algorithms
+from unirl.stages.algorithms.base import Algorithm, TrainContext
 from unirl.stages.algorithms.flow_likelihood import sde_steps
 from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.registry import algorithms
 
 # Fields of a tiny flow model (model.tiny) that shape only its transformer: a teacher trained with
 # `sft` may change them (a bigger teacher); the others fix the latent space or the conditioning.

@@ -10,9 +10,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from unirl.stages.algorithms.base import algorithms
 from unirl.stages.algorithms.policy_gradient import TokenPolicyGradient
 from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.registry import algorithms
 
 
 class GSPOConfig(Section):

@@ -12,8 +12,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from unirl.stages.algorithms.base import Algorithm, TrainContext, algorithms
+from unirl.stages.algorithms.base import Algorithm, TrainContext
 from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.registry import algorithms
 
 
 class NFTConfig(Section):

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from unirl.stages.runtime.registry import Registry
+from unirl.stages.runtime.registry import shapes
 
 
 class Shape(ABC):
@@ -42,9 +42,6 @@ class Shape(ABC):
         """The joint warm start's records of a shape whose stages share a backbone (files and the
         stage of each); None: the one-model warm start."""
         return None
-
-
-shapes: Registry[type[Shape]] = Registry("composed run shape", "unirl.stages.compose", "compose.kind")
 
 
 def shape_of(recipe: Any) -> type[Shape] | None:
@@ -97,7 +94,7 @@ def where(recipe: Any, name: str) -> str:
 
 def text_policies() -> list[str]:
     """The policy kinds whose samples are text another part can take as its prompts."""
-    from unirl.stages.policies import policies
+    from unirl.stages.runtime.registry import policies
 
     return [n for n, p in policies.items() if "text" in p.columns]
 

@@ -135,7 +135,7 @@ def trains(recipe: Recipe, name: str) -> bool:
 
 def pipeline_errors(recipe: Recipe) -> list[str]:
     """What `unirl validate` reports of a pipeline recipe, one `field.path: ...` line each."""
-    from unirl.stages.models.family import families
+    from unirl.stages.runtime.registry import families
 
     parts, compose = members(recipe), recipe.compose
     assert isinstance(compose, PipelineConfig)

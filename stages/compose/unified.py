@@ -42,8 +42,8 @@ from unirl.stages.compose import (
     shapes,
     where,
 )
-from unirl.stages.policies import policies
 from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.registry import policies
 from unirl.stages.runtime.storage import RunStorage, join
 from unirl.stages.sections import AlgorithmConfig, DataConfig, NamedPart, RolloutConfig, SFTConfig
 
@@ -129,8 +129,7 @@ def stage_recipe(recipe: Recipe, name: str) -> Recipe:
 
 def unified_errors(recipe: Recipe) -> list[str]:
     """What `unirl validate` reports of a unified recipe, one `field.path: ...` line each."""
-    from unirl.stages.engines import engines
-    from unirl.stages.models.family import families
+    from unirl.stages.runtime.registry import engines, families
 
     stages = members(recipe)
     errors = duplicate_errors(recipe) + per_part_errors(recipe, "a unified recipe")

@@ -9,8 +9,7 @@ import io
 import textwrap
 from typing import Any
 
-from unirl.stages.policies import first_of_groups
-from unirl.stages.runtime.sample import read_rollouts, read_shard, scoring_view
+from unirl.stages.runtime.sample import first_of_groups, read_rollouts, read_shard, scoring_view
 from unirl.stages.runtime.storage import RunStorage, join
 
 
@@ -91,7 +90,7 @@ def log_iteration_grid(tracker: Any, storage: RunStorage, iteration: int, table:
 
 def log_eval_grid(tracker: Any, storage: RunStorage, version: int) -> str | None:
     """Log the held-out greedy samples of policy `version` (eval/vNNNNNN/greedy) to MLflow."""
-    from unirl.stages.runtime.evaluation import eval_dir
+    from unirl.stages.runtime.storage import eval_dir
 
     folder = join(eval_dir(version), "greedy")
     names = [f for f in storage.files(folder) if f.endswith(".arrow")]

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from unirl.stages.diffusion.kernels import ODE, kernels
+from unirl.stages.diffusion.kernels import ODE
 from unirl.stages.diffusion.sde import SDEStepOutput, dynamic_shift, sde_step, select_sde_steps, shifted_sigmas, time_shift_sigmas
+from unirl.stages.runtime.registry import kernels
 from unirl.stages.runtime.seeds import derive_seed
 
 # v = velocity(x (B, *latent), sigma (B,)) -> (B, *latent) float32; the prompts are bound inside.

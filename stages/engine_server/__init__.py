@@ -8,7 +8,7 @@ code. Started by the `engine_server` rollout engine (stages/engines/engine_serve
 
 It binds loopback by default and requires a bearer token (the variable `--token-env` names).
 What one request may ask (body bytes, prompts, tokens, steps, requests in flight) is bounded by the
-`--max-*` settings (stages/engine_server/limits.py; the spec takes the same names).
+`--max-*` settings (stages/engines/limits.py; the spec takes the same names).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from unirl.stages.engine_server.limits import Limits
+from unirl.stages.engines.limits import Limits
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     if args.spec:
-        from unirl.stages.workers.group import die_with_parent
+        from unirl.stages.runtime.processes import die_with_parent
 
         die_with_parent()
         spec = json.loads(Path(args.spec).read_text())

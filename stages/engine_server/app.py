@@ -14,7 +14,7 @@ weight sync and async pipeline run against it and against SGLang.
     POST /get_weights_checksum                       sha256 of the loaded tensors (SGLang diffusion's API)
 
 Every route but the two GETs needs `Authorization: Bearer <token>` (constant-time compare); the
-token is never logged. Then each request passes the server's limits (stages/engine_server/limits.py:
+token is never logged. Then each request passes the server's limits (stages/engines/limits.py:
 body bytes read with a cap, requests in flight) before any route parses it. Errors are JSON
 {"success": false, "message": ...} with status 400; over a limit 413 or 400 (or 503 with Retry-After
 for requests in flight), with "limit" naming the setting.
@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from unirl.stages.engine_server.core import EngineCore, EngineRequestError
-from unirl.stages.engine_server.limits import LimitError, Limits, RequestGate, required, text_field, version_text
+from unirl.stages.engines.limits import LimitError, Limits, RequestGate, required, text_field, version_text
 
 log = logging.getLogger("unirl.engine_server")
 OPEN_ROUTES = {"/health", "/health_generate", "/model_info", "/get_model_info"}

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from unirl.stages.engine_server.limits import EngineRequestError, shown
+from unirl.stages.engines.limits import EngineRequestError, shown
 from unirl.stages.runtime.weights_checksum import tensors_checksum
 
 log = logging.getLogger("unirl.engine_server")
@@ -69,7 +69,7 @@ class EngineCore:
 
     def __init__(self, recipe: Any, weights_dir: str | Path, version: str, device: str = "cpu"):
         from unirl.stages.models.family import get_family
-        from unirl.stages.policies import policies
+        from unirl.stages.runtime.registry import policies
 
         self.recipe = recipe
         self.family = get_family(recipe.model.kind)

@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-from unirl.stages.diffusion.kernels import ODE, kernels
+from unirl.stages.diffusion.kernels import ODE
 from unirl.stages.engine_server.core import EngineCore, EngineRequestError
-from unirl.stages.engine_server.limits import SEED_BOUND, Limits, integer, number, over, shown, text_field
+from unirl.stages.engines.limits import SEED_BOUND, Limits, integer, number, over, shown, text_field
+from unirl.stages.runtime.registry import kernels
 from unirl.stages.runtime.seeds import derive_seed
 
 # SGLang's rollout_sde_type -> our SDE kernel (docs/architecture.md, "The math contract").

@@ -4,7 +4,7 @@ compatible ones together with the text policy's own sampler (stages/policies/tex
 so the behaviour log-probs are the quantity the trainer replays: log softmax(logits / T) at the
 sampled token, fp32. Each request draws from its own generator (`sampling_seed`), so a response
 does not depend on the batch it was sampled in. Every prompt is checked (token ids, the model's
-context, the server's limits: stages/engine_server/limits.py) before it joins the queue, so a bad
+context, the server's limits: stages/engines/limits.py) before it joins the queue, so a bad
 one is refused alone and never fails the batch it would have been sampled in.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unirl.stages.engine_server.core import EngineCore, EngineRequestError
-from unirl.stages.engine_server.limits import SEED_BOUND, Limits, integer, number, over, over_context, shown, text_field
+from unirl.stages.engines.limits import SEED_BOUND, Limits, integer, number, over, over_context, shown, text_field
 
 SAMPLING_PARAMS = ("temperature", "top_p", "max_new_tokens", "stop_token_ids", "sampling_seed")
 

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from unirl.stages.engine_server.core import EngineCore, EngineRequestError
-from unirl.stages.engine_server.limits import integer, required, shown, text_field, version_text
 from unirl.stages.engines import update_group as ug
+from unirl.stages.engines.limits import integer, required, shown, text_field, version_text
 
 
 class UpdateGroups:

@@ -19,14 +19,10 @@ docs/engines.md.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Annotated, Any, ClassVar, Union
-
-from pydantic import Field
+from typing import Any, ClassVar
 
 from unirl.stages.runtime.config_base import Section
-from unirl.stages.runtime.registry import Registry
-
-engines: Registry[type[RolloutEngine]] = Registry("rollout engine", "unirl.stages.engines", "rollout.engine.name")
+from unirl.stages.runtime.registry import engines
 
 
 def in_group() -> type[RolloutEngine]:
@@ -39,8 +35,7 @@ def in_group() -> type[RolloutEngine]:
 
 def engine_config() -> Any:
     """The `rollout.engine` section: a union of every registered engine's config, by `name`."""
-    members = tuple(cls.config for _, cls in engines.items())
-    return Annotated[Union[members], Field(discriminator="name")] if len(members) > 1 else members[0]  # noqa: UP007 - a runtime tuple
+    return engines.union("config", "name")
 
 
 class RolloutEngine(ABC):

@@ -12,7 +12,7 @@ client side of an engine that holds its own copy of the weights.
 * layout colocated: the engine releases its memory while the trainer trains, and takes it back
   after the sync.
 * every load is verified: the version the engine reports, the checksum of its tensors where it
-  reports one, and the canary (stages/engines/canary.py) against the trainer's log-probs.
+  reports one, and the canary (stages/runtime/canary.py) against the trainer's log-probs.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class WeightSync(Section):
     engine_ranks: int = Field(1, ge=1, description="transport distributed: the engine's ranks in the update group "
                               "(SGLang: tp_size x dp_size).")
     canary_tolerance: float | None = Field(
-        None, ge=0, description="Largest |engine - trainer| log-prob of the canary after a load (stages/engines/canary.py; "
+        None, ge=0, description="Largest |engine - trainer| log-prob of the canary after a load (stages/runtime/canary.py; "
         "empty: the engine's default at the model's dtype; .inf: no check).")
 
 
@@ -76,8 +76,8 @@ class DedicatedEngine(RolloutEngine):
 
     @classmethod
     def check(cls, recipe: Any) -> None:
-        from unirl.stages.algorithms.base import algorithms
         from unirl.stages.models.family import get_family
+        from unirl.stages.runtime.registry import algorithms
 
         e, r = recipe.rollout.engine, recipe.rollout
         if get_family(recipe.model.kind).takes_images:
@@ -157,8 +157,8 @@ class DedicatedEngine(RolloutEngine):
     # -- sampling -----------------------------------------------------------------------------------
     def generate(self, requests: str, out_dir: str, iteration: int, policy_version: int, *,
                  greedy: bool = False, seed_tag: str = "") -> dict[str, Any]:
-        from unirl.stages.algorithms.base import algorithms
         from unirl.stages.policies.text import token_prompts
+        from unirl.stages.runtime.registry import algorithms
         from unirl.stages.runtime.sample import read_shard, table_from_rows, write_shard
         from unirl.stages.runtime.storage import join
 
@@ -230,7 +230,7 @@ class DedicatedEngine(RolloutEngine):
         log-probs are the trainer's (the `manifest`'s) within tolerance; else EngineVersionError or
         CanaryError naming the engine and the version. Then `version` is the engine's; the
         canary's largest difference is returned (None: not checked)."""
-        from unirl.stages.engines.canary import verify
+        from unirl.stages.runtime.canary import verify
 
         served = client.weight_version() if reports_version else str(version)
         if served != str(version):
@@ -318,7 +318,7 @@ class DedicatedEngine(RolloutEngine):
         from concurrent.futures import ThreadPoolExecutor
         from urllib.parse import urlparse
 
-        from unirl.stages.workers.group import free_port
+        from unirl.stages.runtime.processes import free_port
 
         start = time.perf_counter()
         name = f"unirl-{self.storage.run}"

@@ -18,14 +18,14 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from unirl.stages.engines import engines
 from unirl.stages.engines.launched import LaunchedConfig, LaunchedEngine
+from unirl.stages.runtime.registry import engines
 
 
 def run_limits(recipe: Any) -> dict[str, int]:
-    """The engine server's request limits (stages/engine_server/limits.py) raised where a run asks
+    """The engine server's request limits (stages/engines/limits.py) raised where a run asks
     for more than their defaults, for its launch spec: a run's own requests are never refused."""
-    from unirl.stages.engine_server.limits import Limits
+    from unirl.stages.engines.limits import Limits
 
     rollout, default = recipe.rollout, Limits()
     out = {}

@@ -16,8 +16,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from unirl.stages.diffusion.kernels import kernels
 from unirl.stages.engines.client import EngineClient, EngineError, tensor_from_wire
+from unirl.stages.runtime.registry import kernels
 from unirl.stages.runtime.seeds import derive_seed
 
 if TYPE_CHECKING:

@@ -77,7 +77,7 @@ class LaunchedEngine(DedicatedEngine):
     def _launch(self, version: int) -> None:
         """Start the server with weights/v{version} (or, with LoRA sync, the initial weights, the
         adapters of `version` loaded after) and wait until it is ready."""
-        from unirl.stages.workers.group import kill_tree, spawn
+        from unirl.stages.runtime.processes import kill_tree, spawn
 
         if self.proc is not None:
             if self.starts > self.cfg.restarts:
@@ -141,7 +141,7 @@ class LaunchedEngine(DedicatedEngine):
 
     def close(self) -> None:
         """Stop a launched engine process (a server at `url` is left running)."""
-        from unirl.stages.workers.group import kill_tree
+        from unirl.stages.runtime.processes import kill_tree
 
         super().close()
         if self.proc is not None:

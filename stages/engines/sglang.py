@@ -18,10 +18,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from unirl.stages.diffusion.kernels import kernels
-from unirl.stages.engines import engines
 from unirl.stages.engines.client import EngineClient
 from unirl.stages.engines.dedicated import DedicatedConfig, DedicatedEngine
+from unirl.stages.runtime.registry import engines, kernels
 
 
 class SGLangConfig(DedicatedConfig):
@@ -42,7 +41,7 @@ class SGLang(DedicatedEngine):
 
     @classmethod
     def check(cls, recipe: Any) -> None:
-        from unirl.stages.algorithms.base import algorithms
+        from unirl.stages.runtime.registry import algorithms
 
         super().check(recipe)
         # Text losses correct with importance weights; flow losses anchor on the recorded

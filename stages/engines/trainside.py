@@ -7,8 +7,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from unirl.stages.engines import RolloutEngine, engines
+from unirl.stages.engines import RolloutEngine
 from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.registry import engines
 
 
 class TrainsideConfig(Section):

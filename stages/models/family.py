@@ -21,9 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from unirl.stages.runtime.config_base import Section
-from unirl.stages.runtime.registry import Registry
-
-families: Registry[type[Family]] = Registry("model family", "unirl.stages.models", "model.kind")
+from unirl.stages.runtime.registry import families
 
 
 def get_family(kind: str) -> type[Family]:
@@ -124,5 +122,5 @@ class Family:
     def prompt_encoder(cls, directory: Path, chat_template: bool | None) -> Any:
         """A text family that `takes_images`: its `image_prompts` of the model folder `directory`
         without its weights, encoding prompts only (`tokenizer`, `use_chat`, `encode(text, grids,
-        tools)`): what an agent's first turn is written with (stages/tools/engine.py)."""
+        tools)`): what an agent's first turn is written with (stages/engines/agentic.py)."""
         return None

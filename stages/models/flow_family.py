@@ -233,7 +233,7 @@ class FlowFamily(Family):
     @classmethod
     def dynamic_mu(cls, bundle: Any, tokens: int, num_steps: int) -> float:
         """mu of the resolution-dependent shift (`rollout.sampler.dynamic_shift`)."""
-        from unirl.stages.diffusion.sde import dynamic_shift
+        from unirl.stages.kernels.schedules import dynamic_shift
 
         return dynamic_shift(tokens)
 
@@ -350,7 +350,7 @@ class FlowFamily(Family):
         and set its normalization from their latents; a checkpoint's VAE is kept (`model.vae_warmup`)."""
         import torch  # start-up time: loaded on first use, not when a recipe is read
 
-        from unirl.stages.diffusion import sft as S
+        from unirl.stages.models import flow_vae as S
 
         warm = cfg.vae_warmup
         steps = warm.resolved_steps(bool(cfg.path))

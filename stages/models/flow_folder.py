@@ -85,7 +85,7 @@ def check_pipeline(root: Path, kind: str, pipelines: tuple[str, ...]) -> dict[st
     """The folder's index, after checking it is a checkpoint model.kind `kind` loads (its pipeline
     class is one of `pipelines`); else ValueError naming model.path, what the folder is and which
     model.kind loads it."""
-    from unirl.stages.models.family import families
+    from unirl.stages.runtime.registry import families
 
     index = read_index(root)
     name = index.get("_class_name", "?")

@@ -13,11 +13,14 @@ real checkpoint ships fit only its own weights).
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from unirl.stages.kernels import no_grad
+from unirl.stages.runtime.seeds import batch_indices, derive_seed
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -229,3 +232,82 @@ class PatchBatchNorm(LatentCodec):
         vae.bn.running_mean.copy_(mean.to(vae.bn.running_mean))
         vae.bn.running_var.copy_((var - vae.config.batch_norm_eps).clamp_min(1e-6).to(vae.bn.running_var))
         return {"vae_latent_mean": float(mean.mean()), "vae_latent_std": float(var.sqrt().mean())}
+
+
+# The VAE warm-up of a tiny flow model's SFT (stages/diffusion/sft.py runs it)
+
+
+def to_pixels(images: np.ndarray | Tensor) -> Tensor:
+    """uint8 (B, H, W, 3) -> float32 (B, 3, H, W) in [-1, 1] (the VAE's input range); videos
+    (B, F, H, W, 3) -> (B, 3, F, H, W)."""
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
+    x = torch.as_tensor(np.asarray(images))
+    x = (x.permute(0, 3, 1, 2) if x.ndim == 4 else x.permute(0, 4, 1, 2, 3)).float()
+    return x / 127.5 - 1
+
+
+def reconstruction_loss(vae: Any, pixels: Tensor, kl_weight: float = 1e-6, codec: Any = None) -> Tensor:
+    """L1 + L2 of decode(mean of encode(x)) against x, plus a small KL to keep latents bounded.
+    `codec` (unirl.stages.models.flow_vae): how its VAE reconstructs for training (default: decode)."""
+    if codec is not None:
+        rec, posterior = codec.reconstruction(vae, pixels)
+    else:
+        posterior = vae.encode(pixels).latent_dist
+        rec = vae.decode(posterior.mean).sample
+    err = rec - pixels
+    return err.abs().mean() + err.square().mean() + kl_weight * posterior.kl().mean()
+
+
+def warm_up_vae(
+    vae: Any, images: np.ndarray, *, steps: int, lr: float, batch_size: int, seed: int,
+    all_reduce: Callable[[list[Tensor]], None] | None = None, rank: int = 0, world: int = 1,
+    log: Callable[[int, float], None] | None = None, codec: Any = None,
+) -> dict[str, float]:
+    """Train `vae` to reconstruct `images` (uint8 (N, H, W, 3), or clips (N, F, H, W, 3)): Adam with a
+    20-step warm-up and cosine decay. `codec` (unirl.stages.models.flow_vae): uint8 media -> the VAE's
+    input and its training reconstruction (default: `to_pixels`, decode). With several ranks each takes its share of every batch and `all_reduce`
+    averages the gradients (a sum over ranks, divided here). Returns the final loss and time."""
+    import time
+
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
+    start = time.perf_counter()
+    vae.requires_grad_(True).train()
+    params = [p for p in vae.parameters()]
+    opt = torch.optim.Adam(params, lr=lr)
+    warm = min(20, max(1, steps // 10))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1)))
+    )
+    pixels = (codec.pixels if codec is not None else to_pixels)(torch.as_tensor(np.asarray(images)))
+    device = next(vae.parameters()).device
+    loss_value = float("nan")
+    for step in range(steps):
+        idx = batch_indices(step, seed=derive_seed(seed, "vae"), batch_size=batch_size, num_records=len(pixels))
+        mine = idx[rank::world]
+        loss = reconstruction_loss(vae, pixels[mine].to(device), codec=codec)
+        opt.zero_grad(set_to_none=False)
+        (loss * len(mine) / len(idx)).backward()
+        if all_reduce is not None and world > 1:
+            all_reduce([p.grad for p in params])
+        opt.step()
+        sched.step()
+        loss_value = float(loss.detach())
+        if log is not None:
+            log(step, loss_value)
+    vae.requires_grad_(False).eval()
+    return {"vae_loss": loss_value, "vae_seconds": time.perf_counter() - start}
+
+
+@no_grad
+def standardize_latents(vae: Any, images: np.ndarray, batch: int = 256) -> dict[str, float]:
+    """Set the VAE's `shift_factor` and `scaling_factor` so the normalized latents
+    (z - shift) * scale of `images` have mean 0 and std 1 (what flow matching from N(0, 1) noise
+    assumes; SD3's constants fit only SD3's own VAE)."""
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
+    device = next(vae.parameters()).device
+    zs = [vae.encode(to_pixels(images[i:i + batch]).to(device)).latent_dist.mean.float().cpu()
+          for i in range(0, len(images), batch)]
+    return ShiftScale().fit(vae, torch.cat(zs))

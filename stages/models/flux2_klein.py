@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field
 
 from unirl.stages.kernels import no_grad
-from unirl.stages.models.family import families
 from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyFlow
 from unirl.stages.models.flow_geometry import FlowGeometry
 from unirl.stages.models.flow_vae import PatchBatchNorm
+from unirl.stages.runtime.registry import families
 
 if TYPE_CHECKING:
     import torch

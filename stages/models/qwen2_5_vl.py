@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from unirl.stages.models.family import families
 from unirl.stages.models.qwen_vl import QwenVL, TinyVL, VLModelConfig, mrope_section
+from unirl.stages.runtime.registry import families
 
 
 class Qwen2_5_VLModelConfig(VLModelConfig):

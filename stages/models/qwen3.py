@@ -14,8 +14,9 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from unirl.stages.models.family import Family, families
+from unirl.stages.models.family import Family
 from unirl.stages.runtime.config_base import LoraConfig, Section
+from unirl.stages.runtime.registry import families
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 
@@ -93,7 +94,7 @@ def save_tiny_qwen3(directory: str | Path, tiny: Any) -> Path:
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from unirl.stages.models.tokenizer import build_char_tokenizer
+    from unirl.stages.runtime.tokenizer import build_char_tokenizer
 
     directory = Path(directory)
     tok = build_char_tokenizer(tiny.charset)
@@ -123,7 +124,7 @@ def load_qwen3(directory: str | Path, *, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from unirl.stages.models.tokenizer import load_tokenizer
+    from unirl.stages.runtime.tokenizer import load_tokenizer
 
     d = check_model_dir(directory)
     model = AutoModelForCausalLM.from_pretrained(str(d), dtype=getattr(torch, dtype), attn_implementation="sdpa")
@@ -156,7 +157,7 @@ class Qwen3(Family):
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from unirl.stages.models.tokenizer import load_tokenizer
+        from unirl.stages.runtime.tokenizer import load_tokenizer
 
         d = check_model_dir(directory)
         if not cls.weight_files(d):

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field
 
 from unirl.stages.kernels import no_grad
-from unirl.stages.models.family import families
 from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyFlow
 from unirl.stages.models.flow_geometry import FlowGeometry
 from unirl.stages.models.flow_vae import ChannelStats
+from unirl.stages.runtime.registry import families
 
 if TYPE_CHECKING:
     import torch
@@ -143,7 +143,7 @@ class QwenImage(FlowFamily):
 
     @classmethod
     def dynamic_mu(cls, bundle: FlowBundle, tokens: int, num_steps: int) -> float:
-        from unirl.stages.diffusion.sde import dynamic_shift
+        from unirl.stages.kernels.schedules import dynamic_shift
 
         s = bundle.settings["scheduler"]
         return dynamic_shift(tokens, base_seq_len=s.get("base_image_seq_len", 256), max_seq_len=s.get("max_image_seq_len", 4096),

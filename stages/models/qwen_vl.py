@@ -22,8 +22,8 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from unirl.stages.models.family import Family
-from unirl.stages.models.tokenizer import CHARSET
 from unirl.stages.runtime.config_base import LoraConfig, Section
+from unirl.stages.runtime.tokenizer import CHARSET
 
 
 class TinyVLText(Section):
@@ -139,7 +139,7 @@ class QwenVL(Family):
     # -- recipe rules ---------------------------------------------------------------------------
     @classmethod
     def check(cls, recipe: Any) -> None:
-        from unirl.stages.sources import sources
+        from unirl.stages.runtime.registry import sources
 
         if not sources.get(recipe.data.name).gives_images(recipe.data):
             raise ValueError(f"data.name: model.kind {recipe.model.kind!r} answers questions about images, and "

@@ -14,7 +14,7 @@ with its cached `rope_deltas`. Without explicit positions Qwen3-VL raises and Qw
 back to 1-D positions, which change every log-prob after the image.
 
 The tokenizer of a tiny model is built in code (one token per character plus Qwen's special
-tokens and a ChatML chat template with image items), like stages/models/tokenizer.py does for
+tokens and a ChatML chat template with image items), like stages/runtime/tokenizer.py does for
 Qwen3; a real checkpoint's tokenizer, chat template and image processor load from its folder.
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ def build_vl_tokenizer(charset: str):
 def load_vl_tokenizer(directory: Path):
     """The folder's tokenizer; its chat template from the tokenizer, else the processor's
     `chat_template.json` (how Qwen-VL checkpoints ship it)."""
-    from unirl.stages.models.tokenizer import load_tokenizer
+    from unirl.stages.runtime.tokenizer import load_tokenizer
 
     tok = load_tokenizer(directory)
     processor_template = Path(directory) / "chat_template.json"
@@ -132,7 +132,7 @@ class ImagePrompts:
         import torch  # start-up time: loaded on first use, not when a recipe is read
         from transformers import AutoConfig
 
-        from unirl.stages.models.tokenizer import uses_chat_template
+        from unirl.stages.runtime.tokenizer import uses_chat_template
 
         tokenizer = load_vl_tokenizer(directory)
         parts = SimpleNamespace(tokenizer=tokenizer, processor=load_image_processor(directory),

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, model_validator
 
 from unirl.stages.kernels import no_grad
-from unirl.stages.models.family import families
 from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase
 from unirl.stages.models.flow_geometry import FlowGeometry, check_image_side
 from unirl.stages.models.flow_vae import ShiftScale
 from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.registry import families
 
 if TYPE_CHECKING:
     import torch

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 
-from unirl.stages.models.family import families
 from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase
 from unirl.stages.models.flow_geometry import FlowGeometry, check_image_side
 from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.registry import families
 
 if TYPE_CHECKING:
     import torch
@@ -137,7 +137,7 @@ class Transfusion(FlowFamily):
         from unirl.stages.models.flow_folder import write_defaults, write_index
         from unirl.stages.models.flow_text import seeded
         from unirl.stages.models.modules.transfusion import build_tiny_transfusion
-        from unirl.stages.models.tokenizer import build_char_tokenizer
+        from unirl.stages.runtime.tokenizer import build_char_tokenizer
 
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)

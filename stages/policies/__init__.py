@@ -24,15 +24,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from unirl.stages.algorithms.correction import CorrectionConfig
-from unirl.stages.engines import engine_config
 from unirl.stages.runtime.config_base import Section
-from unirl.stages.runtime.registry import Registry
+from unirl.stages.runtime.registry import engines, policies
+from unirl.stages.runtime.sample import first_of_groups  # noqa: F401 (re-exported)
 
-policies: Registry[type[Policy]] = Registry("policy", "unirl.stages.policies", "rollout.kind")
 if TYPE_CHECKING:
     EngineConfig = Any  # the union of the registered engines' sections, built at import
 else:
-    EngineConfig = engine_config()
+    EngineConfig = engines.union("config", "name")
 
 
 class DynamicSamplingConfig(Section):
@@ -90,9 +89,7 @@ class RolloutBase(Section):
 
 
 def engine_config_default() -> Section:
-    from unirl.stages.engines.trainside import TrainsideConfig
-
-    return TrainsideConfig()
+    return engines.get("trainside").config()
 
 
 class Policy(ABC):
@@ -146,7 +143,7 @@ class Policy(ABC):
         model (nothing here: a text teacher's tokenizer is checked by `unirl validate`)."""
 
     def canary(self, module: Any) -> dict[str, Any] | None:
-        """What a dedicated engine's load of these weights is verified against (stages/engines/canary.py):
+        """What a dedicated engine's load of these weights is verified against (stages/runtime/canary.py):
         {"tokens", "logprobs"} of the module; None where the policy has none (every rank calls it)."""
         return None
 
@@ -164,26 +161,16 @@ class Policy(ABC):
 PREVIEW_ROWS = 16  # rollouts in an iteration's samples table
 
 
-def first_of_groups(groups: list[Any], n: int) -> list[int]:
-    """The indices of the first `n` rows, the first row of every group before any second, so prompts vary."""
-    first: list[int] = []
-    rest: list[int] = []
-    seen: set[Any] = set()
-    for i, g in enumerate(groups):
-        (rest if g in seen else first).append(i)
-        seen.add(g)
-    return (first + rest)[:n]
-
-
-SAMPLES_COLUMNS = ["sample_id", "group_id", "prompt", "policy_version"]  # what a samples table reads, besides its cells'
-
-
 def iteration_rollouts(storage: Any, iteration: int, read: list[str]) -> Any:
     """The scoring view of iteration `iteration`'s committed rollouts, columns `read` (None until committed)."""
     from unirl.stages.runtime.sample import read_rollouts, scoring_view
 
     gen = storage.stage_manifest(iteration, "generate")
     return None if gen is None else scoring_view(read_rollouts(storage, gen["files"], columns=read))
+
+
+
+SAMPLES_COLUMNS = ["sample_id", "group_id", "prompt", "policy_version"]  # what a samples table reads, besides its cells'
 
 
 def samples_table(storage: Any, iteration: int, read: list[str], cells: Any, rows: int = PREVIEW_ROWS,
@@ -226,7 +213,7 @@ def behaviour_tolerance(recipe: Any) -> float:
     """Largest |replayed - recorded| behaviour log-prob the first update of a batch accepts for rows
     the trained weights sampled: `rollout.behaviour_tolerance`, else the engine's, else the
     policy's default at the compute dtype (bf16 mixed precision: bfloat16)."""
-    from unirl.stages.engines import engines
+    from unirl.stages.runtime.registry import engines
 
     tolerance = recipe.rollout.behaviour_tolerance
     if tolerance is None:

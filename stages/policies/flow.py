@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import pyarrow as pa
 from pydantic import Field, model_validator
 
-from unirl.stages.diffusion.kernels import kernels
-from unirl.stages.policies import SAMPLES_COLUMNS, Policy, RolloutBase, iteration_rollouts, policies, samples_table
+from unirl.stages.policies import SAMPLES_COLUMNS, Policy, RolloutBase, iteration_rollouts, samples_table
 from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.registry import kernels, policies
 from unirl.stages.runtime.seeds import derive_seed
 
 if TYPE_CHECKING:
@@ -130,8 +130,7 @@ def media_cell(table: Any, i: int) -> dict[str, Any]:
 
     from PIL import Image
 
-    from unirl.stages.runtime.media import decode_png, to_gif
-    from unirl.stages.runtime.tracking import Media
+    from unirl.stages.runtime.media import Media, decode_png, to_gif
 
     def seen(png: bytes) -> Any:  # a tiny model's 16-pixel sample, enlarged to be seen (nearest: no blur)
         image = decode_png(png)
@@ -179,7 +178,7 @@ class FlowPolicy(Policy):
         """Resolve the sampler settings the algorithm implies (DanceGRPO's kernel, MixGRPO's
         window) where the recipe leaves them empty, refuse ones that contradict it, and refuse
         settings no flow sample can use."""
-        from unirl.stages.algorithms.base import algorithms
+        from unirl.stages.runtime.registry import algorithms
 
         sampler = recipe.rollout.sampler
         algo = algorithms.get(recipe.algorithm.name)

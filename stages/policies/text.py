@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import pyarrow as pa
 from pydantic import Field
 
-from unirl.stages.policies import Policy, RolloutBase, policies, samples_table
+from unirl.stages.policies import Policy, RolloutBase, samples_table
+from unirl.stages.runtime.registry import policies
 from unirl.stages.runtime.seeds import derive_seed
 
 if TYPE_CHECKING:
@@ -210,7 +211,7 @@ class TextPolicy(Policy):
     def __init__(self, family: Any, bundle: Any, recipe: Any, device: torch.device):
         import torch  # start-up time: loaded on first use, not when a recipe is read
 
-        from unirl.stages.models.tokenizer import uses_chat_template
+        from unirl.stages.runtime.tokenizer import uses_chat_template
 
         # As the flow policy: Adam's squared averages of tiny gradients turn denormal over a long
         # warm start, and CPU kernels touching denormals run many times slower (a tiny Qwen3's SFT
@@ -227,7 +228,7 @@ class TextPolicy(Policy):
         """The run's canary tokens and the module's log-probs of them at temperature 1 (fp32)."""
         import torch  # start-up time: loaded on first use, not when a recipe is read
 
-        from unirl.stages.engines.canary import canary_tokens
+        from unirl.stages.runtime.canary import canary_tokens
 
         vocab = min(len(self.tokenizer), module.get_input_embeddings().num_embeddings)
         tokens = canary_tokens(vocab, set(self.tokenizer.all_special_ids), context_length(self.recipe.model))
@@ -239,7 +240,7 @@ class TextPolicy(Policy):
     # -- conditions -----------------------------------------------------------------------------
     def encode(self, prompts: list[str]) -> list[list[int]]:
         """Token ids of each prompt, through the chat template when the recipe/tokenizer uses one."""
-        from unirl.stages.models.tokenizer import encode_prompt
+        from unirl.stages.runtime.tokenizer import encode_prompt
 
         encoded = {p: encode_prompt(self.tokenizer, p, self.use_chat) for p in dict.fromkeys(prompts)}
         return [encoded[p] for p in prompts]

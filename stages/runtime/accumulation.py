@@ -64,3 +64,11 @@ def iterations_error(recipe: Any, iterations: int) -> str | None:
     return (f"iterations: {iterations} is not a multiple of train.accumulate_rollouts ({m}): the last "
             f"{iterations % m} iteration(s) would sample batches that no optimizer step trains; set iterations to "
             f"{iterations - iterations % m or m} or {iterations - iterations % m + m}")
+
+
+def schedule_steps(recipe: Any, iterations: int) -> int:
+    """Optimizer steps of the learning-rate schedule: those of the run's first length, one update
+    (`train.updates_per_batch` steps) per window of `train.accumulate_rollouts` iterations. An
+    extended run keeps it (a step that was taken replays with the learning rate it was taken with);
+    past it a linear or cosine schedule stays at its final lr (`train.min_lr_ratio` * lr)."""
+    return iterations // accumulated(recipe) * recipe.train.updates_per_batch

@@ -33,6 +33,6 @@ def check_split(split: str) -> str:
 def build_prompt_source(config: Any) -> Any:
     """The recipe's prompt source: `batch(iteration, n)` and `heldout(split)` (`dev`, `test`) lists
     of `Prompt`."""
-    from unirl.stages.sources import sources
+    from unirl.stages.runtime.registry import sources
 
     return sources.get(config.name).build(config)

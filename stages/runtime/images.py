@@ -75,3 +75,21 @@ def image_size(data: bytes) -> tuple[int, int]:
 
     with Image.open(io.BytesIO(data)) as im:
         return im.size
+
+
+def with_image_grids(recipe: Any, rows: list[dict[str, Any]], images: list[tuple[bytes, ...]],
+                     names: list[str]) -> list[dict[str, Any]]:
+    """`rows` with `images` (PNG bytes per row) and the patch grid the model family's image
+    processor cuts each into, for a family that takes images; one without any is an error."""
+    from unirl.stages.runtime.registry import families
+
+    family = families.get(recipe.model.kind)
+    if not family.takes_images:
+        return rows
+    for row, pngs, name in zip(rows, images, names):
+        if not pngs:
+            raise ValueError(f"{name}: model.kind {recipe.model.kind!r} needs one or more images with every prompt; "
+                             "this one has none")
+        grids = family.image_grids(recipe.model, [image_size(png) for png in pngs])
+        row.update(images=list(pngs), image_grids=[list(g) for g in grids])
+    return rows

@@ -9,9 +9,18 @@ GIFs are made only for people: the MLflow previews."""
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class Media:
+    """A table cell's picture: encoded bytes and their file extension (png, gif)."""
+
+    data: bytes
+    ext: str
 
 
 def to_pil(images: Any) -> list[Any]:

@@ -18,7 +18,17 @@ import importlib
 import os
 import pkgutil
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from unirl.stages.algorithms.base import Algorithm
+    from unirl.stages.compose import Shape
+    from unirl.stages.diffusion.kernels import Kernel
+    from unirl.stages.engines import RolloutEngine
+    from unirl.stages.models.family import Family
+    from unirl.stages.policies import Policy
+    from unirl.stages.sources import Source
+    from unirl.stages.tools import PythonTool
 
 T = TypeVar("T")
 
@@ -53,6 +63,9 @@ class Registry(Generic[T]):
         self.field = field  # the recipe field that names an entry (for error messages)
         self._entries: dict[str, T] = {}
         self._loaded = False
+        # Entries whose registration was refused, with the reason (a tool whose schema cannot be
+        # made): validate names them, since they are missing from the registry.
+        self.refused: dict[str, str] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
         def wrap(entry: T) -> T:
@@ -95,6 +108,16 @@ class Registry(Generic[T]):
         self.load()
         return name in self._entries
 
+    def union(self, attr: str, tag: str) -> Any:
+        """The discriminated union (pydantic, on `tag`) of every entry's `attr`: a recipe section
+        that is any entry's config."""
+        from typing import Annotated, Union
+
+        from pydantic import Field
+
+        members = tuple(getattr(entry, attr) for _, entry in self.items())
+        return Annotated[Union[members], Field(discriminator=tag)] if len(members) > 1 else members[0]  # noqa: UP007 - a runtime tuple
+
 
 def load_object(path: str) -> Any:
     """The object at "package.module:Name" (imported on first use, so a declaration stays light)."""
@@ -104,3 +127,15 @@ def load_object(path: str) -> Any:
 
 def _qualname(entry: Any) -> str:
     return f"{getattr(entry, '__module__', '?')}.{getattr(entry, '__qualname__', repr(entry))}"
+
+
+# The registries of the axes a recipe chooses on; their entries' modules import them from here to
+# register, and the recipe reads them from here (the plumbing layer: docs/architecture.md, "Layers").
+kernels: Registry[Kernel] = Registry("SDE kernel", "unirl.stages.diffusion.kernels", "rollout.sampler.sde_kind")
+engines: Registry[type[RolloutEngine]] = Registry("rollout engine", "unirl.stages.engines", "rollout.engine.name")
+policies: Registry[type[Policy]] = Registry("policy", "unirl.stages.policies", "rollout.kind")
+shapes: Registry[type[Shape]] = Registry("composed run shape", "unirl.stages.compose", "compose.kind")
+families: Registry[type[Family]] = Registry("model family", "unirl.stages.models", "model.kind")
+sources: Registry[type[Source]] = Registry("prompt source", "unirl.stages.sources", "data.name")
+tools: Registry[PythonTool] = Registry("tool", "unirl.stages.tools", "agent.tools[].name")
+algorithms: Registry[type[Algorithm]] = Registry("algorithm", "unirl.stages.algorithms", "algorithm.name")

@@ -40,7 +40,7 @@ BASE_COLUMNS: dict[str, pa.DataType] = {
 
 def segment_columns() -> dict[str, dict[str, pa.DataType]]:
     """Segment kind -> its columns, as each registered policy declares them (`Policy.columns`)."""
-    from unirl.stages.policies import policies
+    from unirl.stages.runtime.registry import policies
 
     return {cls.segment: cls.columns for _, cls in policies.items()}
 
@@ -76,7 +76,7 @@ TURN_COLUMNS: dict[str, pa.DataType] = {
     "latency_s": pa.float64(), "error": pa.string(), "stop_reason": pa.string(),
 }
 
-# A teacher's log-probs of the student's response tokens (stages/runtime/distillation.py), one row per sample.
+# A teacher's log-probs of the student's response tokens (stages/run/distillation.py), one row per sample.
 TEACHER_COLUMNS: dict[str, pa.DataType] = {"sample_id": pa.string(), "teacher": pa.string(), "teacher_logprobs": _LIST_F32}
 
 KINDS: dict[str, dict[str, pa.DataType]] = {
@@ -358,3 +358,15 @@ def join_on_sample_id(left: pa.Table, right: pa.Table, columns: list[str], where
     for name in columns:
         left = left.append_column(name, taken.column(name))
     return left
+
+
+def first_of_groups(groups: list[Any], n: int) -> list[int]:
+    """The indices of the first `n` rows, the first row of every group before any second, so prompts vary."""
+    first: list[int] = []
+    rest: list[int] = []
+    seen: set[Any] = set()
+    for i, g in enumerate(groups):
+        (rest if g in seen else first).append(i)
+        seen.add(g)
+    return (first + rest)[:n]
+

@@ -128,12 +128,34 @@ def no_space(exc: OSError, where: str) -> OSError:
                    "committed. Free space (or use a larger storage.root) and rerun the same command: the run resumes")
 
 
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_run_name(name: str, field: str) -> str:
+    """A run name is a plain folder name under the storage root: letters, digits, '.', '_', '-',
+    not starting with '.' or '-' (no '/', '..', URL characters: it cannot leave the root)."""
+    if not RUN_NAME.fullmatch(name or "") or ".." in name:
+        raise ValueError(f"{field}: {name!r} is not a plain run name; use letters, digits, '.', '_' and '-' "
+                         "(at most 128, starting with a letter or digit)")
+    return name
+
+
+SPLITS = ("dev", "test")
+PREFIX = {"dev": "eval", "test": "test"}  # metric keys: eval/accuracy, test/accuracy
+
+
+def eval_dir(version: int, split: str = "dev") -> str:
+    """eval/vNNNNNN for the dev split, eval/vNNNNNN/test for the test split."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown evaluation split {split!r} (allowed: {', '.join(SPLITS)})")
+    base = join("eval", f"v{version:06d}")
+    return base if split == "dev" else join(base, split)
+
+
 class RunStorage:
     """Files of one run: `{root}/{run}/...`, addressed by paths relative to the run folder."""
 
     def __init__(self, root: str, run: str, options: dict[str, Any] | None = None):
-        from unirl.stages.recipe import check_run_name
-
         check_run_name(run, "run name")
         self.root = root
         self.run = run
@@ -487,3 +509,21 @@ class RunStorage:
     def adapter_versions(self) -> list[int]:
         """Published LoRA adapter versions (those with a manifest), ascending."""
         return self._committed("adapters", WEIGHTS_RE, "manifest.json")
+
+
+def committed_batch(storage: RunStorage, iteration: int) -> dict[str, Any] | None:
+    """What iteration `iteration`'s train step reads, from its committed manifests: {"rollouts":
+    the files of its generate stages, "advantages": its advantages file}; None while one of them
+    is not committed."""
+    import re
+
+    # generate, then its refill rounds generate-r1, ... (a unified model's: generate-<stage>, in any order)
+    rounds = sorted(
+        (n[:-len(".json")] for n in storage.listdir(join(iter_dir(iteration), "manifests")) if n.startswith("generate")),
+        key=lambda name: int(m.group(1)) if (m := re.fullmatch(r"generate-r(\d+)", name)) else 0,
+    )
+    gens = [storage.stage_manifest(iteration, name) for name in rounds]
+    adv = storage.stage_manifest(iteration, "advantage")
+    if not gens or None in gens or adv is None:
+        return None
+    return {"rollouts": [f for gen in gens if gen is not None for f in gen["files"]], "advantages": adv["files"][0]}

@@ -11,10 +11,8 @@ from typing import Any, ClassVar
 
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.data import Prompt, check_split
-from unirl.stages.runtime.registry import Registry
+from unirl.stages.runtime.registry import sources as sources  # re-exported: entries register here
 from unirl.stages.runtime.seeds import derive_seed
-
-sources: Registry[type[Source]] = Registry("prompt source", "unirl.stages.sources", "data.name")
 
 
 class Source:

@@ -17,7 +17,8 @@ from pydantic import Field, field_validator, model_validator
 
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.data import Prompt
-from unirl.stages.sources import Source, sources
+from unirl.stages.runtime.registry import sources
+from unirl.stages.sources import Source
 
 DOMAIN_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 MAX_DOMAINS = 16

@@ -11,8 +11,9 @@ from pydantic import Field, model_validator
 
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.data import Prompt, check_split
+from unirl.stages.runtime.registry import sources
 from unirl.stages.runtime.seeds import derive_seed
-from unirl.stages.sources import Source, sources
+from unirl.stages.sources import Source
 
 
 class PEGenEvalData(Section):

@@ -7,7 +7,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from unirl.stages.runtime.config_base import Section
-from unirl.stages.sources import Source, sources
+from unirl.stages.runtime.registry import sources
+from unirl.stages.sources import Source
 
 
 class ToyVQAData(Section):

@@ -8,7 +8,8 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from unirl.stages.runtime.config_base import Section
-from unirl.stages.sources import ProceduralPrompts, Source, check_listed_prompts, sources
+from unirl.stages.runtime.registry import sources
+from unirl.stages.sources import ProceduralPrompts, Source, check_listed_prompts
 
 
 class VideoToyData(Section):

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from unirl.stages.runtime.registry import Registry
+from unirl.stages.runtime.registry import tools
 
 JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
 
@@ -50,9 +50,6 @@ class ToolSpec:
 class PythonTool:
     spec: ToolSpec
     fn: Callable[..., Any]
-
-
-tools: Registry[PythonTool] = Registry("tool", "unirl.stages.tools", "agent.tools[].name")
 
 
 def _json_type(annotation: Any, where: str) -> dict[str, Any]:
@@ -104,18 +101,16 @@ def schema_of(name: str, fn: Callable[..., Any]) -> ToolSpec:
     return ToolSpec(name, description, {"type": "object", "properties": props, "required": required})
 
 
-# Tools whose schema could not be made: name -> why (stages/recipe.py `agent_errors` names them).
-REFUSED: dict[str, str] = {}
 
 
 def register_tool(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register a Python function as the tool `name`; one whose schema cannot be made is refused
-    (recorded in REFUSED, not registered)."""
+    (recorded in `tools.refused`, not registered)."""
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             spec = schema_of(name, fn)
         except ValueError as exc:
-            REFUSED[name] = str(exc)
+            tools.refused[name] = str(exc)
             return fn
         tools.register(name)(PythonTool(spec, fn))
         return fn

@@ -78,7 +78,7 @@ class ToolFormat:
         """The first prompt's tokens, the tools given to the chat template where there is one; with
         `grids` (the patch grids of the prompt's images) the user turn shows the images first, each
         as its image tokens."""
-        from unirl.stages.models.tokenizer import encode_prompt
+        from unirl.stages.runtime.tokenizer import encode_prompt
 
         functions = [s.as_function() for s in specs]
         if grids is not None:

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unirl.stages.runtime.processes import Limits
 from unirl.stages.tools import ToolSpec
-from unirl.stages.tools.sandbox import STOPPED, Limits
+from unirl.stages.tools.sandbox import STOPPED
 
 # What a tool server's environment holds of the run's, besides what the recipe names (`pass_env`):
 # enough to find programs and start the run's interpreter, never a credential.

@@ -35,7 +35,8 @@ import resource
 import signal
 import sys
 import time
-from dataclasses import dataclass
+
+from unirl.stages.runtime.processes import Limits
 
 CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x40000000, 0x10000000, 0x20000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
@@ -48,17 +49,6 @@ POLL_S = 0.02
 
 class IsolationError(OSError):
     """An isolation step that failed: the tool server does not start."""
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one tool server (all its processes together, where the kernel counts per process: each)
-    may use."""
-
-    cpu_s: int = 300
-    memory_mb: int = 2048
-    files: int = 256
-    procs: int = 64
 
 
 def _libc() -> ctypes.CDLL:

@@ -36,7 +36,7 @@ def build(names: list[str], max_chars: int) -> Any:
     from mcp.server.mcpserver import MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
 
-    from unirl.stages.tools import tools
+    from unirl.stages.runtime.registry import tools
 
     server = MCPServer("unirl-tools")
     for name in names:

@@ -139,7 +139,7 @@ def publish(stack: TrainStack, storage: RunStorage, scratch: Path, version: int,
     rank 0, then manifest.json with the sha256 of every file and, without LoRA (whose export
     merges the adapters into other names), `weights_sha256`: the checksum of the module's tensors,
     which an engine that loaded the folder reports back (stages/runtime/weights_checksum.py), and
-    `extra` (the canary, stages/engines/canary.py). The manifest
+    `extra` (the canary, stages/runtime/canary.py). The manifest
     is written last: a version without it is incomplete. Every rank takes part in gathering the
     full states (a rank-0-only gather deadlocks under FSDP2)."""
     start = time.perf_counter()

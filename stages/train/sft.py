@@ -62,7 +62,7 @@ def check_turns(turns: Any, where: str) -> list[dict[str, str]]:
 
 def sft_records(recipe: Recipe) -> list[dict[str, Any]]:
     """A recipe's warm-start records: its `sft.path` file's (`source: file`), or its data source's."""
-    from unirl.stages.sources import sources
+    from unirl.stages.runtime.registry import sources
 
     sft = recipe.sft
     if sft is None:
@@ -75,7 +75,7 @@ def sft_records(recipe: Recipe) -> list[dict[str, Any]]:
 
 
 def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
-    from unirl.stages.runtime.iteration import with_image_grids
+    from unirl.stages.runtime.images import with_image_grids
 
     records = sft_records(recipe)
     images = [tuple(r.pop("images", ())) for r in records]

@@ -8,7 +8,7 @@ policy or algorithm, in a worker group or in one process.
 * micro-batch geometry across ranks (every rank issues the same collectives in the same order);
 * metric reduction across ranks; checkpoint and publish (stages/train/checkpoint.py).
 
-Collectives are no-ops without a process group, so the in-process loop (stages/runtime/loop.py) runs
+Collectives are no-ops without a process group, so the in-process loop (stages/run/loop.py) runs
 this same code in one process.
 """
 from __future__ import annotations
@@ -186,13 +186,13 @@ class TrainStack:
 
     def all_gather_json(self, obj: Any) -> list[Any]:
         """Every rank's JSON-able `obj` (JSON bytes between ranks: nothing is unpickled)."""
-        from unirl.stages.workers.control import all_gather_json
+        from unirl.stages.train.collectives import all_gather_json
 
         return [obj] if self.world == 1 else all_gather_json(obj, device=self.device)
 
     def broadcast_json(self, obj: Any) -> Any:
         """Rank 0's JSON-able `obj` on every rank."""
-        from unirl.stages.workers.control import broadcast_json
+        from unirl.stages.train.collectives import broadcast_json
 
         return obj if self.world == 1 else broadcast_json(obj, rank=self.rank, device=self.device)
 

@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from unirl.stages.runtime.processes import parent_pid
     from unirl.stages.workers.control import all_gather_json, broadcast_json
-    from unirl.stages.workers.processes import parent_pid
     from unirl.stages.workers.worker import make_worker
 
     for module in filter(None, args.preload.split(",")):

@@ -19,11 +19,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from unirl.stages.runtime.processes import rank_entry
 from unirl.stages.runtime.scratch import scratch_dir
 from unirl.stages.runtime.storage import RunStorage
 from unirl.stages.workers import rendezvous as rdzv
 from unirl.stages.workers.group import first_failure, kill_tree, spawn, threads_per_rank
-from unirl.stages.workers.processes import rank_entry
 
 
 def open_group(storage: RunStorage, timeout_s: float, shared_mount: bool = False) -> str:

@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any, cast
 
 from unirl.stages.recipe import Recipe
+from unirl.stages.runtime.processes import die_with_parent, first_failure, free_port, kill_tree, rank_entry, spawn, threads_per_rank  # noqa: F401 (re-exported)
 from unirl.stages.runtime.scratch import log_tail, scratch_dir
 from unirl.stages.runtime.storage import RunStorage, iter_dir
 from unirl.stages.workers import rendezvous as rdzv
 from unirl.stages.workers.control import recv_json, send_json
-from unirl.stages.workers.processes import die_with_parent, first_failure, free_port, kill_tree, rank_entry, spawn, threads_per_rank  # noqa: F401 (re-exported)
 
 
 class WorkerError(RuntimeError):
@@ -117,7 +117,7 @@ class ModelGroup(ABC):
         """Redo the update that made policy `version` + 1 from the committed rollouts and
         advantages of its iteration (with rollout accumulation, of every iteration of its window)."""
         from unirl.stages.runtime.accumulation import closing_iteration, window
-        from unirl.stages.runtime.iteration import committed_batch
+        from unirl.stages.runtime.storage import committed_batch
 
         last = closing_iteration(self.recipe, version + 1)
         batches = []

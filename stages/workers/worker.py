@@ -3,7 +3,7 @@ its policy, the recipe's algorithm and the train stack around the trainable modu
 commands ping / generate / train / sft / save / publish.
 
 Data moves only through run storage: commands carry relative paths, never tensors. The same
-class runs in one process without a process group (stages/runtime/loop.py).
+class runs in one process without a process group (stages/run/loop.py).
 """
 from __future__ import annotations
 
@@ -20,11 +20,12 @@ from unirl.stages.compose import shape_of
 from unirl.stages.compose.shared import JointSFT, split_by_stage, with_stage
 from unirl.stages.distill import teacher_folders
 from unirl.stages.models.family import get_family
-from unirl.stages.policies import behaviour_mask_limit, behaviour_tolerance, policies
+from unirl.stages.policies import behaviour_mask_limit, behaviour_tolerance
 from unirl.stages.recipe import Recipe
+from unirl.stages.runtime.accumulation import schedule_steps
 from unirl.stages.runtime.faults import fault_point
 from unirl.stages.runtime.images import IMAGE_COLUMNS
-from unirl.stages.runtime.run import schedule_steps
+from unirl.stages.runtime.registry import policies
 from unirl.stages.runtime.sample import join_on_sample_id, read_rollouts, read_shard, table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage, join
 from unirl.stages.train import checkpoint

@@ -53,7 +53,7 @@ def killed_and_resumed(recipe: Path, name: str, root: Path, env: dict[str, str],
     assert not alive, "worker processes outlived the run"
     out = run_unirl(args, env)
     assert "iter-000000 (" not in out.stdout and "iter-000002 (3/3)" in out.stdout
-    from unirl.stages.runtime.audit import audit_run
+    from unirl.stages.run.audit import audit_run
     from unirl.stages.runtime.storage import RunStorage
 
     report = audit_run(RunStorage(str(root), name))

@@ -24,7 +24,7 @@ KILLS = ["report@0", "generate@1", "sync@1", "train@3"]
 
 def test_a_run_killed_mid_window_resumes_without_loss_or_double_counting(tmp_path, unirl_env):
     from tests.e2e.faults_bench import faults
-    from unirl.stages.runtime.audit import audit_run
+    from unirl.stages.run.audit import audit_run
     from unirl.stages.runtime.storage import RunStorage
 
     root = tmp_path / "runs"

@@ -1,6 +1,6 @@
 """An agentic run through the real CLI: a tiny Qwen3 warm-started on a teacher's tool calls
 (`<tool_call>{"name": "add", ...}</tool_call>` for "a+b="), then GRPO with multi-turn rollouts
-(stages/tools/engine.py) on the trainside engine; its `add` tool is served by unirl's MCP server
+(stages/engines/agentic.py) on the trainside engine; its `add` tool is served by unirl's MCP server
 of Python tools, sandboxed. The transcripts show calls answered by the tool, the trained rows mask
 the tool's tokens, the trainer's replay of the policy's own tokens is the sampler's record, and
 `unirl audit` passes. Faults too: its tool server dying mid-run (started again, the run goes on), and
@@ -67,7 +67,7 @@ def check_answered_calls(run, i, template=False):
 
 
 def test_an_agent_calls_its_tool_and_trains_on_its_own_tokens_only(tmp_path, unirl_env):
-    from unirl.stages.runtime.audit import audit_run
+    from unirl.stages.run.audit import audit_run
     from unirl.stages.runtime.storage import RunStorage
 
     root = tmp_path / "runs"
@@ -128,7 +128,7 @@ def test_a_tool_server_that_dies_mid_run_is_started_again(tmp_path, unirl_env):
     """The run's first call of `sum` ends its MCP server's process (tests/agent_tools.py): that call
     is an error observation in iteration 0's transcript, the server is started again and answers
     every later call, the run finishes both iterations, and `unirl audit` passes."""
-    from unirl.stages.runtime.audit import audit_run
+    from unirl.stages.run.audit import audit_run
     from unirl.stages.runtime.storage import RunStorage
 
     root = tmp_path / "runs"
@@ -171,7 +171,7 @@ def test_an_agentic_run_killed_mid_iteration_resumes_without_loss_or_duplication
     import shutil
     import signal
 
-    from unirl.stages.runtime.audit import audit_run
+    from unirl.stages.run.audit import audit_run
     from unirl.stages.runtime.storage import RunStorage
 
     root, env = tmp_path / "runs", agent_env(unirl_env)
@@ -203,7 +203,7 @@ def test_an_agent_samples_ahead_on_the_engine_server_async(tmp_path, unirl_env):
     """Async RL with an agent (max_staleness 1, GSPO with the off-policy correction): the producer
     samples multi-turn trajectories on the engine server one version behind the trainer; each
     iteration's rows are the schedule's version and call the tool, and `unirl audit` passes."""
-    from unirl.stages.runtime.audit import audit_run
+    from unirl.stages.run.audit import audit_run
     from unirl.stages.runtime.storage import RunStorage
 
     root = tmp_path / "runs"

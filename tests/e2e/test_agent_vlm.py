@@ -49,9 +49,9 @@ def data(folder, n=100):
 
 
 def test_a_vlm_agent_sees_its_image_calls_its_tool_and_trains_on_its_own_tokens_only(tmp_path, unirl_env):
-    from unirl.stages.models.tokenizer import load_tokenizer
-    from unirl.stages.runtime.audit import audit_run
+    from unirl.stages.run.audit import audit_run
     from unirl.stages.runtime.storage import RunStorage
+    from unirl.stages.runtime.tokenizer import load_tokenizer
 
     questions = data(tmp_path)
     root = tmp_path / "runs"

@@ -20,9 +20,9 @@ ASYNC = ["run", str(TINY), "iterations=3", "reward.scorers=[{name: integer_forma
 
 
 def test_a_killed_producer_is_restarted_and_loses_nothing(tmp_path, unirl_env):
-    from unirl.stages.engines import engines
     from unirl.stages.recipe import load_recipe
-    from unirl.stages.runtime.audit import audit_run
+    from unirl.stages.run.audit import audit_run
+    from unirl.stages.runtime.registry import engines
     from unirl.stages.runtime.sample import read_rollouts
     from unirl.stages.runtime.storage import RunStorage
 

@@ -34,7 +34,7 @@ def test_a_distillation_run_killed_mid_distillation_resumes_to_the_uninterrupted
     )
 
     from tests.e2e.faults_bench import faults
-    from unirl.stages.runtime.audit import audit_run
+    from unirl.stages.run.audit import audit_run
     from unirl.stages.runtime.storage import RunStorage
 
     root = tmp_path / "runs"

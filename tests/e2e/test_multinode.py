@@ -146,7 +146,7 @@ def test_two_nodes_through_prefect_equal_one_node_and_a_lost_node_is_named_and_r
 
 def group_iterations(group, storage, recipe, iterations: range, train: bool = True) -> None:
     """What a flow run's stages do with the group, iteration by iteration (tests/stages/test_matrix.py)."""
-    from unirl.stages.runtime import iteration as it
+    from unirl.stages.run import iteration as it
 
     for i in iterations:
         requests = it.write_requests(storage, recipe, i)["files"][0]
@@ -168,7 +168,7 @@ def test_sd3_on_two_nodes_started_by_hand_equals_one_node_and_resumes_on_fewer_n
     from tests.tiny import TINY as TINY_RECIPES
     from tests.tiny import merged
     from unirl.stages.recipe import build_recipe
-    from unirl.stages.runtime.run import initial_weights
+    from unirl.stages.run.record import initial_weights
     from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.workers.group import WorkerGroup
 

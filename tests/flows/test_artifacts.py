@@ -51,7 +51,7 @@ def test_a_local_mlflow_store_is_shown_as_the_command_that_serves_it(tmp_path) -
     import subprocess
     import sys
 
-    from unirl.stages.runtime.tracking import browse
+    from unirl.stages.run.tracking import browse
 
     uri = f"sqlite:///{tmp_path / 'my runs' / 'mlflow.db'}"
     page, command = browse(uri, "1", "abc")

@@ -1,7 +1,7 @@
 """The per-iteration progress line `unirl run` prints."""
 from __future__ import annotations
 
-from unirl.flows.console import iteration_line as progress_line
+from unirl.tasks.console import iteration_line as progress_line
 
 BASE = {"rollout/reward_mean": 0.25, "rollout/reward_std": 0.5, "train/loss": -0.0123, "train/grad_norm": 0.75,
         "time/iteration_s": 2.04}
@@ -28,7 +28,7 @@ def test_an_iteration_that_accumulates_says_its_update_comes_later():
 
 
 def test_a_long_error_keeps_its_first_and_last_lines():
-    from unirl.flows.console import error_text
+    from unirl.tasks.console import error_text
 
     exc = RuntimeError("\n".join(f"line {i}" for i in range(100)))
     text = error_text(exc).splitlines()

@@ -12,7 +12,7 @@ import unirl.flows.retrain as retrain_mod
 from tests.conftest import TINY
 from unirl.flows.retrain import RetrainError, generations, local_weights, plan
 from unirl.stages.recipe import load_recipe
-from unirl.stages.runtime.run import open_run
+from unirl.stages.run.record import open_run
 from unirl.stages.runtime.storage import RunStorage
 from unirl.stages.train.manifests import write_weights_dir
 

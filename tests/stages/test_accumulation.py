@@ -17,7 +17,7 @@ from unirl.stages.runtime.storage import RunStorage, iter_dir, join
 
 
 def test_windows_versions_and_the_schedule():
-    from unirl.stages.runtime.run import schedule_steps
+    from unirl.stages.runtime.accumulation import schedule_steps
 
     two = build_recipe({"iterations": 6, "train": {"accumulate_rollouts": 2, "updates_per_batch": 3}})
     assert [acc.version_of(two, i) for i in range(6)] == [0, 0, 1, 1, 2, 2]
@@ -28,7 +28,7 @@ def test_windows_versions_and_the_schedule():
 
 
 def test_one_batch_per_update_is_the_run_without_accumulation():
-    from unirl.stages.runtime.run import schedule_steps
+    from unirl.stages.runtime.accumulation import schedule_steps
 
     one = build_recipe({"iterations": 5, "train": {"updates_per_batch": 2}})
     assert one.train.accumulate_rollouts == 1
@@ -93,7 +93,7 @@ def test_two_accumulated_batches_update_as_one_batch_of_their_rows(case, tmp_pat
     gradient norm and loss, and the same parameters after the step, to fp32 rounding (micro-batches
     of 3 cut both alike). Normalising each batch on its own instead, half the loss each (two parts
     of the update), moves the parameters elsewhere: the comparison would see it."""
-    from unirl.stages.runtime import iteration as it
+    from unirl.stages.run import iteration as it
     from unirl.stages.runtime.sample import read_rollouts, read_shard, write_shard
     from unirl.stages.train.update import UpdatePart, joint_update
 
@@ -147,8 +147,8 @@ def test_two_accumulated_batches_update_as_one_batch_of_their_rows(case, tmp_pat
 
 
 def test_the_in_process_loop_updates_once_per_window(tiny_weights):
-    """The benchmarks' floor (stages/runtime/loop.py) keeps a window's batches until its last iteration."""
-    from unirl.stages.runtime.loop import InProcessLoop
+    """The benchmarks' floor (stages/run/loop.py) keeps a window's batches until its last iteration."""
+    from unirl.stages.run.loop import InProcessLoop
 
     recipe = build_recipe(merged(TINY["qwen3"], {"iterations": 2, "train": {"accumulate_rollouts": 2}}))
     loop = InProcessLoop(recipe, str(tiny_weights("qwen3")))

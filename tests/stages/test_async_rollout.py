@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from unirl.stages.runtime.async_rollout import ProducerError, admit, behaviour_version, collect
+from unirl.stages.run.async_rollout import ProducerError, admit, behaviour_version, collect
 from unirl.stages.runtime.sample import table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage
 

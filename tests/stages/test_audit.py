@@ -1,4 +1,4 @@
-"""`unirl audit` (stages/runtime/audit.py) on a small run's storage written by the run's own stages:
+"""`unirl audit` (stages/run/audit.py) on a small run's storage written by the run's own stages:
 requests from the recipe's prompt stream (`write_requests`), rewards and advantages by `score` and
 `advantages`, weights published with their sha256 manifests (`write_weights_dir`); only the
 rollouts and the train metrics, which need a model, are written here. Each test tampers with a
@@ -29,7 +29,7 @@ def build_run(root: Path, overrides: list[str], stale: int = 0, iterations: int 
     version max(0, v - stale), v the version that trains them (i; with train.accumulate_rollouts M,
     i // M, the update at each window's last iteration), and weights v0..vN."""
     from unirl.stages.recipe import load_recipe
-    from unirl.stages.runtime import iteration as it
+    from unirl.stages.run import iteration as it
     from unirl.stages.runtime.accumulation import accumulated, closes, version_after, version_of, window
     from unirl.stages.runtime.sample import read_shard, table_from_rows, write_shard
     from unirl.stages.train.manifests import write_weights_dir
@@ -103,7 +103,7 @@ def run_copy(runs, tmp_path):
 
 
 def audit(storage: RunStorage):
-    from unirl.stages.runtime.audit import audit_run
+    from unirl.stages.run.audit import audit_run
 
     return audit_run(storage)
 
@@ -308,7 +308,7 @@ def test_an_update_in_the_middle_of_a_window_or_on_another_window_is_named(run_c
 
 
 def test_a_folder_that_is_not_a_run_is_named(tmp_path):
-    from unirl.stages.runtime.audit import NotARunError, resolve
+    from unirl.stages.run.audit import NotARunError, resolve
 
     (tmp_path / "runs" / "nothing").mkdir(parents=True)
     with pytest.raises(NotARunError, match=rf"{tmp_path / 'runs' / 'nothing'}: not a run folder"):

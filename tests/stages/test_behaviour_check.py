@@ -83,7 +83,7 @@ def test_through_the_seam_one_token_a_hair_off_trains_masked_a_real_misalignment
     """A tiny Qwen3 worker samples; one recorded log-prob of one fresh row is moved by 5e-4 (5x the
     tolerance): the update trains and reports that one token masked. The same batch with every
     row a hair off, or one token off by 0.05, fails, naming the iteration."""
-    from unirl.stages.runtime import iteration as it
+    from unirl.stages.run import iteration as it
     from unirl.stages.runtime.sample import read_shard, table_from_rows, write_shard
 
     w, recipe, storage = worker_for("qwen3", "grpo", tmp_path, tiny_weights("qwen3"))

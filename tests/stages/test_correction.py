@@ -76,7 +76,7 @@ def test_stale_rows_are_corrected_and_measured_fresh_rows_still_checked(tmp_path
     """Through the seam: a batch whose rows an older policy sampled trains with the correction and
     reports the mismatch; the same rows stamped as fresh fail the on-policy check."""
     from unirl.stages.algorithms import BehaviourMismatchError
-    from unirl.stages.runtime import iteration as it
+    from unirl.stages.run import iteration as it
     from unirl.stages.runtime.sample import read_shard, table_from_rows, write_shard
     from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.workers.worker import Worker

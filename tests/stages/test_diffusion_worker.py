@@ -19,8 +19,8 @@ from PIL import Image
 
 from unirl.stages.diffusion.sde import SigmaMismatchError
 from unirl.stages.recipe import Recipe
-from unirl.stages.runtime import iteration as it
-from unirl.stages.runtime.run import initial_weights
+from unirl.stages.run import iteration as it
+from unirl.stages.run.record import initial_weights
 from unirl.stages.runtime.sample import read_rollouts, table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage
 
@@ -172,7 +172,7 @@ def test_bad_prompt_and_sigma_mismatch_fail_before_compute(mesh, tmp_path):
 
 def test_sft_warms_up_the_vae_then_flow_matching(mesh, tmp_path):
     from unirl.stages.diffusion.sft import geneval_records
-    from unirl.stages.runtime.run import materialize_model
+    from unirl.stages.run.record import materialize_model
     from unirl.stages.train.manifests import write_weights_dir
 
     r = recipe(tmp_path, **{"model.vae_warmup": {"steps": 3, "batch_size": 4}, "sft": {"steps": 3, "lr": 1e-3}})
@@ -196,8 +196,8 @@ def test_sft_warms_up_the_vae_then_flow_matching(mesh, tmp_path):
 
 
 def test_in_process_loop_does_the_same_math_as_the_worker(mesh, tmp_path):
-    """The benchmark's floor (unirl.stages.runtime.loop) samples the same images and takes the same step."""
-    from unirl.stages.runtime.loop import InProcessLoop
+    """The benchmark's floor (unirl.stages.run.loop) samples the same images and takes the same step."""
+    from unirl.stages.run.loop import InProcessLoop
 
     r = recipe(tmp_path, **{"reward.scorers": [{"name": "brightness"}], "rollout.sampler.sde_steps": {"mode": "window",
                             "window_size": 2, "num_sde_steps": 1}})
@@ -216,7 +216,7 @@ def test_in_process_loop_does_the_same_math_as_the_worker(mesh, tmp_path):
 
 def sft_worker(tmp_path, **over):
     from unirl.stages.diffusion.sft import geneval_records
-    from unirl.stages.runtime.run import materialize_model
+    from unirl.stages.run.record import materialize_model
     from unirl.stages.train.manifests import write_weights_dir
 
     r = recipe(tmp_path, **{"model.vae_warmup": {"steps": 1, "batch_size": 4}, **over})

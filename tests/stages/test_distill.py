@@ -44,7 +44,7 @@ def test_a_mixture_splits_each_iteration_by_weight_and_tags_every_prompt():
 
 def test_advantages_are_computed_within_each_domain(tmp_path):
     """With the batch's standard deviation (use_global_std) a domain's scale must not set another's."""
-    from unirl.stages.runtime.iteration import advantages
+    from unirl.stages.run.iteration import advantages
     from unirl.stages.runtime.sample import read_shard, table_from_rows, write_shard
     from unirl.stages.runtime.storage import RunStorage
 
@@ -66,7 +66,7 @@ def test_advantages_are_computed_within_each_domain(tmp_path):
 
 
 def test_the_distillation_signal_by_hand():
-    from unirl.stages.runtime.distillation import distill_signal
+    from unirl.stages.run.distillation import distill_signal
 
     student, teacher = [-1.0, -0.5, -2.0], [-0.2, -2.0, -2.0]
     # pure: coef * (log p_T - log p_s) per token = 0.8, -1.5, 0
@@ -84,7 +84,7 @@ def distilled(teacher_path: str, **more) -> dict:
 
 
 def test_validate_refuses_what_distillation_cannot_take(tmp_path, tiny_weights):
-    from unirl.stages.models.family import families
+    from unirl.stages.runtime.registry import families
 
     student = str(tiny_weights("qwen3"))
     fam = families.get("qwen3")
@@ -121,7 +121,7 @@ def test_the_teacher_stage_scores_the_students_tokens_and_distillation_pulls_tow
     token; and the reverse KL to the teacher falls over pure-distillation iterations."""
     from transformers import AutoModelForCausalLM
 
-    from unirl.stages.runtime.loop import InProcessLoop
+    from unirl.stages.run.loop import InProcessLoop
     from unirl.stages.runtime.sample import read_rollouts, read_shard
 
     student_dir = str(tiny_weights("qwen3"))
@@ -131,7 +131,7 @@ def test_the_teacher_stage_scores_the_students_tokens_and_distillation_pulls_tow
         for p in teacher.parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=gen))
     teacher.save_pretrained(tmp_path / "teacher")
-    from unirl.stages.models.tokenizer import load_tokenizer
+    from unirl.stages.runtime.tokenizer import load_tokenizer
 
     load_tokenizer(student_dir).save_pretrained(tmp_path / "teacher")
     recipe = build_recipe(distilled(str(tmp_path / "teacher"), train={"lr": 3e-2},
@@ -180,7 +180,7 @@ def test_the_teacher_stage_scores_the_students_tokens_and_distillation_pulls_tow
 def test_distillation_batches_accumulate_into_one_update(tiny_weights):
     """Two iterations' distillation batches (each domain's rows, each with per-token advantages)
     make one optimizer step at the window's end (train.accumulate_rollouts: 2)."""
-    from unirl.stages.runtime.loop import InProcessLoop
+    from unirl.stages.run.loop import InProcessLoop
 
     student = str(tiny_weights("qwen3"))
     recipe = build_recipe(distilled(student, iterations=2, train={"accumulate_rollouts": 2}, distill={"mode": "additive"}))

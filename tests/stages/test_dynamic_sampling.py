@@ -5,7 +5,7 @@ import pytest
 
 from tests.conftest import TINY
 from unirl.stages.recipe import load_recipe
-from unirl.stages.runtime import iteration as it
+from unirl.stages.run import iteration as it
 from unirl.stages.runtime.sample import read_shard, table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests.tiny import CASES
-from unirl.stages.models.family import families
 from unirl.stages.models.flow_family import get_flow_family
+from unirl.stages.runtime.registry import families
 
 
 def diffusers_ships(kind: str) -> bool:

@@ -68,7 +68,7 @@ def test_unirl_validate_reports_it_before_anything_loads(tmp_path, tiny_weights)
 
 def test_a_video_familys_rollouts_store_frames_that_scorers_and_previews_read(tmp_path, tiny_weights):
     from unirl.stages.diffusion.grid import rollout_grid
-    from unirl.stages.runtime import iteration as it
+    from unirl.stages.run import iteration as it
     from unirl.stages.runtime.sample import read_rollouts
     from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.workers.worker import Worker

@@ -212,7 +212,7 @@ def test_a_teacher_with_init_student_starts_from_the_students_initial_weights(ti
 
 
 def loop_of(tmp_path: Path, student: Path, teacher: Path, **over):
-    from unirl.stages.runtime.loop import InProcessLoop
+    from unirl.stages.run.loop import InProcessLoop
 
     recipe = opd_recipe(tmp_path, **merged({"iterations": 3, "distill": {"teachers": [{"name": "t", "path": str(teacher)}]}}, over))
     return InProcessLoop(recipe, str(student))
@@ -220,7 +220,7 @@ def loop_of(tmp_path: Path, student: Path, teacher: Path, **over):
 
 def test_a_teacher_in_another_latent_space_is_refused(tiny_weights, tmp_path):
     from tests.tiny import CASES
-    from unirl.stages.models.family import families
+    from unirl.stages.runtime.registry import families
 
     student = tiny_weights("sd3")
     fam = families.get("sd3")

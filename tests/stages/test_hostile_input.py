@@ -43,7 +43,7 @@ def test_run_relative_paths_cannot_leave_the_run_folder(rel, tmp_path):
 
 
 def test_a_manifest_pointing_outside_the_run_is_refused(tmp_path):
-    from unirl.stages.runtime import iteration as it
+    from unirl.stages.run import iteration as it
 
     (tmp_path / "secret.txt").write_text("do not read")
     storage = RunStorage(str(tmp_path / "runs"), "run")

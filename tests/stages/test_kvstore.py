@@ -76,7 +76,7 @@ def test_the_recipe_runs_the_store_the_data_asks_about():
     with pytest.raises(ValueError, match=r"agent.mcp_servers.0.command: --seed 5 serves another store than data \(seed 4\)"):
         build_recipe(base)
     recipe = build_recipe(merged(base, {"data": {"seed": 5, "size": 30, "heldout_size": 3}}))
-    from unirl.stages.sources import sources
+    from unirl.stages.runtime.registry import sources
 
     source = sources.get("kvstore").build(recipe.data)  # as a run builds it
     assert source.store == make_store(5, 30) and len(source.heldout("test")) == 3

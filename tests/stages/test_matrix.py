@@ -16,10 +16,8 @@ import pytest
 import torch
 
 from tests.tiny import CASES, EXTRA, TINY, merged
-from unirl.stages.algorithms.base import algorithms
-from unirl.stages.models.family import families
-from unirl.stages.policies import policies
 from unirl.stages.recipe import build_recipe
+from unirl.stages.runtime.registry import algorithms, families, policies
 
 
 def kind_of(case: str) -> str:
@@ -54,7 +52,7 @@ def test_every_family_has_a_tiny_recipe_and_every_algorithm_a_family():
 
 @pytest.mark.parametrize("family,algo", pairs(), ids=lambda x: x)
 def test_one_iteration(family, algo, tiny_weights, teacher_weights, tmp_path):
-    from unirl.stages.runtime.loop import InProcessLoop
+    from unirl.stages.run.loop import InProcessLoop
 
     teaches = algorithms.get(algo).distills and algorithms.get(algo).segment == "latent"  # flow_opd needs its teacher
     recipe = recipe_of(family, algo, tmp_path, **({"distill": {"teachers": [{"name": "teacher", "path": str(teacher_weights(family))}]}}
@@ -93,8 +91,8 @@ def test_world_size_two_matches_the_update_in_one_process(family, algo, tmp_path
     differently; flow log-probs divide by the small late-step std, which turns that rounding into
     ~0.1% of the gradient norm. A wrong gradient reduction across ranks (a
     missing world-size factor, a rank's micro-batch counted twice) is off by tens of percent."""
-    from unirl.stages.runtime import iteration as it
-    from unirl.stages.runtime.run import initial_weights
+    from unirl.stages.run import iteration as it
+    from unirl.stages.run.record import initial_weights
     from unirl.stages.runtime.sample import read_rollouts
     from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.workers.group import WorkerGroup

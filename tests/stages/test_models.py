@@ -7,7 +7,7 @@ import torch
 
 from unirl.stages.models import check_model_dir, load_qwen3, save_tiny_qwen3
 from unirl.stages.models.qwen3 import TinyQwen3
-from unirl.stages.models.tokenizer import build_char_tokenizer, encode_prompt, uses_chat_template
+from unirl.stages.runtime.tokenizer import build_char_tokenizer, encode_prompt, uses_chat_template
 
 
 def test_tiny_model_saves_and_loads_by_path_deterministically(tmp_path):

@@ -105,7 +105,7 @@ def test_the_fingerprint_is_what_the_recipe_sets_so_a_new_field_at_its_default_l
 def test_a_run_started_under_the_old_fingerprint_resumes_and_is_upgraded(tmp_path):
     """run.json written before the schema version (the hash of every field, defaults included)."""
     from unirl.stages.recipe import FINGERPRINT_SCHEMA
-    from unirl.stages.runtime.run import RunMismatchError, open_run
+    from unirl.stages.run.record import RunMismatchError, open_run
 
     recipe = load_recipe(TINY, [f"storage.root={tmp_path}"])
     storage, _ = open_run(recipe, "old")

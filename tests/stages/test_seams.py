@@ -15,9 +15,8 @@ from tests.conftest import REPO
 from tests.conftest import recipe_errors as errors
 from tests.tiny import TINY, merged
 from unirl.stages.algorithms import BehaviourMismatchError
-from unirl.stages.algorithms.base import algorithms
-from unirl.stages.models.family import families
 from unirl.stages.recipe import build_recipe
+from unirl.stages.runtime.registry import algorithms, families
 
 SOURCES = [p for d in ("stages", "flows", "tasks") for p in (REPO / d).rglob("*.py")]
 
@@ -91,7 +90,7 @@ def test_two_scorers_with_one_key_are_refused_and_distinct_keys_are_scored_apart
                    "give one of them another `key`")
     recipe = build_recipe(qwen3(reward={"scorers": [{**two[0], "key": "short"}, {**two[1], "key": "long"}]},
                                 storage={"root": str(tmp_path)}))
-    from unirl.stages.runtime import iteration as it
+    from unirl.stages.run import iteration as it
     from unirl.stages.runtime.sample import read_shard, table_from_rows, write_shard
     from unirl.stages.runtime.storage import RunStorage
 
@@ -108,7 +107,7 @@ def test_two_scorers_with_one_key_are_refused_and_distinct_keys_are_scored_apart
 
 def test_soft_overlong_and_file_sft_records_from_the_recipe(tmp_path):
     """The recipe's overlong ramp reaches scoring, and `sft.source: file` reaches the SFT records."""
-    from unirl.stages.runtime import iteration as it
+    from unirl.stages.run import iteration as it
     from unirl.stages.runtime.sample import read_shard, table_from_rows, write_shard
     from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.train.sft import write_sft_data
@@ -146,7 +145,7 @@ def worker_for(family: str, algo: str, tmp_path: Path, weights: Path):
 @pytest.mark.parametrize("family,algo,param", [("qwen3", "grpo", "lm_head.weight"),
                                                ("sd3", "flow_grpo", "proj_out.weight")])
 def test_perturbing_one_weight_between_generate_and_train_raises(family, algo, param, tmp_path, tiny_weights):
-    from unirl.stages.runtime import iteration as it
+    from unirl.stages.run import iteration as it
 
     w, recipe, storage = worker_for(family, algo, tmp_path, tiny_weights(family))
     requests = it.write_requests(storage, recipe, 0)["files"][0]
@@ -169,7 +168,7 @@ def test_a_grpo_clone_that_replays_against_itself_would_not_notice(tmp_path, tin
     """The check compares the sampler's record with the trainer's replay: the recorded log-probs
     really reach it (a check against the replay itself, the old `old_logp = logp.detach()` ratio
     test, stays at ratio 1 with the weight perturbed)."""
-    from unirl.stages.runtime import iteration as it
+    from unirl.stages.run import iteration as it
 
     w, recipe, storage = worker_for("qwen3", "grpo", tmp_path, tiny_weights("qwen3"))
     requests = it.write_requests(storage, recipe, 0)["files"][0]
@@ -189,7 +188,7 @@ def test_a_grpo_clone_that_replays_against_itself_would_not_notice(tmp_path, tin
 def test_no_family_algorithm_or_engine_name_is_compared_outside_its_own_file():
     """stages/diffusion/sde.py is left out: its step-selection modes ("mixgrpo") are names of its own
     that an algorithm happens to share."""
-    from unirl.stages.engines import engines
+    from unirl.stages.runtime.registry import engines
 
     names = families.names() + algorithms.names() + engines.names()
     pattern = re.compile(r"""(==|!=)\s*["'](%s)["']|["'](%s)["']\s*(==|!=)|\bin\s*[\(\[\{][^)\]\}]*["'](%s)["']"""
@@ -207,8 +206,7 @@ def test_no_family_algorithm_or_engine_name_is_compared_outside_its_own_file():
 def test_no_sde_kernel_name_is_compared_outside_its_own_file():
     """A kernel (stages/diffusion/kernels/) is one file: its name, its SGLang counterpart and
     whether it is deterministic are the registry's, not comparisons elsewhere."""
-    from unirl.stages.diffusion.kernels import kernels
-    from unirl.stages.policies import policies
+    from unirl.stages.runtime.registry import kernels, policies
 
     names = [n for n in kernels.names() if n not in policies.names()]  # "flow" is also the flow policy's kind
     pattern = re.compile(r"""(==|!=)\s*["'](%s)["']|["'](%s)["']\s*(==|!=)|\bin\s*[\(\[\{][^)\]\}]*["'](%s)["']"""
@@ -225,7 +223,7 @@ def test_a_composed_shape_is_named_only_in_its_own_files():
     composition) and `flows/shapes/<kind>.py` (its tasks and iteration flow), registered under its
     `compose.kind`; no other code compares the kind or mentions it as a string."""
     from unirl.flows.shapes import run_shapes
-    from unirl.stages.compose import shapes
+    from unirl.stages.runtime.registry import shapes
 
     kinds = shapes.names()
     assert set(kinds) <= set(run_shapes.names()) and {"pipeline", "unified"} <= set(kinds)  # every kind has its flow
@@ -254,8 +252,7 @@ def test_no_code_names_a_composed_part():
 def test_a_policy_declares_its_segment_columns_wire_and_engine_backend():
     """What adding a policy kind used to take edits in four files for is declared on the policy:
     the rollout shard's segment columns, the dedicated engines' wire and the engine server's backend."""
-    from unirl.stages.policies import policies
-    from unirl.stages.runtime.registry import load_object
+    from unirl.stages.runtime.registry import load_object, policies
     from unirl.stages.runtime.sample import segment_columns, table_from_rows
 
     routes = set()

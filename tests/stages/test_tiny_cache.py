@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tests.tiny import TINY, merged
 from unirl.stages.recipe import build_recipe
-from unirl.stages.runtime.run import cached_tiny, materialize_model
+from unirl.stages.run.record import cached_tiny, materialize_model
 
 
 def digest(folder: Path) -> dict[str, str]:

@@ -107,7 +107,7 @@ def test_the_videotoy_scorer_modes_read_videos():
 def test_the_source_and_its_sft_records_carry_the_teachers_slip(tmp_path):
     from tests.tiny import TINY, merged
     from unirl.stages.recipe import build_recipe
-    from unirl.stages.sources import sources
+    from unirl.stages.runtime.registry import sources
 
     recipe = build_recipe(merged(TINY["wan"], {"algorithm": {"name": "flow_grpo"}, "data": {"heldout_size": 16},
                                                "sft": {"examples": 40, "noise": 0.5, "seed": 3}, "storage": {"root": str(tmp_path)}}))

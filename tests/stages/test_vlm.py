@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from tests.tiny import TINY, merged
-from unirl.stages.models.family import families
 from unirl.stages.policies.text_sampling import next_positions
 from unirl.stages.recipe import RecipeError, build_recipe
-from unirl.stages.runtime import iteration as it
+from unirl.stages.run import iteration as it
 from unirl.stages.runtime.images import ImageError
+from unirl.stages.runtime.registry import families
 from unirl.stages.runtime.sample import read_rollouts, read_shard, table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage
 from unirl.stages.workers.worker import Worker
@@ -258,7 +258,7 @@ def test_a_sharded_load_fills_a_qwen3_vl_folder_and_leaves_the_older_layout_to_a
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_an_agents_first_prompt_shows_the_image_and_gives_the_tools_to_the_chat_template(family, tiny_weights):
-    """An agent's first turn (stages/tools/engine.py) is written from the weights folder alone (the
+    """An agent's first turn (stages/engines/agentic.py) is written from the weights folder alone (the
     family's prompt encoder, no model): without tools it is the prompt the text policy samples a
     VQA question from, its image as one token per merged patch group; the tools go to the template."""
     from unirl.stages.models.qwen_vl_prompts import CHAT_TEMPLATE

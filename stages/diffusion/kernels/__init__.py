@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from unirl.stages.runtime.registry import Registry
+from unirl.stages.runtime.registry import kernels
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -53,9 +53,6 @@ class Kernel:
     @property
     def deterministic(self) -> bool:
         return self.name == ODE
-
-
-kernels: Registry[Kernel] = Registry("SDE kernel", "unirl.stages.diffusion.kernels", "rollout.sampler.sde_kind")
 
 
 def register(kernel: Kernel) -> Kernel:

@@ -1,4 +1,4 @@
-"""The canary of verified weight sync (stages/engines/canary.py) and the `vllm` engine's recipe
+"""The canary of verified weight sync (stages/runtime/canary.py) and the `vllm` engine's recipe
 rules, checked before anything starts."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 
 from tests.tiny import TINY, merged
-from unirl.stages.engines.canary import canary_diff, canary_tokens
 from unirl.stages.recipe import build_recipe
+from unirl.stages.runtime.canary import canary_diff, canary_tokens
 
 
 def test_the_difference_is_the_largest_absolute_one_and_a_broken_answer_is_infinite():

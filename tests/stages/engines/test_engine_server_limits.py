@@ -16,7 +16,7 @@ import pytest
 
 from tests.engine_helpers import TOKEN, serve_app
 from tests.tiny import TINY, merged
-from unirl.stages.engine_server.limits import Limits
+from unirl.stages.engines.limits import Limits
 
 pytestmark = pytest.mark.slow  # real servers with tiny models; about 30 s of the suite
 

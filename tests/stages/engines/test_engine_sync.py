@@ -14,7 +14,7 @@ import torch
 from tests.tiny import TINY, merged
 from unirl.stages.engines.dedicated import EngineVersionError
 from unirl.stages.recipe import build_recipe
-from unirl.stages.runtime import iteration as it
+from unirl.stages.run import iteration as it
 from unirl.stages.runtime.sample import read_rollouts
 from unirl.stages.runtime.storage import RunStorage
 
@@ -35,7 +35,7 @@ class LocalTrainer:
 
 
 def setup(tmp_path, **engine):
-    from unirl.stages.runtime.run import initial_weights
+    from unirl.stages.run.record import initial_weights
     from unirl.stages.workers.worker import Worker
 
     extra = engine.pop("recipe", {})
@@ -45,7 +45,7 @@ def setup(tmp_path, **engine):
     initial_weights(storage, recipe)
     spec = {"recipe": recipe.model_dump(mode="json"), "root": str(tmp_path), "run": "run",
             "weights_dir": str(storage.local_path(storage.weights_rel(0))), "scratch": str(tmp_path / "scratch")}
-    from unirl.stages.engines import engines
+    from unirl.stages.runtime.registry import engines
 
     return recipe, storage, Worker(spec, None, torch.device("cpu")), engines.get("engine_server")(recipe, storage, None)
 
@@ -130,9 +130,9 @@ def test_an_engine_unreachable_at_start_names_its_url(tmp_path):
 
 
 def test_sglang_recipes_and_an_unreachable_server(tmp_path):
-    from unirl.stages.engines import engines
     from unirl.stages.engines.client import EngineUnreachable
     from unirl.stages.recipe import RecipeError
+    from unirl.stages.runtime.registry import engines
 
     sglang = {"name": "sglang", "url": "http://127.0.0.1:9", "token_env": "NO_SUCH_TOKEN_VAR"}
     with pytest.raises(RecipeError, match="rollout.correction: SGLang's kernels and precision differ"):
@@ -157,8 +157,8 @@ def test_sglang_recipes_and_an_unreachable_server(tmp_path):
 def test_flow_rollouts_through_the_engine_replay_bit_for_bit(tmp_path):
     """sd3 on the engine server: trajectories and per-step log-probs from the engine; the trainer's
     first update replays them exactly (tolerance 0), and they are trainside's own samples."""
-    from unirl.stages.engines import engines
-    from unirl.stages.runtime.run import initial_weights
+    from unirl.stages.run.record import initial_weights
+    from unirl.stages.runtime.registry import engines
     from unirl.stages.workers.worker import Worker
 
     recipe = build_recipe(merged(TINY["sd3"], {"algorithm": {"name": "flow_grpo"}, "storage": {"root": str(tmp_path)},
@@ -185,9 +185,9 @@ def test_flow_rollouts_through_the_engine_replay_bit_for_bit(tmp_path):
 
 
 def test_the_canary_stops_a_reload_that_did_not_take(tmp_path, monkeypatch):
-    """engine_server without its checksum report: the canary (stages/engines/canary.py) alone
+    """engine_server without its checksum report: the canary (stages/runtime/canary.py) alone
     catches an engine that answers the new version while holding the old weights."""
-    from unirl.stages.engines.canary import CanaryError
+    from unirl.stages.runtime.canary import CanaryError
 
     recipe, storage, worker, engine = setup(tmp_path, recipe={"train": {"lr": 0.05}})
     monkeypatch.setattr(engine, "reports_checksum", False)

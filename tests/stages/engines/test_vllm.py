@@ -27,10 +27,10 @@ from tests.e2e.test_agent_flow import CHARSET
 from tests.stages.engines.test_engine_sync import LocalTrainer
 from tests.tiny import TINY as TINY_SECTIONS
 from tests.tiny import merged
-from unirl.stages.engines.canary import CanaryError
 from unirl.stages.engines.client import EngineUnreachable
 from unirl.stages.recipe import build_recipe
-from unirl.stages.runtime import iteration as it
+from unirl.stages.run import iteration as it
+from unirl.stages.runtime.canary import CanaryError
 from unirl.stages.runtime.sample import read_rollouts
 from unirl.stages.runtime.storage import RunStorage
 
@@ -55,8 +55,8 @@ def vllm_python() -> str:
 
 def make(tmp_path, python: str | None, rollout: dict | None = None, **engine):
     """(recipe, storage, engine) of a run under tmp_path whose engine is vLLM."""
-    from unirl.stages.engines import engines
-    from unirl.stages.runtime.run import initial_weights
+    from unirl.stages.run.record import initial_weights
+    from unirl.stages.runtime.registry import engines
 
     recipe = build_recipe(merged(TINY_SECTIONS["qwen3"], MODEL, {
         "storage": {"root": str(tmp_path)}, "train": {"lr": 0.05, "micro_batch_size": 16},

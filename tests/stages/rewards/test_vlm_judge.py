@@ -55,7 +55,7 @@ def test_a_vision_language_policys_own_tiny_model_judges_its_answers(tiny_weight
     from tests.tiny import TINY, merged
     from unirl.stages.recipe import build_recipe
     from unirl.stages.rewards.vlm_judge import DEFAULT_QUESTION
-    from unirl.stages.runtime import iteration as it
+    from unirl.stages.run import iteration as it
     from unirl.stages.runtime.sample import read_rollouts, read_shard, table_from_rows, write_shard
     from unirl.stages.runtime.storage import RunStorage
     from unirl.stages.toys.toy_vqa import ToyVQA

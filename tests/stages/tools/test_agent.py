@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unirl.stages.models.tokenizer import build_char_tokenizer
+from unirl.stages.runtime.tokenizer import build_char_tokenizer
 from unirl.stages.tools.agent import Trajectory, run, training_row, turn_rows
 from unirl.stages.tools.calls import ToolFormat, render
 from unirl.stages.tools.client import Observation
@@ -174,7 +174,7 @@ def test_a_transcript_reads_as_a_chat():
 
 def test_every_assistant_turn_carries_its_trajectory_group_advantage(tmp_path):
     """Rewards -> group advantages -> the text policy's micro-batches -> GRPO's loss, the path the
-    trainer takes (stages/runtime/iteration.py `advantages`, stages/workers/worker.py `train`): the
+    trainer takes (stages/run/iteration.py `advantages`, stages/workers/worker.py `train`): the
     loss's gradient on each response token is -A/N on the policy's own tokens, A the trajectory's
     group advantage computed by hand, and 0 on the tools' tokens and padding; micro-batches that
     cut across groups keep each row's tokens and advantage its own."""
@@ -183,7 +183,7 @@ def test_every_assistant_turn_carries_its_trajectory_group_advantage(tmp_path):
     from tests.tiny import TINY, merged
     from unirl.stages.algorithms.base import get_algorithm
     from unirl.stages.recipe import build_recipe
-    from unirl.stages.runtime.iteration import advantages
+    from unirl.stages.run.iteration import advantages
     from unirl.stages.runtime.sample import join_on_sample_id, read_shard, table_from_rows, write_shard
     from unirl.stages.runtime.storage import RunStorage
 

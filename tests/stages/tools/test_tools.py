@@ -223,8 +223,8 @@ def test_a_sandbox_step_that_fails_stops_the_server_naming_it(tmp_path):
 def test_a_toolbox_routes_each_call_to_the_server_that_has_the_tool(tmp_path):
     """The recipe's Python tools on unirl's server and an MCP server of its own (here: the same
     program, started by its command line), one box."""
-    from unirl.stages.tools.config import AgentConfig
-    from unirl.stages.tools.engine import ToolBox
+    from unirl.stages.engines.agentic import ToolBox
+    from unirl.stages.sections import AgentConfig
 
     cfg = AgentConfig(tools=[], mcp_servers=[
         {"name": "sums", "command": ["python", "-m", "unirl.stages.tools.serve", "--tool", "add"],

@@ -37,7 +37,7 @@ def rows() -> pa.Table:
 
 
 def test_the_scoring_task_hands_a_transcript_reader_the_trajectories():
-    from unirl.stages.runtime.iteration import SCORED_COLUMNS, reads, score_batch
+    from unirl.stages.run.iteration import SCORED_COLUMNS, reads, score_batch
 
     table = rows().select([c for c in SCORED_COLUMNS if c in rows().schema.names])
     batch = score_batch(table, transcripts=reads(["tool_success"], "transcript"))
@@ -56,7 +56,7 @@ def test_the_scoring_task_hands_a_transcript_reader_the_trajectories():
 
 def test_the_reward_server_receives_transcripts_and_bounds_them():
     from unirl.stages.rewards.server import ScoringService, ServerConfig, _decode_and_score
-    from unirl.stages.runtime.iteration import score_batch
+    from unirl.stages.run.iteration import score_batch
 
     batch = score_batch(rows())
     body = encode_batch(batch)

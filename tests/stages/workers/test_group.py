@@ -93,10 +93,10 @@ def test_a_child_spawned_from_a_thread_that_ends_lives_on_and_dies_with_the_proc
     import psutil
 
     from tests.conftest import REPO
-    from unirl.stages.workers.processes import spawn
+    from unirl.stages.runtime.processes import spawn
 
     code = ("import subprocess, sys, threading, time\n"
-            "from unirl.stages.workers.processes import spawn\n"
+            "from unirl.stages.runtime.processes import spawn\n"
             "box = []\n"
             "t = threading.Thread(target=lambda: box.append(spawn([sys.executable, '-c', 'import time; time.sleep(60)'])))\n"
             "t.start(); t.join(); time.sleep(1.0)\n"

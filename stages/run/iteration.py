@@ -18,9 +18,10 @@ from unirl.stages.rewards.base import ScoreBatch, ScoreResult, aggregate, build_
 from unirl.stages.rewards.overlong import apply_overlong
 from unirl.stages.runtime.data import build_prompt_source
 from unirl.stages.runtime.faults import fault_point
+from unirl.stages.runtime.images import with_image_grids
 from unirl.stages.runtime.media import decode_frames, decode_png
 from unirl.stages.runtime.sample import metadata, read_rollouts, read_shard, scoring_view, table_from_rows, write_shard
-from unirl.stages.runtime.storage import RunStorage, iter_dir, join
+from unirl.stages.runtime.storage import RunStorage, committed_batch, iter_dir, join  # noqa: F401 (committed_batch re-exported)
 
 
 def committed(storage: RunStorage, iteration: int, stage: str, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -34,24 +35,6 @@ def committed(storage: RunStorage, iteration: int, stage: str, make: Callable[[]
     fault_point(stage.split("-")[0], iteration)  # the worst moment to die: work done, nothing committed
     storage.commit_stage(iteration, stage, manifest)
     return {**manifest, "reused": False}
-
-
-def committed_batch(storage: RunStorage, iteration: int) -> dict[str, Any] | None:
-    """What iteration `iteration`'s train step reads, from its committed manifests: {"rollouts":
-    the files of its generate stages, "advantages": its advantages file}; None while one of them
-    is not committed."""
-    import re
-
-    # generate, then its refill rounds generate-r1, ... (a unified model's: generate-<stage>, in any order)
-    rounds = sorted(
-        (n[:-len(".json")] for n in storage.listdir(join(iter_dir(iteration), "manifests")) if n.startswith("generate")),
-        key=lambda name: int(m.group(1)) if (m := re.fullmatch(r"generate-r(\d+)", name)) else 0,
-    )
-    gens = [storage.stage_manifest(iteration, name) for name in rounds]
-    adv = storage.stage_manifest(iteration, "advantage")
-    if not gens or None in gens or adv is None:
-        return None
-    return {"rollouts": [f for gen in gens if gen is not None for f in gen["files"]], "advantages": adv["files"][0]}
 
 
 def round_suffix(round_index: int) -> str:
@@ -78,25 +61,6 @@ def request_rows(recipe: Recipe, prompts: list[Any], prefix: str, group_size: in
     rows = [{"group_id": f"{prefix}/{p.prompt_id}", "prompt": p.text, "metadata": p.metadata,
              "group_size": group_size, "iteration": iteration} for p in prompts]
     return with_image_grids(recipe, rows, [p.images for p in prompts], [f"prompt {p.prompt_id!r}" for p in prompts])
-
-
-def with_image_grids(recipe: Recipe, rows: list[dict[str, Any]], images: list[tuple[bytes, ...]],
-                     names: list[str]) -> list[dict[str, Any]]:
-    """`rows` with `images` (PNG bytes per row) and the patch grid the model family's image
-    processor cuts each into, for a family that takes images; one without any is an error."""
-    from unirl.stages.models.family import get_family
-    from unirl.stages.runtime.images import image_size
-
-    family = get_family(recipe.model.kind)
-    if not family.takes_images:
-        return rows
-    for row, pngs, name in zip(rows, images, names):
-        if not pngs:
-            raise ValueError(f"{name}: model.kind {recipe.model.kind!r} needs one or more images with every prompt; "
-                             "this one has none")
-        grids = family.image_grids(recipe.model, [image_size(png) for png in pngs])
-        row.update(images=list(pngs), image_grids=[list(g) for g in grids])
-    return rows
 
 
 def check_prompts(recipe: Recipe, prompts: list[Any]) -> None:
@@ -234,7 +198,7 @@ def advantages(storage: RunStorage, recipe: Recipe, iteration: int, rewards: lis
     sampling, groups whose rewards are all equal are dropped and at most `prompts_per_iteration`
     informative groups are kept, in round order. With `distill`, per-token advantages from the
     teachers' log-probs (`teachers`: their shards) of the student's tokens (`rollouts`)
-    (stages/runtime/distillation.py)."""
+    (stages/run/distillation.py)."""
     import pyarrow as pa
 
     table = pa.concat_tables([read_shard(storage, r, "rewards") for r in rewards], promote_options="default")
@@ -274,7 +238,7 @@ def advantages(storage: RunStorage, recipe: Recipe, iteration: int, rewards: lis
     from unirl.stages.distill import distills_tokens
 
     if distills_tokens(recipe):
-        from unirl.stages.runtime.distillation import token_advantages
+        from unirl.stages.run.distillation import token_advantages
 
         metrics.update(token_advantages(storage, recipe, rows, rollouts or [], teachers or []))
     rel = join(iter_dir(iteration), "advantages.arrow")

@@ -11,8 +11,21 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one sandboxed tool server (stages/tools/sandbox.py) (all its processes together, where the kernel counts per process: each)
+    may use."""
+
+    cpu_s: int = 300
+    memory_mb: int = 2048
+    files: int = 256
+    procs: int = 64
+
 
 LAUNCHER_ENV = "UNIRL_LAUNCHER"
 LAUNCHER_MODULE = "unirl_launcher"

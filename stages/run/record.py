@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from unirl.stages.recipe import FINGERPRINT_SCHEMA, Recipe
+from unirl.stages.runtime.accumulation import schedule_steps
 from unirl.stages.runtime.storage import RunStorage, join
 from unirl.stages.train.manifests import MANIFEST, write_weights_dir
 
@@ -67,16 +68,6 @@ def open_run(recipe: Recipe, run_name: str) -> tuple[RunStorage, dict[str, Any]]
     storage.write_text("recipe.yaml", recipe.to_yaml())
     storage.write_json("run.json", info)
     return storage, info
-
-
-def schedule_steps(recipe: Recipe, iterations: int) -> int:
-    """Optimizer steps of the learning-rate schedule: those of the run's first length, one update
-    (`train.updates_per_batch` steps) per window of `train.accumulate_rollouts` iterations. An
-    extended run keeps it (a step that was taken replays with the learning rate it was taken with);
-    past it a linear or cosine schedule stays at its final lr (`train.min_lr_ratio` * lr)."""
-    from unirl.stages.runtime.accumulation import accumulated
-
-    return iterations // accumulated(recipe) * recipe.train.updates_per_batch
 
 
 def update_run_info(storage: RunStorage, **fields: Any) -> dict[str, Any]:

@@ -10,21 +10,10 @@ import numpy as np
 
 from unirl.stages.recipe import Recipe
 from unirl.stages.rewards.base import build_scorer, run_scorer
+from unirl.stages.run.iteration import SCORED_COLUMNS, reads, request_rows, score_batch
 from unirl.stages.runtime.data import build_prompt_source
-from unirl.stages.runtime.iteration import SCORED_COLUMNS, reads, request_rows, score_batch
 from unirl.stages.runtime.sample import read_rollouts, scoring_view, table_from_rows, write_shard
-from unirl.stages.runtime.storage import RunStorage, join
-
-SPLITS = ("dev", "test")
-PREFIX = {"dev": "eval", "test": "test"}  # metric keys: eval/accuracy, test/accuracy
-
-
-def eval_dir(version: int, split: str = "dev") -> str:
-    """eval/vNNNNNN for the dev split, eval/vNNNNNN/test for the test split."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown evaluation split {split!r} (allowed: {', '.join(SPLITS)})")
-    base = join("eval", f"v{version:06d}")
-    return base if split == "dev" else join(base, split)
+from unirl.stages.runtime.storage import PREFIX, RunStorage, eval_dir, join
 
 
 def eval_data(recipe: Recipe) -> Any:
@@ -106,7 +95,7 @@ def agent_eval_metrics(storage: RunStorage, sampled: list[str], prefix: str) -> 
     table = read_rollouts(storage, sampled, columns=["agent_turns", "agent_tool_calls", "agent_tool_errors"])
     if "agent_turns" not in table.schema.names:
         return {}
-    from unirl.stages.tools.engine import tool_use
+    from unirl.stages.engines.agentic import tool_use
 
     turns, calls, errors = (sum(table.column(c).to_pylist()) for c in ("agent_turns", "agent_tool_calls", "agent_tool_errors"))
     return tool_use(prefix, table.num_rows, turns, calls, errors)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from unirl.stages.distill import taught_by
-from unirl.stages.runtime import iteration as it
+from unirl.stages.run import iteration as it
 from unirl.stages.runtime.accumulation import closes, window
 from unirl.stages.runtime.storage import RunStorage, iter_dir
 

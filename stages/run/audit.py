@@ -326,7 +326,7 @@ class RunAudit:
 
 def staleness(recipe: Any) -> tuple[int, str]:
     """How many versions older than its iteration a trained row may be, and the setting that says so."""
-    from unirl.stages.engines import engines
+    from unirl.stages.runtime.registry import engines
 
     r = recipe.rollout
     if r.mode == "async":

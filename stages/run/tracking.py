@@ -11,10 +11,10 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass
 from typing import Any
 
 from unirl.stages.recipe import Recipe
+from unirl.stages.runtime.media import Media
 from unirl.stages.runtime.storage import RunStorage
 
 
@@ -61,14 +61,6 @@ def browse(uri: str, experiment_id: str | None, run_id: str) -> tuple[str, str |
     if uri.startswith(("http://", "https://")):
         return f"{uri.rstrip('/')}/{page}", None
     return f"{MLFLOW_UI}/{page}", f"mlflow ui --backend-store-uri {shlex.quote(uri)}"
-
-
-@dataclass(frozen=True)
-class Media:
-    """A table cell's picture: encoded bytes and their file extension (png, gif)."""
-
-    data: bytes
-    ext: str
 
 
 def model_card(family: Any, example: str) -> dict[str, bytes]:

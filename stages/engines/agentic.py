@@ -18,10 +18,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from unirl.stages.runtime.processes import Limits
 from unirl.stages.tools.agent import STOPS, Trajectory, run, training_row, turn_rows
 from unirl.stages.tools.calls import ToolFormat
 from unirl.stages.tools.client import Observation, ServerSpec, ToolServer, python_tools_server
-from unirl.stages.tools.sandbox import Limits
 
 
 class ToolBox:
@@ -85,8 +85,8 @@ class AgentEngine:
         """The policy's tokenizer (of the run's initial weights) and chat format; a family whose
         prompts carry images writes the first prompt with its prompt encoder."""
         from unirl.stages.models.family import get_family
-        from unirl.stages.models.tokenizer import load_tokenizer, uses_chat_template
         from unirl.stages.runtime.scratch import scratch_dir
+        from unirl.stages.runtime.tokenizer import load_tokenizer, uses_chat_template
 
         if self._fmt is None:
             rel = self.storage.weights_rel(0)
