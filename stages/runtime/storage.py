@@ -98,6 +98,14 @@ def _local_tag(st: os.stat_result) -> str:
     return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
 
 
+def _local_at(path: str, tag: str) -> bool:
+    """Whether the local file `path` exists at version `tag`."""
+    try:
+        return _local_tag(os.stat(path)) == tag
+    except FileNotFoundError:
+        return False
+
+
 def _precondition_failed(exc: BaseException) -> bool:
     """Whether an object-store error is a conditional request whose condition did not hold."""
     from botocore.exceptions import ClientError
@@ -318,10 +326,7 @@ class RunStorage:
         target = self.path(rel)
         if self.local:
             with self._local_lock(target):
-                try:
-                    if _local_tag(os.stat(target)) != tag:
-                        return None
-                except FileNotFoundError:
+                if not _local_at(target, tag):
                     return None
                 tmp = self._local_tmp(target, data)
                 new = _local_tag(os.stat(tmp))
@@ -345,13 +350,10 @@ class RunStorage:
         target = self.path(rel)
         if self.local:
             with self._local_lock(target):
-                try:
-                    if _local_tag(os.stat(target)) != tag:
-                        return False
-                    os.remove(target)
-                    return True
-                except FileNotFoundError:
+                if not _local_at(target, tag):
                     return False
+                os.remove(target)
+                return True
         if self.protocol in ("s3", "s3a"):
             from fsspec.asyn import sync
 

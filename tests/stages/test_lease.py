@@ -85,14 +85,13 @@ def test_the_heartbeat_refreshes_the_lease(storage):
     lease.release()
 
 
-def test_of_starts_in_the_same_instant_exactly_one_wins(storage):
-    """Four starts released by one barrier: one takes the lease (an exclusive create), the others
-    read its owner and refuse; no settling delay decides it."""
+def race(storage: RunStorage, n: int) -> list[str]:
+    """`n` starts of the run released by one barrier: each start's owner token, or "refused"."""
     results: list[str] = []
-    barrier = threading.Barrier(4)
+    barrier = threading.Barrier(n)
 
     def start() -> None:
-        lease = RunLease(storage)
+        lease = RunLease(storage, log=lambda m: None)
         barrier.wait()
         try:
             lease.acquire()
@@ -100,36 +99,31 @@ def test_of_starts_in_the_same_instant_exactly_one_wins(storage):
         except RunBusyError:
             results.append("refused")
 
-    threads = [threading.Thread(target=start) for _ in range(4)]
+    threads = [threading.Thread(target=start) for _ in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return results
+
+
+def test_of_starts_in_the_same_instant_exactly_one_wins(storage):
+    """Four starts at once: one takes the lease (an exclusive create), the others read its owner
+    and refuse; no settling delay decides it."""
+    results = race(storage, 4)
     winners = [r for r in results if r != "refused"]
     assert len(winners) == 1 and results.count("refused") == 3, results
     assert storage.read_json(LEASE)["owner"]["token"] == winners[0]
 
 
-def test_of_two_takeovers_of_a_stale_lease_exactly_one_wins(storage):
+def test_of_takeovers_of_a_stale_lease_in_the_same_instant_exactly_one_wins(storage):
+    """Three starts at once find another host's stale lease: one replaces that very version, the
+    others' conditional replace fails, they read the winner and refuse."""
     storage.write_json(LEASE, {"owner": {"host": "node-7", "pid": 1, "started": 0, "token": "t"}, "heartbeat": 0})
-    results: list[str] = []
-    barrier = threading.Barrier(3)
-
-    def start() -> None:
-        lease = RunLease(storage, log=lambda m: None)
-        barrier.wait()
-        try:
-            lease.acquire()
-            results.append("won")
-        except RunBusyError:
-            results.append("refused")
-
-    threads = [threading.Thread(target=start) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sorted(results) == ["refused", "refused", "won"]
+    results = race(storage, 3)
+    winners = [r for r in results if r != "refused"]
+    assert len(winners) == 1 and results.count("refused") == 2, results
+    assert storage.read_json(LEASE)["owner"]["token"] == winners[0]
 
 
 def test_a_paused_owner_whose_lease_was_taken_over_stops_before_its_next_commit(storage):
