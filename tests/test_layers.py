@@ -65,8 +65,8 @@ def imports(module: str, path: Path) -> list[tuple[str, int]]:
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.orelse:
-                visit(child)
+            for branch in node.orelse:
+                visit(branch)
             return
         if isinstance(node, ast.Import):
             found.extend((m, node.lineno) for a in node.names if (m := resolve(a.name)))
