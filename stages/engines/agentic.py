@@ -29,7 +29,8 @@ class ToolBox:
     recipe's Python tools, and its MCP servers; a call goes to the server that has the tool."""
 
     def __init__(self, cfg: Any, scratch: Path):
-        limits = Limits(**cfg.limits.model_dump())
+        lim = cfg.limits
+        limits = Limits(cpu_s=lim.cpu_s, memory_mb=lim.memory_mb, files=lim.files, procs=lim.procs)
         options = {"sandbox": cfg.sandbox, "limits": limits, "timeout_s": cfg.timeout_s, "max_chars": cfg.max_chars,
                    "restarts": cfg.restarts}
         self.servers: list[ToolServer] = []
