@@ -226,8 +226,7 @@ class Recipe(Section):
             storage.pop(key, None)
         if not storage:
             data.pop("storage", None)
-        for section in [data] + [m for m in (data.get("compose") or {}).get(
-                self.compose.members_field if self.compose is not None else "", []) if isinstance(m, dict)]:
+        for section in self._sections(data):
             train = section.get("train")
             if isinstance(train, dict):
                 for key in PLACEMENT:
@@ -235,6 +234,11 @@ class Recipe(Section):
                 if not train:
                     section.pop("train")
         return hashlib.sha256(json.dumps({"schema": FINGERPRINT_SCHEMA, "recipe": data}, sort_keys=True).encode()).hexdigest()
+
+    def _sections(self, data: dict[str, Any]) -> list[dict[str, Any]]:
+        """A dump of this recipe and each of its composed members' dumps (a part or a stage)."""
+        members = (data.get("compose") or {}).get(self.compose.members_field, []) if self.compose is not None else []
+        return [data, *(m for m in members if isinstance(m, dict))]
 
     def legacy_fingerprint(self) -> str:
         """The fingerprint of runs started before `FINGERPRINT_SCHEMA` (every field, defaults
@@ -245,8 +249,7 @@ class Recipe(Section):
         if self.compose is not None:
             exclude["compose"] = {self.compose.members_field: {"__all__": {"train": PLACEMENT | {"accumulate_rollouts"}}}}
         data = self.model_dump(mode="json", exclude=exclude)
-        for rollout in [data.get("rollout")] + [m.get("rollout") for m in (data.get("compose") or {}).get(
-                self.compose.members_field if self.compose is not None else "", []) if isinstance(m, dict)]:
+        for rollout in (section.get("rollout") for section in self._sections(data)):
             if isinstance(rollout, dict):
                 for key, default in {"behaviour_mask_limit": None, "behaviour_max_masked_frac": 0.2}.items():
                     if rollout.get(key, default) == default:

@@ -14,22 +14,16 @@ from unirl.stages.runtime.multinode import AgentsConfig, RendezvousConfig
 from unirl.stages.runtime.processes import Limits
 from unirl.stages.runtime.registry import algorithms, families, policies, sources
 
-
-def _union(registry: Any, attr: str, tag: str) -> Any:
-    """The discriminated union of every registered entry's recipe section."""
-    return registry.union(attr, tag)
-
-
 if TYPE_CHECKING:  # unions of the registered entries' sections, built at import
     ModelConfig = Any
     DataConfig = Any
     RolloutConfig = Any
     AlgorithmConfig = Any
 else:
-    ModelConfig = _union(families, "config", "kind")
-    DataConfig = _union(sources, "config", "name")
-    RolloutConfig = _union(policies, "rollout_config", "kind")
-    AlgorithmConfig = _union(algorithms, "config", "name")
+    ModelConfig = families.union("config", "kind")
+    DataConfig = sources.union("config", "name")
+    RolloutConfig = policies.union("rollout_config", "kind")
+    AlgorithmConfig = algorithms.union("config", "name")
 
 
 class ScorerSpec(Section):

@@ -33,11 +33,6 @@ def in_group() -> type[RolloutEngine]:
     return engine
 
 
-def engine_config() -> Any:
-    """The `rollout.engine` section: a union of every registered engine's config, by `name`."""
-    return engines.union("config", "name")
-
-
 class RolloutEngine(ABC):
     name: ClassVar[str]
     config: ClassVar[type[Section]]
