@@ -222,16 +222,14 @@ class RunStorage:
         parent = posixpath.dirname(target)
         if self.local:
             os.makedirs(parent, exist_ok=True)
-            tmp = join(parent, f".{posixpath.basename(target)}.{uuid.uuid4().hex}.tmp")
             try:
-                with open(tmp, "wb") as fh:
-                    fh.write(data)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, target)
-            except OSError as exc:
-                if os.path.exists(tmp):
+                tmp = self._local_tmp(target, data)
+                try:
+                    os.replace(tmp, target)
+                except OSError:
                     os.remove(tmp)
+                    raise
+            except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                     raise no_space(exc, self.url(rel)) from exc
                 raise
@@ -375,11 +373,18 @@ class RunStorage:
             return True
 
     def _local_tmp(self, target: str, data: bytes) -> str:
+        """`data` in a new temporary file beside `target`, synced to disk: its path (nothing is left
+        behind when the write fails)."""
         tmp = join(posixpath.dirname(target), f".{posixpath.basename(target)}.{uuid.uuid4().hex}.tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
         return tmp
 
     @staticmethod
