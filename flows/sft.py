@@ -124,9 +124,8 @@ def train_teachers(recipe: Recipe, run_name: str, tracker: Tracker | None = None
 
 @task(name="teacher-sft", task_run_name="teacher-sft-{teacher}", cache_policy=NO_CACHE, tags=["gpu"])
 def teacher_sft(recipe: Recipe, run_name: str, teacher: str, tracker: Tracker | None = None) -> dict[str, Any]:
-    from unirl.flows.evaluate import summary
     from unirl.stages.distill import teacher_recipe, teacher_run
-    from unirl.stages.run.evaluation import PREFIX
+    from unirl.stages.run.evaluation import PREFIX, metrics_line
     from unirl.stages.workers.group import close_group
     from unirl.tasks.common import close_engine, staged
     from unirl.tasks.evaluate import evaluate
@@ -147,7 +146,7 @@ def teacher_sft(recipe: Recipe, run_name: str, teacher: str, tracker: Tracker | 
     try:
         for split in (("dev", "test") if recipe.eval.test else ("dev",)) if recipe.eval.enabled else ():
             m = staged(evaluate)(part, run, 0, split)["metrics"]
-            say(f"[unirl] teacher {teacher} {split}: {summary(part, m, split)}")
+            say(f"[unirl] teacher {teacher} {split}: {metrics_line(part, m, split)}")
             metrics.update({f"teacher/{teacher}/{k}": v for k, v in m.items() if k.startswith(PREFIX[split] + "/")})
     finally:
         close_engine(storage.url())

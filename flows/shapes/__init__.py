@@ -1,10 +1,11 @@
 """The shapes a run can have, as data for the one run loop (flows/rl.py `train_run`).
 
 A shape says what differs between a single model and the composed shapes (stages/compose/): its
-iteration flow, its held-out evaluation task, the models it publishes and registers, its warm
-start and what people see of its rollouts. Everything else (resume, bookkeeping, held-out and test
-evaluation, artifacts, starting iterations ahead, closing the worker groups) is the loop's, the
-same for every shape. A recipe's shape is `Recipe.shape`: `single`, or its `compose.kind`, whose
+iteration flow (the steps it hands to the one iteration sequence, stages/run/sequence.py), its
+held-out evaluation task, the models it publishes and registers, its warm start and what people
+see of its rollouts. Everything else (resume, held-out and test evaluation, the run's events and
+their readers, starting iterations ahead, closing the worker groups) is the loop's, the same for
+every shape. A recipe's shape is `Recipe.shape`: `single`, or its `compose.kind`, whose
 Prefect side (tasks, iteration flow, `RunShape`) is one module of this package registered under
 that name (pipeline.py, unified.py); a composed recipe's parts are named by it and run in its order.
 
@@ -16,7 +17,6 @@ that name (pipeline.py, unified.py); a composed recipe's parts are named by it a
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +30,7 @@ from unirl.flows.sft import run_sft, train_teachers
 from unirl.stages.distill import taught_by
 from unirl.stages.recipe import Recipe
 from unirl.stages.run.record import initial_weights
+from unirl.stages.run.sequence import Batch, Steps, Update, run_iteration, seconds
 from unirl.stages.run.tracking import Tracker
 from unirl.stages.runtime.registry import Registry
 from unirl.stages.runtime.storage import RunStorage, iter_dir
@@ -61,48 +62,51 @@ class RunShape:
 # -- single model --------------------------------------------------------------------------------
 
 
-STAGES = ("generate", "score", "advantage", "train", "sync")
-
-
 def stopped(run_name: str, iteration: int) -> State[Any]:
     """An iteration started ahead whose run stopped before its turn: it did nothing."""
     return Cancelled(message=f"run {run_name} stopped before {iter_dir(iteration)}'s turn; nothing was done")
 
 
+def single_steps(recipe: Recipe, run_name: str, iteration: int) -> Steps:
+    """The single model's steps: its Prefect tasks."""
+    generate_, score_ = staged(generate), staged(score)
+
+    def generate_round(r: int) -> Batch:
+        gen = generate_(recipe, run_name, iteration, **({"round_index": r} if r else {}))
+        return Batch(list(gen["files"]), {"": list(gen["files"])}, dict(gen.get("metrics", {})),
+                     {"time/generate_s": seconds(gen)})
+
+    def teach_(rollouts: list[str]) -> list[dict[str, Any]]:
+        return [staged(teach)(recipe, run_name, iteration, rollouts, t) for t in taught_by(recipe)]
+
+    return Steps(
+        generate=generate_round,
+        score=lambda files, r: score_(recipe, run_name, iteration, files, **({"round_index": r} if r else {})),
+        advantage=lambda rewards, rollouts, taught: staged(advantage)(recipe, run_name, iteration, rewards, rollouts, taught),
+        update=lambda rollouts, adv: train_and_sync(recipe, run_name, iteration, rollouts[""], adv["files"][0]),
+        teach=teach_)
+
+
+def train_and_sync(recipe: Recipe, run_name: str, iteration: int, rollouts: list[str], advantages: str) -> Update:
+    """One model's update: its train task on `rollouts`, then its sync task."""
+    trained = staged(train)(recipe, run_name, iteration, rollouts, advantages)
+    synced = staged(sync)(recipe, run_name, iteration)
+    return Update({f"train/{k}": float(v) for k, v in trained["metrics"].items()},
+                  {"time/train_s": seconds(trained), "time/sync_s": seconds(synced)},
+                  {"policy_version": synced["policy_version"], "checkpoint": synced.get("checkpoint"),
+                   "weights": synced.get("weights")})
+
+
+def iterate(recipe: Recipe, run_name: str, iteration: int, steps: Callable[[], Steps]) -> dict[str, Any] | State[Any]:
+    """An iteration flow's body: its turn (flows/ahead.py), the sequence through `steps`, its hand-over."""
+    if not wait_turn(run_name, iteration):  # started ahead, and the run stopped meanwhile
+        return stopped(run_name, iteration)
+    return hand_over(run_name, iteration, run_iteration(recipe, iteration, steps()))
+
+
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
 def rl_iteration(recipe: InnerRecipe, run_name: str, iteration: int) -> dict[str, Any] | State[Any]:
-    if not wait_turn(run_name, iteration):  # started ahead (flows/ahead.py), and the run stopped meanwhile
-        return stopped(run_name, iteration)
-    start = time.perf_counter()
-    generate_, score_, advantage_, train_, sync_ = staged(generate), staged(score), staged(advantage), staged(train), staged(sync)
-    gen = generate_(recipe, run_name, iteration)
-    scored = score_(recipe, run_name, iteration, gen["files"])
-    rollouts, rewards, informative = list(gen["files"]), list(scored["files"]), scored["informative_groups"]
-    ds = recipe.rollout.dynamic_sampling
-    while ds is not None and informative < recipe.rollout.prompts_per_iteration and len(rewards) < ds.max_rounds:
-        r = len(rewards)  # DAPO: refill with fresh prompts while too many groups carry no signal
-        more = generate_(recipe, run_name, iteration, round_index=r)
-        more_scored = score_(recipe, run_name, iteration, more["files"], round_index=r)
-        rollouts += more["files"]
-        rewards += more_scored["files"]
-        informative += more_scored["informative_groups"]
-    taught = [staged(teach)(recipe, run_name, iteration, rollouts, t) for t in taught_by(recipe)]  # distillation's teachers
-    adv = advantage_(recipe, run_name, iteration, rewards, rollouts, [f for t in taught for f in t["files"]])
-    trained = train_(recipe, run_name, iteration, rollouts, adv["files"][0])
-    synced = sync_(recipe, run_name, iteration)
-    metrics: dict[str, float] = dict(gen.get("metrics", {}))  # async: staleness and what was dropped
-    metrics.update(scored["metrics"])
-    metrics.update(adv["metrics"])
-    metrics.update({f"train/{k}": v for k, v in trained["metrics"].items()})
-    for name, manifest in zip(STAGES, (gen, scored, adv, trained, synced)):
-        metrics[f"time/{name}_s"] = float(manifest.get("seconds", 0.0))
-    if taught:
-        metrics["time/teacher_s"] = float(sum(t.get("seconds", 0.0) for t in taught))
-    metrics["time/iteration_s"] = time.perf_counter() - start
-    return hand_over(run_name, iteration, {
-        "iteration": iteration, "policy_version": synced["policy_version"], "metrics": metrics,
-        "checkpoint": synced.get("checkpoint"), "weights": synced.get("weights"),
-    })
+    return iterate(recipe, run_name, iteration, lambda: single_steps(recipe, run_name, iteration))
 
 
 def one_model(recipe: Recipe, run_name: str, storage: RunStorage) -> Models:

@@ -10,6 +10,7 @@ from unirl.stages.compose import members, names
 from unirl.stages.compose.chain import compose as compose_rows
 from unirl.stages.compose.chain import next_requests
 from unirl.stages.recipe import Recipe
+from unirl.stages.run.sequence import Batch, Steps, Update, seconds
 from unirl.stages.run.tracking import Tracker
 from unirl.stages.runtime.registry import policies
 from unirl.stages.runtime.storage import RunStorage, join
@@ -29,22 +30,28 @@ def named(task: Any, part: str) -> Any:
     return _NAMED[key]
 
 
-def composed_rollouts(recipe: Recipe, run_name: str, iteration: int, generate: Any, compose: Any,
-                      advantages: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, float]]:
-    """What a composed iteration does before it trains: each part's generate in order (a later
-    part's from the samples of the one before it), the composed rows, their scores and each
-    part's advantages. Returns the generates by part, the advantage manifest and the metrics so far."""
-    gens: dict[str, Any] = {}
-    upstream: list[str] | None = None
-    for name in names(recipe):
-        gens[name] = staged(named(generate, name))(recipe, run_name, iteration, name, upstream)
-        upstream = gens[name]["files"]
-    composed = staged(compose)(recipe, run_name, iteration, {name: gen["files"] for name, gen in gens.items()})
-    scored = staged(score)(recipe, run_name, iteration, composed["files"])
-    adv = staged(advantages)(recipe, run_name, iteration, composed["files"], scored["files"])
-    metrics: dict[str, float] = {**scored["metrics"], **adv["metrics"]}
-    metrics.update({f"time/generate_{name}_s": float(gen.get("seconds", 0.0)) for name, gen in gens.items()})
-    return gens, adv, metrics
+def composed_steps(recipe: Recipe, run_name: str, iteration: int, generate: Any, compose: Any, advantages: Any,
+                   update: Callable[[dict[str, list[str]], dict[str, Any]], Update]) -> Steps:
+    """A composed iteration's steps: each part's generate in order (a later part's from the samples
+    of the one before it), then the composed rows, which are scored; each part's advantages; the
+    shape's `update` (train and sync) on each part's samples. Composed runs take no refill round
+    (stages/compose/__init__.py refuses dynamic sampling)."""
+
+    def generate_chain(r: int) -> Batch:
+        gens: dict[str, Any] = {}
+        upstream: list[str] | None = None
+        for name in names(recipe):
+            gens[name] = staged(named(generate, name))(recipe, run_name, iteration, name, upstream)
+            upstream = gens[name]["files"]
+        composed = staged(compose)(recipe, run_name, iteration, {name: gen["files"] for name, gen in gens.items()})
+        return Batch(list(composed["files"]), {name: list(gen["files"]) for name, gen in gens.items()},
+                     times={f"time/generate_{name}_s": seconds(gen) for name, gen in gens.items()})
+
+    return Steps(
+        generate=generate_chain,
+        score=lambda files, r: staged(score)(recipe, run_name, iteration, files),
+        advantage=lambda rewards, composed, taught: staged(advantages)(recipe, run_name, iteration, composed, rewards),
+        update=update)
 
 
 def chain(recipe: Recipe, stores: dict[str, Any], files: dict[str, list[str]]) -> list[tuple[str, str, Any, list[str]]]:

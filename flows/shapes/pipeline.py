@@ -6,22 +6,20 @@ one-model tasks, run on the pipeline (score) or a part's recipe and run (train, 
 its part's name in the flow run."""
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
-from unirl.flows.ahead import hand_over, wait_turn
 from unirl.flows.forms import InnerRecipe
 from unirl.flows.sft import run_sft
-from unirl.flows.shapes import Models, RunShape, run_shapes, stopped
+from unirl.flows.shapes import Models, RunShape, iterate, run_shapes
 from unirl.flows.shapes.composed import (
     chain,
     composed_eval_preview,
     composed_preview,
-    composed_rollouts,
+    composed_steps,
     evaluate_composed,
     named,
     nothing_early,
@@ -33,6 +31,7 @@ from unirl.stages.compose.pipeline import PipelineConfig
 from unirl.stages.recipe import Recipe
 from unirl.stages.run import iteration as it
 from unirl.stages.run.record import initial_weights, open_run
+from unirl.stages.run.sequence import Update, seconds
 from unirl.stages.run.tracking import Tracker
 from unirl.stages.runtime.storage import RunStorage, iter_dir, join
 from unirl.stages.workers.group import SharedGroup, share_group
@@ -115,22 +114,26 @@ def evaluate_pipeline(recipe: Recipe, run_name: str, version: int, split: str = 
     return result
 
 
+def pipeline_update(recipe: Recipe, run_name: str, iteration: int) -> Any:
+    """Each trained part's train and sync, in the recipe's order, in the part's own run."""
+
+    def update(rollouts: dict[str, list[str]], adv: dict[str, Any]) -> Update:
+        done = Update({}, {})
+        for name in [n for n in names(recipe) if n in adv["parts"]]:  # in the recipe's order (a manifest's keys are sorted)
+            part = pipeline.part_recipe(recipe, name, run_name)
+            trained = staged(named(train, name))(part, name, iteration, rollouts[name], adv["parts"][name])
+            synced = staged(named(sync, name))(part, name, iteration)
+            done.metrics.update({f"train/{name}/{k}": float(v) for k, v in trained["metrics"].items()})
+            done.times.update({f"time/train_{name}_s": seconds(trained), f"time/sync_{name}_s": seconds(synced)})
+        return done
+
+    return update
+
+
 @flow(name="pe-iteration", flow_run_name="iter-{iteration:06d}")
 def pe_iteration(recipe: InnerRecipe, run_name: str, iteration: int) -> dict[str, Any] | State[Any]:
-    if not wait_turn(run_name, iteration):
-        return stopped(run_name, iteration)
-    start = time.perf_counter()
-    gens, adv, metrics = composed_rollouts(recipe, run_name, iteration, generate_part, compose, part_advantages)
-    for name in [n for n in names(recipe) if n in adv["parts"]]:  # in the recipe's order (a manifest's keys are sorted)
-        rel = adv["parts"][name]
-        part = pipeline.part_recipe(recipe, name, run_name)
-        trained = staged(named(train, name))(part, name, iteration, gens[name]["files"], rel)
-        synced = staged(named(sync, name))(part, name, iteration)
-        metrics.update({f"train/{name}/{k}": float(v) for k, v in trained["metrics"].items()})
-        metrics[f"time/train_{name}_s"] = float(trained.get("seconds", 0.0))
-        metrics[f"time/sync_{name}_s"] = float(synced.get("seconds", 0.0))
-    metrics["time/iteration_s"] = time.perf_counter() - start
-    return hand_over(run_name, iteration, {"iteration": iteration, "metrics": metrics})
+    return iterate(recipe, run_name, iteration, lambda: composed_steps(
+        recipe, run_name, iteration, generate_part, compose, part_advantages, pipeline_update(recipe, run_name, iteration)))
 
 
 def pipeline_models(recipe: Recipe, run_name: str, storage: RunStorage) -> Models:

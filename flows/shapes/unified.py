@@ -5,21 +5,19 @@ the `unified-iteration` flow; its one model and joint warm start. Score, train a
 one-model tasks on the unified recipe: its train step is the joint one."""
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
-from unirl.flows.ahead import hand_over, wait_turn
 from unirl.flows.forms import InnerRecipe
-from unirl.flows.shapes import RunShape, one_model, run_shapes, stopped, warm_start_one
+from unirl.flows.shapes import RunShape, iterate, one_model, run_shapes, train_and_sync, warm_start_one
 from unirl.flows.shapes.composed import (
     chain,
     composed_eval_preview,
     composed_preview,
-    composed_rollouts,
+    composed_steps,
     evaluate_composed,
     nothing_early,
 )
@@ -32,10 +30,8 @@ from unirl.stages.run import iteration as it
 from unirl.stages.run.tracking import Tracker
 from unirl.stages.runtime.sample import table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage, iter_dir, join
-from unirl.tasks.common import group_of, say_retry, staged, storage_of
+from unirl.tasks.common import group_of, say_retry, storage_of
 from unirl.tasks.console import say
-from unirl.tasks.sync import sync
-from unirl.tasks.train import train
 
 
 @task(name="generate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1,
@@ -116,20 +112,10 @@ def evaluate_unified(recipe: Recipe, run_name: str, version: int, split: str = "
 
 @flow(name="unified-iteration", flow_run_name="iter-{iteration:06d}")
 def unified_iteration(recipe: InnerRecipe, run_name: str, iteration: int) -> dict[str, Any] | State[Any]:
-    if not wait_turn(run_name, iteration):
-        return stopped(run_name, iteration)
-    start = time.perf_counter()
-    gens, adv, metrics = composed_rollouts(recipe, run_name, iteration, generate_stage, compose, advantages)
-    rollouts = [f for gen in gens.values() for f in gen["files"]]
-    trained = staged(train)(recipe, run_name, iteration, rollouts, adv["files"][0])
-    synced = staged(sync)(recipe, run_name, iteration)
-    metrics.update({f"train/{k}": float(v) for k, v in trained["metrics"].items()})
-    metrics["time/train_s"] = float(trained.get("seconds", 0.0))
-    metrics["time/sync_s"] = float(synced.get("seconds", 0.0))
-    metrics["time/iteration_s"] = time.perf_counter() - start
-    return hand_over(run_name, iteration, {"iteration": iteration, "policy_version": synced["policy_version"],
-                                           "metrics": metrics, "checkpoint": synced.get("checkpoint"),
-                                           "weights": synced.get("weights")})
+    return iterate(recipe, run_name, iteration, lambda: composed_steps(
+        recipe, run_name, iteration, generate_stage, compose, advantages,
+        lambda rollouts, adv: train_and_sync(recipe, run_name, iteration, [f for n in names(recipe) for f in rollouts[n]],
+                                             adv["files"][0])))
 
 
 def warm_start_joint(recipe: Recipe, run_name: str, storage: RunStorage, tracker: Tracker) -> None:

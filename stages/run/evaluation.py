@@ -99,3 +99,15 @@ def agent_eval_metrics(storage: RunStorage, sampled: list[str], prefix: str) -> 
 
     turns, calls, errors = (sum(table.column(c).to_pylist()) for c in ("agent_turns", "agent_tool_calls", "agent_tool_errors"))
     return tool_use(prefix, table.num_rows, turns, calls, errors)
+
+
+def metrics_line(recipe: Recipe, m: dict[str, float], split: str = "dev") -> str:
+    """`accuracy 0.250  avg@4 0.312  pass@4 0.500  (16 prompts)` of an evaluation's metrics."""
+    k, p = recipe.eval.k, PREFIX[split]
+    agent = (f"  turns {m[f'{p}/turns_mean']:.2f}  tool ok {m[f'{p}/tool_success']:.2f}"
+             if f"{p}/turns_mean" in m else "")  # an agent's sampled trajectories
+    domains = [key.split("/")[1] for key in m if key.startswith(f"{p}/") and key.endswith("/accuracy") and key.count("/") == 2]
+    scores = [f"{d} {m[p + '/' + d + '/accuracy']:.3f}" for d in domains]  # a mixture's, per domain
+    per_domain = f"  [{', '.join(scores)}]" if scores else ""
+    return (f"accuracy {m[f'{p}/accuracy']:.3f}  avg@{k} {m[f'{p}/avg_at_{k}']:.3f}  pass@{k} {m[f'{p}/pass_at_{k}']:.3f}"
+            f"{agent}  ({int(m[f'{p}/prompts'])} prompts){per_domain}")

@@ -1,6 +1,6 @@
 """The whole RL iteration in one process: the same worker (family, policy, algorithm, train stack)
-and the same data stages as a flow run, on in-memory storage, with no Prefect, no worker group,
-no torchrun and no disk. It is the floor `benchmarks/diffusion_step.py` compares the flow against,
+and the same data stages in the same sequence (sequence.py) as a flow run, on in-memory storage,
+with no Prefect, no worker group, no torchrun and no disk. It is the floor `benchmarks/diffusion_step.py` compares the flow against,
 and a quick way to try hyperparameters from a notebook.
 
     loop = InProcessLoop(recipe, weights_dir)            # device="cuda" on a GPU; dtype: recipe.model.dtype
@@ -17,6 +17,7 @@ import torch
 
 from unirl.stages.distill import taught_by
 from unirl.stages.run import iteration as it
+from unirl.stages.run.sequence import Batch, Steps, Update, run_iteration
 from unirl.stages.runtime.accumulation import closes, window
 from unirl.stages.runtime.storage import RunStorage, iter_dir
 
@@ -34,34 +35,48 @@ class InProcessLoop:
         self.waiting: list[dict[str, Any]] = []  # the batches of the accumulation window so far
 
     def iteration(self, iteration: int) -> dict[str, float]:
-        """Generate, score, advantage and train iteration `iteration`; its metrics as a flow run
-        logs them (`train/*`, `rollout/*`, `time/<stage>_s`)."""
-        times: dict[str, float] = {}
-        start = time.perf_counter()
-        requests = it.write_requests(self.storage, self.recipe, iteration)["files"][0]
-        gen = self.worker.generate(iteration=iteration, requests=requests, out_dir=f"{iter_dir(iteration)}/rollouts")
-        times["generate_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        scored = it.score(self.storage, self.recipe, iteration, gen["files"])
-        taught = [f for t in taught_by(self.recipe) for f in self.worker.teach(
-            iteration=iteration, rollouts=gen["files"], teacher=t, out_dir=f"{iter_dir(iteration)}/teacher-{t}")["files"]]
-        adv = it.advantages(self.storage, self.recipe, iteration, scored["files"], gen["files"], taught)
-        times["score_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        if not closes(self.recipe, iteration):  # rollout accumulation: the window's last iteration updates on it
-            self.waiting.append({"rollouts": gen["files"], "advantages": adv["files"][0]})
-            metrics: dict[str, Any] = {"accumulated_batches": len(self.waiting)}
-        else:
-            metrics = self.worker.train(iteration=iteration, rollouts=gen["files"], advantages=adv["files"][0],
-                                        earlier=self.waiting or None)["metrics"]
-            if self.waiting:
-                metrics["accumulated_batches"] = len(self.waiting) + 1
-            for j in window(self.recipe, iteration):  # memory stays flat
-                self.storage.fs.rm(self.storage.path(iter_dir(j)), recursive=True)
-            self.waiting = []
-        times["train_s"] = time.perf_counter() - start
-        out = {f"train/{k}": v for k, v in metrics.items()}
-        out.update({f"time/{k}": v for k, v in times.items()})
-        out.update(scored["metrics"])
-        out.update(adv["metrics"])
-        return out
+        """Iteration `iteration` through the run's sequence (sequence.py) on the worker directly;
+        its metrics as a flow run logs them (`train/*`, `rollout/*`, `time/<stage>_s`)."""
+        return run_iteration(self.recipe, iteration, self.steps(iteration))["metrics"]
+
+    def steps(self, iteration: int) -> Steps:
+        recipe, storage, worker = self.recipe, self.storage, self.worker
+
+        def generate(r: int) -> Batch:
+            requests, = it.write_requests(storage, recipe, iteration, r)["files"]
+            gen = timed(worker.generate, iteration=iteration, requests=requests,
+                        out_dir=f"{iter_dir(iteration)}/rollouts" + (f"/r{r}" if r else ""))
+            return Batch(gen["files"], {"": gen["files"]}, times={"time/generate_s": gen["seconds"]})
+
+        def teach(rollouts: list[str]) -> list[dict[str, Any]]:
+            return [timed(worker.teach, iteration=iteration, rollouts=rollouts, teacher=t,
+                          out_dir=f"{iter_dir(iteration)}/teacher-{t}") for t in taught_by(recipe)]
+
+        def update(rollouts: dict[str, list[str]], adv: dict[str, Any]) -> Update:
+            start = time.perf_counter()
+            if not closes(recipe, iteration):  # rollout accumulation: the window's last iteration updates on it
+                self.waiting.append({"rollouts": rollouts[""], "advantages": adv["files"][0]})
+                metrics: dict[str, Any] = {"accumulated_batches": len(self.waiting)}
+            else:
+                metrics = worker.train(iteration=iteration, rollouts=rollouts[""], advantages=adv["files"][0],
+                                       earlier=self.waiting or None)["metrics"]
+                if self.waiting:
+                    metrics["accumulated_batches"] = len(self.waiting) + 1
+                for j in window(recipe, iteration):  # memory stays flat
+                    storage.fs.rm(storage.path(iter_dir(j)), recursive=True)
+                self.waiting = []
+            return Update({f"train/{k}": v for k, v in metrics.items()}, {"time/train_s": time.perf_counter() - start})
+
+        return Steps(
+            generate=generate,
+            score=lambda files, r: timed(it.score, storage, recipe, iteration, files, round_index=r),
+            advantage=lambda rewards, rollouts, taught: timed(it.advantages, storage, recipe, iteration, rewards,
+                                                              rollouts, taught),
+            update=update, teach=teach)
+
+
+def timed(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """`fn`'s manifest with the seconds it took (what a committed stage records)."""
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return {**out, "seconds": time.perf_counter() - start}

@@ -40,7 +40,7 @@ def test_a_run_named_with_dots_publishes_its_evaluation(prefect_server):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     from tests.conftest import TINY
-    from unirl.flows.evaluate import eval_artifact
+    from unirl.flows.readers import eval_artifact
     from unirl.stages.recipe import load_recipe
 
     recipe = load_recipe(TINY, ["name=tiny.v2_b"])
