@@ -138,7 +138,7 @@ class RunArtifacts:
         try:
             self.logger = get_run_logger()
         except Exception:  # noqa: BLE001 - outside a run context: artifacts are skipped anyway
-            import logging
+            import logging  # start-up time: loaded on first use
 
             self.logger = logging.getLogger("unirl.artifacts")
 

@@ -67,12 +67,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["reward-server"]:
-        from unirl.flows.reward_server import main as serve
+        from unirl.flows.reward_server import main as serve  # start-up time: loaded on first use
 
         startup.imports_done()
         return serve(argv[1:])
     if argv[:1] == ["engine-server"]:
-        from unirl.stages.engine_server import main as engine_server
+        from unirl.stages.engine_server import main as engine_server  # start-up time: loaded on first use
 
         startup.imports_done()
         return engine_server(argv[1:])
@@ -97,16 +97,16 @@ def main(argv: list[str] | None = None) -> int:
         print(recipe.to_yaml(), end="")
         return 0
     if args.run_name:
-        from unirl.stages.recipe import check_run_name
+        from unirl.stages.recipe import check_run_name  # start-up time: loaded on first use
 
         try:
             check_run_name(args.run_name, "--run-name")
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    import signal
+    import signal  # start-up time: loaded on first use
 
-    from unirl.stages.runtime.storage import interrupt
+    from unirl.stages.runtime.storage import interrupt  # start-up time: loaded on first use
 
     # Ctrl-C, and SIGTERM (Prefect cancellation, Kubernetes, `kill`), stop the run the same way:
     # every thread's object-store retries end, and the main thread is interrupted.
@@ -116,35 +116,35 @@ def main(argv: list[str] | None = None) -> int:
         startup.imports_done()
         return node_agent(recipe, args.run_name or recipe.name, args.group)
     if args.command in ("run", "sft"):
-        from unirl.stages.run.record import check_inputs
+        from unirl.stages.run.record import check_inputs  # start-up time: loaded on first use
 
         try:
             check_inputs(recipe)  # a bad model folder or data file, before Prefect, MLflow or a model start
         except (OSError, ValueError) as exc:
             print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
-    from unirl.tasks.console import error_text, failures_once, quiet_prefect, say
+    from unirl.tasks.console import error_text, failures_once, quiet_prefect, say  # start-up time: loaded on first use
 
     quiet_prefect(args.verbose)  # before Prefect configures its logging
     run_name = args.run_name or recipe.name
     try:
-        from unirl.flows.ephemeral import LocalApiDown, local_api
+        from unirl.flows.ephemeral import LocalApiDown, local_api  # start-up time: loaded on first use
 
         failures_once(args.verbose)
         with local_api(lambda: api_folder(recipe, run_name), log=say) as api:
             if args.command == "sft":
-                from unirl.flows.sft import sft
+                from unirl.flows.sft import sft  # start-up time: loaded on first use
 
                 startup.imports_done(*RUN_IMPORTS)
                 sft(recipe, run_name)
                 return 0
             if args.command == "evaluate":
-                from unirl.flows.evaluate import evaluate_run
+                from unirl.flows.evaluate import evaluate_run  # start-up time: it loads torch
 
                 startup.imports_done(*RUN_IMPORTS)
                 evaluate_run(recipe, run_name, args.version, args.split)
                 return 0
-            from unirl.flows.rl import rl_train
+            from unirl.flows.rl import rl_train  # start-up time: it loads torch
 
             startup.imports_done(*RUN_IMPORTS)
             while True:
@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
 def api_folder(recipe, run_name: str):
     """Where the local Prefect API of a command keeps its database and log: `<run>/prefect/` for a
     local storage root; a scratch folder, removed at exit, for an object store."""
-    from unirl.stages.runtime.scratch import scratch_dir
-    from unirl.stages.runtime.storage import RunStorage
+    from unirl.stages.runtime.scratch import scratch_dir  # start-up time: loaded on first use
+    from unirl.stages.runtime.storage import RunStorage  # start-up time: loaded on first use
 
     local = RunStorage(recipe.storage.root, run_name, recipe.storage.options).local_path("prefect")
     return local if local is not None else scratch_dir("unirl-prefect-api-")
@@ -184,7 +184,7 @@ def api_folder(recipe, run_name: str):
 def audit(run: str, root: str | None) -> int:
     """`unirl audit`: the table of a run's committed iterations and every violation (exit 1 on any),
     or exit 2 when RUN is not a run (stages/run/audit.py)."""
-    from unirl.stages.run.audit import audit_run, resolve
+    from unirl.stages.run.audit import audit_run, resolve  # start-up time: loaded on first use
 
     try:
         report = audit_run(resolve(run, root))
@@ -196,9 +196,9 @@ def audit(run: str, root: str | None) -> int:
 
 
 def node_agent(recipe, run_name: str, group: str) -> int:
-    from unirl.stages.runtime.storage import RunStorage
-    from unirl.stages.workers.agent import serve_node
-    from unirl.stages.workers.rendezvous import NodeSetupError
+    from unirl.stages.runtime.storage import RunStorage  # start-up time: loaded on first use
+    from unirl.stages.workers.agent import serve_node  # start-up time: loaded on first use
+    from unirl.stages.workers.rendezvous import NodeSetupError  # start-up time: loaded on first use
 
     try:
         return serve_node(RunStorage(recipe.storage.root, run_name, recipe.storage.options), recipe, group=group,

@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     svc.add_argument("--namespace", default="default")
     args = parser.parse_args(argv)
     if args.command.startswith("k8s-"):
-        from unirl.flows import k8s_nodes
+        from unirl.flows import k8s_nodes  # start-up time: loaded on first use
 
         if args.command == "k8s-gpu-template":
             out = k8s_gpu_template(json.load(sys.stdin), args.gpus)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from unirl.stages.runtime.processes import die_with_parent
 from unirl.stages.runtime.scratch import log_tail
 
 # The ephemeral API serves one local run and stops with it: nobody schedules, automates or reads
@@ -73,7 +75,7 @@ RESTARTS = 5
 def wanted() -> bool:
     """Whether this process should serve its own API: no Prefect server configured
     (`PREFECT_API_URL`), and Prefect's ephemeral mode not switched off."""
-    from prefect.settings import get_current_settings
+    from prefect.settings import get_current_settings  # start-up time: prefect loads on first use, not when a recipe is read
 
     settings = get_current_settings()
     return settings.api.url is None and settings.server.ephemeral.enabled
@@ -84,7 +86,7 @@ def local_api(folder: Callable[[], Path], log: Callable[[str], None] = print) ->
     """Inside the block, Prefect reports to a `LocalApi` whose database and log are in `folder()`,
     asked only when one is started (None where a Prefect server is configured: the user's server is left as it is), with the lean
     settings above; a variable the user set wins."""
-    from prefect.settings import temporary_settings
+    from prefect.settings import temporary_settings  # start-up time: prefect loads on first use, not when a recipe is read
 
     if not wanted():
         yield None
@@ -151,8 +153,6 @@ class LocalApi:
         return self.url
 
     def _launch(self) -> subprocess.Popen:
-        from unirl.stages.runtime.processes import die_with_parent
-
         assert self.sock is not None
         env = {**os.environ, "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT_UI_ENABLED": "0",
                "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{self.db}"}
@@ -169,7 +169,7 @@ class LocalApi:
             )
 
     def _wait_healthy(self, proc: subprocess.Popen) -> None:
-        import httpx
+        import httpx  # start-up time: httpx loads on first use, not when a recipe is read
 
         timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", STARTUP_TIMEOUT_S))
         deadline = time.monotonic() + timeout
@@ -243,8 +243,8 @@ def template_db() -> Path:
     """A Prefect database migrated to this Prefect's schema and holding nothing else, copied into
     each new run folder: a fresh database's migrations took a local API's first start from 7-9 s
     to 19-20 s (2 loaded cores). In Prefect's home, by Prefect version."""
-    import prefect
-    from prefect.settings import get_current_settings
+    import prefect  # start-up time: prefect loads on first use, not when a recipe is read
+    from prefect.settings import get_current_settings  # start-up time: prefect loads on first use, not when a recipe is read
 
     return Path(get_current_settings().home) / f"unirl-empty-{prefect.__version__}.db"
 
@@ -252,8 +252,6 @@ def template_db() -> Path:
 def copy_db(src: Path, dst: Path) -> None:
     """A consistent copy of SQLite database `src` (live or not) at `dst`, written whole or not at all;
     a copy that fails leaves nothing behind (the server then migrates a database of its own)."""
-    import sqlite3
-
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -271,7 +269,7 @@ def loopback_ca_file() -> Path:
     http on loopback, so no certificate is ever checked, but every Prefect client the run creates
     (one or two per iteration) loads its CA file into an SSL context, and certifi's whole bundle is
     most of a client's start (benchmarks/README.md, "Orchestration cost per iteration")."""
-    import certifi
+    import certifi  # start-up time: certifi loads on first use, not when a recipe is read
 
     path = Path(tempfile.gettempdir()) / "unirl-loopback-ca.pem"
     if not path.exists():

@@ -8,9 +8,11 @@ from typing import Any
 from prefect import flow
 
 from unirl.flows.forms import InnerRecipe
+from unirl.flows.readers import Artifacts, Console, Mlflow, Previews, Registry
+from unirl.flows.shapes import shape_of
 from unirl.stages.recipe import Recipe
 from unirl.stages.run.evaluation import eval_dir
-from unirl.stages.run.events import EvaluationStarted, RunEvents
+from unirl.stages.run.events import EvaluationDone, EvaluationStarted, RunEvents
 from unirl.stages.run.record import open_run
 from unirl.stages.run.tracking import Tracker
 from unirl.stages.runtime.storage import join
@@ -34,10 +36,6 @@ def evaluated(events: RunEvents, recipe: Recipe, run_name: str, version: int, ta
 def evaluate_run(recipe: InnerRecipe, run_name: str = "", version: int | None = None, split: str = "dev") -> dict[str, Any]:
     """Evaluate policy `version` of run `run_name` (default: its last finished iteration) on the
     `dev` or `test` split."""
-    from unirl.flows.readers import Artifacts, Console, Mlflow, Previews, Registry
-    from unirl.flows.shapes import shape_of
-    from unirl.stages.run.events import EvaluationDone
-
     run_name = run_name or recipe.name
     storage, info = open_run(recipe, run_name)
     if version is None:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from prefect import Flow
 from pydantic import PlainValidator, WithJsonSchema
 
+from unirl.flows.sft import sft
 from unirl.stages.recipe import Recipe
 
 SEP, IS, OR = "__", "_is_", "_or_"
@@ -197,8 +198,7 @@ def narrowed_schema(chosen: dict[str, tuple[str, ...]]) -> dict[str, Any]:
 
 
 def base_flows() -> dict[str, Any]:
-    from unirl.flows.rl import rl_train
-    from unirl.flows.sft import sft
+    from unirl.flows.rl import rl_train  # start-up time: it loads torch
 
     return {"rl_train": rl_train, "sft": sft}
 

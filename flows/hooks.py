@@ -41,7 +41,7 @@ def _spec_url(spec: dict[str, Any], cwd: str | None) -> str | None:
 def worker_processes(match: Callable[[str], bool]) -> list[Any]:
     """Live `torchrun ... -m unirl.stages.workers --spec FILE` processes (agent and ranks) on this host
     whose run folder URL satisfies `match`."""
-    import psutil
+    import psutil  # start-up time: psutil loads on first use, not when a recipe is read
 
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
@@ -71,7 +71,7 @@ def stop_workers(storage_url: str) -> int:
 def stop_matching_workers(match: Callable[[str], bool]) -> int:
     """SIGKILL every worker process on this host whose run folder URL satisfies `match`, with
     its torchrun agent's whole process group. Returns how many processes were found."""
-    import psutil
+    import psutil  # start-up time: psutil loads on first use, not when a recipe is read
 
     procs = worker_processes(match)
     for proc in procs:
@@ -94,7 +94,7 @@ def run_storage_url(parameters: dict[str, Any]) -> str:
 
 def stop_worker_group(flow: Any, flow_run: Any, state: Any) -> None:
     """on_cancellation / on_crashed hook of `rl-train`."""
-    from prefect.logging.loggers import flow_run_logger
+    from prefect.logging.loggers import flow_run_logger  # start-up time: prefect loads on first use, not when a recipe is read
 
     log = flow_run_logger(flow_run, flow)
     try:

@@ -23,6 +23,7 @@ from unirl.stages.run.async_rollout import behaviour_version
 from unirl.stages.runtime.accumulation import version_of
 from unirl.stages.runtime.storage import join
 from unirl.stages.train.manifests import MANIFEST
+from unirl.stages.workers.group import die_with_parent
 from unirl.tasks.common import close_engine, staged, storage_of
 from unirl.tasks.produce import produce
 
@@ -63,14 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m unirl.flows.producer")
     parser.add_argument("--spec", required=True, help="JSON: the recipe and the run name")
     args = parser.parse_args(argv)
-    from unirl.stages.workers.group import die_with_parent
 
     die_with_parent()
     spec = json.loads(Path(args.spec).read_text())
     recipe = build_recipe(spec["recipe"])
     cpus = getattr(recipe.rollout.engine, "cpus", None)
     if cpus:  # the producer is the engine's client: it works where the engine works, not on the trainer's cores
-        import os
+        import os  # start-up time: loaded on first use
 
         os.sched_setaffinity(0, set(cpus))
     rl_producer(recipe, spec["run_name"])

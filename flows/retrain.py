@@ -134,7 +134,7 @@ def _stop_lineage_workers(flow: Any, flow_run: Any, state: Any) -> None:
     except Exception:  # noqa: BLE001 - a hook must not raise
         return
     killed = stop_matching_workers(lambda url: url == base or url.startswith(base + "-r"))
-    from prefect.logging.loggers import flow_run_logger
+    from prefect.logging.loggers import flow_run_logger  # start-up time: prefect loads on first use, not when a recipe is read
 
     flow_run_logger(flow_run, flow).info("%s: worker groups of lineage %s stopped (%d stray process(es) killed)",
                                          state.name, base, killed)

@@ -12,6 +12,7 @@ of (seed, s), so chunks of steps give the same result as one call.
 """
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Annotated, Any
@@ -21,15 +22,18 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import Field
 
 from unirl.stages.compose import shape_of
+from unirl.stages.distill import teacher_recipe, teacher_run
+from unirl.stages.models.flow_folder import LATENT_SPACE
 from unirl.stages.recipe import MAX_OVERRIDES, Recipe, with_overrides
 from unirl.stages.run.record import materialize_model, open_run, update_run_info
 from unirl.stages.run.tracking import Tracker
 from unirl.stages.runtime.faults import fault_point
+from unirl.stages.runtime.lease import RunLease
 from unirl.stages.runtime.storage import RunStorage, join
 from unirl.stages.train.manifests import MANIFEST, write_weights_dir
 from unirl.stages.train.sft import write_sft_data
-from unirl.stages.workers.group import WorkerGroup
-from unirl.tasks.common import announce, node_launcher
+from unirl.stages.workers.group import WorkerGroup, close_group
+from unirl.tasks.common import announce, close_engine, node_launcher, staged
 from unirl.tasks.console import say
 
 BASE = "sft/base"
@@ -97,7 +101,6 @@ def sft(recipe: Recipe, run_name: str = "",
     if recipe.sft is None:
         raise ValueError("the recipe has no `sft` section; add one (see recipes/ar/quickstart.yaml)")
     run_name = run_name or recipe.name
-    from unirl.stages.runtime.lease import RunLease
 
     with RunLease(RunStorage(recipe.storage.root, run_name, recipe.storage.options), log=lambda m: say(f"[unirl] {m}")):
         storage, info = open_run(recipe, run_name)
@@ -115,8 +118,6 @@ def train_teachers(recipe: Recipe, run_name: str, tracker: Tracker | None = None
     each its own task: an SFT on its domain's data into its run folder (`<run>.teacher-<name>`,
     stages/distill.py), then its accuracy on that domain's dev and test splits, printed and logged
     as `teacher/<name>/eval/*` and `teacher/<name>/test/*` (what the student is measured against)."""
-    from unirl.tasks.common import staged
-
     for t in recipe.distill.teachers if recipe.distill is not None else []:
         if t.sft is not None and t.init == init:
             staged(teacher_sft)(recipe, run_name, t.name, tracker)
@@ -124,11 +125,8 @@ def train_teachers(recipe: Recipe, run_name: str, tracker: Tracker | None = None
 
 @task(name="teacher-sft", task_run_name="teacher-sft-{teacher}", cache_policy=NO_CACHE, tags=["gpu"])
 def teacher_sft(recipe: Recipe, run_name: str, teacher: str, tracker: Tracker | None = None) -> dict[str, Any]:
-    from unirl.stages.distill import teacher_recipe, teacher_run
-    from unirl.stages.run.evaluation import PREFIX, metrics_line
-    from unirl.stages.workers.group import close_group
-    from unirl.tasks.common import close_engine, staged
-    from unirl.tasks.evaluate import evaluate
+    from unirl.stages.run.evaluation import PREFIX, metrics_line  # start-up time: it loads torch
+    from unirl.tasks.evaluate import evaluate  # start-up time: it loads torch
 
     if recipe.distill is None:
         raise ValueError(f"teacher {teacher!r}: the recipe has no `distill` section naming it")
@@ -162,9 +160,6 @@ def student_base(student: RunStorage, teacher: RunStorage, fresh: Recipe | None 
     teacher's recipe when its `tiny` gives it a transformer of its own: that recipe's base model,
     with the student's VAE, text encoders and tokenizers (a bigger teacher in the student's latent
     space)."""
-    import shutil
-
-    from unirl.stages.models.flow_folder import LATENT_SPACE
 
     if teacher.exists(join(BASE, MANIFEST)):
         return

@@ -12,6 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from unirl.stages.runtime.registry import algorithms, engines, policies
+from unirl.stages.runtime.storage import RunStorage
+from unirl.stages.runtime.tokenizer import build_char_tokenizer, load_tokenizer
+
 TEACHER_RUN = "{run}.teacher-{name}"  # the run folder of a teacher trained at the run's start
 
 
@@ -54,8 +58,6 @@ def teacher_run(run_name: str, teacher: str) -> str:
 def teacher_recipe(recipe: Any, teacher: Any) -> Any:
     """The recipe a teacher with `sft` is trained by: the run's model (with `tiny` overrides), its
     domain's data, its own `sft`; no distillation, no agent."""
-    from unirl.stages.runtime.registry import algorithms, engines
-
     model = recipe.model
     if teacher.tiny:
         model = model.model_copy(update={"tiny": type(model.tiny).model_validate({**model.tiny.model_dump(), **teacher.tiny})})
@@ -82,8 +84,6 @@ def teacher_recipe(recipe: Any, teacher: Any) -> Any:
 def teacher_folders(recipe: Any, run_name: str) -> dict[str, str | tuple[str, str]]:
     """Each teacher's weights: a local folder (`path`), or (run folder, run-relative weights) of
     one trained at the run's start."""
-    from unirl.stages.runtime.storage import RunStorage
-
     out: dict[str, str | tuple[str, str]] = {}
     for t in recipe.distill.teachers if recipe.distill is not None else []:
         if t.path is not None:
@@ -97,8 +97,6 @@ def teacher_folders(recipe: Any, run_name: str) -> dict[str, str | tuple[str, st
 def vocabulary(model: Any) -> tuple[str, dict[str, int]] | None:
     """(what it is, its token -> id map) of a text model section's tokenizer: the folder's
     (`path`), or the tiny model's character tokenizer; None where there is none to compare yet."""
-    from unirl.stages.runtime.tokenizer import build_char_tokenizer, load_tokenizer
-
     path = getattr(model, "path", None)
     if path:
         folder = Path(path)
@@ -201,8 +199,6 @@ def domain_parts(recipe: Any, metas: list[dict[str, Any]]) -> list[tuple[str | N
 def distills_tokens(recipe: Any) -> bool:
     """Whether the run's advantages take its teachers' token log-probs (a text run's distillation);
     a flow run's teachers work inside its train step (flow_opd), after plain advantages."""
-    from unirl.stages.runtime.registry import policies
-
     return recipe.distill is not None and policies.get(recipe.rollout.kind).segment == "text"
 
 

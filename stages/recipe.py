@@ -9,6 +9,7 @@ the field path and the allowed values before any model is loaded.
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 from pathlib import Path
@@ -17,9 +18,13 @@ from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from unirl.stages.distill import distill_errors
+from unirl.stages.runtime.accumulation import iterations_error
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.multinode import multinode_errors
-from unirl.stages.runtime.registry import algorithms, families, policies, shapes, sources
+from unirl.stages.runtime.registry import algorithms, engines, families, policies, shapes, sources, tools
+from unirl.stages.runtime.scorers import check_scorer_params, scorer_names, scorer_reads
+from unirl.stages.runtime.secrets import literal_secrets, redact_url
 from unirl.stages.runtime.storage import check_run_name
 from unirl.stages.runtime.yaml_input import MAX_BYTES as YAML_MAX_BYTES
 from unirl.stages.runtime.yaml_input import YamlInputError, load_yaml
@@ -139,12 +144,10 @@ class Recipe(Section):
             errors.append("sft.path: `source: file` needs the path of a JSONL or Arrow file of prompt/response records")
         if self.agent is not None:
             errors += agent_errors(self, policy)
-        from unirl.stages.distill import distill_errors
 
         errors += distill_errors(self, policy, algo, local_files=(info.context or {}).get("local_files", True))
         if errors:
             raise ValueError("\n".join(errors))
-        from unirl.stages.runtime.registry import engines
 
         for check in (policy.check, family.check, algo.check, sources.get(self.data.name).check,
                       engines.get(self.rollout.engine.name).check):
@@ -159,8 +162,6 @@ class Recipe(Section):
     def scorer_errors(self, produces: tuple[str, ...], producer: str) -> list[str]:
         """Unknown scorers, bad params, and scorers reading media that `producer` (the model that
         makes the scored samples) does not produce."""
-        from unirl.stages.runtime.scorers import check_scorer_params, scorer_names, scorer_reads
-
         known = scorer_names()
         errors: list[str] = []
 
@@ -300,15 +301,13 @@ def _pruned(value: Any) -> Any:
 def _json(value: Any) -> Any:
     if isinstance(value, BaseModel):
         return value.model_dump(mode="json")
-    from pydantic_core import to_jsonable_python
+    from pydantic_core import to_jsonable_python  # start-up time: pydantic_core loads on first use, not when a recipe is read
 
     return to_jsonable_python(value)
 
 def accumulation_errors(recipe: Recipe) -> list[str]:
     """`train.accumulate_rollouts` (stages/runtime/accumulation.py): a run of whole windows, in a
     single-model run (a composed run's parts step once per iteration)."""
-    from unirl.stages.runtime.accumulation import iterations_error
-
     if recipe.compose is not None:
         parts = getattr(recipe.compose, recipe.compose.members_field)
         accumulating = [f"compose.{recipe.compose.members_field}.{i}.train.accumulate_rollouts"
@@ -325,8 +324,6 @@ def accumulation_errors(recipe: Recipe) -> list[str]:
 def credential_errors(recipe: Recipe) -> list[str]:
     """A credential written into a recipe would end up in recipe.yaml, MLflow params and the
     Prefect UI: refuse it, naming the field and where it belongs instead."""
-    from unirl.stages.runtime.secrets import literal_secrets, redact_url
-
     where = "set it in the environment (AWS_* variables, a remote scorer's token_env, MLFLOW_TRACKING_* ...) or a Prefect Secret block"
     data = recipe.model_dump(mode="json")
     storage_options = literal_secrets(data["storage"].pop("options"), ".storage.options", also=("key", "username", "user"))
@@ -454,8 +451,6 @@ def _walk(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], Any,
 def _unknown_field(path: list[str], section: Any, siblings: list[tuple[str, Any, Any]]) -> str:
     """`unknown field`, with what a person needs next: the variants that take the field (a flow
     model's `sampler` in a text model's rollout), a near-miss's likely meaning, the allowed names."""
-    import difflib
-
     name, owner = path[-1], ".".join(path[:-1])
     if not owner and name in REPLACED:
         return REPLACED[name]
@@ -547,8 +542,6 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None, *, 
 def agent_errors(recipe: Recipe, policy: Any) -> list[str]:
     """The `agent` section's rules: text policies only, tools that are registered (their schemas
     were checked when they registered), MCP servers with distinct names."""
-    from unirl.stages.runtime.registry import tools
-
     agent = recipe.agent
     assert agent is not None
     errors = []

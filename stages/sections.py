@@ -13,6 +13,7 @@ from unirl.stages.runtime.config_base import EMAConfig, Section
 from unirl.stages.runtime.multinode import AgentsConfig, RendezvousConfig
 from unirl.stages.runtime.processes import Limits
 from unirl.stages.runtime.registry import algorithms, families, policies, sources
+from unirl.stages.runtime.scorers import scorer_names
 
 if TYPE_CHECKING:  # unions of the registered entries' sections, built at import
     ModelConfig = Any
@@ -40,10 +41,8 @@ class ScorerSpec(Section):
     def _known(cls, name: str) -> str:
         """Checked with the structural errors, not after they are fixed (what the scorer reads is
         checked against the model later, in the recipe's own check)."""
-        from unirl.stages.runtime.scorers import scorer_names
-
         if name not in scorer_names():
-            import difflib
+            import difflib  # start-up time: loaded on first use
 
             close = difflib.get_close_matches(name, scorer_names(), n=1, cutoff=0.75)
             raise ValueError(f"unknown scorer {name!r}{f'; did you mean {close[0]!r}?' if close else ''} "
@@ -267,8 +266,8 @@ class StorageConfig(Section):
     @classmethod
     def _known_protocol(cls, root: str) -> str:
         """A URL's protocol must be one fsspec has an installed filesystem for (s3 needs s3fs)."""
-        import fsspec
-        from fsspec.core import split_protocol
+        import fsspec  # start-up time: fsspec loads on first use, not when a recipe is read
+        from fsspec.core import split_protocol  # start-up time: fsspec loads on first use, not when a recipe is read
 
         protocol, _ = split_protocol(root)
         if protocol is not None:

@@ -11,7 +11,9 @@ from prefect import get_run_logger, tags
 from prefect.settings import get_current_settings
 
 from unirl.stages.engines import RolloutEngine, in_group
+from unirl.stages.engines.agentic import agentic
 from unirl.stages.recipe import Recipe
+from unirl.stages.run.producer_process import ProducerProcess
 from unirl.stages.runtime.registry import engines
 from unirl.stages.runtime.storage import RunStorage
 from unirl.stages.workers.group import ModelGroup, NodeLauncher, WorkerGroup, get_group
@@ -101,8 +103,6 @@ def engine_of(recipe: Recipe, storage: RunStorage) -> RolloutEngine:
     key = storage.url()
     engine = _ENGINES.get(key)
     if engine is None:
-        from unirl.stages.engines.agentic import agentic
-
         engine = engines.get(recipe.rollout.engine.name)(recipe, storage, group_of(recipe, storage))
         engine = _ENGINES[key] = agentic(engine, recipe, storage)  # multi-turn with tools: the recipe's `agent`
     return engine
@@ -112,8 +112,6 @@ def eval_engine_of(recipe: Recipe, storage: RunStorage) -> RolloutEngine:
     """Where held-out evaluation samples: the run's engine, except in async RL, where the engine
     belongs to the producer (which must not be moved to another version): the worker group."""
     if recipe.rollout.mode == "async":
-        from unirl.stages.engines.agentic import agentic
-
         return agentic(in_group()(recipe, storage, group_of(recipe, storage)), recipe, storage)
     return engine_of(recipe, storage)
 
@@ -124,8 +122,6 @@ _PRODUCERS: dict[str, Any] = {}
 def start_producer(recipe: Recipe, run_name: str, storage: RunStorage) -> None:
     """Start the async run's producer process (its own `rl-producer` flow run on this Prefect
     API); it dies with this process."""
-    from unirl.stages.run.producer_process import ProducerProcess
-
     url = get_current_settings().api.url  # a server's, or the local API of `unirl run`: the producer reports there
     producer = _PRODUCERS[storage.url()] = ProducerProcess(recipe, run_name, api_url=url,
                                                            log=announce(get_run_logger()))
@@ -159,9 +155,9 @@ def node_launcher(recipe: Recipe, run_name: str) -> NodeLauncher | None:
         return None
 
     def launch(plan: GroupPlan, nodes: list[int]) -> None:
-        from prefect.client.orchestration import get_client
-        from prefect.deployments import run_deployment
-        from prefect.exceptions import ObjectNotFound
+        from prefect.client.orchestration import get_client  # start-up time: prefect loads on first use, not when a recipe is read
+        from prefect.deployments import run_deployment  # start-up time: prefect loads on first use, not when a recipe is read
+        from prefect.exceptions import ObjectNotFound  # start-up time: prefect loads on first use, not when a recipe is read
 
         with get_client(sync_client=True) as client:
             try:

@@ -53,8 +53,9 @@ def failures_once(verbose: bool) -> None:
     tracebacks to the log file (the CLI's `error:` line says what failed)."""
     if verbose:
         return
+    # start-up time: prefect loads on first use, not when a recipe is read
     import prefect.main  # noqa: F401 - configures Prefect's logging (its handlers exist from here on)
-    from prefect.logging.handlers import PrefectConsoleHandler
+    from prefect.logging.handlers import PrefectConsoleHandler  # start-up time: prefect loads on first use, not when a recipe is read
 
     names = ["prefect", *(n for n in logging.root.manager.loggerDict if n.startswith("prefect."))]
     for logger in [logging.root, *map(logging.getLogger, names)]:
@@ -82,7 +83,7 @@ def log_to_run_folder(local_dir: Path | None) -> Path | None:
         return None
     path = local_dir / "logs" / f"unirl-{datetime.now().strftime('%Y%m%d-%H%M%S')}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
-    from prefect.logging.formatters import PrefectFormatter
+    from prefect.logging.formatters import PrefectFormatter  # start-up time: prefect loads on first use, not when a recipe is read
 
     handler = logging.FileHandler(path)
     handler.setFormatter(PrefectFormatter(
@@ -98,11 +99,11 @@ def log_to_run_folder(local_dir: Path | None) -> Path | None:
 def _run_logger() -> logging.Logger | logging.LoggerAdapter | None:
     """The current Prefect flow or task run's logger (its records reach the run's Logs tab in the
     UI through the API), or None outside a run."""
-    from prefect.context import FlowRunContext, TaskRunContext
+    from prefect.context import FlowRunContext, TaskRunContext  # start-up time: prefect loads on first use, not when a recipe is read
 
     if FlowRunContext.get() is None and TaskRunContext.get() is None:
         return None
-    from prefect.logging import get_run_logger
+    from prefect.logging import get_run_logger  # start-up time: prefect loads on first use, not when a recipe is read
 
     try:
         return get_run_logger()

@@ -20,7 +20,7 @@ def generate(recipe: Recipe, run_name: str, iteration: int, round_index: int = 0
     """Round 0, or refill round `round_index` of dynamic sampling (files suffixed -rN)."""
     storage = storage_of(recipe, run_name)
     if recipe.rollout.mode == "async":
-        from unirl.stages.run.async_rollout import collect
+        from unirl.stages.run.async_rollout import collect  # start-up time: loaded on first use
 
         return it.committed(storage, iteration, "generate",
                             lambda: collect(storage, recipe, iteration, alive=producer_alive(storage)))

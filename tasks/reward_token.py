@@ -8,7 +8,7 @@ from __future__ import annotations
 def reward_token_from_secret(block_name: str) -> str:
     """Load the Secret block `block_name` (create it with
     `prefect block create secret` or `Secret(value=...).save(block_name)`) and return its value."""
-    from prefect.blocks.system import Secret
+    from prefect.blocks.system import Secret  # start-up time: prefect loads on first use, not when a recipe is read
 
     try:
         secret = Secret.load(block_name)

@@ -171,3 +171,54 @@ def test_the_walk_sees_function_level_imports_and_cycles():
     finally:
         tree_path.unlink()
     assert [sorted(c) for c in strongly_connected(["a", "b", "c"], {"a": {"b"}, "b": {"a"}}) if len(c) > 1] == [["a", "b"]]
+
+
+REASONS = ("start-up time", "at call time")
+
+
+def unexplained(path: Path) -> list[int]:
+    """Lines of the imports inside functions of `path` that do not say why they are there: a
+    `start-up time` or `at call time` comment on an import of their block (imports one after the
+    other), or on the comment lines just above the block."""
+    lines = path.read_text().splitlines()
+    tree = ast.parse("\n".join(lines), str(path))
+    out = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                block: list[ast.stmt] = []
+                stmts = getattr(node, field, [])
+                for stmt in [*(stmts if isinstance(stmts, list) else []), None]:
+                    if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                        block.append(stmt)
+                        continue
+                    if block:
+                        said = lines[block[0].lineno - 1: block[-1].end_lineno]
+                        above = block[0].lineno - 2
+                        while above >= 0 and lines[above].strip().startswith("#"):
+                            said.append(lines[above])
+                            above -= 1
+                        if not any(reason in line for line in said for reason in REASONS):
+                            out.extend(b.lineno for b in block)
+                    block = []
+    return sorted(set(out))
+
+
+def test_every_import_inside_a_function_says_why_it_is_not_at_the_top():
+    """An import stays inside a function only for start-up time (it loads torch, a model library or
+    a server's stack that reading a recipe must not load; the `unirl` command's, only for its own
+    command) or because its module imports this one while it loads ("at call time"); each says so."""
+    missing = [f"{path.relative_to(REPO)}:{line}" for path in MODULES.values() for line in unexplained(path)]
+    assert missing == [], "imports inside functions with no reason given:\n" + "\n".join(missing)
+
+
+def test_an_unexplained_import_inside_a_function_is_found():
+    probe = REPO / "tests" / "_layers_reason_probe.py"
+    probe.write_text("def f():\n    import json\n\n\ndef g():\n    # start-up time: torch\n    import torch\n    import numpy\n"
+                     "    x = 1\n    import os\n")
+    try:
+        assert unexplained(probe) == [2, 10]
+    finally:
+        probe.unlink()

@@ -17,6 +17,7 @@ that name (pipeline.py, unified.py); a composed recipe's parts are named by it a
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +29,17 @@ from unirl.flows.ahead import hand_over, wait_turn
 from unirl.flows.forms import InnerRecipe
 from unirl.flows.sft import run_sft, train_teachers
 from unirl.stages.distill import taught_by
+from unirl.stages.policies import policy_for
 from unirl.stages.recipe import Recipe
+from unirl.stages.run.evaluation import eval_dir
 from unirl.stages.run.record import initial_weights
 from unirl.stages.run.sequence import Batch, Steps, Update, run_iteration, seconds
 from unirl.stages.run.tracking import Tracker
 from unirl.stages.runtime.registry import Registry
-from unirl.stages.runtime.storage import RunStorage, iter_dir
+from unirl.stages.runtime.sample import read_rollouts, read_shard
+from unirl.stages.runtime.storage import RunStorage, iter_dir, join
+from unirl.stages.tools.agent import transcript_table
+from unirl.stages.train.manifests import MANIFEST
 from unirl.tasks.advantage import advantage
 from unirl.tasks.common import engine_of, group_of, staged
 from unirl.tasks.evaluate import evaluate
@@ -114,9 +120,6 @@ def one_model(recipe: Recipe, run_name: str, storage: RunStorage) -> Models:
 
 
 def prepare_one(recipe: Recipe, storage: RunStorage) -> None:
-    from unirl.stages.runtime.storage import join
-    from unirl.stages.train.manifests import MANIFEST
-
     if recipe.rollout.mode == "sync":
         engine_of(recipe, storage).connect()  # an engine at a URL that does not answer fails here, naming it
     if recipe.sft is None or storage.exists(join(storage.weights_rel(0), MANIFEST)):
@@ -135,14 +138,10 @@ def warm_start_one(recipe: Recipe, run_name: str, storage: RunStorage, tracker: 
 
 
 def policy_preview(recipe: Recipe, tracker: Tracker, storage: RunStorage, iteration: int) -> str | None:
-    from unirl.stages.policies import policy_for
-
     return policy_for(recipe).log_preview(recipe, tracker, storage, iteration)
 
 
 def policy_eval_preview(recipe: Recipe, tracker: Tracker, storage: RunStorage, version: int) -> str | None:
-    from unirl.stages.policies import policy_for
-
     if recipe.agent is not None:  # an agent's held-out trajectories, as chats
         return agent_transcripts(tracker, storage, version)
     return policy_for(recipe).log_eval_preview(recipe, tracker, storage, version)
@@ -151,12 +150,6 @@ def policy_eval_preview(recipe: Recipe, tracker: Tracker, storage: RunStorage, v
 def agent_transcripts(tracker: Tracker, storage: RunStorage, version: int) -> str | None:
     """MLflow `tables/transcripts/step-<version>.json`: the first greedy held-out trajectories of
     `version`, each rendered as a chat with its stop reason and reference answer."""
-    import json
-
-    from unirl.stages.run.evaluation import eval_dir
-    from unirl.stages.runtime.sample import read_rollouts, read_shard
-    from unirl.stages.runtime.storage import join
-    from unirl.stages.tools.agent import transcript_table
 
     base = join(eval_dir(version), "greedy")
     rel = f"{base}.turns/transcript.arrow"

@@ -9,10 +9,13 @@ from typing import Any
 from unirl.stages.compose import members, names
 from unirl.stages.compose.chain import compose as compose_rows
 from unirl.stages.compose.chain import next_requests
+from unirl.stages.diffusion.grid import log_eval_grid, log_grid, rollout_grid
 from unirl.stages.recipe import Recipe
+from unirl.stages.run.evaluation import eval_dir, eval_metrics, write_eval_requests
 from unirl.stages.run.sequence import Batch, Steps, Update, seconds
 from unirl.stages.run.tracking import Tracker
 from unirl.stages.runtime.registry import policies
+from unirl.stages.runtime.sample import read_rollouts, read_shard, scoring_view
 from unirl.stages.runtime.storage import RunStorage, join
 from unirl.tasks.common import staged
 from unirl.tasks.score import score
@@ -67,8 +70,6 @@ def evaluate_composed(recipe: Recipe, storage: Any, version: int, first: Recipe,
     (eval/vNNNNNN/<name>/composed.arrow) and scored by the eval scorer against the user's intent.
     `draw(part, requests, folder, greedy)` samples a part's requests into files of
     `stores[part]`; `first` is the first part's recipe (its held-out prompts)."""
-    from unirl.stages.run.evaluation import eval_dir, eval_metrics, write_eval_requests
-
     order = names(recipe)
     outputs = {}
     for name, size, greedy in (("greedy", 1, True), ("sampled", recipe.eval.k, False)):
@@ -95,8 +96,6 @@ def composed_preview(table: str) -> Callable[[Recipe, Tracker, RunStorage, int],
     reward (tables/<table>/step-N.json: `rewrites`, `plans`)."""
 
     def preview(recipe: Recipe, tracker: Tracker, storage: RunStorage, iteration: int) -> str | None:
-        from unirl.stages.diffusion.grid import log_grid, rollout_grid
-
         composed_, scored = storage.stage_manifest(iteration, "compose"), storage.stage_manifest(iteration, "score")
         if composed_ is None or scored is None:
             return None  # not committed (a preview is for people)
@@ -111,8 +110,6 @@ def composed_preview(table: str) -> Callable[[Recipe, Tracker, RunStorage, int],
 def text_table(storage: RunStorage, composed: list[str], rewards: str, grid: str) -> dict[str, list[Any]]:
     """Every composed row of an iteration as a table row: the user's prompt, the text beside it,
     the reward of its image, and the grid artifact that shows the first images."""
-    from unirl.stages.runtime.sample import read_rollouts, read_shard, scoring_view
-
     table = scoring_view(read_rollouts(storage, composed, columns=["sample_id", "prompt", "text"]))
     shard = read_shard(storage, rewards, "rewards")
     reward = dict(zip(shard.column("sample_id").to_pylist(), shard.column("reward").to_pylist()))
@@ -122,6 +119,4 @@ def text_table(storage: RunStorage, composed: list[str], rewards: str, grid: str
 
 
 def composed_eval_preview(recipe: Recipe, tracker: Tracker, storage: RunStorage, version: int) -> str | None:
-    from unirl.stages.diffusion.grid import log_eval_grid
-
     return log_eval_grid(tracker, storage, version)

@@ -30,6 +30,7 @@ from unirl.stages.compose.chain import next_requests
 from unirl.stages.compose.pipeline import PipelineConfig
 from unirl.stages.recipe import Recipe
 from unirl.stages.run import iteration as it
+from unirl.stages.run.evaluation import eval_dir
 from unirl.stages.run.record import initial_weights, open_run
 from unirl.stages.run.sequence import Update, seconds
 from unirl.stages.run.tracking import Tracker
@@ -95,8 +96,6 @@ def evaluate_pipeline(recipe: Recipe, run_name: str, version: int, split: str = 
     `sampled` is `eval.k` samples of the first part per prompt and one sample of each later part
     each; both scored on the composed rows (eval/vNNNNNN/<name>/composed.arrow) by the eval
     scorer, against the user's intent."""
-    from unirl.stages.run.evaluation import eval_dir
-
     storage = storage_of(recipe, run_name)
     rel = join(eval_dir(version, split), "metrics.json")
     if storage.exists(rel):

@@ -27,6 +27,7 @@ from unirl.stages.compose.chain import compose as compose_rows
 from unirl.stages.compose.unified import stage_recipe
 from unirl.stages.recipe import Recipe
 from unirl.stages.run import iteration as it
+from unirl.stages.run.evaluation import eval_dir
 from unirl.stages.run.tracking import Tracker
 from unirl.stages.runtime.sample import table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage, iter_dir, join
@@ -90,8 +91,6 @@ def evaluate_unified(recipe: Recipe, run_name: str, version: int, split: str = "
     """Held-out results at `version`: every stage's greedy sample (an image stage's by the ODE
     sampler), and `eval.k` samples of the first stage per prompt with one sample of each later
     stage each, scored against the user's intent."""
-    from unirl.stages.run.evaluation import eval_dir
-
     storage = storage_of(recipe, run_name)
     rel = join(eval_dir(version, split), "metrics.json")
     if storage.exists(rel):

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from unirl.stages.algorithms.base import Algorithm, TrainContext
 from unirl.stages.algorithms.flow_likelihood import sde_steps
+from unirl.stages.distill import domain_names, teacher_of
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.registry import algorithms
 
@@ -35,8 +36,6 @@ class FlowOPDConfig(Section):
 
 def flow_opd_errors(recipe: Any) -> list[str]:
     """What a flow_opd recipe must satisfy beyond `distill_errors` (stages/distill.py)."""
-    from unirl.stages.distill import domain_names, teacher_of
-
     d = recipe.distill
     if d is None:
         return ["distill: algorithm 'flow_opd' regresses the student on teachers' velocities; add a `distill` section "
@@ -88,8 +87,6 @@ class FlowOPD(Algorithm):
     def routes(self, batch: Any) -> list[tuple[str, list[int]]]:
         """(teacher, its rows of `batch`) for every teacher, in the recipe's order; every teacher
         appears, also with no row (a sharded teacher's forwards are collectives every rank runs)."""
-        from unirl.stages.distill import teacher_of
-
         domains = batch.domains or [None] * len(batch.sample_ids)
         names = [teacher_of(self.recipe, d) for d in domains]
         for sid, d, name in zip(batch.sample_ids, domains, names):

@@ -47,7 +47,7 @@ class TokenPolicyGradient(Algorithm):
 
         from unirl.stages.kernels.behaviour import behaviour_mismatch, check_behaviour, masked_advantage
         from unirl.stages.kernels.correction import importance_weights, weighted_advantage
-        from unirl.stages.kernels.kl import kl
+        from unirl.stages.kernels.kl import kl  # start-up time: it loads torch
 
         logp = ctx.policy.replay(ctx.module, batch)
         proximal = logp.detach() if frozen is None else frozen

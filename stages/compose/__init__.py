@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from unirl.stages.runtime.registry import shapes
+from unirl.stages.runtime.registry import policies, shapes
 
 
 class Shape(ABC):
@@ -94,8 +94,6 @@ def where(recipe: Any, name: str) -> str:
 
 def text_policies() -> list[str]:
     """The policy kinds whose samples are text another part can take as its prompts."""
-    from unirl.stages.runtime.registry import policies
-
     return [n for n, p in policies.items() if "text" in p.columns]
 
 
@@ -107,7 +105,7 @@ def part_of(recipe: Any, name: str, *, model: Any, rollout: dict[str, Any], trai
     from the part before it takes one prompt per sample of that part (`prompts_per_iteration`); a
     part before the last scores nothing itself (`constant`: its reward is
     what it leads to)."""
-    from unirl.stages.recipe import Recipe
+    from unirl.stages.recipe import Recipe  # at call time: recipe imports this module while it loads
 
     i, _ = member(recipe, name)
     if i > 0:
@@ -130,7 +128,7 @@ def part_of(recipe: Any, name: str, *, model: Any, rollout: dict[str, Any], trai
 
 def per_part_errors(recipe: Any, what: str) -> list[str]:
     """A top-level section a composed recipe gives per part instead (its section's `replaces`), set anyway."""
-    from unirl.stages.recipe import Recipe
+    from unirl.stages.recipe import Recipe  # at call time: recipe imports this module while it loads
 
     defaults = Recipe()
     each = ", ".join(f"{where(recipe, n)}.<name>" for n in names(recipe))
@@ -177,9 +175,9 @@ def duplicate_errors(recipe: Any) -> list[str]:
 
 def parts_errors(recipe: Any, build: Callable[[str], Any]) -> list[str]:
     """Each part's one-model recipe's own errors, under the part's path."""
-    from pydantic import ValidationError
+    from pydantic import ValidationError  # start-up time: pydantic loads on first use, not when a recipe is read
 
-    from unirl.stages.recipe import format_errors
+    from unirl.stages.recipe import format_errors  # at call time: recipe imports this module while it loads
 
     errors: list[str] = []
     for name in names(recipe):

@@ -7,7 +7,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from unirl.stages.compose import names
-from unirl.stages.runtime.sample import composed_table, namespaced, read_rollouts, read_shard, table_from_rows, write_shard
+from unirl.stages.runtime.sample import (
+    PART_COLUMNS,
+    composed_table,
+    namespaced,
+    read_rollouts,
+    read_shard,
+    segment_columns,
+    table_from_rows,
+    write_shard,
+)
 from unirl.stages.runtime.storage import RunStorage
 
 if TYPE_CHECKING:
@@ -32,8 +41,6 @@ def compose(storage: RunStorage, rel: str, chain: list[tuple[str, str, RunStorag
     """One composed row per sample of the last part, with the sample of every part before it that
     led to it, each under its part's name. `chain`: (name, segment kind, storage, rollout files)
     of each part, in order."""
-    from unirl.stages.runtime.sample import PART_COLUMNS, segment_columns
-
     by_id = [{r["sample_id"]: r for r in read_rollouts(store, files).to_pylist()} for _, _, store, files in chain[:-1]]
     name, _, last, last_files = chain[-1]
     rows = []

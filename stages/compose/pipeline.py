@@ -41,6 +41,7 @@ from unirl.stages.compose import (
 )
 from unirl.stages.compose.chain import advantage_metrics, advantage_rows
 from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.registry import families
 from unirl.stages.runtime.sample import table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage, iter_dir, join
 from unirl.stages.sections import (
@@ -135,8 +136,6 @@ def trains(recipe: Recipe, name: str) -> bool:
 
 def pipeline_errors(recipe: Recipe) -> list[str]:
     """What `unirl validate` reports of a pipeline recipe, one `field.path: ...` line each."""
-    from unirl.stages.runtime.registry import families
-
     parts, compose = members(recipe), recipe.compose
     assert isinstance(compose, PipelineConfig)
     errors = duplicate_errors(recipe) + per_part_errors(recipe, "a pipeline recipe")

@@ -43,7 +43,8 @@ from unirl.stages.compose import (
     where,
 )
 from unirl.stages.runtime.config_base import Section
-from unirl.stages.runtime.registry import policies
+from unirl.stages.runtime.registry import engines, families, policies
+from unirl.stages.runtime.sample import table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage, join
 from unirl.stages.sections import AlgorithmConfig, DataConfig, NamedPart, RolloutConfig, SFTConfig
 
@@ -129,8 +130,6 @@ def stage_recipe(recipe: Recipe, name: str) -> Recipe:
 
 def unified_errors(recipe: Recipe) -> list[str]:
     """What `unirl validate` reports of a unified recipe, one `field.path: ...` line each."""
-    from unirl.stages.runtime.registry import engines, families
-
     stages = members(recipe)
     errors = duplicate_errors(recipe) + per_part_errors(recipe, "a unified recipe")
     family = families.get(recipe.model.kind)
@@ -170,8 +169,7 @@ def unified_errors(recipe: Recipe) -> list[str]:
 def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
     """Each stage's warm-start records (its own shard, `sft_records`): a plan stage's (prompt,
     plan) text, an image stage's (canonical prompt, image). `stages` names the stage of each file."""
-    from unirl.stages.runtime.sample import table_from_rows, write_shard
-    from unirl.stages.train.sft import sft_records as records
+    from unirl.stages.train.sft import sft_records as records  # at call time: train.sft imports this module while it loads
 
     files, stages = [], []
     for name in names(recipe):

@@ -10,12 +10,12 @@ import textwrap
 from typing import Any
 
 from unirl.stages.runtime.sample import first_of_groups, read_rollouts, read_shard, scoring_view
-from unirl.stages.runtime.storage import RunStorage, join
+from unirl.stages.runtime.storage import RunStorage, eval_dir, join
 
 
 def image_grid(pngs: list[bytes], captions: list[str], *, columns: int = 4, cell: int = 128) -> Any:
     """PIL RGB image: `pngs` in rows of `columns`, each scaled to `cell` px and captioned."""
-    from PIL import Image, ImageDraw, ImageFont
+    from PIL import Image, ImageDraw, ImageFont  # start-up time: PIL loads on first use, not when a recipe is read
 
     if not pngs:
         raise ValueError("image_grid needs at least one image")
@@ -72,7 +72,7 @@ def rollout_grid(storage: RunStorage, rollouts: list[str], rewards: str | None =
 def log_grid(tracker: Any, step: int, grid: Any, key: str) -> str:
     """Log a grid (a PIL image, or a list of frames: an animated GIF) to MLflow under `key`."""
     if isinstance(grid, list):
-        from unirl.stages.runtime.media import to_gif
+        from unirl.stages.runtime.media import to_gif  # start-up time: loaded on first use
 
         return tracker.log_bytes(step, to_gif(grid), key, "gif")
     return tracker.log_image(step, grid, key)
@@ -90,8 +90,6 @@ def log_iteration_grid(tracker: Any, storage: RunStorage, iteration: int, table:
 
 def log_eval_grid(tracker: Any, storage: RunStorage, version: int) -> str | None:
     """Log the held-out greedy samples of policy `version` (eval/vNNNNNN/greedy) to MLflow."""
-    from unirl.stages.runtime.storage import eval_dir
-
     folder = join(eval_dir(version), "greedy")
     names = [f for f in storage.files(folder) if f.endswith(".arrow")]
     if "composed.arrow" in names:  # a two-stage model's: each image with the text that caused it

@@ -19,6 +19,7 @@ from unirl.stages.diffusion.sampling import Velocity
 from unirl.stages.diffusion.sde import shift_sigmas
 from unirl.stages.models.flow_vae import reconstruction_loss, standardize_latents, to_pixels, warm_up_vae  # noqa: F401 (re-exported)
 from unirl.stages.runtime.seeds import batch_indices, derive_seed  # noqa: F401 (re-exported)
+from unirl.stages.toys.geneval import make_examples
 
 # ---------------------------------------------------------------- records
 
@@ -28,8 +29,6 @@ def geneval_records(n: int, *, seed: int, image_size: int, kinds: tuple[str, ...
     """`n` toy-GenEval training records {prompt, media_png}: prompts of the train split (never
     the held-out one) of `kinds` (default: all), each rendered with its own layout; `noise` of
     them show one object group in a colour the prompt does not say (make_examples)."""
-    from unirl.stages.toys.geneval import make_examples
-
     out = []
     for ex in make_examples(n, seed, split="train", size=image_size, kinds=kinds, noise=noise):
         buf = io.BytesIO()
@@ -40,7 +39,7 @@ def geneval_records(n: int, *, seed: int, image_size: int, kinds: tuple[str, ...
 
 def decode_images(pngs: list[bytes], where: str = "") -> np.ndarray:
     """PNG bytes -> uint8 (N, H, W, 3); every image must have the same size."""
-    from PIL import Image
+    from PIL import Image  # start-up time: PIL loads on first use, not when a recipe is read
 
     images = [np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in pngs]
     sizes = sorted({im.shape for im in images})
@@ -51,7 +50,7 @@ def decode_images(pngs: list[bytes], where: str = "") -> np.ndarray:
 
 def decode_videos(clips: list[list[bytes]], where: str = "") -> np.ndarray:
     """Per clip a list of PNG frames -> uint8 (N, F, H, W, 3); every clip must have the same shape."""
-    from PIL import Image
+    from PIL import Image  # start-up time: PIL loads on first use, not when a recipe is read
 
     videos = [np.stack([np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in frames]) for frames in clips]
     shapes = sorted({v.shape for v in videos})

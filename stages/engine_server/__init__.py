@@ -25,6 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from unirl.stages.engines.limits import Limits
+from unirl.stages.models.family import get_family
+from unirl.stages.recipe import RecipeError, build_recipe, load_recipe
+from unirl.stages.runtime.processes import die_with_parent
+from unirl.stages.runtime.scratch import scratch_dir
+from unirl.stages.runtime.secrets import RedactingFilter
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -33,12 +38,11 @@ def serve(recipe: Any, weights: str, version: str, *, host: str, port: int, toke
           batch_wait_ms: float, threads: int, limits: Limits, ready_file: str | None = None, log_level: str = "warning") -> None:
     """Load the model and serve until stopped. `port` 0 takes a free one; `ready_file` gets
     {"port", "pid"} once the server accepts connections."""
-    import torch
-    import uvicorn
+    import torch  # start-up time: torch loads on first use, not when a recipe is read
+    import uvicorn  # start-up time: uvicorn loads on first use, not when a recipe is read
 
-    from unirl.stages.engine_server.app import create_app
-    from unirl.stages.engine_server.core import EngineCore
-    from unirl.stages.runtime.secrets import RedactingFilter
+    from unirl.stages.engine_server.app import create_app  # start-up time: it loads torch
+    from unirl.stages.engine_server.core import EngineCore  # start-up time: it loads torch
 
     torch.set_num_threads(max(1, threads))
     core = EngineCore(recipe, weights, version)
@@ -100,12 +104,8 @@ def limits_from(values: dict[str, Any]) -> Limits:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from unirl.stages.recipe import RecipeError, build_recipe, load_recipe
-
     args = _parser().parse_args(argv)
     if args.spec:
-        from unirl.stages.runtime.processes import die_with_parent
-
         die_with_parent()
         spec = json.loads(Path(args.spec).read_text())
         if spec.get("cpus"):
@@ -139,9 +139,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     weights = args.weights
     if weights is None:
-        from unirl.stages.models.family import get_family
-        from unirl.stages.runtime.scratch import scratch_dir
-
         weights = str(get_family(recipe.model.kind).materialize(recipe.model, scratch_dir("unirl-engine-") / "model"))
     try:
         serve(recipe, weights, args.version, host=args.host, port=args.port, token=token, max_batch=args.max_batch,

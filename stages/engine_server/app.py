@@ -32,7 +32,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from unirl.stages.engine_server.core import EngineCore, EngineRequestError
+from unirl.stages.engine_server.update_group import UpdateGroups
+from unirl.stages.engines.client import tensor_to_wire
 from unirl.stages.engines.limits import LimitError, Limits, RequestGate, required, text_field, version_text
+from unirl.stages.runtime.registry import load_object
 
 log = logging.getLogger("unirl.engine_server")
 OPEN_ROUTES = {"/health", "/health_generate", "/model_info", "/get_model_info"}
@@ -42,9 +45,6 @@ GENERATION_ROUTES = {"/generate", "/rollout/generate"}
 def create_app(core: EngineCore, token: str | None, *, max_batch: int = 64, batch_wait_s: float = 0.005,
                limits: Limits | None = None) -> FastAPI:
     """The app over `core`. `token` None: no auth (only when the operator turned it off)."""
-    from unirl.stages.engine_server.update_group import UpdateGroups
-    from unirl.stages.runtime.registry import load_object
-
     limits = limits or Limits()
     app = FastAPI(title="unirl engine server", docs_url=None, redoc_url=None, openapi_url=None)
     # The policy's backend answers its SGLang route (text: /generate, flow: /rollout/generate).
@@ -107,9 +107,7 @@ def create_app(core: EngineCore, token: str | None, *, max_batch: int = 64, batc
 
     @app.post("/rollout/generate")
     def rollout_generate(body: dict[str, Any]) -> Response:
-        import msgpack
-
-        from unirl.stages.engines.client import tensor_to_wire
+        import msgpack  # start-up time: msgpack loads on first use, not when a recipe is read
 
         if flow is None:
             raise EngineRequestError(f"this engine serves a {core.policy.kind} model: POST {backend.route}")

@@ -10,17 +10,22 @@ the version that produced it.
 from __future__ import annotations
 
 import gc
+import hashlib
 import logging
 import os
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from unirl.stages.engines.limits import EngineRequestError, shown
+from unirl.stages.models.family import get_family
+from unirl.stages.runtime.registry import policies
 from unirl.stages.runtime.weights_checksum import tensors_checksum
+from unirl.stages.train.manifests import MANIFEST, verify_weights_dir
 
 log = logging.getLogger("unirl.engine_server")
 
@@ -28,9 +33,6 @@ log = logging.getLogger("unirl.engine_server")
 def verify_folder(path: Path) -> str | None:
     """Check the folder against its sha256 manifest (published weights have one); the manifest's
     own sha256, None without one. A file that does not match is an error naming it."""
-    import hashlib
-
-    from unirl.stages.train.manifests import MANIFEST, verify_weights_dir
 
     manifest = path / MANIFEST
     if not manifest.is_file():
@@ -68,9 +70,6 @@ class EngineCore:
     serving policy version `version`."""
 
     def __init__(self, recipe: Any, weights_dir: str | Path, version: str, device: str = "cpu"):
-        from unirl.stages.models.family import get_family
-        from unirl.stages.runtime.registry import policies
-
         self.recipe = recipe
         self.family = get_family(recipe.model.kind)
         self.policy_cls = policies.get(self.recipe.rollout.kind)
@@ -136,7 +135,7 @@ class EngineCore:
     def _load_into(self, path: Path) -> None:
         """The family's weight files copied into the live module (the base model under any
         adapters); a family without separate weight files is loaded whole again."""
-        from safetensors.torch import load_file
+        from safetensors.torch import load_file  # start-up time: safetensors loads on first use, not when a recipe is read
 
         try:
             files = self.family.weight_files(path)
@@ -174,7 +173,7 @@ class EngineCore:
                 if name == "model":
                     out[name] = tensors_checksum(self.base_module().state_dict().items())
                 elif name in self.adapters:
-                    from peft import get_peft_model_state_dict
+                    from peft import get_peft_model_state_dict  # start-up time: peft loads on first use, not when a recipe is read
 
                     out[name] = tensors_checksum(get_peft_model_state_dict(self.module, adapter_name=name).items())
                 else:
@@ -186,7 +185,7 @@ class EngineCore:
         """Hot-load the PEFT adapter in `folder` under `name` (a request with lora_path=name uses it)."""
         path = client_folder(folder, "lora_path", marker="adapter_config.json")
         verify_folder(path)
-        from peft import PeftModel
+        from peft import PeftModel  # start-up time: peft loads on first use, not when a recipe is read
 
         with self.lock:
             if name in self.adapters:
@@ -214,8 +213,6 @@ class EngineCore:
 
     def adapter_scope(self, name: str | None) -> Any:
         """Context in which the module samples with adapter `name` (None: the base weights)."""
-        from contextlib import nullcontext
-
         module = self.module
         if name is None:
             return module.disable_adapter() if self.adapters else nullcontext()

@@ -26,8 +26,11 @@ from typing import Any
 import torch
 
 from unirl.stages.diffusion.kernels import ODE
+from unirl.stages.diffusion.sampling import Plan, sample
+from unirl.stages.diffusion.sde import dynamic_shift, shifted_sigmas, time_shift_sigmas
 from unirl.stages.engine_server.core import EngineCore, EngineRequestError
 from unirl.stages.engines.limits import SEED_BOUND, Limits, integer, number, over, shown, text_field
+from unirl.stages.runtime.faults import fault_point
 from unirl.stages.runtime.registry import kernels
 from unirl.stages.runtime.seeds import derive_seed
 
@@ -185,9 +188,6 @@ class FlowBackend:
                     r.future.set_exception(exc)
 
     def _plan(self, r: FlowRequest, policy: Any) -> Any:
-        from unirl.stages.diffusion.sampling import Plan
-        from unirl.stages.diffusion.sde import dynamic_shift, shifted_sigmas, time_shift_sigmas
-
         if self.sampler.dynamic_shift:
             sigmas = time_shift_sigmas(r.steps, dynamic_shift(policy.family.latent_tokens(policy.bundle, policy.shape)))
         else:
@@ -195,9 +195,6 @@ class FlowBackend:
         return Plan(sigmas, torch.tensor(r.sde_indices, dtype=torch.long), r.kind, r.eta)
 
     def _sample(self, batch: list[FlowRequest]) -> None:
-        from unirl.stages.diffusion.sampling import sample
-        from unirl.stages.runtime.faults import fault_point
-
         core = self.core
         core.wait_running()
         fault_point("engine-generate", owner=False)  # the engine killed mid-generate (benchmarks/faults.py)

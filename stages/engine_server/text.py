@@ -20,6 +20,9 @@ from typing import Any
 
 from unirl.stages.engine_server.core import EngineCore, EngineRequestError
 from unirl.stages.engines.limits import SEED_BOUND, Limits, integer, number, over, over_context, shown, text_field
+from unirl.stages.policies.text import token_logp
+from unirl.stages.policies.text_sampling import sample
+from unirl.stages.runtime.faults import fault_point
 
 SAMPLING_PARAMS = ("temperature", "top_p", "max_new_tokens", "stop_token_ids", "sampling_seed")
 
@@ -177,9 +180,6 @@ class TextBackend:
                         r.future.set_exception(exc)
 
     def _run(self, batch: list[TextRequest]) -> None:
-        from unirl.stages.policies.text_sampling import sample
-        from unirl.stages.runtime.faults import fault_point
-
         fault_point("engine-generate", owner=False)  # the engine killed mid-generate (benchmarks/faults.py)
         core = self.core
         with core.lock:
@@ -200,9 +200,7 @@ class TextBackend:
 
     def _prompt_logprobs(self, ids: list[int]) -> list[float]:
         """log p(ids[i] | ids[:i]) at temperature 1 for i >= 1, with the weights (and adapter) in use."""
-        import torch
-
-        from unirl.stages.policies.text import token_logp
+        import torch  # start-up time: torch loads on first use, not when a recipe is read
 
         t = torch.tensor([ids], device=self.core.device)
         with torch.no_grad():

@@ -18,7 +18,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from unirl.stages.models.family import get_family
+from unirl.stages.runtime.images import IMAGE_COLUMNS
 from unirl.stages.runtime.processes import Limits
+from unirl.stages.runtime.sample import read_rollouts, read_shard, table_from_rows, write_shard
+from unirl.stages.runtime.scratch import scratch_dir
+from unirl.stages.runtime.storage import join
+from unirl.stages.runtime.tokenizer import load_tokenizer, uses_chat_template
 from unirl.stages.tools.agent import STOPS, Trajectory, run, training_row, turn_rows
 from unirl.stages.tools.calls import ToolFormat
 from unirl.stages.tools.client import Observation, ServerSpec, ToolServer, python_tools_server
@@ -76,8 +82,6 @@ class AgentEngine:
         return getattr(self.inner, name)
 
     def tools(self) -> ToolBox:
-        from unirl.stages.runtime.scratch import scratch_dir
-
         if self._tools is None:
             self._tools = ToolBox(self.recipe.agent, scratch_dir(f"unirl-tools-{self.storage.run}-"))
         return self._tools
@@ -85,10 +89,6 @@ class AgentEngine:
     def fmt(self) -> ToolFormat:
         """The policy's tokenizer (of the run's initial weights) and chat format; a family whose
         prompts carry images writes the first prompt with its prompt encoder."""
-        from unirl.stages.models.family import get_family
-        from unirl.stages.runtime.scratch import scratch_dir
-        from unirl.stages.runtime.tokenizer import load_tokenizer, uses_chat_template
-
         if self._fmt is None:
             rel = self.storage.weights_rel(0)
             local = self.storage.local_path(rel) or self.storage.get_dir(rel, scratch_dir("unirl-agent-tok-") / "weights")
@@ -103,10 +103,7 @@ class AgentEngine:
 
     def generate(self, requests: str, out_dir: str, iteration: int, policy_version: int, *,
                  greedy: bool = False, seed_tag: str = "") -> dict[str, Any]:
-        from unirl.stages.policies.text import context_length
-        from unirl.stages.runtime.images import IMAGE_COLUMNS
-        from unirl.stages.runtime.sample import read_rollouts, read_shard, table_from_rows, write_shard
-        from unirl.stages.runtime.storage import join
+        from unirl.stages.policies.text import context_length  # at call time: policies.text imports this module while it loads
 
         start = time.perf_counter()
         storage, cfg = self.storage, self.recipe.agent

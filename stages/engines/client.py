@@ -13,6 +13,7 @@ token never appears in a log line or an error message.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 # Response fields this client reads, per route ("a.b": key b of the object under key a).
@@ -69,7 +70,7 @@ class EngineClient:
 
     def __init__(self, url: str, token: str | None = None, *, timeout_s: float = 600.0, name: str = "rollout engine",
                  connections: int = 100):
-        import httpx
+        import httpx  # start-up time: httpx loads on first use, not when a recipe is read
 
         self.url = url.rstrip("/")
         self.name = name
@@ -87,7 +88,7 @@ class EngineClient:
 
     # -- transport -------------------------------------------------------------------------------
     def _call(self, method: str, route: str, body: Any = None, *, msgpack_reply: bool = False) -> Any:
-        import httpx
+        import httpx  # start-up time: httpx loads on first use, not when a recipe is read
 
         if self.sent is not None:
             self.sent.append((method, route, body))
@@ -105,7 +106,7 @@ class EngineClient:
             raise EngineError(f"{self.name} at {self.url}: {route} refused the token (401); set the engine's token in "
                               "the variable rollout.engine.token_env names")
         if msgpack_reply and reply.status_code == 200:
-            import msgpack
+            import msgpack  # start-up time: msgpack loads on first use, not when a recipe is read
 
             return msgpack.unpackb(reply.content, raw=False)
         try:
@@ -164,7 +165,6 @@ class EngineClient:
 
         if len(chunks) == 1:
             return one(0, *chunks[0])
-        from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=min(8, len(chunks))) as pool:
             parts = list(pool.map(lambda chunk: one(*chunk), [(k, s, e) for k, (s, e) in enumerate(chunks)]))
@@ -265,7 +265,7 @@ def tensor_from_wire(obj: Any) -> Any:
     bytes of {"t": tensor}, "shape", "dtype"}); dicts and lists are walked, other values returned."""
     if isinstance(obj, dict):
         if obj.get("__tensor__"):
-            from safetensors.torch import load
+            from safetensors.torch import load  # start-up time: safetensors loads on first use, not when a recipe is read
 
             return load(bytes(obj["data"]))["t"]
         return {k: tensor_from_wire(v) for k, v in obj.items()}
@@ -276,10 +276,10 @@ def tensor_from_wire(obj: Any) -> Any:
 
 def tensor_to_wire(obj: Any) -> Any:
     """The inverse of `tensor_from_wire` (what the engine server sends)."""
-    import torch
+    import torch  # start-up time: torch loads on first use, not when a recipe is read
 
     if isinstance(obj, torch.Tensor):
-        from safetensors.torch import save
+        from safetensors.torch import save  # start-up time: safetensors loads on first use, not when a recipe is read
 
         t = obj.detach().contiguous().cpu()
         return {"__tensor__": True, "data": save({"t": t}), "shape": list(t.shape), "dtype": str(t.dtype)}

@@ -16,16 +16,27 @@ client side of an engine that holds its own copy of the weights.
 """
 from __future__ import annotations
 
+import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlparse
 
 from pydantic import Field
 
 from unirl.stages.engines import RolloutEngine
 from unirl.stages.engines.client import EngineClient, EngineError
+from unirl.stages.models.family import get_family
+from unirl.stages.runtime.accumulation import final_version
+from unirl.stages.runtime.canary import verify
 from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.processes import free_port
+from unirl.stages.runtime.registry import algorithms, load_object
+from unirl.stages.runtime.sample import read_shard, table_from_rows, write_shard
 from unirl.stages.runtime.scratch import scratch_dir
+from unirl.stages.runtime.storage import join
+from unirl.stages.train.manifests import MANIFEST
 
 
 class EngineVersionError(EngineError):
@@ -76,9 +87,6 @@ class DedicatedEngine(RolloutEngine):
 
     @classmethod
     def check(cls, recipe: Any) -> None:
-        from unirl.stages.models.family import get_family
-        from unirl.stages.runtime.registry import algorithms
-
         e, r = recipe.rollout.engine, recipe.rollout
         if get_family(recipe.model.kind).takes_images:
             raise ValueError(f"rollout.engine.name: {e.name} takes prompts without images (its wire carries none), but "
@@ -113,7 +121,7 @@ class DedicatedEngine(RolloutEngine):
                              "model.lora or sync.weights: full")
 
     def __init__(self, recipe: Any, storage: Any, group: Any):
-        from unirl.stages.policies import policy_for
+        from unirl.stages.policies import policy_for  # at call time: policies imports this module while it loads
 
         self.recipe, self.storage, self.group = recipe, storage, group
         self.cfg = recipe.rollout.engine
@@ -128,8 +136,7 @@ class DedicatedEngine(RolloutEngine):
     def wire(self) -> Any:
         """The policy's requests and rows (text: the tokenizer of the run's initial weights, which
         exist only once the run has set up, so built on first use)."""
-        from unirl.stages.policies import policy_for
-        from unirl.stages.runtime.registry import load_object
+        from unirl.stages.policies import policy_for  # at call time: policies imports this module while it loads
 
         if self._wire is None:
             self._wire = load_object(policy_for(self.recipe).wire).for_engine(self)
@@ -157,10 +164,7 @@ class DedicatedEngine(RolloutEngine):
     # -- sampling -----------------------------------------------------------------------------------
     def generate(self, requests: str, out_dir: str, iteration: int, policy_version: int, *,
                  greedy: bool = False, seed_tag: str = "") -> dict[str, Any]:
-        from unirl.stages.policies.text import token_prompts
-        from unirl.stages.runtime.registry import algorithms
-        from unirl.stages.runtime.sample import read_shard, table_from_rows, write_shard
-        from unirl.stages.runtime.storage import join
+        from unirl.stages.policies.text import token_prompts  # at call time: policies.text imports this module while it loads
 
         start = time.perf_counter()
         client = self.ensure(policy_version)
@@ -206,8 +210,6 @@ class DedicatedEngine(RolloutEngine):
 
     def load_weights(self, weights_rel: str, version: int) -> dict[str, Any]:
         """Load published full weights and check what the engine reports back."""
-        from unirl.stages.train.manifests import MANIFEST
-
         client = self.client(version)
         start = time.perf_counter()
         manifest = self.storage.read_json(f"{weights_rel}/{MANIFEST}")
@@ -230,8 +232,6 @@ class DedicatedEngine(RolloutEngine):
         log-probs are the trainer's (the `manifest`'s) within tolerance; else EngineVersionError or
         CanaryError naming the engine and the version. Then `version` is the engine's; the
         canary's largest difference is returned (None: not checked)."""
-        from unirl.stages.runtime.canary import verify
-
         served = client.weight_version() if reports_version else str(version)
         if served != str(version):
             raise EngineVersionError(f"rollout engine at {client.url} reports weight version {served!r} after {what}")
@@ -247,8 +247,6 @@ class DedicatedEngine(RolloutEngine):
 
     def load_adapter(self, adapter_rel: str, version: int) -> dict[str, Any]:
         """Hot-load published LoRA adapters under the name vNNNNNN and unload the previous ones."""
-        from unirl.stages.train.manifests import MANIFEST
-
         client = self.client(version)
         start = time.perf_counter()
         name = adapter_name(version)
@@ -272,9 +270,6 @@ class DedicatedEngine(RolloutEngine):
     def publish_for(self, trainer: Any, version: int) -> str:
         """What the engine loads for `version` (weights/vN, or adapters/vN with LoRA sync),
         published through the trainer unless it is already: every rank gathers, rank 0 writes."""
-        from unirl.stages.runtime.storage import join
-        from unirl.stages.train.manifests import MANIFEST
-
         lora = self.cfg.sync.weights == "lora" and version > 0
         rel = self.storage.adapters_rel(version) if lora else self.storage.weights_rel(version)
         if not self.storage.exists(join(rel, MANIFEST)):
@@ -285,8 +280,6 @@ class DedicatedEngine(RolloutEngine):
     def sync(self, trainer: Any, version: int) -> dict[str, Any]:
         """At a sync version (every `sync.every` updates, and the last): publish it and load it
         into the engine. In async RL only publish: that is the barrier the producer waits at."""
-        from unirl.stages.runtime.accumulation import final_version
-
         if version % self.cfg.sync.every and version != final_version(self.recipe):
             return {}
         start = time.perf_counter()
@@ -314,11 +307,6 @@ class DedicatedEngine(RolloutEngine):
         """Broadcast the trainer's full weights into the engine over the update group (joined once
         per engine): every rank gathers, rank 0 sends while the engine, told the names, dtypes and
         shapes over HTTP, receives; then the version and checksum are checked as after a load."""
-        import socket
-        from concurrent.futures import ThreadPoolExecutor
-        from urllib.parse import urlparse
-
-        from unirl.stages.runtime.processes import free_port
 
         start = time.perf_counter()
         name = f"unirl-{self.storage.run}"
@@ -339,7 +327,6 @@ class DedicatedEngine(RolloutEngine):
                                    group_name=name, weight_version=str(version))
             sent = trainer.call("broadcast_weights", group_name=name)
             received.result()
-        from unirl.stages.train.manifests import MANIFEST
 
         manifest = self.storage.read_json(f"{self.storage.weights_rel(version)}/{MANIFEST}")
         diff = self._check_loaded(client, version, f"the broadcast of version {version}", sent.get("weights_sha256"),

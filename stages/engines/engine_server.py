@@ -19,14 +19,13 @@ from typing import Any, Literal
 from pydantic import Field
 
 from unirl.stages.engines.launched import LaunchedConfig, LaunchedEngine
+from unirl.stages.engines.limits import Limits
 from unirl.stages.runtime.registry import engines
 
 
 def run_limits(recipe: Any) -> dict[str, int]:
     """The engine server's request limits (stages/engines/limits.py) raised where a run asks
     for more than their defaults, for its launch spec: a run's own requests are never refused."""
-    from unirl.stages.engines.limits import Limits
-
     rollout, default = recipe.rollout, Limits()
     out = {}
     if getattr(rollout, "max_new_tokens", 0) > default.max_new_tokens:

@@ -17,8 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from unirl.stages.engines.client import EngineClient, EngineError, tensor_from_wire
+from unirl.stages.runtime.accumulation import version_of
+from unirl.stages.runtime.media import to_png_bytes
 from unirl.stages.runtime.registry import kernels
 from unirl.stages.runtime.seeds import derive_seed
+from unirl.stages.runtime.seeds import derive_seed as seed_of
 
 if TYPE_CHECKING:
     import numpy as np
@@ -59,10 +62,7 @@ class FlowWire:
 
         from unirl.stages.diffusion.sampling import Plan, make_plan, stored_steps
         from unirl.stages.diffusion.trajectory import latent_rows
-        from unirl.stages.runtime.accumulation import version_of
-        from unirl.stages.runtime.media import to_png_bytes
-        from unirl.stages.runtime.seeds import derive_seed as seed_of
-        from unirl.stages.train.stack import micro_batches
+        from unirl.stages.train.stack import micro_batches  # start-up time: it loads torch
 
         sampler, t = self.recipe.rollout.sampler, self.recipe.train
         # The SDE steps of the iteration's update (FlowPolicy.plan; the sigmas are the engine's, the trainer checks them).

@@ -20,6 +20,7 @@ from pydantic import Field
 
 from unirl.stages.engines.client import EngineClient, EngineUnreachable
 from unirl.stages.engines.dedicated import DedicatedConfig, DedicatedEngine
+from unirl.stages.runtime.processes import kill_tree, spawn
 from unirl.stages.runtime.scratch import log_tail
 from unirl.stages.train.manifests import MANIFEST
 
@@ -77,8 +78,6 @@ class LaunchedEngine(DedicatedEngine):
     def _launch(self, version: int) -> None:
         """Start the server with weights/v{version} (or, with LoRA sync, the initial weights, the
         adapters of `version` loaded after) and wait until it is ready."""
-        from unirl.stages.runtime.processes import kill_tree, spawn
-
         if self.proc is not None:
             if self.starts > self.cfg.restarts:
                 raise EngineUnreachable(f"{self.server_name} died {self.starts} times (rollout.engine.restarts "
@@ -141,8 +140,6 @@ class LaunchedEngine(DedicatedEngine):
 
     def close(self) -> None:
         """Stop a launched engine process (a server at `url` is left running)."""
-        from unirl.stages.runtime.processes import kill_tree
-
         super().close()
         if self.proc is not None:
             kill_tree(self.proc)

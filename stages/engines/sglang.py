@@ -20,7 +20,7 @@ from pydantic import Field
 
 from unirl.stages.engines.client import EngineClient
 from unirl.stages.engines.dedicated import DedicatedConfig, DedicatedEngine
-from unirl.stages.runtime.registry import engines, kernels
+from unirl.stages.runtime.registry import algorithms, engines, kernels
 
 
 class SGLangConfig(DedicatedConfig):
@@ -41,8 +41,6 @@ class SGLang(DedicatedEngine):
 
     @classmethod
     def check(cls, recipe: Any) -> None:
-        from unirl.stages.runtime.registry import algorithms
-
         super().check(recipe)
         # Text losses correct with importance weights; flow losses anchor on the recorded
         # per-step log-probs themselves (their behaviour check is off here too).

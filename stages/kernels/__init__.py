@@ -18,7 +18,7 @@ def no_grad(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        import torch
+        import torch  # start-up time: torch loads on first use, not when a recipe is read
 
         with torch.no_grad():
             return fn(*args, **kwargs)

@@ -31,8 +31,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from unirl.stages.models.family import Family
+from unirl.stages.models.family import Family, get_family
+from unirl.stages.models.flow_folder import check_pipeline, write_folder
 from unirl.stages.models.flow_geometry import FlowGeometry
+from unirl.stages.models.flow_lora import add_lora, merge_lora, reference_policy
 from unirl.stages.runtime.config_base import LoraConfig, Section
 
 if TYPE_CHECKING:
@@ -233,7 +235,7 @@ class FlowFamily(Family):
     @classmethod
     def dynamic_mu(cls, bundle: Any, tokens: int, num_steps: int) -> float:
         """mu of the resolution-dependent shift (`rollout.sampler.dynamic_shift`)."""
-        from unirl.stages.kernels.schedules import dynamic_shift
+        from unirl.stages.kernels.schedules import dynamic_shift  # start-up time: it loads torch
 
         return dynamic_shift(tokens)
 
@@ -250,7 +252,7 @@ class FlowFamily(Family):
     def native_media(cls, cfg: Any) -> tuple[int, int | None]:
         """(image side, frames or None) a model of `cfg` is made for, without loading weights."""
         if cfg.path:
-            from unirl.stages.models.flow_folder import folder_defaults
+            from unirl.stages.models.flow_folder import folder_defaults  # start-up time: loaded on first use
 
             found = folder_defaults(Path(cfg.path), cls.pipeline_defaults)
             return int(found["image_size"]), found.get("num_frames")
@@ -382,15 +384,11 @@ class FlowFamily(Family):
 
     @classmethod
     def add_lora(cls, bundle: Any, lora: Any) -> None:
-        from unirl.stages.models.flow_lora import add_lora
-
         add_lora(cls.transformers(bundle.module), rank=lora.rank, alpha=lora.alpha,
                  target_modules=lora.target_modules or cls.lora_targets, what=cls.lora_what(bundle))
 
     @classmethod
     def reference(cls, bundle: Any) -> AbstractContextManager[Any]:
-        from unirl.stages.models.flow_lora import reference_policy
-
         return reference_policy(cls.transformers(bundle.module), cls.lora_what(bundle))
 
     @classmethod
@@ -400,9 +398,6 @@ class FlowFamily(Family):
 
     @classmethod
     def export(cls, bundle: Any, local: Path, state: dict[str, Any], *, lora: Any) -> None:
-        from unirl.stages.models.flow_folder import write_folder
-        from unirl.stages.models.flow_lora import merge_lora
-
         if lora is not None:
             state = merge_lora(state, rank=lora.rank, alpha=lora.alpha)
         write_folder(local, base_dir=bundle.directory, vae=bundle.vae, parts=cls.split_state(state))
@@ -416,8 +411,6 @@ class FlowFamily(Family):
     @classmethod
     def materialize(cls, cfg: Any, scratch: Path) -> Path:
         if cfg.path:
-            from unirl.stages.models.flow_folder import check_pipeline
-
             check_pipeline(Path(cfg.path), cls.name, cls.pipelines)
             return Path(cfg.path)
         return cls.build_tiny(scratch, cfg.tiny)
@@ -426,8 +419,6 @@ class FlowFamily(Family):
     def check(cls, recipe: Any) -> None:
         """A folder of another family, an image side the VAE and patch cannot take, a frame count
         the VAE cannot take: errors naming the field, before anything loads."""
-        from unirl.stages.models.flow_folder import check_pipeline
-
         cfg, sampler = recipe.model, recipe.rollout.sampler
         if cfg.path and (Path(cfg.path) / "model_index.json").is_file():
             check_pipeline(Path(cfg.path), cls.name, cls.pipelines)
@@ -452,8 +443,6 @@ class FlowFamily(Family):
 
 def get_flow_family(kind: str) -> type[FlowFamily]:
     """The family registered as `kind`, which a flow policy's recipe (`rollout.kind: flow`) needs to be a FlowFamily."""
-    from unirl.stages.models.family import get_family
-
     family = get_family(kind)
     if not issubclass(family, FlowFamily):
         raise ValueError(f"model.kind: {kind!r} is not a flow (image or video) family")

@@ -6,10 +6,14 @@ and VAE, every other component copied), so a published version is a valid `model
 in diffusers' own pipeline."""
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from unirl.stages.runtime.registry import families
+from unirl.stages.train.manifests import MANIFEST
 
 if TYPE_CHECKING:
     import torch
@@ -47,8 +51,6 @@ def listed(index: dict[str, Any], name: str) -> bool:
 
 def component_class(index: dict[str, Any], name: str) -> Any:
     """The class model_index.json names for component `name` (from diffusers or transformers)."""
-    import importlib
-
     library, cls = index[name]
     module = importlib.import_module(library)
     if not hasattr(module, cls):
@@ -85,8 +87,6 @@ def check_pipeline(root: Path, kind: str, pipelines: tuple[str, ...]) -> dict[st
     """The folder's index, after checking it is a checkpoint model.kind `kind` loads (its pipeline
     class is one of `pipelines`); else ValueError naming model.path, what the folder is and which
     model.kind loads it."""
-    from unirl.stages.runtime.registry import families
-
     index = read_index(root)
     name = index.get("_class_name", "?")
     if name in pipelines:
@@ -101,7 +101,7 @@ def write_folder(local: Path, *, base_dir: Path, vae: Any, parts: dict[str, dict
     """`local` <- a complete diffusers folder: every component of `base_dir` copied, the `vae`
     saved (SFT trains it) and, per trained subfolder in `parts`, its config copied and its
     state dict (plain names, adapters merged) written as safetensors."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # start-up time: safetensors loads on first use, not when a recipe is read
 
     local.mkdir(parents=True, exist_ok=True)
     index = json.loads((base_dir / "model_index.json").read_text())
@@ -130,7 +130,7 @@ def write_folder(local: Path, *, base_dir: Path, vae: Any, parts: dict[str, dict
 def write_index(root: Path, pipeline: str, components: dict[str, tuple[str, str] | None], **extra: Any) -> None:
     """model_index.json of a folder built in code: the pipeline class, each component's (library,
     class) or None for an absent optional one, and pipeline config values (`extra`)."""
-    import diffusers
+    import diffusers  # start-up time: diffusers loads on first use, not when a recipe is read
 
     index: dict[str, Any] = {"_class_name": pipeline, "_diffusers_version": diffusers.__version__, **extra}
     for name, entry in components.items():
@@ -158,8 +158,6 @@ def latent_space_differences(student: Path, teacher: Path) -> list[str]:
     `teacher` differs from folder `student`: a file one lacks, other tensors (safetensors files,
     equal at once where both folders' weights manifests give one sha256), a JSON file that says
     something else (its `_`-keys, such as `_name_or_path`, aside), or other bytes."""
-    from unirl.stages.train.manifests import MANIFEST
-
     def listing(root: Path) -> dict[str, Path]:
         return {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*"))
                 if p.is_file() and len(p.relative_to(root).parts) > 1 and p.relative_to(root).parts[0].startswith(LATENT_SPACE)}

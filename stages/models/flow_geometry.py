@@ -12,6 +12,7 @@ t = `temporal`; some also encode in chunks (`frame_step`: Wan's encoder reads 1 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -75,8 +76,6 @@ class FlowGeometry:
 
     def frame_rule(self) -> int:
         """Pixel frames between two valid frame counts: F = 1 + k * rule."""
-        import math
-
         t = self.temporal or 1
         rule = t * self.patch_t
         return rule * self.frame_step // math.gcd(rule, self.frame_step)

@@ -26,7 +26,7 @@ def add_lora(models: Sequence[Any], *, rank: int, alpha: float, target_modules: 
     the layers of `models` named by `target_modules` (a layer matches a target when its name is the
     target or ends with '.' + target). Only adapter weights stay trainable. Returns the adapted
     layers' names. A target matching no layer raises ValueError naming `what` and the layers."""
-    from peft import LoraConfig
+    from peft import LoraConfig  # start-up time: peft loads on first use, not when a recipe is read
 
     layers = [n for n, _ in _layers(models)]
     targets = [target_modules] if isinstance(target_modules, str) else list(target_modules)
@@ -51,7 +51,7 @@ def add_lora(models: Sequence[Any], *, rank: int, alpha: float, target_modules: 
 def reference_policy(models: Sequence[Any], what: str) -> Iterator[None]:
     """Inside the block `models` run with their LoRA adapters disabled: the base model, i.e. the
     reference policy for KL. Nests safely."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer  # start-up time: peft loads on first use, not when a recipe is read
 
     lora_layers = [m for model in models for m in model.modules() if isinstance(m, BaseTunerLayer)]
     if not lora_layers:

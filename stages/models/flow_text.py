@@ -7,8 +7,14 @@ in whatever batch it later appears (stages/diffusion/model.py caches it)."""
 from __future__ import annotations
 
 import logging
+import re
+import string
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from unirl.stages.toys.geneval.dataset import WORDS
+from unirl.stages.toys.videotoy.dataset import WORDS as VIDEO_WORDS
 
 if TYPE_CHECKING:
     import torch
@@ -28,9 +34,6 @@ CHAT_TEMPLATE = (
 
 def toy_words() -> tuple[str, ...]:
     """The toy tasks' vocabulary (toy GenEval, toy video), one token each in the tiny tokenizer."""
-    from unirl.stages.toys.geneval.dataset import WORDS
-    from unirl.stages.toys.videotoy.dataset import WORDS as VIDEO_WORDS
-
     return tuple(dict.fromkeys((*WORDS, *VIDEO_WORDS)))
 
 
@@ -40,11 +43,8 @@ def build_tiny_tokenizer(words: Sequence[str] | None = None, *, templates: Seque
     words in `templates` (a family's prompt templates, so their prefixes stay short) is one token,
     any other word falls apart into characters, the template markers are special tokens; with a
     chat template (Qwen's layout). Deterministic: no training, the same in every process."""
-    import re
-    import string
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # start-up time: tokenizers loads on first use, not when a recipe is read
+    from transformers import PreTrainedTokenizerFast  # start-up time: transformers loads on first use, not when a recipe is read
 
     words = toy_words() if words is None else tuple(words)
     words = tuple(dict.fromkeys((*words, "system", "user", "assistant", *(w for t in templates for w in re.findall(r"\w+", t)))))
@@ -67,8 +67,6 @@ def learn_bpe(words: list[str], alphabet: list[str]) -> tuple[dict[str, int], li
     same words give the same vocabulary in every process (the `tokenizers` trainer breaks ties by
     hash order, which changes between processes). The vocabulary: the special tokens, the
     alphabet, each character as a word end, then the merges in order."""
-    from collections import Counter
-
     vocab: dict[str, int] = {}
     for token in ["<|startoftext|>", "<|endoftext|>", *alphabet, *(ch + "</w>" for ch in alphabet)]:
         vocab.setdefault(token, len(vocab))
@@ -103,12 +101,10 @@ def build_tiny_clip_tokenizer(words: Sequence[str] | None = None, model_max_leng
     one token and any other text still tokenizes character by character. Single characters that
     end a word ("a", ",") are in the vocabulary, or they would map to the unknown token, which
     CLIP shares with end-of-text (where the pooled embedding is read)."""
-    from tokenizers import pre_tokenizers
-    from transformers import CLIPTokenizer
+    from tokenizers import pre_tokenizers  # start-up time: tokenizers loads on first use, not when a recipe is read
+    from transformers import CLIPTokenizer  # start-up time: transformers loads on first use, not when a recipe is read
 
     if words is None:
-        from unirl.stages.toys.geneval.dataset import WORDS
-
         words = WORDS
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab, merges = learn_bpe(list(words), alphabet)
@@ -155,7 +151,7 @@ def pad_rows(x: torch.Tensor, mask: torch.Tensor, length: int) -> tuple[torch.Te
 
 def tiny_qwen3(tokenizer: Any, *, hidden: int, layers: int, seed: int) -> Any:
     """A tiny Qwen3ForCausalLM (FLUX.2 Klein's text encoder class)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM  # start-up time: transformers loads on first use, not when a recipe is read
 
     cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2, max_position_embeddings=1024,
@@ -173,6 +169,7 @@ def _qwen25_text(tokenizer: Any, hidden: int, layers: int) -> dict[str, Any]:
 def tiny_qwen25_vl(tokenizer: Any, *, hidden: int, layers: int, seed: int) -> Any:
     """A tiny Qwen2_5_VLForConditionalGeneration (Qwen-Image's text encoder class; its vision tower
     tiny too, unused for text prompts)."""
+    # start-up time: transformers loads on first use, not when a recipe is read
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": hidden,
@@ -183,14 +180,14 @@ def tiny_qwen25_vl(tokenizer: Any, *, hidden: int, layers: int, seed: int) -> An
 
 def tiny_qwen25_text(tokenizer: Any, *, hidden: int, layers: int, seed: int) -> Any:
     """A tiny Qwen2_5_VLTextModel (HunyuanVideo 1.5's text encoder class)."""
-    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel  # start-up time: transformers loads on first use, not when a recipe is read
 
     return seeded(seed, lambda: Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**_qwen25_text(tokenizer, hidden, layers))))
 
 
 def tiny_umt5(tokenizer: Any, *, hidden: int, layers: int, seed: int) -> Any:
     """A tiny UMT5EncoderModel (Wan's text encoder class)."""
-    from transformers import UMT5Config, UMT5EncoderModel
+    from transformers import UMT5Config, UMT5EncoderModel  # start-up time: transformers loads on first use, not when a recipe is read
 
     cfg = UMT5Config(vocab_size=len(tokenizer), d_model=hidden, d_kv=hidden // 2, d_ff=2 * hidden, num_layers=layers,
                      num_heads=2, relative_attention_num_buckets=8, relative_attention_max_distance=32, dropout_rate=0.0,
@@ -201,7 +198,7 @@ def tiny_umt5(tokenizer: Any, *, hidden: int, layers: int, seed: int) -> Any:
 
 def tiny_llama(tokenizer: Any, *, hidden: int, layers: int, seed: int) -> Any:
     """A tiny LlamaModel (HunyuanVideo 1.0's text encoder class)."""
-    from transformers import LlamaConfig, LlamaModel
+    from transformers import LlamaConfig, LlamaModel  # start-up time: transformers loads on first use, not when a recipe is read
 
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
@@ -213,6 +210,7 @@ def tiny_clip(tokenizer: Any, *, hidden: int, seed: int, projection: bool = True
     """A tiny CLIP text encoder (2 layers, 2 heads, projection `hidden` wide, as many positions as
     the tokenizer's length): CLIPTextModelWithProjection (SD3's CLIP-L and CLIP-G) or, without
     `projection`, CLIPTextModel (HunyuanVideo 1.0's pooled encoder)."""
+    # start-up time: transformers loads on first use, not when a recipe is read
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     cfg = CLIPTextConfig(vocab_size=len(tokenizer), max_position_embeddings=tokenizer.model_max_length,
@@ -225,7 +223,7 @@ def tiny_clip(tokenizer: Any, *, hidden: int, seed: int, projection: bool = True
 
 def tiny_t5(tokenizer: Any, *, hidden: int, seed: int) -> Any:
     """A tiny T5EncoderModel (SD3's third text encoder): one layer, 4 heads, gated-gelu like T5 v1.1, no dropout."""
-    from transformers import T5Config, T5EncoderModel
+    from transformers import T5Config, T5EncoderModel  # start-up time: transformers loads on first use, not when a recipe is read
 
     cfg = T5Config(vocab_size=len(tokenizer), d_model=hidden, d_kv=hidden // 4, d_ff=2 * hidden, num_layers=1,
                    num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
@@ -243,7 +241,7 @@ def tiny_clip_text(*, hidden: int, seed: int, max_length: int = 16) -> tuple[Any
 def tiny_byt5(*, hidden: int, seed: int) -> tuple[Any, Any]:
     """A tiny T5EncoderModel over ByT5's byte vocabulary and the ByT5 tokenizer (HunyuanVideo 1.5's
     glyph encoder: it reads the quoted text of a prompt)."""
-    from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
+    from transformers import ByT5Tokenizer, T5Config, T5EncoderModel  # start-up time: transformers loads on first use, not when a recipe is read
 
     tok = ByT5Tokenizer()
     cfg = T5Config(vocab_size=len(tok), d_model=hidden, d_kv=hidden // 2, d_ff=2 * hidden, num_layers=1, num_heads=2,

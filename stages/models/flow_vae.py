@@ -14,6 +14,7 @@ real checkpoint ships fit only its own weights).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -170,7 +171,7 @@ class ChannelStats(LatentCodec):
         """The decoder's own output, before the clamp to [-1, 1] these VAEs end their decode with:
         trained through the clamp, a decoder that overshoots white (the toy scenes' background)
         gets no gradient on the pixels it overshoots and settles on a blank frame."""
-        import torch
+        import torch  # start-up time: torch loads on first use, not when a recipe is read
 
         posterior = vae.encode(pixels).latent_dist
         frames: list[Tensor] = []
@@ -181,6 +182,7 @@ class ChannelStats(LatentCodec):
             handle.remove()
         out = torch.cat(frames, dim=2)
         if getattr(vae.config, "patch_size", None):
+            # start-up time: diffusers loads on first use, not when a recipe is read
             from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
             out = unpatchify(out, patch_size=vae.config.patch_size)
@@ -268,8 +270,6 @@ def warm_up_vae(
     20-step warm-up and cosine decay. `codec` (unirl.stages.models.flow_vae): uint8 media -> the VAE's
     input and its training reconstruction (default: `to_pixels`, decode). With several ranks each takes its share of every batch and `all_reduce`
     averages the gradients (a sum over ranks, divided here). Returns the final loss and time."""
-    import time
-
     import torch  # start-up time: loaded on first use, not when a recipe is read
 
     start = time.perf_counter()

@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field
 
 from unirl.stages.kernels import no_grad
+from unirl.stages.models import flow_text as T
 from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyFlow
+from unirl.stages.models.flow_folder import config_of, folder_defaults, write_defaults, write_index
 from unirl.stages.models.flow_geometry import FlowGeometry
 from unirl.stages.models.flow_vae import PatchBatchNorm
 from unirl.stages.runtime.registry import families
@@ -88,8 +90,6 @@ class Flux2Klein(FlowFamily):
 
     @classmethod
     def recipe_geometry(cls, cfg: Flux2KleinModelConfig) -> FlowGeometry | None:
-        from unirl.stages.models.flow_folder import config_of
-
         if cfg.path:
             if not (Path(cfg.path) / "vae" / "config.json").is_file():
                 return None
@@ -101,10 +101,8 @@ class Flux2Klein(FlowFamily):
     # -- the folder -----------------------------------------------------------------------------
     @classmethod
     def build_tiny(cls, directory: Path, tiny: TinyFlux2) -> Path:
+        # start-up time: diffusers loads on first use, not when a recipe is read
         from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
-
-        from unirl.stages.models import flow_text as T
-        from unirl.stages.models.flow_folder import write_defaults, write_index
 
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
@@ -134,8 +132,6 @@ class Flux2Klein(FlowFamily):
 
     @classmethod
     def load(cls, directory: Path, cfg: Flux2KleinModelConfig, device: Any) -> FlowBundle:
-        from unirl.stages.models.flow_folder import folder_defaults
-
         parts = cls.load_parts(directory, cfg, device)
         (transformer,) = parts.transformers
         geo = geometry_of(dict(parts.vae.config), dict(transformer.config), str(parts.root))

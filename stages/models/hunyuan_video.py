@@ -24,8 +24,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field
 
 from unirl.stages.kernels import no_grad
+from unirl.stages.models import flow_text as T
 from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyVideo
+from unirl.stages.models.flow_folder import config_of, folder_defaults, read_index, write_defaults, write_index
 from unirl.stages.models.flow_geometry import FlowGeometry
+from unirl.stages.models.flow_text import ids_and_mask
 from unirl.stages.models.flow_vae import Scale
 from unirl.stages.runtime.registry import families
 
@@ -111,16 +114,12 @@ class HunyuanVideo(FlowFamily):
     @classmethod
     def native_media(cls, cfg: HunyuanVideoModelConfig) -> tuple[int, int | None]:
         if cfg.path:
-            from unirl.stages.models.flow_folder import folder_defaults, read_index
-
             found = folder_defaults(Path(cfg.path), cls.version_defaults[version_of(read_index(Path(cfg.path)))])
             return int(found["image_size"]), found["num_frames"]
         return cfg.tiny.image_size, cfg.tiny.num_frames
 
     @classmethod
     def recipe_geometry(cls, cfg: HunyuanVideoModelConfig) -> FlowGeometry | None:
-        from unirl.stages.models.flow_folder import config_of, read_index
-
         if cfg.path:
             if not (Path(cfg.path) / "vae" / "config.json").is_file():
                 return None
@@ -137,6 +136,7 @@ class HunyuanVideo(FlowFamily):
     # -- the folder -----------------------------------------------------------------------------
     @classmethod
     def build_tiny(cls, directory: Path, tiny: TinyHunyuan) -> Path:
+        # start-up time: diffusers loads on first use, not when a recipe is read
         from diffusers import (
             AutoencoderKLHunyuanVideo,
             AutoencoderKLHunyuanVideo15,
@@ -144,9 +144,6 @@ class HunyuanVideo(FlowFamily):
             HunyuanVideo15Transformer3DModel,
             HunyuanVideoTransformer3DModel,
         )
-
-        from unirl.stages.models import flow_text as T
-        from unirl.stages.models.flow_folder import write_defaults, write_index
 
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
@@ -165,7 +162,7 @@ class HunyuanVideo(FlowFamily):
             transformer = T.seeded(seed + 2, lambda: HunyuanVideo15Transformer3DModel(
                 in_channels=2 * tiny.latent_channels + 1, out_channels=tiny.latent_channels, text_embed_2_dim=tiny.text_hidden,
                 image_embed_dim=tiny.text_hidden, target_size=tiny.image_size, task_type="t2v", **common))
-            from diffusers import ClassifierFreeGuidance
+            from diffusers import ClassifierFreeGuidance  # start-up time: diffusers loads on first use, not when a recipe is read
 
             guider = ClassifierFreeGuidance(guidance_scale=6.0)  # the pipeline's; unirl's CFG is the sampler's
             guider.save_pretrained(root / "guider")
@@ -196,8 +193,6 @@ class HunyuanVideo(FlowFamily):
 
     @classmethod
     def load(cls, directory: Path, cfg: HunyuanVideoModelConfig, device: Any) -> FlowBundle:
-        from unirl.stages.models.flow_folder import folder_defaults
-
         parts = cls.load_parts(directory, cfg, device, text=("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"))
         root, index, vae, text, (transformer,) = parts.root, parts.index, parts.vae, parts.text, parts.transformers
         version = version_of(index)
@@ -226,8 +221,6 @@ class HunyuanVideo(FlowFamily):
     @no_grad
     def encode_prompt(cls, bundle: FlowBundle, text: str) -> tuple[torch.Tensor, ...]:
         """1.0: (embeds (L, D), mask (L,), pooled (P,)); 1.5: (embeds, mask, glyph embeds (L2, D2), glyph mask)."""
-        from unirl.stages.models.flow_text import ids_and_mask
-
         s, t, device = bundle.settings, bundle.text, bundle.device
         one_five = s["version"] == "1.5"
         ids, mask = ids_and_mask(t["tokenizer"], s["template"].format(text if text or not one_five else " "),
@@ -244,8 +237,6 @@ class HunyuanVideo(FlowFamily):
     def _glyphs(cls, bundle: FlowBundle, text: str) -> tuple[torch.Tensor, torch.Tensor]:
         """ByT5 embedding of the prompt's quoted text ('Text "..."', as the pipeline writes it), or zeros."""
         import torch  # start-up time: loaded on first use, not when a recipe is read
-
-        from unirl.stages.models.flow_text import ids_and_mask
 
         length, encoder = bundle.settings["glyph_length"], bundle.text["text_encoder_2"]
         quoted = list(dict.fromkeys(a or b for a, b in QUOTED.findall(text)))

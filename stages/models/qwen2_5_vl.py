@@ -27,7 +27,7 @@ class Qwen2_5_VL(QwenVL):
 
     @classmethod
     def model_class(cls) -> Any:
-        from transformers import Qwen2_5_VLForConditionalGeneration
+        from transformers import Qwen2_5_VLForConditionalGeneration  # start-up time: transformers loads on first use, not when a recipe is read
 
         return Qwen2_5_VLForConditionalGeneration
 
@@ -35,7 +35,7 @@ class Qwen2_5_VL(QwenVL):
     def tiny_config(cls, tiny: TinyVL, vocab_size: int, ids: dict[str, int]) -> Any:
         """Windows of 4 x 4 image tokens in every vision block but the last, which attends to the
         whole image (the real model's pattern at 1/8 of its depth)."""
-        from transformers import Qwen2_5_VLConfig
+        from transformers import Qwen2_5_VLConfig  # start-up time: transformers loads on first use, not when a recipe is read
 
         t, v = tiny.text, tiny.vision
         head_dim = t.hidden_size // t.num_attention_heads

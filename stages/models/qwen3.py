@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 from unirl.stages.models.family import Family
 from unirl.stages.runtime.config_base import LoraConfig, Section
 from unirl.stages.runtime.registry import families
+from unirl.stages.runtime.tokenizer import build_char_tokenizer, load_tokenizer
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 
@@ -71,7 +72,7 @@ class TextBundle:
 
 
 def tiny_qwen3_config(tiny: Any, vocab_size: int, eos_token_id: int, pad_token_id: int, bos_token_id: int):
-    from transformers import Qwen3Config
+    from transformers import Qwen3Config  # start-up time: transformers loads on first use, not when a recipe is read
 
     return Qwen3Config(
         vocab_size=vocab_size,
@@ -91,10 +92,8 @@ def tiny_qwen3_config(tiny: Any, vocab_size: int, eos_token_id: int, pad_token_i
 
 def save_tiny_qwen3(directory: str | Path, tiny: Any) -> Path:
     """Build the seeded tiny model and its character tokenizer and save both in HF layout."""
-    import torch
-    from transformers import Qwen3ForCausalLM
-
-    from unirl.stages.runtime.tokenizer import build_char_tokenizer
+    import torch  # start-up time: torch loads on first use, not when a recipe is read
+    from transformers import Qwen3ForCausalLM  # start-up time: transformers loads on first use, not when a recipe is read
 
     directory = Path(directory)
     tok = build_char_tokenizer(tiny.charset)
@@ -121,10 +120,8 @@ def check_model_dir(directory: str | Path) -> Path:
 
 def load_qwen3(directory: str | Path, *, dtype: str = "float32"):
     """(model, tokenizer) from a local HF directory, in train mode, no dropout."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from unirl.stages.runtime.tokenizer import load_tokenizer
+    import torch  # start-up time: torch loads on first use, not when a recipe is read
+    from transformers import AutoModelForCausalLM  # start-up time: transformers loads on first use, not when a recipe is read
 
     d = check_model_dir(directory)
     model = AutoModelForCausalLM.from_pretrained(str(d), dtype=getattr(torch, dtype), attn_implementation="sdpa")
@@ -153,11 +150,9 @@ class Qwen3(Family):
     @classmethod
     def load_empty(cls, directory: Path, cfg: Qwen3ModelConfig, device: Any) -> TextBundle | None:
         """The architecture from config.json on the meta device (rotary buffers computed for real)."""
-        import torch
-        from accelerate import init_empty_weights
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from unirl.stages.runtime.tokenizer import load_tokenizer
+        import torch  # start-up time: torch loads on first use, not when a recipe is read
+        from accelerate import init_empty_weights  # start-up time: accelerate loads on first use, not when a recipe is read
+        from transformers import AutoConfig, AutoModelForCausalLM  # start-up time: transformers loads on first use, not when a recipe is read
 
         d = check_model_dir(directory)
         if not cls.weight_files(d):
@@ -181,9 +176,9 @@ class Qwen3(Family):
     @classmethod
     def add_lora(cls, bundle: TextBundle, lora: LoraConfig) -> None:
         """peft LoRA on the linear layers; a target list that matches no layer names what exists."""
-        import torch
-        from peft import LoraConfig as PeftLora
-        from peft import get_peft_model
+        import torch  # start-up time: torch loads on first use, not when a recipe is read
+        from peft import LoraConfig as PeftLora  # start-up time: peft loads on first use, not when a recipe is read
+        from peft import get_peft_model  # start-up time: peft loads on first use, not when a recipe is read
 
         targets = lora.target_modules or list(cls.lora_targets)
         names = {n.rsplit(".", 1)[-1] for n, m in bundle.module.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -200,8 +195,8 @@ class Qwen3(Family):
     @classmethod
     def export(cls, bundle: TextBundle, local: Path, state: dict[str, Any], *, lora: LoraConfig | None) -> None:
         """model.safetensors (LoRA merged: W + B A * alpha / r, in base names), config, tokenizer."""
-        import torch
-        from safetensors.torch import save_file
+        import torch  # start-up time: torch loads on first use, not when a recipe is read
+        from safetensors.torch import save_file  # start-up time: safetensors loads on first use, not when a recipe is read
 
         local.mkdir(parents=True, exist_ok=True)
         config = bundle.module.config

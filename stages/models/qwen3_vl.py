@@ -28,7 +28,7 @@ class Qwen3VL(QwenVL):
 
     @classmethod
     def model_class(cls) -> Any:
-        from transformers import Qwen3VLForConditionalGeneration
+        from transformers import Qwen3VLForConditionalGeneration  # start-up time: transformers loads on first use, not when a recipe is read
 
         return Qwen3VLForConditionalGeneration
 
@@ -36,7 +36,7 @@ class Qwen3VL(QwenVL):
     def tiny_config(cls, tiny: TinyVL, vocab_size: int, ids: dict[str, int]) -> Any:
         """An 8 x 8 grid of learned vision position embeddings (resampled to each image's grid), and
         DeepStack features from the first vision block into the first decoder layer."""
-        from transformers import Qwen3VLConfig
+        from transformers import Qwen3VLConfig  # start-up time: transformers loads on first use, not when a recipe is read
 
         t, v = tiny.text, tiny.vision
         head_dim = t.hidden_size // t.num_attention_heads

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field
 
 from unirl.stages.kernels import no_grad
+from unirl.stages.models import flow_text as T
 from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyFlow
+from unirl.stages.models.flow_folder import config_of, folder_defaults, write_defaults, write_index
 from unirl.stages.models.flow_geometry import FlowGeometry
 from unirl.stages.models.flow_vae import ChannelStats
 from unirl.stages.runtime.registry import families
@@ -72,8 +74,6 @@ class QwenImage(FlowFamily):
 
     @classmethod
     def recipe_geometry(cls, cfg: QwenImageModelConfig) -> FlowGeometry | None:
-        from unirl.stages.models.flow_folder import config_of
-
         if cfg.path:
             if not (Path(cfg.path) / "vae" / "config.json").is_file():
                 return None
@@ -85,10 +85,8 @@ class QwenImage(FlowFamily):
     # -- the folder -----------------------------------------------------------------------------
     @classmethod
     def build_tiny(cls, directory: Path, tiny: TinyFlow) -> Path:
+        # start-up time: diffusers loads on first use, not when a recipe is read
         from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-
-        from unirl.stages.models import flow_text as T
-        from unirl.stages.models.flow_folder import write_defaults, write_index
 
         if tiny.patch_size != 2:
             raise ValueError(f"model.tiny.patch_size: Qwen-Image packs latents 2x2, got {tiny.patch_size}")
@@ -121,8 +119,6 @@ class QwenImage(FlowFamily):
 
     @classmethod
     def load(cls, directory: Path, cfg: QwenImageModelConfig, device: Any) -> FlowBundle:
-        from unirl.stages.models.flow_folder import folder_defaults
-
         parts = cls.load_parts(directory, cfg, device)
         root, (transformer,) = parts.root, parts.transformers
         scheduler = json.loads((root / "scheduler" / "scheduler_config.json").read_text()) \
@@ -143,7 +139,7 @@ class QwenImage(FlowFamily):
 
     @classmethod
     def dynamic_mu(cls, bundle: FlowBundle, tokens: int, num_steps: int) -> float:
-        from unirl.stages.kernels.schedules import dynamic_shift
+        from unirl.stages.kernels.schedules import dynamic_shift  # start-up time: it loads torch
 
         s = bundle.settings["scheduler"]
         return dynamic_shift(tokens, base_seq_len=s.get("base_image_seq_len", 256), max_seq_len=s.get("max_image_seq_len", 4096),

@@ -13,6 +13,7 @@ block when the tower trains).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,7 +23,18 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from unirl.stages.models.family import Family
+from unirl.stages.models.qwen3 import check_model_dir
+from unirl.stages.models.qwen_vl_prompts import (
+    QWEN_SPECIALS,
+    ImagePrompts,
+    build_vl_tokenizer,
+    grid_of,
+    image_processor,
+    load_image_processor,
+    load_vl_tokenizer,
+)
 from unirl.stages.runtime.config_base import LoraConfig, Section
+from unirl.stages.runtime.registry import sources
 from unirl.stages.runtime.tokenizer import CHARSET
 
 
@@ -107,8 +119,6 @@ def mrope_section(head_dim: int, shares: tuple[int, int, int]) -> list[int]:
 
 
 def check_vl_dir(directory: str | Path) -> Path:
-    from unirl.stages.models.qwen3 import check_model_dir
-
     d = check_model_dir(directory)
     if not (d / "preprocessor_config.json").is_file():
         raise FileNotFoundError(f"model.path {d}: no preprocessor_config.json (a vision-language model folder ships "
@@ -139,8 +149,6 @@ class QwenVL(Family):
     # -- recipe rules ---------------------------------------------------------------------------
     @classmethod
     def check(cls, recipe: Any) -> None:
-        from unirl.stages.runtime.registry import sources
-
         if not sources.get(recipe.data.name).gives_images(recipe.data):
             raise ValueError(f"data.name: model.kind {recipe.model.kind!r} answers questions about images, and "
                              f"{recipe.data.name!r} prompts carry none (use data.name toy_vqa, or file with image_column)")
@@ -156,9 +164,7 @@ class QwenVL(Family):
     @classmethod
     def save_tiny(cls, directory: str | Path, tiny: TinyVL) -> Path:
         """The seeded tiny model, its character tokenizer and its image processor in HF layout."""
-        import torch
-
-        from unirl.stages.models.qwen_vl_prompts import QWEN_SPECIALS, build_vl_tokenizer
+        import torch  # start-up time: torch loads on first use, not when a recipe is read
 
         directory = Path(directory)
         tok = build_vl_tokenizer(tiny.charset)
@@ -176,8 +182,6 @@ class QwenVL(Family):
 
     @classmethod
     def processor_for(cls, tiny: TinyVL) -> Any:
-        from unirl.stages.models.qwen_vl_prompts import image_processor
-
         v = tiny.vision
         return image_processor(v.patch_size, v.spatial_merge_size, 2, v.min_pixels, v.max_pixels)
 
@@ -185,8 +189,6 @@ class QwenVL(Family):
     def image_grids(cls, cfg: VLModelConfig, sizes: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
         """(t, h, w) patches of an image of each (width, height), as the model's image processor
         cuts it (the folder's settings, or the tiny model's)."""
-        from unirl.stages.models.qwen_vl_prompts import grid_of, load_image_processor
-
         key = (cfg.path, cfg.tiny.vision.model_dump_json()) if not cfg.path else (cfg.path,)
         if key not in _PROCESSORS:
             _PROCESSORS[key] = load_image_processor(Path(cfg.path)) if cfg.path else cls.processor_for(cfg.tiny)
@@ -195,7 +197,7 @@ class QwenVL(Family):
     # -- loading ----------------------------------------------------------------------------------
     @classmethod
     def load(cls, directory: Path, cfg: VLModelConfig, device: Any) -> VLBundle:
-        import torch
+        import torch  # start-up time: torch loads on first use, not when a recipe is read
 
         d = check_vl_dir(directory)
         model = cls.model_class().from_pretrained(str(d), dtype=getattr(torch, cfg.dtype), attn_implementation="sdpa")
@@ -203,8 +205,6 @@ class QwenVL(Family):
 
     @classmethod
     def _bundle(cls, model: Any, directory: Path, cfg: VLModelConfig) -> VLBundle:
-        from unirl.stages.models.qwen_vl_prompts import load_image_processor, load_vl_tokenizer
-
         model.config.use_cache = False
         if not cfg.train_vision:
             model.model.visual.requires_grad_(False)
@@ -216,11 +216,11 @@ class QwenVL(Family):
         """The architecture on the meta device, when the folder's safetensors hold the weights
         under the module's own names (our exports do; a checkpoint in transformers' older layout,
         as Qwen2.5-VL's `save_pretrained` writes it, is loaded whole, which renames on the way)."""
-        import torch
-        from accelerate import init_empty_weights
-        from transformers import AutoConfig
+        import torch  # start-up time: torch loads on first use, not when a recipe is read
+        from accelerate import init_empty_weights  # start-up time: accelerate loads on first use, not when a recipe is read
+        from transformers import AutoConfig  # start-up time: transformers loads on first use, not when a recipe is read
 
-        from unirl.stages.train.shards import SafetensorsRows
+        from unirl.stages.train.shards import SafetensorsRows  # start-up time: it loads torch
 
         d = check_vl_dir(directory)
         files = cls.weight_files(d)
@@ -259,11 +259,9 @@ class QwenVL(Family):
     def add_lora(cls, bundle: VLBundle, lora: LoraConfig) -> None:
         """peft LoRA on the language model's linear layers named by `target_modules` (the vision
         tower's MLP has layers of the same names: it keeps its own weights)."""
-        import re
-
-        import torch
-        from peft import LoraConfig as PeftLora
-        from peft import get_peft_model
+        import torch  # start-up time: torch loads on first use, not when a recipe is read
+        from peft import LoraConfig as PeftLora  # start-up time: peft loads on first use, not when a recipe is read
+        from peft import get_peft_model  # start-up time: peft loads on first use, not when a recipe is read
 
         targets = lora.target_modules or list(cls.lora_targets)
         linear = [n for n, m in bundle.module.named_modules() if isinstance(m, torch.nn.Linear) and ".language_model." in f".{n}"]
@@ -287,8 +285,8 @@ class QwenVL(Family):
     def export(cls, bundle: VLBundle, local: Path, state: dict[str, Any], *, lora: LoraConfig | None) -> None:
         """model.safetensors under the module's names (LoRA merged: W + B A * alpha / r), config,
         generation config, tokenizer (with its chat template) and image processor settings."""
-        import torch
-        from safetensors.torch import save_file
+        import torch  # start-up time: torch loads on first use, not when a recipe is read
+        from safetensors.torch import save_file  # start-up time: safetensors loads on first use, not when a recipe is read
 
         local.mkdir(parents=True, exist_ok=True)
         module = bundle.module
@@ -312,12 +310,8 @@ class QwenVL(Family):
     # -- what the text policy asks of a family whose prompts carry images ------------------------
     @classmethod
     def image_prompts(cls, bundle: VLBundle, use_chat: bool, device: Any) -> Any:
-        from unirl.stages.models.qwen_vl_prompts import ImagePrompts
-
         return ImagePrompts(bundle, use_chat, device)
 
     @classmethod
     def prompt_encoder(cls, directory: Path, chat_template: bool | None) -> Any:
-        from unirl.stages.models.qwen_vl_prompts import ImagePrompts
-
         return ImagePrompts.from_folder(check_vl_dir(directory), chat_template)

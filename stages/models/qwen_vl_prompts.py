@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from unirl.stages.runtime.images import ImageError, decode
+from unirl.stages.runtime.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -48,8 +50,8 @@ CHAT_TEMPLATE = (
 def build_vl_tokenizer(charset: str):
     """One token per character of `charset` (plus newline, which the chat template writes), Qwen's
     special tokens, `<|im_end|>` as eos and `<|endoftext|>` as pad, and the chat template above."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # start-up time: tokenizers loads on first use, not when a recipe is read
+    from transformers import PreTrainedTokenizerFast  # start-up time: transformers loads on first use, not when a recipe is read
 
     vocab = {tok: i for i, tok in enumerate(QWEN_SPECIALS + ("<unk>",))}
     for ch in dict.fromkeys(charset + "\n"):
@@ -66,8 +68,6 @@ def build_vl_tokenizer(charset: str):
 def load_vl_tokenizer(directory: Path):
     """The folder's tokenizer; its chat template from the tokenizer, else the processor's
     `chat_template.json` (how Qwen-VL checkpoints ship it)."""
-    from unirl.stages.runtime.tokenizer import load_tokenizer
-
     tok = load_tokenizer(directory)
     processor_template = Path(directory) / "chat_template.json"
     if not getattr(tok, "chat_template", None) and processor_template.is_file():
@@ -78,6 +78,7 @@ def load_vl_tokenizer(directory: Path):
 def image_processor(patch_size: int, merge_size: int, temporal_patch_size: int, min_pixels: int, max_pixels: int):
     """Qwen's image processor (resize to a multiple of patch x merge within [min, max] pixels,
     normalise, cut into patches), the PIL backend: it needs no torchvision."""
+    # start-up time: transformers loads on first use, not when a recipe is read
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=merge_size, temporal_patch_size=temporal_patch_size,
@@ -85,7 +86,7 @@ def image_processor(patch_size: int, merge_size: int, temporal_patch_size: int, 
 
 
 def load_image_processor(directory: Path):
-    from transformers import AutoImageProcessor
+    from transformers import AutoImageProcessor  # start-up time: transformers loads on first use, not when a recipe is read
 
     if not (Path(directory) / "preprocessor_config.json").is_file():
         raise FileNotFoundError(f"model.path {directory}: no preprocessor_config.json (a Qwen-VL folder ships its "
@@ -95,6 +96,7 @@ def load_image_processor(directory: Path):
 
 def grid_of(processor: Any, width: int, height: int) -> tuple[int, int, int]:
     """The (t, h, w) patch grid `processor` cuts a `width` x `height` image into (its own resize rule)."""
+    # start-up time: transformers loads on first use, not when a recipe is read
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     patch, merge = processor.patch_size, processor.merge_size
@@ -127,8 +129,6 @@ class ImagePrompts:
     def from_folder(cls, directory: Path, chat_template: bool | None) -> ImagePrompts:
         """The prompts of a model folder without loading its weights: its tokenizer (chat template
         as `model.chat_template` says), image processor and config (the image token ids)."""
-        from types import SimpleNamespace
-
         import torch  # start-up time: loaded on first use, not when a recipe is read
         from transformers import AutoConfig
 
@@ -195,7 +195,7 @@ class ImagePrompts:
     def stand_in(self) -> tuple[list[int], list[Any]]:
         """A one-image prompt (a blank image of the processor's smallest size) for a rank without
         samples: every rank must run the vision tower too (FSDP2 gathers its blocks collectively)."""
-        from PIL import Image
+        from PIL import Image  # start-up time: PIL loads on first use, not when a recipe is read
 
         side = self.processor.patch_size * self.merge
         image = Image.new("RGB", (side, side), (255, 255, 255))

@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, model_validator
 
 from unirl.stages.kernels import no_grad
+from unirl.stages.models import flow_text as T
 from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase
+from unirl.stages.models.flow_folder import config_of, listed, read_index, write_index
 from unirl.stages.models.flow_geometry import FlowGeometry, check_image_side
 from unirl.stages.models.flow_vae import ShiftScale
 from unirl.stages.runtime.config_base import Section
@@ -137,8 +139,6 @@ class SD3(FlowFamily):
 
     @classmethod
     def recipe_geometry(cls, cfg: SD3ModelConfig) -> FlowGeometry | None:
-        from unirl.stages.models.flow_folder import config_of
-
         if cfg.path:
             if not (Path(cfg.path) / "vae" / "config.json").is_file():
                 return None
@@ -149,7 +149,6 @@ class SD3(FlowFamily):
     def native_media(cls, cfg: SD3ModelConfig) -> tuple[int, int | None]:
         # An SD3 folder's configs say its image side (image_side), so SD3 needs no defaults file:
         # its tiny folders write none, as a checkpoint has none, and the base would answer 1024.
-        from unirl.stages.models.flow_folder import config_of
 
         if not cfg.path:
             return super().native_media(cfg)
@@ -161,10 +160,8 @@ class SD3(FlowFamily):
         """Every part seeded from `tiny.seed * 100 + k`, k over text_encoder, text_encoder_2,
         text_encoder_3, vae, transformer (k = 2 is skipped without T5); all three text encoders
         read one CLIP tokenizer, saved once per tokenizer folder."""
+        # start-up time: diffusers loads on first use, not when a recipe is read
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-
-        from unirl.stages.models import flow_text as T
-        from unirl.stages.models.flow_folder import write_index
 
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
@@ -194,8 +191,6 @@ class SD3(FlowFamily):
     def load(cls, directory: Path, cfg: SD3ModelConfig, device: Any) -> FlowBundle:
         """Both CLIPs always, T5 where the index lists it; settings: `image_size` (image_side) and
         `text_length`, T5's tokens per prompt or the zero rows standing in for it."""
-        from unirl.stages.models.flow_folder import listed, read_index
-
         index = read_index(Path(directory))
         t5 = listed(index, "text_encoder_3") or listed(index, "tokenizer_3")
         text = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", *(("text_encoder_3", "tokenizer_3") if t5 else ()))
@@ -217,7 +212,7 @@ class SD3(FlowFamily):
     @no_grad
     def encode_prompt(cls, bundle: FlowBundle, text: str) -> tuple[torch.Tensor, ...]:
         """(embeds (L_clip + L_t5, D_joint), pooled (P,)) of one prompt (module docstring)."""
-        import torch
+        import torch  # start-up time: torch loads on first use, not when a recipe is read
         import torch.nn.functional as F  # start-up time: loaded on first use, not when a recipe is read
 
         from unirl.stages.models.flow_text import ids_and_mask

@@ -13,9 +13,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, model_validator
 
 from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase
+from unirl.stages.models.flow_folder import config_of, folder_defaults, write_defaults, write_folder, write_index
 from unirl.stages.models.flow_geometry import FlowGeometry, check_image_side
+from unirl.stages.models.flow_text import build_tiny_tokenizer, ids_and_mask, seeded, toy_words
+from unirl.stages.models.flow_vae import ShiftScale
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.registry import families
+from unirl.stages.runtime.tokenizer import build_char_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -115,8 +119,6 @@ class Transfusion(FlowFamily):
 
     @classmethod
     def recipe_geometry(cls, cfg: TransfusionModelConfig) -> FlowGeometry | None:
-        from unirl.stages.models.flow_folder import config_of
-
         if cfg.path:
             if not (Path(cfg.path) / "vae" / "config.json").is_file():
                 return None
@@ -132,18 +134,14 @@ class Transfusion(FlowFamily):
 
     @classmethod
     def build_tiny(cls, directory: Path, tiny: TinyTransfusion) -> Path:
-        from diffusers import AutoencoderKL
+        from diffusers import AutoencoderKL  # start-up time: diffusers loads on first use, not when a recipe is read
 
-        from unirl.stages.models.flow_folder import write_defaults, write_index
-        from unirl.stages.models.flow_text import seeded
-        from unirl.stages.models.modules.transfusion import build_tiny_transfusion
-        from unirl.stages.runtime.tokenizer import build_char_tokenizer
+        from unirl.stages.models.modules.transfusion import build_tiny_transfusion  # start-up time: it loads torch
 
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
         if tiny.vocabulary == "words":
-            from unirl.stages.models.flow_text import build_tiny_tokenizer, toy_words
-            from unirl.stages.toys.geneval.paraphrase import lexicon
+            from unirl.stages.toys.geneval.paraphrase import lexicon  # start-up time: loaded on first use
 
             tok = build_tiny_tokenizer((*toy_words(), *lexicon()), model_max_length=tiny.max_text_len)
         else:
@@ -170,8 +168,6 @@ class Transfusion(FlowFamily):
 
     @classmethod
     def load(cls, directory: Path, cfg: TransfusionModelConfig, device: Any) -> TransfusionBundle:
-        from unirl.stages.models.flow_folder import folder_defaults
-
         parts = cls.load_parts(directory, cfg, device, text=("tokenizer",))
         (transformer,) = parts.transformers
         geo = transfusion_geometry(dict(parts.vae.config), transformer.config.to_dict(), str(parts.root))
@@ -183,16 +179,12 @@ class Transfusion(FlowFamily):
 
     @classmethod
     def codec(cls, bundle: Any) -> Any:
-        from unirl.stages.models.flow_vae import ShiftScale
-
         return ShiftScale()
 
     @classmethod
     def encode_prompt(cls, bundle: Any, text: str) -> tuple[torch.Tensor, ...]:
         """(ids (L,), mask (L,)): the plan's characters, right-padded to the folder's text_length;
         the transformer reads them itself (no separate text encoder)."""
-        from unirl.stages.models.flow_text import ids_and_mask
-
         ids, mask = ids_and_mask(bundle.tokenizer, text, int(bundle.settings["text_length"]), add_special_tokens=False)
         return ids[0], mask[0]
 
@@ -206,9 +198,7 @@ class Transfusion(FlowFamily):
     @classmethod
     def export(cls, bundle: Any, local: Path, state: dict[str, Any], *, lora: Any) -> None:
         """The folder with the trained transformer (model.safetensors, as `from_pretrained` reads it)."""
-        from safetensors.torch import save_file
-
-        from unirl.stages.models.flow_folder import write_folder
+        from safetensors.torch import save_file  # start-up time: safetensors loads on first use, not when a recipe is read
 
         write_folder(local, base_dir=bundle.directory, vae=bundle.vae, parts={})
         tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}

@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field
 
 from unirl.stages.kernels import no_grad
+from unirl.stages.models import flow_text as T
 from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, TinyVideo
+from unirl.stages.models.flow_folder import config_of, folder_defaults, write_defaults, write_index
 from unirl.stages.models.flow_geometry import FlowGeometry
 from unirl.stages.models.flow_vae import ChannelStats
 from unirl.stages.runtime.registry import families
@@ -71,8 +73,6 @@ class Wan(FlowFamily):
 
     @classmethod
     def recipe_geometry(cls, cfg: WanModelConfig) -> FlowGeometry | None:
-        from unirl.stages.models.flow_folder import config_of
-
         if cfg.path:
             if not (Path(cfg.path) / "vae" / "config.json").is_file():
                 return None
@@ -85,10 +85,8 @@ class Wan(FlowFamily):
     # -- the folder -----------------------------------------------------------------------------
     @classmethod
     def build_tiny(cls, directory: Path, tiny: TinyWan) -> Path:
+        # start-up time: diffusers loads on first use, not when a recipe is read
         from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
-
-        from unirl.stages.models import flow_text as T
-        from unirl.stages.models.flow_folder import write_defaults, write_index
 
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
@@ -117,8 +115,6 @@ class Wan(FlowFamily):
 
     @classmethod
     def load(cls, directory: Path, cfg: WanModelConfig, device: Any) -> FlowBundle:
-        from unirl.stages.models.flow_folder import folder_defaults
-
         parts = cls.load_parts(directory, cfg, device, experts=("transformer", "transformer_2"))
         experts, index = parts.transformers, parts.index
         if len(experts) == 2:

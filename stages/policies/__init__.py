@@ -26,7 +26,12 @@ from pydantic import Field, model_validator
 from unirl.stages.algorithms.correction import CorrectionConfig
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.registry import engines, policies
-from unirl.stages.runtime.sample import first_of_groups  # noqa: F401 (re-exported)
+from unirl.stages.runtime.sample import (
+    first_of_groups,  # noqa: F401 (re-exported)
+    read_rollouts,
+    read_shard,
+    scoring_view,
+)
 
 if TYPE_CHECKING:
     EngineConfig = Any  # the union of the registered engines' sections, built at import
@@ -163,8 +168,6 @@ PREVIEW_ROWS = 16  # rollouts in an iteration's samples table
 
 def iteration_rollouts(storage: Any, iteration: int, read: list[str]) -> Any:
     """The scoring view of iteration `iteration`'s committed rollouts, columns `read` (None until committed)."""
-    from unirl.stages.runtime.sample import read_rollouts, scoring_view
-
     gen = storage.stage_manifest(iteration, "generate")
     return None if gen is None else scoring_view(read_rollouts(storage, gen["files"], columns=read))
 
@@ -180,8 +183,6 @@ def samples_table(storage: Any, iteration: int, read: list[str], cells: Any, row
     advantage and the policy version that sampled it. `read`: the rollout columns `cells` needs;
     `table`: the rollouts (at least SAMPLES_COLUMNS and `read`) when the caller has read them.
     None until the iteration's rollouts are committed."""
-    from unirl.stages.runtime.sample import read_shard
-
     if table is None:
         table = iteration_rollouts(storage, iteration, [*SAMPLES_COLUMNS, *read])
     if table is None:
@@ -213,8 +214,6 @@ def behaviour_tolerance(recipe: Any) -> float:
     """Largest |replayed - recorded| behaviour log-prob the first update of a batch accepts for rows
     the trained weights sampled: `rollout.behaviour_tolerance`, else the engine's, else the
     policy's default at the compute dtype (bf16 mixed precision: bfloat16)."""
-    from unirl.stages.runtime.registry import engines
-
     tolerance = recipe.rollout.behaviour_tolerance
     if tolerance is None:
         tolerance = engines.get(recipe.rollout.engine.name).behaviour_tolerance

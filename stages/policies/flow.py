@@ -14,14 +14,20 @@ images and (C, F, h, w) for video; nothing here assumes which.
 from __future__ import annotations
 
 import dataclasses
+import io
+import math
 from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
 from pydantic import Field, model_validator
 
+from unirl.stages.diffusion.grid import GRID_COLUMNS, log_eval_grid, log_iteration_grid
+from unirl.stages.models.flow_folder import latent_space_differences
 from unirl.stages.policies import SAMPLES_COLUMNS, Policy, RolloutBase, iteration_rollouts, samples_table
+from unirl.stages.runtime.accumulation import version_of
 from unirl.stages.runtime.config_base import Section
-from unirl.stages.runtime.registry import kernels, policies
+from unirl.stages.runtime.media import Media, decode_png, media_columns, to_gif
+from unirl.stages.runtime.registry import algorithms, kernels, policies
 from unirl.stages.runtime.seeds import derive_seed
 
 if TYPE_CHECKING:
@@ -58,8 +64,6 @@ class SDESteps(Section):
 
 def fraction_range(num_steps: int, window: tuple[float, float]) -> tuple[int, int]:
     """Steps i with lo <= i/T < hi as [first, end)."""
-    import math
-
     lo, hi = window
     return math.ceil(lo * num_steps - 1e-9), math.ceil(hi * num_steps - 1e-9)
 
@@ -126,11 +130,7 @@ TABLE_CELL = 128  # pixels a table's picture is enlarged to, at least
 
 def media_cell(table: Any, i: int) -> dict[str, Any]:
     """A flow rollout's picture for its table row: the PNG image, or the clip as an animated GIF."""
-    import io
-
-    from PIL import Image
-
-    from unirl.stages.runtime.media import Media, decode_png, to_gif
+    from PIL import Image  # start-up time: PIL loads on first use, not when a recipe is read
 
     def seen(png: bytes) -> Any:  # a tiny model's 16-pixel sample, enlarged to be seen (nearest: no blur)
         image = decode_png(png)
@@ -178,8 +178,6 @@ class FlowPolicy(Policy):
         """Resolve the sampler settings the algorithm implies (DanceGRPO's kernel, MixGRPO's
         window) where the recipe leaves them empty, refuse ones that contradict it, and refuse
         settings no flow sample can use."""
-        from unirl.stages.runtime.registry import algorithms
-
         sampler = recipe.rollout.sampler
         algo = algorithms.get(recipe.algorithm.name)
         wanted = {"sde_kind": sampler.kernel, "sde_steps.mode": sampler.sde_steps.selection, **algo.sampler_defaults()}
@@ -213,8 +211,6 @@ class FlowPolicy(Policy):
         """An image grid (an animated GIF grid for video) of the iteration's rollouts, with rewards,
         and the table of its first samples with each image (clip) in its row: prompt, image,
         reward, advantage, version (MLflow `tables/samples/step-N.json`)."""
-        from unirl.stages.diffusion.grid import GRID_COLUMNS, log_iteration_grid
-
         table = iteration_rollouts(storage, iteration, list(dict.fromkeys([*GRID_COLUMNS, *SAMPLES_COLUMNS])))
         if table is None:
             return None
@@ -227,8 +223,6 @@ class FlowPolicy(Policy):
     @classmethod
     def log_eval_preview(cls, recipe: Any, tracker: Any, storage: Any, version: int) -> str | None:
         """The grid of the held-out samples (greedy, ODE) of policy `version`."""
-        from unirl.stages.diffusion.grid import log_eval_grid
-
         return log_eval_grid(tracker, storage, version)
 
     def __init__(self, family: Any, bundle: Any, recipe: Any, device: torch.device):
@@ -253,7 +247,7 @@ class FlowPolicy(Policy):
 
     def velocity(self, module: Any, prompts: list[str]) -> Any:
         """v(x, sigma) of `module` (the policy, the EMA old policy or the reference) for `prompts`."""
-        from unirl.stages.diffusion.model import bind
+        from unirl.stages.diffusion.model import bind  # start-up time: it loads torch
 
         return bind(self.family, self.bundle, self.encode(prompts), self.sampler.guidance_scale, module)
 
@@ -261,8 +255,6 @@ class FlowPolicy(Policy):
         """A flow teacher runs in the student's latent space on the student's text conditioning
         (only its transformer is loaded), so its folder's VAE, text encoders and tokenizers must
         be the student's: ValueError naming the files that differ."""
-        from unirl.stages.models.flow_folder import latent_space_differences
-
         differ = latent_space_differences(self.bundle.directory, directory)
         if differ:
             raise ValueError(
@@ -274,8 +266,7 @@ class FlowPolicy(Policy):
     def plan(self, iteration: int, *, deterministic: bool = False) -> Any:
         """The sampling plan of `iteration`: its SDE steps are drawn per update (`version_of`), so
         the batches of a rollout-accumulation window, trained as one, share them."""
-        from unirl.stages.diffusion.sampling import make_plan
-        from unirl.stages.runtime.accumulation import version_of
+        from unirl.stages.diffusion.sampling import make_plan  # start-up time: it loads torch
 
         return make_plan(self.sampler, seed=self.recipe.seed, iteration=version_of(self.recipe, iteration),
                          latent_tokens=self.family.latent_tokens(self.bundle, self.shape), deterministic=deterministic,
@@ -291,8 +282,7 @@ class FlowPolicy(Policy):
 
         from unirl.stages.diffusion.sampling import sample, stored_steps
         from unirl.stages.diffusion.sde import initial_noise
-        from unirl.stages.diffusion.trajectory import latent_rows
-        from unirl.stages.runtime.media import media_columns
+        from unirl.stages.diffusion.trajectory import latent_rows  # start-up time: it loads torch
 
         plan = self.plan(iteration, deterministic=greedy)
         store = stored_steps(plan.sde_indices.tolist(), plan.num_steps, transitions=transitions and not greedy)
@@ -340,7 +330,7 @@ class FlowPolicy(Policy):
     def check_batch(self, batch: Any, iteration: int, algorithm: Any, where: str) -> None:
         """The stored rows were sampled with this iteration's sigmas (and SDE steps, when the loss
         replays them): the trainer must replay what the sampler did."""
-        from unirl.stages.diffusion.sde import SigmaMismatchError, check_sigmas
+        from unirl.stages.diffusion.sde import SigmaMismatchError, check_sigmas  # start-up time: it loads torch
 
         requested = self.plan(iteration)
         check_sigmas(requested.sigmas, batch.plan.sigmas)
@@ -383,7 +373,7 @@ class FlowPolicy(Policy):
         """The stored transition at SDE step `selection` scored under `module`: SDEStepOutput
         (log_prob (B,), mean, std); the same kernel call the sampler made. `v`: the velocity
         at the stored state when the caller has it (`state_velocity`), instead of a forward."""
-        from unirl.stages.diffusion.sampling import replay_step
+        from unirl.stages.diffusion.sampling import replay_step  # start-up time: it loads torch
 
         if v is None:
             v = self.state_velocity(module, batch, selection)
@@ -403,7 +393,7 @@ class FlowPolicy(Policy):
     def sft_spec(cls, recipe: Any) -> tuple[Any, Any]:
         """AdamW at `sft.lr` on the family's `flow_matching` schedule over `sft.steps`, and its EMA
         (what SFT publishes), whose decay starts short so early steps do not linger."""
-        from unirl.stages.train.stack import OptimizerSpec
+        from unirl.stages.train.stack import OptimizerSpec  # start-up time: it loads torch
 
         fm = recipe.model.flow_matching
         spec = OptimizerSpec(lr=recipe.sft.lr, schedule=fm.schedule, warmup=fm.warmup_steps, total=recipe.sft.steps,
@@ -458,7 +448,7 @@ class FlowPolicy(Policy):
         g = torch.Generator().manual_seed(derive_seed(seed, "sft-noise", step, stack.rank))
         noise = torch.randn(x0.shape, generator=g).to(self.device)
         sigma = S.logit_normal_sigmas(mine, seed=seed, step=step, shift=self.recipe.model.flow_matching.sigma_shift).to(self.device)
-        from unirl.stages.diffusion.model import bind
+        from unirl.stages.diffusion.model import bind  # start-up time: it loads torch
 
         velocity = bind(self.family, self.bundle, self.prompts([self._sft_prompts[i] for i in mine], self.sampler), 1.0, module)
         loss = S.flow_matching_loss(velocity, x0, noise, sigma)

@@ -18,6 +18,7 @@ decoded from the shard's PNG bytes (stages/runtime/images.py). Text-only familie
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -26,8 +27,11 @@ import pyarrow as pa
 from pydantic import Field
 
 from unirl.stages.policies import Policy, RolloutBase, samples_table
+from unirl.stages.policies.text_sampling import log_probs, sample
 from unirl.stages.runtime.registry import policies
 from unirl.stages.runtime.seeds import derive_seed
+from unirl.stages.runtime.tokenizer import encode_prompt
+from unirl.stages.tools.calls import ToolFormat
 
 if TYPE_CHECKING:
     import torch
@@ -64,8 +68,6 @@ def token_logp(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperatu
     """log softmax(logits / temperature) at the next token, fp32. Returns (B, T-1). `inputs`: the
     model's other inputs for these rows (a VLM's pixel values, grids and M-RoPE positions);
     `banned`: token ids the sampler never draws, at probability 0 as there (text_sampling.log_probs)."""
-    from unirl.stages.policies.text_sampling import log_probs
-
     logits = model(input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False, **(inputs or {})).logits[:, :-1]
     logp = log_probs(logits, temperature, banned)
     return logp.gather(-1, batch["ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
@@ -132,8 +134,6 @@ def context_length(model: Any) -> int | None:
     """The longest sequence a text family's model takes (`max_position_embeddings` of its tiny
     architecture or of `config.json` under `model.path`, a VLM's from its text config); None when
     not known (no config file yet: loading reports that)."""
-    import json
-
     if getattr(model, "path", None):
         config = Path(model.path) / "config.json"
         try:
@@ -240,8 +240,6 @@ class TextPolicy(Policy):
     # -- conditions -----------------------------------------------------------------------------
     def encode(self, prompts: list[str]) -> list[list[int]]:
         """Token ids of each prompt, through the chat template when the recipe/tokenizer uses one."""
-        from unirl.stages.runtime.tokenizer import encode_prompt
-
         encoded = {p: encode_prompt(self.tokenizer, p, self.use_chat) for p in dict.fromkeys(prompts)}
         return [encoded[p] for p in prompts]
 
@@ -265,8 +263,6 @@ class TextPolicy(Policy):
         """One response per (sample id, group id, prompt, metadata, images, token ids) of this rank,
         all in one batch; a prompt's images (PNG bytes and grids) are copied into its rows; a prompt
         given as token ids is sampled from them as they are."""
-        from unirl.stages.policies.text_sampling import sample
-
         c = self.cfg
         seeds = [derive_seed(self.recipe.seed, seed_tag, iteration, s[0]) for s in samples]
         shown: list[list[Any]] = []
@@ -375,7 +371,7 @@ class TextPolicy(Policy):
     @classmethod
     def sft_spec(cls, recipe: Any) -> tuple[Any, Any]:
         """AdamW at `sft.lr`, constant, no EMA: the optimizer of the warm start."""
-        from unirl.stages.train.stack import OptimizerSpec
+        from unirl.stages.train.stack import OptimizerSpec  # start-up time: it loads torch
 
         return OptimizerSpec(lr=recipe.sft.lr, total=recipe.sft.steps, max_grad_norm=recipe.train.max_grad_norm), None
 
@@ -397,9 +393,6 @@ class TextPolicy(Policy):
         self._sft_responses = [self.tokenizer(r, add_special_tokens=False).input_ids + [eos] for r in table.column("response").to_pylist()]
         self._sft_masks: list[list[int]] | None = None
         if "turns" in table.schema.names:  # agents' transcripts: only the assistant turns are learned
-            import json
-
-            from unirl.stages.tools.calls import ToolFormat
 
             fmt = ToolFormat(self.tokenizer, self.use_chat)
             self._sft_masks = [[1] * len(r) for r in self._sft_responses]
@@ -412,7 +405,7 @@ class TextPolicy(Policy):
         """Cross-entropy on the response tokens of step `step`'s records (a seeded permutation per
         epoch, split across ranks), as this rank's share of the batch mean: (loss to backpropagate
         times world, its value summed over ranks)."""
-        import numpy as np
+        import numpy as np  # start-up time: numpy loads on first use, not when a recipe is read
         import torch  # start-up time: loaded on first use, not when a recipe is read
 
         n = len(self._sft_prompts)

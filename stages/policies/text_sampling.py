@@ -7,6 +7,7 @@ parameters collectively), stopping only when all ranks' samples are finished.
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -48,8 +49,6 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def cache_kwarg(model: torch.nn.Module) -> str:
     """The forward argument that takes the KV cache: `cache` in transformers 5, else `past_key_values`."""
-    import inspect
-
     peft_base = getattr(model, "get_base_model", None)
     base = peft_base() if peft_base is not None else model
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
@@ -99,14 +98,14 @@ def sample(
     `inputs(ids, attn)`: the prompts' other model inputs for the prefill (a VLM's pixel values)
     and their positions, (B, T) or M-RoPE's (3, B, T); default: 1-D positions of the text.
     `banned`: token ids never sampled (`log_probs`)."""
-    import torch
+    import torch  # start-up time: torch loads on first use, not when a recipe is read
     import torch.distributed as dist  # start-up time: loaded on first use, not when a recipe is read
 
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     empty = not prompts
     if empty:  # this rank has nothing to do but must take part in every forward
         prompts, seeds = [[eos_id]], [0]
-    from transformers import DynamicCache
+    from transformers import DynamicCache  # start-up time: transformers loads on first use, not when a recipe is read
 
     batch = len(prompts)
     width = max(len(p) for p in prompts)

@@ -26,7 +26,7 @@ def local_dir(path: str | Path, scorer: str, what: str = "model_path") -> str:
 
 def pick_device(device: str) -> torch.device:
     """'auto' -> cuda when available, else cpu; anything else is passed to torch.device."""
-    import torch
+    import torch  # start-up time: torch loads on first use, not when a recipe is read
 
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -34,7 +34,7 @@ def pick_device(device: str) -> torch.device:
 
 
 def pick_dtype(dtype: str) -> torch.dtype:
-    import torch
+    import torch  # start-up time: torch loads on first use, not when a recipe is read
 
     table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     if dtype not in table:

@@ -28,7 +28,7 @@ _ACTIVATIONS = {
 
 def load_linear_chain(path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
     """Read (weight (out, in), bias (out,)) pairs in float64, checking the dimensions chain."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # start-up time: safetensors loads on first use, not when a recipe is read
 
     tensors = load_file(str(path))
     names = sorted({k.rsplit(".", 1)[0] for k in tensors},
@@ -67,7 +67,7 @@ class AestheticScore:
         dtype: str = "float32",
         batch_size: int = 32,
     ) -> None:
-        from unirl.stages.rewards._clip import ClipEmbedder
+        from unirl.stages.rewards._clip import ClipEmbedder  # start-up time: it loads torch
 
         if activation not in _ACTIVATIONS:
             raise ValueError(f"scorer 'aesthetic': activation must be one of {sorted(_ACTIVATIONS)}")

@@ -20,6 +20,7 @@ class ClipScore:
 
     def __init__(self, model_path: str, *, w: float = 1.0,
                  processor_path: str | None = None, device: str = "auto", dtype: str = "float32", batch_size: int = 32) -> None:
+        # start-up time: it loads torch
         from unirl.stages.rewards._clip import ClipEmbedder  # torch + transformers only when built
 
         self.w = float(w)

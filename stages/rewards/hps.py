@@ -19,7 +19,7 @@ class HumanPreferenceScore:
 
     def __init__(self, model_path: str, *, scale: float = 1.0,
                  processor_path: str | None = None, device: str = "auto", dtype: str = "float32", batch_size: int = 32) -> None:
-        from unirl.stages.rewards._clip import ClipEmbedder
+        from unirl.stages.rewards._clip import ClipEmbedder  # start-up time: it loads torch
 
         self.scale = float(scale)
         self.embedder = ClipEmbedder(model_path, scorer=self.name, processor_path=processor_path, device=device, dtype=dtype, batch_size=batch_size)

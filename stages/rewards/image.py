@@ -13,6 +13,7 @@ from typing import Any, Literal
 import numpy as np
 
 from unirl.stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
+from unirl.stages.toys.geneval import parse_prompt, score
 
 # The components each geneval mode averages into the reward.
 GENEVAL_MODE_PARTS = {
@@ -51,8 +52,6 @@ class GenEvalScorer:
 
     @staticmethod
     def check_prompt(text: str) -> None:
-        from unirl.stages.toys.geneval import parse_prompt
-
         parse_prompt(text)
 
     def __init__(self, mode: Literal["strict", "mean", "partial"] = "strict") -> None:
@@ -61,8 +60,6 @@ class GenEvalScorer:
         self.mode = mode
 
     def __call__(self, batch: ScoreBatch) -> ScoreResult:
-        from unirl.stages.toys.geneval import score
-
         images = _images(batch, self.name)
         metadata = batch.metadata or [{}] * len(images)
         intents = [meta.get("geneval_prompt") or prompt for prompt, meta in zip(batch.prompts, metadata)]

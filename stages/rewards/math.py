@@ -94,6 +94,7 @@ def extract_final_answer(text: str, fallback: str = "last_number") -> str | None
 def answers_equal(predicted: str, reference: str) -> bool:
     """Whether two final answers are the same, by math-verify. Uses its SIGALRM timeouts, so it runs
     in a process's main thread (the Checker's workers); never raises."""
+    # start-up time: math_verify loads on first use, not when a recipe is read
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     if len(predicted) > MAX_ANSWER_CHARS:

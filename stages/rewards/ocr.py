@@ -74,6 +74,7 @@ class OcrScore:
         dtype: str = "float32",
         batch_size: int = 16,
     ) -> None:
+        # start-up time: transformers loads on first use, not when a recipe is read
         from transformers import AutoImageProcessor, AutoTokenizer, VisionEncoderDecoderModel
 
         path = local_dir(model_path, self.name)
@@ -86,7 +87,7 @@ class OcrScore:
 
     def read(self, images: list[Any]) -> list[str]:
         """Greedy transcription of each image: N PIL images -> N strings."""
-        import torch
+        import torch  # start-up time: torch loads on first use, not when a recipe is read
 
         texts: list[str] = []
         for sl in micro_batches(len(images), self.batch_size):

@@ -22,7 +22,7 @@ class PickScore:
 
     def __init__(self, model_path: str, *, divisor: float = 1.0,
                  processor_path: str | None = None, device: str = "auto", dtype: str = "float32", batch_size: int = 32) -> None:
-        from unirl.stages.rewards._clip import ClipEmbedder
+        from unirl.stages.rewards._clip import ClipEmbedder  # start-up time: it loads torch
 
         if divisor <= 0:
             raise ValueError(f"scorer 'pickscore': divisor must be positive, got {divisor}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import importlib
 import json
 import logging
 import math
@@ -34,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from unirl.stages.rewards.base import ScoreBatch, Scorer, ScorerError, ScoreResult, aggregate, build_scorer, run_scorer, scorer_reads
 from unirl.stages.rewards.wire import Limits, TooLarge, WireError, decode_batch, result_to_json
+from unirl.stages.runtime.secrets import RedactingFilter
 from unirl.stages.runtime.yaml_input import MAX_BYTES as YAML_MAX_BYTES
 from unirl.stages.runtime.yaml_input import YamlInputError, load_yaml
 
@@ -162,8 +164,6 @@ class ScoringService:
     """Owns the built scorers and the worker threads that run them (at most `max_concurrency`)."""
 
     def __init__(self, config: ServerConfig) -> None:
-        import importlib
-
         for module in config.imports:
             try:
                 importlib.import_module(module)
@@ -324,8 +324,8 @@ def create_app(service: ScoringService, token: str | None) -> FastAPI:
 
 def serve(config: ServerConfig) -> None:
     """Resolve the token, build the scorers, and serve until interrupted (SIGINT / SIGTERM)."""
-    import uvicorn
-    from PIL import Image
+    import uvicorn  # start-up time: uvicorn loads on first use, not when a recipe is read
+    from PIL import Image  # start-up time: PIL loads on first use, not when a recipe is read
 
     token = resolve_token(config)
     # Pillow's own guard against decompression bombs, for an image opened anywhere in this process:
@@ -336,7 +336,6 @@ def serve(config: ServerConfig) -> None:
     log.info("reward server on http://%s:%d scorers=%s aggregation=%s",
              config.host, config.port, list(service.scorers), config.aggregation)
     # A client that puts its token in the URL by mistake must not leave it in the access log.
-    from unirl.stages.runtime.secrets import RedactingFilter
 
     logging.getLogger("uvicorn.access").addFilter(RedactingFilter())
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Literal
 
 from unirl.stages.rewards.base import ScoreBatch, ScoreResult, register_scorer
+from unirl.stages.toys.videotoy import parse_prompt, score
 
 VIDEOTOY_MODE_PARTS = {"strict": ("strict",), "mean": ("colour", "count", "direction", "speed"),
                        "motion": ("strict", "direction", "speed")}
@@ -24,8 +25,6 @@ class VideoToyScorer:
 
     @staticmethod
     def check_prompt(text: str) -> None:
-        from unirl.stages.toys.videotoy import parse_prompt
-
         parse_prompt(text)
 
     def __init__(self, mode: Literal["strict", "mean", "motion"] = "strict") -> None:
@@ -34,8 +33,6 @@ class VideoToyScorer:
         self.mode = mode
 
     def __call__(self, batch: ScoreBatch) -> ScoreResult:
-        from unirl.stages.toys.videotoy import score
-
         if batch.videos is None:
             raise ValueError("scorer 'videotoy' needs videos (ScoreBatch.videos) and the batch has none")
         results = [score(frames, prompt).as_dict() for frames, prompt in zip(batch.videos, batch.prompts)]

@@ -59,6 +59,7 @@ class VlmJudge:
         dtype: str = "float32",
         batch_size: int = 8,
     ) -> None:
+        # start-up time: transformers loads on first use, not when a recipe is read
         from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
         if not max_score > min_score:
@@ -81,7 +82,7 @@ class VlmJudge:
 
     def answers(self, batch: ScoreBatch) -> list[str]:
         """The model's raw answer for each sample (N strings)."""
-        import torch
+        import torch  # start-up time: torch loads on first use, not when a recipe is read
 
         out: list[str] = []
         for sl in micro_batches(len(batch), self.batch_size):

@@ -230,7 +230,7 @@ def _check_type(name: str, typ: pa.DataType) -> None:
 
 def _image_size(data: bytes, where: str, max_pixels: int) -> tuple[int, int]:
     """(width, height) from the image's header: Image.open reads no further."""
-    from PIL import Image
+    from PIL import Image  # start-up time: PIL loads on first use, not when a recipe is read
 
     try:
         with Image.open(io.BytesIO(data)) as im:
@@ -242,7 +242,7 @@ def _image_size(data: bytes, where: str, max_pixels: int) -> tuple[int, int]:
 
 
 def _decode_image(data: bytes, where: str) -> Any:
-    from PIL import Image
+    from PIL import Image  # start-up time: PIL loads on first use, not when a recipe is read
 
     try:
         with Image.open(io.BytesIO(data)) as im:

@@ -30,9 +30,16 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import Any
 
+from unirl.stages.compose import shape_of
+from unirl.stages.policies import behaviour_mask_limit, behaviour_tolerance
+from unirl.stages.recipe import build_recipe
 from unirl.stages.runtime.accumulation import accumulated, closes, version_after, version_of, window
+from unirl.stages.runtime.registry import engines
 from unirl.stages.runtime.sample import ShardSchemaError, read_shard
 from unirl.stages.runtime.storage import RunStorage, iter_dir, join
+from unirl.stages.runtime.yaml_input import load_yaml
+from unirl.stages.sections import StorageConfig
+from unirl.stages.train.manifests import mismatches
 
 LIMIT = 5  # problems of one kind listed per iteration; the rest are counted
 BEHAVIOUR = "behaviour_logp_max_abs_diff"
@@ -97,8 +104,6 @@ class Report:
 def resolve(run: str, root: str | None = None, options: dict[str, Any] | None = None) -> RunStorage:
     """The storage of `run`: a run name under `root` (default: the recipe's default `storage.root`),
     or a run folder's path or URL (runs/tiny, s3://bucket/runs/tiny), its last part the run's name."""
-    from unirl.stages.sections import StorageConfig
-
     url = run.rstrip("/")
     if "/" not in url:
         return RunStorage(root or StorageConfig().root, url, options)
@@ -113,9 +118,6 @@ def resolve(run: str, root: str | None = None, options: dict[str, Any] | None = 
 
 def stored_recipe(storage: RunStorage) -> Any:
     """The recipe a run was started with (its recipe.yaml, as `unirl run` wrote it)."""
-    from unirl.stages.recipe import build_recipe
-    from unirl.stages.runtime.yaml_input import load_yaml
-
     where = storage.url("recipe.yaml")
     return build_recipe(load_yaml(storage.read_bytes("recipe.yaml"), where), where)
 
@@ -310,8 +312,6 @@ class RunAudit:
         return out
 
     def weights_problems(self, rel: str) -> list[str]:
-        from unirl.stages.train.manifests import mismatches
-
         self.report.weights_checked += 1
         said = {"missing": "listed in its manifest, but missing", "sha256": "sha256 differs from its manifest"}
         return [f"{self.label}{posixpath.join(rel, name)}: {said[what]}" for name, what in mismatches(self.storage, rel)]
@@ -326,8 +326,6 @@ class RunAudit:
 
 def staleness(recipe: Any) -> tuple[int, str]:
     """How many versions older than its iteration a trained row may be, and the setting that says so."""
-    from unirl.stages.runtime.registry import engines
-
     r = recipe.rollout
     if r.mode == "async":
         return r.max_staleness, f"max_staleness {r.max_staleness}"
@@ -341,9 +339,6 @@ def tolerances(recipe: Any) -> dict[str, tuple[float, float]]:
     """The behaviour tolerance and mask limit (the tolerance where there is no mask band) of each
     policy the run trains, by the prefix of its train metrics ("": a single model's; a unified
     model's stages by name)."""
-    from unirl.stages.compose import shape_of
-    from unirl.stages.policies import behaviour_mask_limit, behaviour_tolerance
-
     def levels(part: Any) -> tuple[float, float]:
         tolerance, limit = behaviour_tolerance(part), behaviour_mask_limit(part)
         return tolerance, tolerance if limit is None else limit  # never below the tolerance

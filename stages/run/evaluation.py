@@ -8,11 +8,14 @@ from typing import Any
 
 import numpy as np
 
+from unirl.stages.compose import members
+from unirl.stages.distill import domain_parts
+from unirl.stages.engines.agentic import tool_use
 from unirl.stages.recipe import Recipe
 from unirl.stages.rewards.base import build_scorer, run_scorer
 from unirl.stages.run.iteration import SCORED_COLUMNS, reads, request_rows, score_batch
 from unirl.stages.runtime.data import build_prompt_source
-from unirl.stages.runtime.sample import read_rollouts, scoring_view, table_from_rows, write_shard
+from unirl.stages.runtime.sample import metadata, read_rollouts, scoring_view, table_from_rows, write_shard
 from unirl.stages.runtime.storage import PREFIX, RunStorage, eval_dir, join
 
 
@@ -21,7 +24,6 @@ def eval_data(recipe: Recipe) -> Any:
     part's (its own, else the recipe's), else the recipe's."""
     if recipe.compose is None:
         return recipe.data
-    from unirl.stages.compose import members
 
     return members(recipe)[0].data or recipe.data
 
@@ -46,9 +48,6 @@ def write_eval_requests(storage: RunStorage, recipe: Recipe, version: int, group
 def correctness(storage: RunStorage, recipe: Recipe, rollouts: list[str]) -> tuple[list[str], np.ndarray, list[str | None]]:
     """(group ids, 0/1 correctness, domains) of every sample in `rollouts`; a mixture's rows are
     judged by their domain's correctness scorer (`Recipe.eval_scorer`)."""
-    from unirl.stages.distill import domain_parts
-    from unirl.stages.runtime.sample import metadata
-
     table = scoring_view(read_rollouts(storage, rollouts, columns=SCORED_COLUMNS))
     ok = np.zeros(table.num_rows)
     domains: list[str | None] = [None] * table.num_rows
@@ -95,7 +94,6 @@ def agent_eval_metrics(storage: RunStorage, sampled: list[str], prefix: str) -> 
     table = read_rollouts(storage, sampled, columns=["agent_turns", "agent_tool_calls", "agent_tool_errors"])
     if "agent_turns" not in table.schema.names:
         return {}
-    from unirl.stages.engines.agentic import tool_use
 
     turns, calls, errors = (sum(table.column(c).to_pylist()) for c in ("agent_turns", "agent_tool_calls", "agent_tool_errors"))
     return tool_use(prefix, table.num_rows, turns, calls, errors)

@@ -12,13 +12,14 @@ from typing import Any
 
 import numpy as np
 
+from unirl.stages.distill import distills_tokens, domain_parts
 from unirl.stages.kernels.advantage import group_advantages, group_stats
 from unirl.stages.recipe import Recipe
-from unirl.stages.rewards.base import ScoreBatch, ScoreResult, aggregate, build_scorer, prompt_check, run_scorer
+from unirl.stages.rewards.base import ScoreBatch, ScoreResult, aggregate, build_scorer, prompt_check, run_scorer, scorer_reads
 from unirl.stages.rewards.overlong import apply_overlong
 from unirl.stages.runtime.data import build_prompt_source
 from unirl.stages.runtime.faults import fault_point
-from unirl.stages.runtime.images import with_image_grids
+from unirl.stages.runtime.images import decode, with_image_grids
 from unirl.stages.runtime.media import decode_frames, decode_png
 from unirl.stages.runtime.sample import metadata, read_rollouts, read_shard, scoring_view, table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage, committed_batch, iter_dir, join  # noqa: F401 (committed_batch re-exported)
@@ -87,8 +88,6 @@ def score_batch(table: Any, prompt_images: bool = True, transcripts: bool = True
     decoded frames (video diffusion: `videos`, one list of frames per sample), or the answer and,
     with `prompt_images`, the first image its prompt showed (vision-language models); an agent's
     trajectories too with `transcripts`."""
-    from unirl.stages.runtime.images import decode
-
     names = table.schema.names
     pngs = table.column("media_png").to_pylist() if "media_png" in names else None
     clips = table.column("media_frames").to_pylist() if "media_frames" in names else None
@@ -113,8 +112,6 @@ def score_batch(table: Any, prompt_images: bool = True, transcripts: bool = True
 
 def reads(scorers: list[str], media: str) -> bool:
     """Whether one of `scorers` reads `media` (a remote scorer may: its server decides)."""
-    from unirl.stages.rewards.base import scorer_reads
-
     return any(media in (scorer_reads(name) or (media,)) for name in scorers)
 
 
@@ -124,8 +121,6 @@ def score(
 ) -> dict[str, Any]:
     """Score every rollout with its scorers (the recipe's; a mixture's domain's own); write
     rewards.arrow with components (and each row's `domain` in a mixture)."""
-    from unirl.stages.distill import domain_parts
-
     table = scoring_view(read_rollouts(storage, rollouts, columns=SCORED_COLUMNS))
     names = table.schema.names
     n = table.num_rows
@@ -199,7 +194,7 @@ def advantages(storage: RunStorage, recipe: Recipe, iteration: int, rewards: lis
     informative groups are kept, in round order. With `distill`, per-token advantages from the
     teachers' log-probs (`teachers`: their shards) of the student's tokens (`rollouts`)
     (stages/run/distillation.py)."""
-    import pyarrow as pa
+    import pyarrow as pa  # start-up time: pyarrow loads on first use, not when a recipe is read
 
     table = pa.concat_tables([read_shard(storage, r, "rewards") for r in rewards], promote_options="default")
     a = recipe.advantage
@@ -235,10 +230,9 @@ def advantages(storage: RunStorage, recipe: Recipe, iteration: int, rewards: lis
             # toward the reference. `rollout/no_signal` is 1 for such an iteration.
             keep = set(list(rewards_of)[: recipe.rollout.prompts_per_iteration])
         rows = [r for r in rows if r["group_id"] in keep]
-    from unirl.stages.distill import distills_tokens
 
     if distills_tokens(recipe):
-        from unirl.stages.run.distillation import token_advantages
+        from unirl.stages.run.distillation import token_advantages  # start-up time: loaded on first use
 
         metrics.update(token_advantages(storage, recipe, rows, rollouts or [], teachers or []))
     rel = join(iter_dir(iteration), "advantages.arrow")

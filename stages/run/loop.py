@@ -20,12 +20,11 @@ from unirl.stages.run import iteration as it
 from unirl.stages.run.sequence import Batch, Steps, Update, run_iteration
 from unirl.stages.runtime.accumulation import closes, window
 from unirl.stages.runtime.storage import RunStorage, iter_dir
+from unirl.stages.workers.worker import Worker
 
 
 class InProcessLoop:
     def __init__(self, recipe: Any, weights_dir: str, *, device: str | torch.device = "cpu"):
-        from unirl.stages.workers.worker import Worker
-
         self.recipe = recipe
         self.storage = RunStorage(f"memory://unirl-loop-{uuid.uuid4().hex}", "loop")
         self._scratch = tempfile.TemporaryDirectory(prefix="unirl-loop-")

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from unirl.stages.runtime.scratch import log_tail, scratch_dir
+from unirl.stages.workers.group import kill_tree, spawn
 
 
 class ProducerGone(RuntimeError):
@@ -29,8 +30,6 @@ class ProducerProcess:
         self.starts = 0
 
     def start(self) -> None:
-        from unirl.stages.workers.group import spawn
-
         spec = self.scratch / "spec.json"
         spec.write_text(json.dumps({"recipe": self.recipe.model_dump(mode="json"), "run_name": self.run_name}))
         env = {k: v for k, v in os.environ.items() if k != "UNIRL_FAULTS" or self.starts == 0}
@@ -62,8 +61,6 @@ class ProducerProcess:
         return log_tail(self.log_path, lines)
 
     def stop(self) -> None:
-        from unirl.stages.workers.group import kill_tree
-
         if self.proc is not None:
             kill_tree(self.proc)
             self.proc = None

@@ -9,11 +9,14 @@ import subprocess
 import tempfile
 import uuid
 from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from unirl.stages.models.family import get_family
 from unirl.stages.recipe import FINGERPRINT_SCHEMA, Recipe
 from unirl.stages.runtime.accumulation import schedule_steps
+from unirl.stages.runtime.data import build_prompt_source
 from unirl.stages.runtime.storage import RunStorage, join
 from unirl.stages.train.manifests import MANIFEST, write_weights_dir
 
@@ -30,7 +33,6 @@ def code_version() -> str:
             return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("unirl")
@@ -81,9 +83,6 @@ def check_inputs(recipe: Recipe) -> None:
     """The checks of a run's own files that need no model, Prefect or MLflow: `model.path` holds a
     checkpoint of its family, and the prompt source reads (a missing, empty or malformed data file);
     each error names its file. `unirl run` calls this before starting anything."""
-    from unirl.stages.models.family import get_family
-    from unirl.stages.runtime.data import build_prompt_source
-
     if recipe.model.path:
         with tempfile.TemporaryDirectory() as unused:  # with a path, materialize checks and writes nothing
             get_family(recipe.model.kind).materialize(recipe.model, Path(unused))
@@ -98,8 +97,6 @@ def materialize_model(recipe: Recipe, scratch: Path) -> Path:
     `scratch`. With UNIRL_TINY_CACHE set (the test suite sets it), tiny models are built once per
     `model:` section into that folder and reused: a tiny build is a function of the section alone
     (seeded init), and building one costs a run seconds of imports and init."""
-    from unirl.stages.models.family import get_family
-
     family = get_family(recipe.model.kind)
     cache = os.environ.get(TINY_CACHE_ENV)
     if recipe.model.path or not cache:

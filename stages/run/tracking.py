@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
+import shlex
+import tempfile
+import time
+from pathlib import Path
 from typing import Any
 
 from unirl.stages.recipe import Recipe
+from unirl.stages.runtime.accumulation import closing_iteration
 from unirl.stages.runtime.media import Media
+from unirl.stages.runtime.secrets import redact_url
 from unirl.stages.runtime.storage import RunStorage
 
 
@@ -52,9 +59,6 @@ MLFLOW_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
 def browse(uri: str, experiment_id: str | None, run_id: str) -> tuple[str, str | None]:
     """(the run's page, the command that serves it first or None): an MLflow server's own page; a
     local store (sqlite, a folder) is served by `mlflow ui --backend-store-uri URI` on MLFLOW_UI."""
-    import shlex
-
-    from unirl.stages.runtime.secrets import redact_url
 
     uri = redact_url(uri)
     page = f"#/experiments/{experiment_id}/runs/{run_id}" if experiment_id is not None else f"#/runs/{run_id}"
@@ -68,12 +72,9 @@ def model_card(family: Any, example: str) -> dict[str, bytes]:
     signature of a `family` model as unirl samples it (a prompt, and its images for a
     vision-language model; a response for each text policy, a PNG image or a GIF clip for a flow
     policy) and `example` as its input example. Files by name, written beside the weights."""
-    import tempfile
-    from pathlib import Path
-
-    from mlflow.models import Model, ModelSignature
-    from mlflow.models.utils import _save_example
-    from mlflow.types import ColSpec, Schema
+    from mlflow.models import Model, ModelSignature  # start-up time: mlflow loads on first use, not when a recipe is read
+    from mlflow.models.utils import _save_example  # start-up time: mlflow loads on first use, not when a recipe is read
+    from mlflow.types import ColSpec, Schema  # start-up time: mlflow loads on first use, not when a recipe is read
 
     inputs: list[Any] = [ColSpec("string", "prompt")] + ([ColSpec("binary", "images", required=False)] if family.takes_images else [])
     outputs: list[Any] = []
@@ -94,9 +95,7 @@ class Tracker:
     step that already has metrics is not logged again."""
 
     def __init__(self, recipe: Recipe, storage: RunStorage, run_name: str, mlflow_run_id: str | None):
-        import logging
-
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # start-up time: mlflow loads on first use, not when a recipe is read
 
         logging.getLogger("alembic").setLevel(logging.WARNING)
         self.uri = tracking_uri(recipe, storage)
@@ -115,7 +114,7 @@ class Tracker:
         self.tables: list[str] | None = None  # the tables MLflow's table views list (read once, then kept)
 
     def log_params(self, recipe: Recipe) -> None:
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # start-up time: mlflow loads on first use, not when a recipe is read
 
         params = flatten("", recipe.model_dump(mode="json"), {})
         items = [Param(k, v) for k, v in sorted(params.items())]
@@ -131,9 +130,7 @@ class Tracker:
     def log_metrics(self, step: int, metrics: dict[str, float], key: str = "time/iteration_s") -> None:
         """Log `metrics` at `step` once: when metric `key` already has `step` (a resumed run that
         logged it before it was killed), nothing is logged again."""
-        import time
-
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # start-up time: mlflow loads on first use, not when a recipe is read
 
         if self.has_step(step, key):
             return
@@ -178,9 +175,6 @@ class Tracker:
         return path
 
     def log_file(self, data: bytes, folder: str, name: str) -> str:
-        import tempfile
-        from pathlib import Path
-
         with tempfile.TemporaryDirectory(prefix="unirl-artifact-") as tmp:
             local = Path(tmp) / name
             local.write_bytes(data)
@@ -188,8 +182,8 @@ class Tracker:
         return f"{folder}/{name}"
 
     def list_table(self, path: str) -> None:
-        from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
-        from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
+        from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS  # start-up time: mlflow loads on first use, not when a recipe is read
+        from mlflow.utils.validation import MAX_TAG_VAL_LENGTH  # start-up time: mlflow loads on first use, not when a recipe is read
 
         if self.tables is None:
             listed = json.loads(self.client.get_run(self.run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
@@ -205,9 +199,7 @@ class Tracker:
     def register_version(self, model: str, run_name: str, policy_version: int, source: str, manifest: dict[str, Any]) -> str:
         """Register published weights `policy_version` of this run as a version of registered model
         `model` (once: a resumed run finds it by its tags); returns the registry version."""
-        from mlflow.exceptions import MlflowException
-
-        from unirl.stages.runtime.accumulation import closing_iteration
+        from mlflow.exceptions import MlflowException  # start-up time: mlflow loads on first use, not when a recipe is read
 
         found = self.registered_version(model, run_name, policy_version)
         if found is not None:
@@ -228,7 +220,7 @@ class Tracker:
         return str(mv.version)
 
     def registered_version(self, model: str, run_name: str, policy_version: int) -> str | None:
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # start-up time: mlflow loads on first use, not when a recipe is read
 
         try:
             found = self.client.search_model_versions(f"name = '{model}' and tags.`unirl.run` = '{run_name}' and "

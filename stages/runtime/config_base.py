@@ -2,8 +2,14 @@
 the sections that several registries' entries share."""
 from __future__ import annotations
 
+import atexit
+import importlib
+import json
+import os
+import sys
 import types
 import typing
+import uuid
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -78,14 +84,7 @@ def _trace_field_reads(directory: str) -> None:
     they call, re-validation on assignment), a registry entry's `check(cls, recipe)` or an
     `*_errors` function, what `unirl validate` runs. A field only checked is as unused as one
     nothing reads. Off (no cost) unless the variable is set."""
-    import atexit
-    import importlib
-    import json
-    import os
-    import sys
-    import uuid
-
-    import pydantic
+    import pydantic  # start-up time: pydantic loads on first use, not when a recipe is read
 
     read = FIELDS_READ
     plain = BaseModel.__getattribute__
@@ -136,8 +135,6 @@ def _trace_field_reads(directory: str) -> None:
 
 
 def _maybe_trace() -> None:
-    import os
-
     if os.environ.get("UNIRL_FIELD_TRACE"):
         _trace_field_reads(os.environ["UNIRL_FIELD_TRACE"])
 

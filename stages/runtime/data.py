@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from unirl.stages.runtime.registry import sources
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -33,6 +35,4 @@ def check_split(split: str) -> str:
 def build_prompt_source(config: Any) -> Any:
     """The recipe's prompt source: `batch(iteration, n)` and `heldout(split)` (`dev`, `test`) lists
     of `Prompt`."""
-    from unirl.stages.runtime.registry import sources
-
     return sources.get(config.name).build(config)

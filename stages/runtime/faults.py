@@ -55,6 +55,7 @@ def fault_point(point: str, iteration: int | None = None, *, owner: bool = True,
             if pid and pid != os.getpid():
                 os.kill(pid, signal.SIGKILL)
             if node:
+                # start-up time: loaded on first use
                 from unirl.stages.runtime.processes import parent_pid  # torchrun's agent
 
                 for holder in (int(os.environ.get("UNIRL_NODE_WRAPPER_PID", "0") or 0), parent_pid()):

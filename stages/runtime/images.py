@@ -21,6 +21,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from unirl.stages.runtime.registry import families
+
 IMAGE_COLUMNS: dict[str, pa.DataType] = {
     "images": pa.list_(pa.binary()),
     "image_grids": pa.list_(pa.list_(pa.int32())),
@@ -41,7 +43,7 @@ def png_bytes(image: Any) -> bytes:
 def decode(data: bytes, where: str) -> Any:
     """Image bytes (PNG, JPEG, any format PIL reads) -> an RGB PIL image, read whole now: a
     truncated or corrupt file fails here, naming `where`, not inside the model."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError  # start-up time: PIL loads on first use, not when a recipe is read
 
     try:
         with Image.open(io.BytesIO(data)) as im:
@@ -71,7 +73,7 @@ def load_image_value(value: Any, base: Path, where: str) -> bytes:
 
 def image_size(data: bytes) -> tuple[int, int]:
     """(width, height) of encoded image bytes, from the header alone."""
-    from PIL import Image
+    from PIL import Image  # start-up time: PIL loads on first use, not when a recipe is read
 
     with Image.open(io.BytesIO(data)) as im:
         return im.size
@@ -81,8 +83,6 @@ def with_image_grids(recipe: Any, rows: list[dict[str, Any]], images: list[tuple
                      names: list[str]) -> list[dict[str, Any]]:
     """`rows` with `images` (PNG bytes per row) and the patch grid the model family's image
     processor cuts each into, for a family that takes images; one without any is an error."""
-    from unirl.stages.runtime.registry import families
-
     family = families.get(recipe.model.kind)
     if not family.takes_images:
         return rows

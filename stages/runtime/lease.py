@@ -55,7 +55,7 @@ def _describe(owner: dict[str, Any]) -> str:
 def _alive_here(owner: dict[str, Any]) -> bool:
     """Whether the owner's process (on this host) still runs: its pid exists and started no later
     than the lease (a pid reused by a newer process is not the owner)."""
-    import psutil
+    import psutil  # start-up time: psutil loads on first use, not when a recipe is read
 
     try:
         proc = psutil.Process(int(owner["pid"]))

@@ -25,7 +25,7 @@ class Media:
 
 def to_pil(images: Any) -> list[Any]:
     """uint8 (B, H, W, 3) -> list of PIL RGB images."""
-    from PIL import Image
+    from PIL import Image  # start-up time: PIL loads on first use, not when a recipe is read
 
     return [Image.fromarray(np.asarray(im), "RGB") for im in np.asarray(images)]
 
@@ -51,7 +51,7 @@ def media_columns(media: Any) -> list[dict[str, Any]]:
 
 def decode_png(data: bytes) -> Any:
     """PNG bytes of a shard -> RGB PIL image."""
-    from PIL import Image
+    from PIL import Image  # start-up time: PIL loads on first use, not when a recipe is read
 
     return Image.open(io.BytesIO(data)).convert("RGB")
 

@@ -2,6 +2,7 @@
 child dies with its parent (`spawn`), ending a whole torchrun tree, and reading torchrun's failure report."""
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import re
@@ -106,8 +107,6 @@ def free_port() -> int:
 def die_with_parent() -> None:
     """Linux: get SIGKILL when the parent dies (PR_SET_PDEATHSIG), so no child is orphaned. The
     parent is the *thread* that forked this process: start children with `spawn`."""
-    import ctypes
-
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
     except OSError:

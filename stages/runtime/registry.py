@@ -18,7 +18,8 @@ import importlib
 import os
 import pkgutil
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Annotated, Any, Generic, TypeVar, Union
 
 if TYPE_CHECKING:
     from unirl.stages.algorithms.base import Algorithm
@@ -47,7 +48,6 @@ def load_plugins() -> None:
             importlib.import_module(name)
         except ImportError as exc:
             raise ImportError(f"UNIRL_PLUGINS names {name!r}, which cannot be imported: {exc}") from exc
-    from importlib.metadata import entry_points
 
     for ep in entry_points(group="unirl.plugins"):
         ep.load()
@@ -111,9 +111,7 @@ class Registry(Generic[T]):
     def union(self, attr: str, tag: str) -> Any:
         """The discriminated union (pydantic, on `tag`) of every entry's `attr`: a recipe section
         that is any entry's config."""
-        from typing import Annotated, Union
-
-        from pydantic import Field
+        from pydantic import Field  # start-up time: pydantic loads on first use, not when a recipe is read
 
         members = tuple(getattr(entry, attr) for _, entry in self.items())
         return Annotated[Union[members], Field(discriminator=tag)] if len(members) > 1 else members[0]  # noqa: UP007 - a runtime tuple

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from unirl.stages.runtime.images import IMAGE_COLUMNS
+from unirl.stages.runtime.registry import policies
 from unirl.stages.runtime.storage import RunStorage
 
 SCHEMA_VERSION = 2  # 2: composed shards namespace each part by its name (`unirl.parts`)
@@ -40,8 +41,6 @@ BASE_COLUMNS: dict[str, pa.DataType] = {
 
 def segment_columns() -> dict[str, dict[str, pa.DataType]]:
     """Segment kind -> its columns, as each registered policy declares them (`Policy.columns`)."""
-    from unirl.stages.runtime.registry import policies
-
     return {cls.segment: cls.columns for _, cls in policies.items()}
 
 

@@ -5,6 +5,10 @@ without a scorer's code (stages/rewards/ holds the scorers; each module register
 module of stages/rewards/, and those import model libraries only when a scorer is built."""
 from __future__ import annotations
 
+import importlib
+import inspect
+import pkgutil
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -74,15 +78,10 @@ def scorer_reads(name: str) -> tuple[str, ...] | None:
 def check_scorer_params(name: str, params: dict[str, Any]) -> list[str]:
     """Problems of `params` for scorer `name`, as `<param>: message` lines (empty: fine), from its
     schema's signature: unknown names, missing required ones, values of the wrong type."""
-    import inspect
-    import typing
-
-    from pydantic import ConfigDict, ValidationError, create_model
+    from pydantic import ConfigDict, ValidationError, create_model  # start-up time: pydantic loads on first use, not when a recipe is read
 
     schema = _entry(name).schema
     if isinstance(schema, str):
-        import importlib
-
         module, attr = schema.split(":")
         schema = getattr(importlib.import_module(module), attr)
     target = schema.__init__ if inspect.isclass(schema) else schema
@@ -115,8 +114,6 @@ def check_scorer_params(name: str, params: dict[str, Any]) -> list[str]:
 
 def _load_builtin_scorers() -> None:
     # Importing a module registers its scorers; model-based ones import torch lazily on build.
-    import importlib
-    import pkgutil
 
     pkg = importlib.import_module("unirl.stages.rewards")  # the scorers' package, above this layer
 

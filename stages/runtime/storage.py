@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import hashlib
 import json
 import os
 import posixpath
@@ -73,7 +75,7 @@ def transient(exc: BaseException) -> bool:
     not a wrong request. Decided by exception class and S3 error code, never by message text (a
     missing `iter-000503/...` names 503 and is still missing); the first exception of the chain
     that tells wins, and a missing file or a refused permission is never transient."""
-    from botocore.exceptions import ClientError
+    from botocore.exceptions import ClientError  # start-up time: botocore loads on first use, not when a recipe is read
 
     if not isinstance(exc, Exception):  # an interrupt or an exit, whatever it interrupted
         return False
@@ -108,7 +110,7 @@ def _local_at(path: str, tag: str) -> bool:
 
 def _precondition_failed(exc: BaseException) -> bool:
     """Whether an object-store error is a conditional request whose condition did not hold."""
-    from botocore.exceptions import ClientError
+    from botocore.exceptions import ClientError  # start-up time: botocore loads on first use, not when a recipe is read
 
     for e in _chain(exc):
         if isinstance(e, FileExistsError):
@@ -301,7 +303,7 @@ class RunStorage:
             except FileNotFoundError:
                 return None
         if self.protocol in ("s3", "s3a"):
-            from fsspec.asyn import sync
+            from fsspec.asyn import sync  # start-up time: fsspec loads on first use, not when a recipe is read
 
             async def get() -> tuple[bytes, str]:
                 bucket, key, _ = self.fs.split_path(target)
@@ -353,7 +355,7 @@ class RunStorage:
                 os.remove(target)
                 return True
         if self.protocol in ("s3", "s3a"):
-            from fsspec.asyn import sync
+            from fsspec.asyn import sync  # start-up time: fsspec loads on first use, not when a recipe is read
 
             bucket, key, _ = self.fs.split_path(target)
             try:
@@ -390,8 +392,6 @@ class RunStorage:
     @staticmethod
     @contextlib.contextmanager
     def _local_lock(target: str) -> Iterator[None]:
-        import fcntl
-
         with open(join(posixpath.dirname(target), f".{posixpath.basename(target)}.lock"), "a") as fh:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
             try:
@@ -400,8 +400,6 @@ class RunStorage:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
     def _other_tag(self, target: str) -> str:
-        import hashlib
-
         return hashlib.sha256(self.fs.cat_file(target)).hexdigest()
 
     # -- reading ----------------------------------------------------------------------------
@@ -522,8 +520,6 @@ def committed_batch(storage: RunStorage, iteration: int) -> dict[str, Any] | Non
     """What iteration `iteration`'s train step reads, from its committed manifests: {"rollouts":
     the files of its generate stages, "advantages": its advantages file}; None while one of them
     is not committed."""
-    import re
-
     # generate, then its refill rounds generate-r1, ... (a unified model's: generate-<stage>, in any order)
     rounds = sorted(
         (n[:-len(".json")] for n in storage.listdir(join(iter_dir(iteration), "manifests")) if n.startswith("generate")),

@@ -10,8 +10,8 @@ SPECIAL = ("<pad>", "<eos>", "<bos>", "<unk>")
 
 def build_char_tokenizer(charset: str = CHARSET):
     """A `PreTrainedTokenizerFast` with one token per character plus <pad>/<eos>/<bos>/<unk>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # start-up time: tokenizers loads on first use, not when a recipe is read
+    from transformers import PreTrainedTokenizerFast  # start-up time: transformers loads on first use, not when a recipe is read
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL)}
     for ch in dict.fromkeys(charset):
@@ -26,7 +26,7 @@ def build_char_tokenizer(charset: str = CHARSET):
 
 def load_tokenizer(directory: str | Path):
     """Load a tokenizer from a local HF directory; pad falls back to eos (Qwen3 checkpoints)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # start-up time: transformers loads on first use, not when a recipe is read
 
     tok = AutoTokenizer.from_pretrained(str(directory))
     if tok.pad_token_id is None:

@@ -10,7 +10,7 @@ from typing import Any
 
 
 def tensors_checksum(named: Iterable[tuple[str, Any]]) -> str:
-    import torch
+    import torch  # start-up time: torch loads on first use, not when a recipe is read
 
     h = hashlib.sha256()
     for name, tensor in sorted(named, key=lambda item: item[0]):

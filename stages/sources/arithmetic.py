@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.registry import sources
 from unirl.stages.sources import Source
+from unirl.stages.toys.arithmetic import arithmetic_source
 
 
 class ArithmeticData(Section):
@@ -47,6 +48,4 @@ class ArithmeticSource(Source):
 
     @classmethod
     def build(cls, cfg: ArithmeticData) -> Any:
-        from unirl.stages.toys.arithmetic import arithmetic_source
-
         return arithmetic_source(cfg)

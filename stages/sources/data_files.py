@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from unirl.stages.runtime.data import Prompt, check_split
+from unirl.stages.runtime.images import ImageError, load_image_value
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -98,7 +99,7 @@ def _read_jsonl(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], list[str]
 
 
 def _read_parquet(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # start-up time: pyarrow loads on first use, not when a recipe is read
 
     try:
         table = pq.read_table(path)
@@ -178,8 +179,6 @@ def read_records(
 
 def _row_images(value: Any, path: Path, where: str, column: str) -> tuple[bytes, ...]:
     """A row's images (one, or a list) as PNG bytes; none, a missing file or bad bytes fail."""
-    from unirl.stages.runtime.images import ImageError, load_image_value
-
     values = list(value) if isinstance(value, (list, tuple)) else [] if value is None else [value]
     if not values:
         raise DataFileError(f"{path}: {where} has no image (column {column!r}); every prompt needs one or more")

@@ -6,9 +6,11 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from unirl.stages.models.family import get_family
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.registry import sources
 from unirl.stages.sources import Source
+from unirl.stages.sources.data_files import file_prompt_source
 
 
 class FileData(Section):
@@ -52,8 +54,6 @@ class FileSource(Source):
 
     @classmethod
     def build(cls, cfg: FileData) -> Any:
-        from unirl.stages.sources.data_files import file_prompt_source
-
         return file_prompt_source(cfg)
 
     @classmethod
@@ -62,8 +62,6 @@ class FileSource(Source):
 
     @classmethod
     def check(cls, recipe: Any) -> None:
-        from unirl.stages.models.family import get_family
-
         if recipe.data.image_column is not None and not get_family(recipe.model.kind).takes_images:
             raise ValueError(f"data.image_column: model.kind {recipe.model.kind!r} cannot see images; use a "
                              "vision-language family (qwen2_5_vl, qwen3_vl) or remove image_column")

@@ -6,9 +6,12 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from unirl.stages.models.family import get_family
+from unirl.stages.models.flow_family import get_flow_family
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.registry import sources
 from unirl.stages.sources import ProceduralPrompts, Source, check_listed_prompts
+from unirl.stages.toys.geneval.dataset import MIN_IMAGE_SIZE, parse_prompt, sample_prompts, split_of
 
 
 class GenEvalData(Section):
@@ -30,8 +33,6 @@ class GenEvalData(Section):
 
     @model_validator(mode="after")
     def _check_prompts(self) -> GenEvalData:
-        from unirl.stages.toys.geneval.dataset import parse_prompt, split_of  # numpy + PIL only
-
         check_listed_prompts(self.prompts, parse_prompt, split_of)
         return self
 
@@ -44,8 +45,6 @@ class GenEvalSource(Source):
     @classmethod
     def build(cls, cfg: GenEvalData) -> ProceduralPrompts:
         """Prompts whose metadata carries the prompt for the detector."""
-        from unirl.stages.toys.geneval.dataset import sample_prompts
-
         kinds = tuple(cfg.kinds)
         return ProceduralPrompts(lambda n, seed, split: sample_prompts(n, seed, split, kinds=kinds),
                                  heldout_size=cfg.heldout_size, seed=cfg.seed, prompts=cfg.prompts,
@@ -53,15 +52,10 @@ class GenEvalSource(Source):
 
     @classmethod
     def image_size(cls, recipe: Any) -> int | None:
-        from unirl.stages.models.flow_family import get_flow_family
-
         return recipe.rollout.sampler.image_size or get_flow_family(recipe.model.kind).image_size(recipe.model)
 
     @classmethod
     def check(cls, recipe: Any) -> None:
-        from unirl.stages.models.family import get_family
-        from unirl.stages.toys.geneval.dataset import MIN_IMAGE_SIZE
-
         family = get_family(recipe.model.kind)
         if "image" not in family.produces or family.takes_images or recipe.rollout.kind != "flow":
             return  # a model that reads toy-GenEval prompts rather than draws them: its scorers decide what it is paid for
@@ -73,8 +67,7 @@ class GenEvalSource(Source):
     def sft_records(cls, recipe: Any) -> list[dict[str, Any]]:
         """`sft.examples` (prompt, media_png) records at the recipe's image size (the sampler's, else
         the model's own); `sft.noise` of them show one object group in another colour."""
-        from unirl.stages.diffusion.sft import geneval_records
-        from unirl.stages.models.flow_family import get_flow_family
+        from unirl.stages.diffusion.sft import geneval_records  # start-up time: it loads torch
 
         size = recipe.rollout.sampler.image_size or get_flow_family(recipe.model.kind).native_image_size(recipe.model)
         return geneval_records(recipe.sft.examples, seed=recipe.sft.seed, image_size=int(size), kinds=tuple(recipe.data.kinds),

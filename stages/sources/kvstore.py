@@ -9,6 +9,7 @@ from pydantic import Field
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.registry import sources
 from unirl.stages.sources import Source
+from unirl.stages.toys.kvstore import KVStore, teacher_records
 
 SERVER = "unirl.stages.toys.kv_server"
 
@@ -29,8 +30,6 @@ class KVStoreSource(Source):
 
     @classmethod
     def build(cls, cfg: Any) -> Any:
-        from unirl.stages.toys.kvstore import KVStore
-
         return KVStore(cfg.seed, cfg.size, cfg.heldout_size)
 
     @classmethod
@@ -38,8 +37,6 @@ class KVStoreSource(Source):
         """An imperfect teacher's transcripts (stages/toys/kvstore.py `teacher_records`), each over a
         store of its own: two lookups, a calc, the answer; `sft.noise` of them slip (the sum guessed
         without calc, or a malformed calc call)."""
-        from unirl.stages.toys.kvstore import teacher_records
-
         return teacher_records(recipe.sft.seed, recipe.sft.examples, recipe.sft.noise)
 
     @classmethod

@@ -60,7 +60,7 @@ class Domain(Section):
     def _scorers(cls, scorers: Any) -> Any:
         if scorers is None:
             return None
-        from unirl.stages.sections import ScorerSpec
+        from unirl.stages.sections import ScorerSpec  # at call time: sections imports this module while it loads
 
         if not isinstance(scorers, list) or not scorers:
             raise ValueError("a domain's scorers are a non-empty list like reward.scorers (or leave it out)")

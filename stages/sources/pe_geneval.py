@@ -14,6 +14,8 @@ from unirl.stages.runtime.data import Prompt, check_split
 from unirl.stages.runtime.registry import sources
 from unirl.stages.runtime.seeds import derive_seed
 from unirl.stages.sources import Source
+from unirl.stages.toys.geneval.dataset import all_prompts
+from unirl.stages.toys.geneval.paraphrase import PE_CHARSET, paraphrase_pool, wrong_colour
 
 
 class PEGenEvalData(Section):
@@ -40,14 +42,10 @@ class PEGenEvalData(Section):
 
 def heldout_pool(kinds: tuple[str, ...]) -> list[tuple[str, str]]:
     """(paraphrase, intent) pairs never trained on, of the train-split intents of `kinds`."""
-    from unirl.stages.toys.geneval.paraphrase import paraphrase_pool
-
     return paraphrase_pool(intents_of(kinds), "heldout")
 
 
 def intents_of(kinds: tuple[str, ...]) -> tuple[str, ...]:
-    from unirl.stages.toys.geneval.dataset import all_prompts
-
     return tuple(t for kind in kinds for t in all_prompts(kind, "train"))
 
 
@@ -56,8 +54,6 @@ class PEPrompts:
     distinct held-out paraphrases: dev as the single held-out set was drawn, test among the rest."""
 
     def __init__(self, cfg: PEGenEvalData):
-        from unirl.stages.toys.geneval.paraphrase import paraphrase_pool
-
         self.seed = cfg.seed
         self.train = paraphrase_pool(intents_of(tuple(cfg.kinds)), "train")
         held = heldout_pool(tuple(cfg.kinds))
@@ -92,8 +88,6 @@ class PEGenEvalSource(Source):
     def check(cls, recipe: Any) -> None:
         """A tiny character-level rewriter must have every character of the prompts and rewrites
         (others read as <unk>); a drawer's warm start cannot learn from text records."""
-        from unirl.stages.toys.geneval.paraphrase import PE_CHARSET
-
         if recipe.sft is not None and recipe.sft.source == "synthetic" and recipe.rollout.kind != "text":
             raise ValueError("data.name: pe_geneval's synthetic records are (paraphrase, canonical prompt) text; a "
                              f"{recipe.model.kind} warm start needs images: give it its own data (data.name: geneval)")
@@ -107,8 +101,6 @@ class PEGenEvalSource(Source):
     def sft_records(cls, recipe: Any) -> list[dict[str, Any]]:
         """`sft.examples` (paraphrase, canonical prompt) records of the train paraphrases; `sft.noise`
         of them carry an imperfect teacher's slip that only the image reveals: the wrong colour."""
-        from unirl.stages.toys.geneval.paraphrase import wrong_colour
-
         prompts = cls.build(recipe.data).batch(0, recipe.sft.examples)
         rng = random.Random(f"sft-noise-{recipe.sft.seed}")
         return [{"prompt": p.text, "response": wrong_colour(p.metadata["answer"]) if rng.random() < recipe.sft.noise

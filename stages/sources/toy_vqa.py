@@ -6,9 +6,11 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
+from unirl.stages.models.family import get_family
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.registry import sources
 from unirl.stages.sources import Source
+from unirl.stages.toys.toy_vqa import ToyVQA
 
 
 class ToyVQAData(Section):
@@ -31,8 +33,6 @@ class ToyVQASource(Source):
 
     @classmethod
     def build(cls, cfg: ToyVQAData) -> Any:
-        from unirl.stages.toys.toy_vqa import ToyVQA
-
         return _built(tuple(cfg.kinds), cfg.image_size, cfg.heldout_size, cfg.seed, ToyVQA)
 
     @classmethod
@@ -41,8 +41,6 @@ class ToyVQASource(Source):
 
     @classmethod
     def check(cls, recipe: Any) -> None:
-        from unirl.stages.models.family import get_family
-
         if not get_family(recipe.model.kind).takes_images:
             raise ValueError(f"data.name: toy_vqa prompts show an image, which model.kind {recipe.model.kind!r} cannot "
                              "see; use a vision-language family (qwen2_5_vl, qwen3_vl)")

@@ -7,9 +7,14 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from unirl.stages.models.family import get_family
+from unirl.stages.models.flow_family import get_flow_family
 from unirl.stages.runtime.config_base import Section
+from unirl.stages.runtime.media import to_png_bytes
 from unirl.stages.runtime.registry import sources
 from unirl.stages.sources import ProceduralPrompts, Source, check_listed_prompts
+from unirl.stages.toys.videotoy import make_clips, parse_prompt, sample_prompts, split_of
+from unirl.stages.toys.videotoy.dataset import MIN_FRAMES, MIN_SIZE, SPEED_PX, object_side
 
 
 class VideoToyData(Section):
@@ -28,8 +33,6 @@ class VideoToyData(Section):
 
     @model_validator(mode="after")
     def _check_prompts(self) -> VideoToyData:
-        from unirl.stages.toys.videotoy import parse_prompt, split_of
-
         check_listed_prompts(self.prompts, parse_prompt, split_of)
         return self
 
@@ -42,24 +45,17 @@ class VideoToySource(Source):
     @classmethod
     def build(cls, cfg: VideoToyData) -> ProceduralPrompts:
         """Prompts without metadata: the scorer parses the prompt itself."""
-        from unirl.stages.toys.videotoy import sample_prompts
-
         return ProceduralPrompts(sample_prompts, heldout_size=cfg.heldout_size, seed=cfg.seed, prompts=cfg.prompts)
 
     @classmethod
     def media(cls, recipe: Any) -> tuple[int, int | None]:
         """(frame side, frames) the recipe samples: the sampler's, else the model's own."""
-        from unirl.stages.models.flow_family import get_flow_family
-
         family, sampler = get_flow_family(recipe.model.kind), recipe.rollout.sampler
         side, frames = family.native_media(recipe.model)
         return sampler.image_size or side, sampler.num_frames or frames
 
     @classmethod
     def check(cls, recipe: Any) -> None:
-        from unirl.stages.models.family import get_family
-        from unirl.stages.toys.videotoy.dataset import MIN_FRAMES, MIN_SIZE, SPEED_PX, object_side
-
         if "video" not in get_family(recipe.model.kind).produces:
             raise ValueError(f"data.name: toy video prompts need a video model; model.kind {recipe.model.kind!r} makes "
                              f"{', '.join(get_family(recipe.model.kind).produces)}")
@@ -78,9 +74,6 @@ class VideoToySource(Source):
     def sft_records(cls, recipe: Any) -> list[dict[str, Any]]:
         """`sft.examples` (prompt, media_frames) records at the recipe's frame side and count;
         `sft.noise` of them move the opposite way."""
-        from unirl.stages.runtime.media import to_png_bytes
-        from unirl.stages.toys.videotoy import make_clips
-
         side, frames = cls.media(recipe)
         assert frames is not None, "a toy video recipe has frames (its check)"
         clips = make_clips(recipe.sft.examples, recipe.sft.seed, size=int(side), frames=int(frames),

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from unirl.stages.runtime.tokenizer import encode_prompt
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_CALL_CHARS = 16384  # the JSON of one call; longer is malformed (never parsed)
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
@@ -78,8 +80,6 @@ class ToolFormat:
         """The first prompt's tokens, the tools given to the chat template where there is one; with
         `grids` (the patch grids of the prompt's images) the user turn shows the images first, each
         as its image tokens."""
-        from unirl.stages.runtime.tokenizer import encode_prompt
-
         functions = [s.as_function() for s in specs]
         if grids is not None:
             if self.images is None:

@@ -100,7 +100,7 @@ class ToolServer:
 
     # -- the session task ----------------------------------------------------------------------
     def _params(self) -> Any:
-        from mcp import StdioServerParameters
+        from mcp import StdioServerParameters  # start-up time: mcp loads on first use, not when a recipe is read
 
         s = self.spec  # its scratch folder exists: `_main` makes it before the first start
         command = list(s.command)
@@ -127,8 +127,8 @@ class ToolServer:
         return lines[-1] if lines else ""
 
     async def _main(self) -> None:
-        from mcp import ClientSession
-        from mcp.client.stdio import stdio_client
+        from mcp import ClientSession  # start-up time: mcp loads on first use, not when a recipe is read
+        from mcp.client.stdio import stdio_client  # start-up time: mcp loads on first use, not when a recipe is read
 
         self._queue = asyncio.Queue()
         self.spec.scratch.mkdir(parents=True, exist_ok=True)
@@ -185,8 +185,8 @@ class ToolServer:
     async def _call(self, session: Any, name: str, args: dict[str, Any]) -> tuple[Observation, bool]:
         """(observation, whether the server must be started again)."""
         start = time.perf_counter()
-        from mcp.shared.exceptions import MCPError
-        from mcp.types import REQUEST_TIMEOUT
+        from mcp.shared.exceptions import MCPError  # start-up time: mcp loads on first use, not when a recipe is read
+        from mcp.types import REQUEST_TIMEOUT  # start-up time: mcp loads on first use, not when a recipe is read
 
         try:
             result = await session.call_tool(name, args, read_timeout_seconds=self.spec.timeout_s)

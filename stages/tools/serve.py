@@ -14,6 +14,8 @@ import functools
 import json
 from typing import Any
 
+from unirl.stages.runtime.registry import tools
+
 
 def as_text(value: Any, max_chars: int) -> str:
     """A tool result as the text the policy reads; ValueError when it has none."""
@@ -33,10 +35,8 @@ def as_text(value: Any, max_chars: int) -> str:
 
 
 def build(names: list[str], max_chars: int) -> Any:
-    from mcp.server.mcpserver import MCPServer
-    from mcp.server.mcpserver.exceptions import ToolError
-
-    from unirl.stages.runtime.registry import tools
+    from mcp.server.mcpserver import MCPServer  # start-up time: mcp loads on first use, not when a recipe is read
+    from mcp.server.mcpserver.exceptions import ToolError  # start-up time: mcp loads on first use, not when a recipe is read
 
     server = MCPServer("unirl-tools")
     for name in names:

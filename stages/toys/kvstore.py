@@ -8,11 +8,13 @@ from what it saw in training: only by calling the tools.
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import random
 
 from unirl.stages.runtime.data import Prompt, check_split
 from unirl.stages.runtime.seeds import derive_seed
+from unirl.stages.tools.calls import CLOSE, OPEN, render
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 MAX_VALUE = 40
@@ -48,8 +50,6 @@ def calc(expression: str) -> int:
 def teacher_turns(store: dict[str, int], a: str, b: str, slip: str | None = None, guess: int = 1) -> list[dict[str, str]]:
     """A teacher's transcript for `a+b=`: lookup a, lookup b, calc, answer. `slip`: "malformed" (the
     calc call is not JSON: the trajectory ends there) or "guess" (no calc: the sum guessed, `guess` off)."""
-    from unirl.stages.tools.calls import CLOSE, OPEN, render
-
     va, vb = store[a], store[b]
     turns = [{"role": "assistant", "text": render("lookup", {"key": a}, compact=True)}, {"role": "tool", "text": str(va)},
              {"role": "assistant", "text": render("lookup", {"key": b}, compact=True)}, {"role": "tool", "text": str(vb)}]
@@ -66,8 +66,6 @@ def teacher_records(seed: int, examples: int, noise: float) -> list[dict[str, st
     so that SFT teaches the procedure, not the keys or values of the task's store. The teacher is
     imperfect: `noise` of its transcripts slip, three in four of those by guessing the sum without
     calc (1 to 5 off), the rest by a malformed calc call."""
-    import json
-
     rng = random.Random(derive_seed("kvstore-teacher", seed))
     records = []
     for _ in range(examples):

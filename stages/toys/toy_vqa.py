@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from unirl.stages.runtime.data import Prompt, check_split
+from unirl.stages.runtime.images import png_bytes
 from unirl.stages.runtime.seeds import derive_seed
+from unirl.stages.toys.geneval.dataset import COLOURS, SHAPES, ObjectSpec, PromptSpec, render
 
 if TYPE_CHECKING:
     from unirl.stages.toys.geneval.dataset import PromptSpec
@@ -47,8 +49,6 @@ class Question:
 
 def make_question(kind: str, rng: np.random.Generator) -> Question:
     """A question of `kind` about a scene drawn with `rng` (uniform over the grammar's choices)."""
-    from unirl.stages.toys.geneval.dataset import COLOURS, SHAPES, ObjectSpec, PromptSpec
-
     colours, shapes = list(COLOURS), list(SHAPES)
     colour, shape = colours[rng.integers(len(colours))], shapes[rng.integers(len(shapes))]
     if kind == "colour":
@@ -89,9 +89,6 @@ class ToyVQA:
         """The question drawn with `draw_seed`, its scene laid out with `layout_seed`, or with the
         next seeds of its range while the image is one of `avoid` (the range: [0, 2**31) for
         training, lo = 0; [lo, lo + 2**30) for a held-out split)."""
-        from unirl.stages.runtime.images import png_bytes
-        from unirl.stages.toys.geneval.dataset import render
-
         rng = np.random.default_rng(draw_seed)
         q = make_question(self.kinds[rng.integers(len(self.kinds))], rng)
         span = HELDOUT_SEEDS if lo == 0 else 2**30

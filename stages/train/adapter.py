@@ -24,7 +24,7 @@ def publish_adapter(stack: TrainStack, storage: RunStorage, scratch: Path, versi
                     extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every rank gathers the full state (a rank-0-only gather deadlocks under FSDP2); rank 0
     writes the adapter folder (idempotent: a published version is kept)."""
-    from peft import PeftModel, get_peft_model_state_dict
+    from peft import PeftModel, get_peft_model_state_dict  # start-up time: peft loads on first use, not when a recipe is read
 
     start = time.perf_counter()
     if stack.lora is None or not isinstance(stack.module, PeftModel):
@@ -32,7 +32,7 @@ def publish_adapter(stack: TrainStack, storage: RunStorage, scratch: Path, versi
     rel = storage.adapters_rel(version)
     full = get_model_state_dict(stack.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if stack.rank == 0 and not storage.exists(join(rel, MANIFEST)):
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # start-up time: safetensors loads on first use, not when a recipe is read
 
         adapter = {k: v.contiguous().clone() for k, v in get_peft_model_state_dict(stack.module, state_dict=full).items()}
         local = scratch / f"adapter-{version:06d}"

@@ -154,7 +154,7 @@ def publish(stack: TrainStack, storage: RunStorage, scratch: Path, version: int,
         export(local, full, ema_full)
         info: dict[str, Any] = {"version": version, **(extra or {})}
         if stack.lora is None:
-            from unirl.stages.runtime.weights_checksum import tensors_checksum
+            from unirl.stages.runtime.weights_checksum import tensors_checksum  # start-up time: loaded on first use
 
             info["weights_sha256"] = tensors_checksum(full.items())
         write_weights_dir(storage, local, rel, info)

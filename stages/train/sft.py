@@ -11,6 +11,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from unirl.stages.recipe import Recipe
+from unirl.stages.runtime.images import with_image_grids
+from unirl.stages.runtime.registry import sources
 from unirl.stages.runtime.sample import table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage
 
@@ -62,8 +64,6 @@ def check_turns(turns: Any, where: str) -> list[dict[str, str]]:
 
 def sft_records(recipe: Recipe) -> list[dict[str, Any]]:
     """A recipe's warm-start records: its `sft.path` file's (`source: file`), or its data source's."""
-    from unirl.stages.runtime.registry import sources
-
     sft = recipe.sft
     if sft is None:
         raise ValueError("the recipe has no `sft` section; add one (see recipes/ar/quickstart.yaml)")
@@ -75,8 +75,6 @@ def sft_records(recipe: Recipe) -> list[dict[str, Any]]:
 
 
 def write_sft_data(storage: RunStorage, recipe: Recipe) -> dict[str, Any]:
-    from unirl.stages.runtime.images import with_image_grids
-
     records = sft_records(recipe)
     images = [tuple(r.pop("images", ())) for r in records]
     records = with_image_grids(recipe, records, images, [f"SFT record {i + 1}" for i in range(len(records))])

@@ -64,7 +64,7 @@ def lora_init(module: torch.nn.Module, seed: int) -> int:
 def _rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(the tensor this rank writes, first global row it holds). FSDP2 shards dim 0 in chunks of
     ceil(n / W); the last ranks may hold fewer rows or none."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Shard  # start-up time: torch loads on first use, not when a recipe is read
 
     if not isinstance(param, DTensor):
         return param, 0

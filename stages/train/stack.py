@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from unirl.stages.runtime.seeds import derive_seed
+from unirl.stages.train.collectives import all_gather_json, broadcast_json
 from unirl.stages.train.shards import fill, is_empty, lora_init
 
 
@@ -87,7 +88,7 @@ def shard(model: torch.nn.Module, units: list[torch.nn.Module], mesh: Any, mixed
         return model
     if mesh is None:
         raise ValueError("train.mixed_precision needs a worker group (it is FSDP2's); the in-process loop has none")
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # start-up time: torch loads on first use, not when a recipe is read
 
     options: dict[str, Any] = {"mesh": mesh}
     if mixed_precision == "bf16":
@@ -186,14 +187,10 @@ class TrainStack:
 
     def all_gather_json(self, obj: Any) -> list[Any]:
         """Every rank's JSON-able `obj` (JSON bytes between ranks: nothing is unpickled)."""
-        from unirl.stages.train.collectives import all_gather_json
-
         return [obj] if self.world == 1 else all_gather_json(obj, device=self.device)
 
     def broadcast_json(self, obj: Any) -> Any:
         """Rank 0's JSON-able `obj` on every rank."""
-        from unirl.stages.train.collectives import broadcast_json
-
         return obj if self.world == 1 else broadcast_json(obj, rank=self.rank, device=self.device)
 
     def barrier(self) -> None:
@@ -267,7 +264,7 @@ class TrainStack:
         """FSDP2 keeps the root's parameters gathered after a forward; swap weights only on shards."""
         if self.world == 1:
             return
-        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp import FSDPModule  # start-up time: torch loads on first use, not when a recipe is read
 
         for module in self.module.modules():
             if isinstance(module, FSDPModule):

@@ -24,12 +24,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from unirl.stages.runtime import startup
+from unirl.stages.runtime.processes import parent_pid
+from unirl.stages.runtime.storage import RunStorage
+from unirl.stages.workers.control import ControlServer, all_gather_json, broadcast_json
+from unirl.stages.workers.group import die_with_parent
+from unirl.stages.workers.rendezvous import advertised_host, bind_address, group_rel, write_exit
+
 
 def main(argv: list[str] | None = None) -> int:
-    from unirl.stages.runtime import startup
-
     startup.importing()  # until the preloads are in (stages/runtime/startup.py)
-    from unirl.stages.workers.group import die_with_parent
 
     die_with_parent()  # the torchrun agent's death takes every rank with it
     parser = argparse.ArgumentParser(prog="python -m unirl.stages.workers")
@@ -37,13 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preload", default="", help="modules to import while waiting for the spec (comma-separated)")
     args = parser.parse_args(argv)
 
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    import torch  # start-up time: torch loads on first use, not when a recipe is read
+    import torch.distributed as dist  # start-up time: torch loads on first use, not when a recipe is read
+    from torch.distributed.device_mesh import init_device_mesh  # start-up time: torch loads on first use, not when a recipe is read
 
-    from unirl.stages.runtime.processes import parent_pid
-    from unirl.stages.workers.control import all_gather_json, broadcast_json
-    from unirl.stages.workers.worker import make_worker
+    from unirl.stages.workers.worker import make_worker  # start-up time: it loads torch
 
     for module in filter(None, args.preload.split(",")):
         importlib.import_module(module)
@@ -67,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     records = None
     if group:
-        from unirl.stages.runtime.storage import RunStorage
-
         records = RunStorage(spec["root"], spec["run"], spec.get("options"))
     try:
         worker = make_worker(spec, mesh, device)
@@ -113,8 +113,6 @@ def announce_ready(spec: dict, records: Any, worker: Any, ranks: list[dict], wor
     """Rank 0: open the control channel and say where it is, with every rank's node, host and pid.
     One node: on loopback, in the local ready file. Several: on every interface (the flow may be
     on another host), in the group's ready.json in run storage, at the address the flow reaches."""
-    from unirl.stages.workers.control import ControlServer
-
     info = {"pid": os.getpid(), "version": worker.version, "world_size": world, "ranks": ranks}
     if records is None:
         server = ControlServer(os.environ["UNIRL_CONTROL_TOKEN"])
@@ -123,7 +121,6 @@ def announce_ready(spec: dict, records: Any, worker: Any, ranks: list[dict], wor
         tmp.write_text(json.dumps({**info, "host": "127.0.0.1", "port": server.port}))
         tmp.replace(ready)
         return server
-    from unirl.stages.workers.rendezvous import advertised_host, bind_address, group_rel
 
     server = ControlServer(os.environ["UNIRL_CONTROL_TOKEN"], host=bind_address())
     host = advertised_host(spec["endpoint"])
@@ -135,7 +132,6 @@ def leave(records: Any, group: str | None, rank: int, status: str, error: str = 
     """Several nodes: this rank's last word in the group's records (never raises: it is on the way out)."""
     if records is None or group is None:
         return
-    from unirl.stages.workers.rendezvous import write_exit
 
     try:
         write_exit(records, group, rank, status, error)
@@ -154,8 +150,6 @@ def wait_for_spec(path: Path) -> dict:
     spec = json.loads(path.read_text())
     if "group" not in spec:
         return spec
-    from unirl.stages.runtime.storage import RunStorage
-    from unirl.stages.workers.rendezvous import group_rel
 
     storage = RunStorage(spec["root"], spec["run"], spec.get("options"))
     rel = group_rel(spec["group"], "spec.json")

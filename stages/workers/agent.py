@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from unirl.stages.models.family import get_family
 from unirl.stages.runtime.processes import rank_entry
 from unirl.stages.runtime.scratch import scratch_dir
 from unirl.stages.runtime.storage import RunStorage
@@ -68,7 +69,6 @@ def serve_node(storage: RunStorage, recipe: Any, *, group: str = "", log: Callab
     scratch = scratch_dir(f"unirl-{storage.run}-node-")
     pointer = scratch / "node.json"
     pointer.write_text(json.dumps(rdzv.node_pointer(storage, plan, scratch, threads)))
-    from unirl.stages.models.family import get_family
 
     cmd = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args(),
            *rank_entry(["--spec", str(pointer), "--preload", ",".join(get_family(recipe.model.kind).modules)])]

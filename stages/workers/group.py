@@ -29,10 +29,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+from unirl.stages.models.family import get_family
 from unirl.stages.recipe import Recipe
+from unirl.stages.runtime.accumulation import closing_iteration, window
 from unirl.stages.runtime.processes import die_with_parent, first_failure, free_port, kill_tree, rank_entry, spawn, threads_per_rank  # noqa: F401 (re-exported)
 from unirl.stages.runtime.scratch import log_tail, scratch_dir
-from unirl.stages.runtime.storage import RunStorage, iter_dir
+from unirl.stages.runtime.storage import RunStorage, committed_batch, iter_dir
+from unirl.stages.train.manifests import usable_checkpoint
 from unirl.stages.workers import rendezvous as rdzv
 from unirl.stages.workers.control import recv_json, send_json
 
@@ -106,8 +109,6 @@ class ModelGroup(ABC):
         if self.alive() and self.version == version:
             return
         if not self.alive() or self.version is None or self.version > version:
-            from unirl.stages.train.manifests import usable_checkpoint
-
             self.start(usable_checkpoint(self.storage, version, self.log))
         assert self.version is not None, "a started group reports its version"
         while self.version < version:
@@ -116,9 +117,6 @@ class ModelGroup(ABC):
     def replay(self, version: int) -> dict[str, Any]:
         """Redo the update that made policy `version` + 1 from the committed rollouts and
         advantages of its iteration (with rollout accumulation, of every iteration of its window)."""
-        from unirl.stages.runtime.accumulation import closing_iteration, window
-        from unirl.stages.runtime.storage import committed_batch
-
         last = closing_iteration(self.recipe, version + 1)
         batches = []
         for j in window(self.recipe, last):
@@ -208,8 +206,6 @@ class WorkerGroup(ModelGroup):
 
     def _preload(self) -> list[str]:
         """Modules the ranks import while they wait for the spec: the model family's."""
-        from unirl.stages.models.family import get_family
-
         return list(get_family(self.recipe.model.kind).modules)
 
     def _launch(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -429,15 +425,11 @@ class SharedGroup(WorkerGroup):
         self.held: dict[str, int] = {}
 
     def _preload(self) -> list[str]:
-        from unirl.stages.models.family import get_family
-
         return sorted({m for member in self.members.values() for m in get_family(member.recipe.model.kind).modules})
 
     def restart(self, name: str, checkpoint: int | None, version: int) -> None:
         """(Re)start the group: member `name` at `checkpoint` (it wants `version`), every other at
         its usable checkpoint at or below the version it last held (or `version`, if it never ran)."""
-        from unirl.stages.train.manifests import usable_checkpoint
-
         loads, said = {}, []
         for other, member in self.members.items():
             if other == name:

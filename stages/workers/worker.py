@@ -18,7 +18,8 @@ import torch
 from unirl.stages.algorithms.base import get_algorithm
 from unirl.stages.compose import shape_of
 from unirl.stages.compose.shared import JointSFT, split_by_stage, with_stage
-from unirl.stages.distill import teacher_folders
+from unirl.stages.distill import teacher_folders, teacher_of
+from unirl.stages.engines.update_group import broadcast, dtype_name, init_group
 from unirl.stages.models.family import get_family
 from unirl.stages.policies import behaviour_mask_limit, behaviour_tolerance
 from unirl.stages.recipe import Recipe
@@ -26,9 +27,12 @@ from unirl.stages.runtime.accumulation import schedule_steps
 from unirl.stages.runtime.faults import fault_point
 from unirl.stages.runtime.images import IMAGE_COLUMNS
 from unirl.stages.runtime.registry import policies
-from unirl.stages.runtime.sample import join_on_sample_id, read_rollouts, read_shard, table_from_rows, write_shard
+from unirl.stages.runtime.sample import join_on_sample_id, metadata, read_rollouts, read_shard, table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage, join
+from unirl.stages.runtime.weights_checksum import tensors_checksum
 from unirl.stages.train import checkpoint
+from unirl.stages.train.adapter import publish_adapter
+from unirl.stages.train.manifests import MANIFEST
 from unirl.stages.train.stack import OptimizerSpec, TrainStack, load_bundle, rank_of, world_size
 from unirl.stages.train.update import UpdatePart, joint_update, sft_steps
 
@@ -183,9 +187,6 @@ class Worker:
         """Teacher `teacher`'s scores of the student's samples routed to it (their domain's teacher,
         stages/distill.py): for text, its log-probs of every response token. Each rank scores its
         share in micro-batches of `train.micro_batch_size` and writes `out_dir/part-{rank:03d}.arrow`."""
-        from unirl.stages.distill import teacher_of
-        from unirl.stages.runtime.sample import metadata
-
         if teacher not in self.teachers:
             raise ValueError(f"this worker group holds the teachers {sorted(self.teachers)}, not {teacher!r}")
         start = time.perf_counter()
@@ -295,8 +296,6 @@ class Worker:
 
     def publish_adapter(self) -> dict[str, Any]:
         """adapters/v{version}: the LoRA adapters alone (PEFT layout), for an engine's LoRA sync."""
-        from unirl.stages.train.adapter import publish_adapter
-
         canary = self._canary(self.storage.adapters_rel(self.version))
         return publish_adapter(self.stack, self.storage, self.scratch, self.version, canary)
 
@@ -304,8 +303,6 @@ class Worker:
         """{"canary": ...} of the policy's weights as published at `rel` (SFT's EMA where it keeps
         one, as `export` writes), or nothing where the policy has none or `rel` is published already
         (publishing keeps the first). Every rank runs the forward (each sees the same storage)."""
-        from unirl.stages.train.manifests import MANIFEST
-
         if self.storage.exists(join(rel, MANIFEST)):
             return {}
         module = self.stack.module
@@ -321,6 +318,7 @@ class Worker:
     # -- weights into an engine over a weight-update group (stages/engines/update_group.py) ---------
     def _full_state(self) -> dict[str, torch.Tensor]:
         """The module's full tensors, gathered on every rank (a rank-0-only gather deadlocks)."""
+        # start-up time: torch loads on first use, not when a recipe is read
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -328,8 +326,6 @@ class Worker:
 
     def weight_specs(self) -> dict[str, Any]:
         """Names, dtypes and shapes of what `broadcast_weights` sends, in its order, and the backend."""
-        from unirl.stages.engines.update_group import dtype_name
-
         full = self._full_state()
         names = sorted(full)
         return {"names": names, "dtypes": [dtype_name(full[n].dtype) for n in names],
@@ -338,8 +334,6 @@ class Worker:
     def join_update_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                           backend: str) -> dict[str, Any]:
         """Rank 0 joins the engine's update group as its rank 0 (blocks until the engine has)."""
-        from unirl.stages.engines.update_group import init_group
-
         if self.rank == 0:
             self._update_groups = getattr(self, "_update_groups", {})
             self._update_groups[group_name] = init_group(backend=backend, master_address=master_address,
@@ -350,9 +344,6 @@ class Worker:
     def broadcast_weights(self, group_name: str) -> dict[str, Any]:
         """Every rank gathers the full weights; rank 0 broadcasts them (sorted by name) to the
         engine, and returns their checksum."""
-        from unirl.stages.engines.update_group import broadcast
-        from unirl.stages.runtime.weights_checksum import tensors_checksum
-
         start = time.perf_counter()
         full = self._full_state()
         out: dict[str, Any] = {"version": self.version}

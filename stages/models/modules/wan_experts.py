@@ -45,7 +45,7 @@ class WanExperts(torch.nn.Module):
         """Under FSDP2 with several ranks every rank must run both experts (their parameters are
         gathered and their gradients reduced collectively), also when none of its samples is in
         one expert's range: a one-sample pass whose output enters with weight 0. One process: 0."""
-        import torch.distributed as dist
+        import torch.distributed as dist  # start-up time: torch loads on first use, not when a recipe is read
 
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return 0
