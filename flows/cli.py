@@ -175,7 +175,7 @@ def api_folder(recipe, run_name: str):
     """Where the local Prefect API of a command keeps its database and log: `<run>/prefect/` for a
     local storage root; a scratch folder, removed at exit, for an object store."""
     from unirl.stages.runtime.scratch import scratch_dir  # start-up time: loaded on first use
-    from unirl.stages.runtime.storage import RunStorage  # start-up time: loaded on first use
+    from unirl.stages.runtime.storage import RunStorage
 
     local = RunStorage(recipe.storage.root, run_name, recipe.storage.options).local_path("prefect")
     return local if local is not None else scratch_dir("unirl-prefect-api-")
@@ -197,8 +197,8 @@ def audit(run: str, root: str | None) -> int:
 
 def node_agent(recipe, run_name: str, group: str) -> int:
     from unirl.stages.runtime.storage import RunStorage  # start-up time: loaded on first use
-    from unirl.stages.workers.agent import serve_node  # start-up time: loaded on first use
-    from unirl.stages.workers.rendezvous import NodeSetupError  # start-up time: loaded on first use
+    from unirl.stages.workers.agent import serve_node
+    from unirl.stages.workers.rendezvous import NodeSetupError
 
     try:
         return serve_node(RunStorage(recipe.storage.root, run_name, recipe.storage.options), recipe, group=group,

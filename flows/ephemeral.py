@@ -244,7 +244,7 @@ def template_db() -> Path:
     each new run folder: a fresh database's migrations took a local API's first start from 7-9 s
     to 19-20 s (2 loaded cores). In Prefect's home, by Prefect version."""
     import prefect  # start-up time: prefect loads on first use, not when a recipe is read
-    from prefect.settings import get_current_settings  # start-up time: prefect loads on first use, not when a recipe is read
+    from prefect.settings import get_current_settings
 
     return Path(get_current_settings().home) / f"unirl-empty-{prefect.__version__}.db"
 

@@ -126,7 +126,7 @@ def train_teachers(recipe: Recipe, run_name: str, tracker: Tracker | None = None
 @task(name="teacher-sft", task_run_name="teacher-sft-{teacher}", cache_policy=NO_CACHE, tags=["gpu"])
 def teacher_sft(recipe: Recipe, run_name: str, teacher: str, tracker: Tracker | None = None) -> dict[str, Any]:
     from unirl.stages.run.evaluation import PREFIX, metrics_line  # start-up time: it loads torch
-    from unirl.tasks.evaluate import evaluate  # start-up time: it loads torch
+    from unirl.tasks.evaluate import evaluate
 
     if recipe.distill is None:
         raise ValueError(f"teacher {teacher!r}: the recipe has no `distill` section naming it")

@@ -267,7 +267,7 @@ class StorageConfig(Section):
     def _known_protocol(cls, root: str) -> str:
         """A URL's protocol must be one fsspec has an installed filesystem for (s3 needs s3fs)."""
         import fsspec  # start-up time: fsspec loads on first use, not when a recipe is read
-        from fsspec.core import split_protocol  # start-up time: fsspec loads on first use, not when a recipe is read
+        from fsspec.core import split_protocol
 
         protocol, _ = split_protocol(root)
         if protocol is not None:

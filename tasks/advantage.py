@@ -8,7 +8,7 @@ from prefect.cache_policies import NO_CACHE
 
 from unirl.stages.recipe import Recipe
 from unirl.stages.run import iteration as it
-from unirl.tasks.common import storage_of
+from unirl.tasks.common import committed, storage_of
 
 
 @task(name="advantage", cache_policy=NO_CACHE)
@@ -16,5 +16,5 @@ def advantage(recipe: Recipe, run_name: str, iteration: int, rewards: list[str],
               teachers: list[str] | None = None) -> dict[str, Any]:
     """`rollouts` and `teachers` (the teachers' shards): on-policy distillation's per-token signal."""
     storage = storage_of(recipe, run_name)
-    return it.committed(storage, iteration, "advantage",
+    return committed(storage, iteration, "advantage",
                         lambda: it.advantages(storage, recipe, iteration, rewards, rollouts, teachers))

@@ -13,6 +13,7 @@ from prefect.settings import get_current_settings
 from unirl.stages.engines import RolloutEngine, in_group
 from unirl.stages.engines.agentic import agentic
 from unirl.stages.recipe import Recipe
+from unirl.stages.run import iteration as it
 from unirl.stages.run.producer_process import ProducerProcess
 from unirl.stages.runtime.registry import engines
 from unirl.stages.runtime.storage import RunStorage
@@ -47,6 +48,29 @@ def staged(task: T) -> T:
     if key not in _UNTAGGED:  # the task is kept with its copy: a dead task's id could name another
         _UNTAGGED[key] = (task, task.with_options(tags=set()))  # type: ignore[attr-defined]
     return _UNTAGGED[key][1]
+
+
+# What a task's line says of its output, when the manifest has it: (metric key, label, format).
+SAID = (("rollout/reward_mean", "reward", ".3f"), ("rollout/response_len_mean", "tokens/response", ".1f"),
+        ("advantage/abs_mean", "|advantage|", ".3f"), ("loss", "loss", "+.4f"), ("policy_version", "version", "d"))
+
+
+def committed(storage: RunStorage, iteration: int, stage: str, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A task's stage (stages/run/iteration.py `committed`: the committed output, or made and
+    committed now), and one line in the task run's log of what it did: rows, files, what it
+    measured, seconds (or that it was committed before)."""
+    out = it.committed(storage, iteration, stage, make)
+    said = [f"{out['rows']} rows"] if isinstance(out.get("rows"), int) else []
+    if out.get("files"):
+        said.append(f"{len(out['files'])} file{'s' if len(out['files']) > 1 else ''}")
+    values = {**out.get("metrics", {}), **{k: v for k, v in out.items() if k == "policy_version"}}
+    said += [f"{label} {values[key]:{fmt}}" for key, label, fmt in SAID if isinstance(values.get(key), (int, float))]
+    when = "committed before, reused" if out.get("reused") else f"{float(out.get('seconds', 0.0)):.2f} s"
+    try:
+        get_run_logger().info("%s of %s: %s (%s)", stage, storage.run, ", ".join(said) or "done", when)
+    except Exception:  # noqa: BLE001 - outside a task run (a test calling the body): no log to write to
+        pass
+    return out
 
 
 def run_tags(recipe: Recipe, run_name: str) -> AbstractContextManager[Any]:
@@ -156,8 +180,8 @@ def node_launcher(recipe: Recipe, run_name: str) -> NodeLauncher | None:
 
     def launch(plan: GroupPlan, nodes: list[int]) -> None:
         from prefect.client.orchestration import get_client  # start-up time: prefect loads on first use, not when a recipe is read
-        from prefect.deployments import run_deployment  # start-up time: prefect loads on first use, not when a recipe is read
-        from prefect.exceptions import ObjectNotFound  # start-up time: prefect loads on first use, not when a recipe is read
+        from prefect.deployments import run_deployment
+        from prefect.exceptions import ObjectNotFound
 
         with get_client(sync_client=True) as client:
             try:

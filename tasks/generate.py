@@ -11,7 +11,7 @@ from unirl.stages.recipe import Recipe
 from unirl.stages.run import iteration as it
 from unirl.stages.runtime.accumulation import version_of
 from unirl.stages.runtime.storage import iter_dir, join
-from unirl.tasks.common import engine_of, producer_alive, say_retry, storage_of
+from unirl.tasks.common import committed, engine_of, producer_alive, say_retry, storage_of
 
 
 @task(name="generate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1,
@@ -22,10 +22,10 @@ def generate(recipe: Recipe, run_name: str, iteration: int, round_index: int = 0
     if recipe.rollout.mode == "async":
         from unirl.stages.run.async_rollout import collect  # start-up time: loaded on first use
 
-        return it.committed(storage, iteration, "generate",
+        return committed(storage, iteration, "generate",
                             lambda: collect(storage, recipe, iteration, alive=producer_alive(storage)))
     suffix = it.round_suffix(round_index)
-    requests = it.committed(
+    requests = committed(
         storage, iteration, f"requests{suffix}", lambda: it.write_requests(storage, recipe, iteration, round_index)
     )
 
@@ -34,4 +34,4 @@ def generate(recipe: Recipe, run_name: str, iteration: int, round_index: int = 0
         return engine_of(recipe, storage).generate(requests["files"][0], out_dir, iteration,
                                                    policy_version=version_of(recipe, iteration))
 
-    return it.committed(storage, iteration, f"generate{suffix}", make)
+    return committed(storage, iteration, f"generate{suffix}", make)

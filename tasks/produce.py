@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from unirl.stages.recipe import Recipe
 from unirl.stages.run import iteration as it
 from unirl.stages.runtime.storage import iter_dir, join
-from unirl.tasks.common import engine_of, say_retry, storage_of
+from unirl.tasks.common import committed, engine_of, say_retry, storage_of
 
 
 # Tagged `engine`, not `gpu`: it runs on the engine's devices, and the trainer's generate task,
@@ -20,10 +20,10 @@ from unirl.tasks.common import engine_of, say_retry, storage_of
       retry_condition_fn=say_retry)
 def produce(recipe: Recipe, run_name: str, iteration: int, version: int) -> dict[str, Any]:
     storage = storage_of(recipe, run_name)
-    requests = it.committed(storage, iteration, "requests", lambda: it.write_requests(storage, recipe, iteration))
+    requests = committed(storage, iteration, "requests", lambda: it.write_requests(storage, recipe, iteration))
 
     def make() -> dict[str, Any]:
         out_dir = join(iter_dir(iteration), "rollouts")
         return engine_of(recipe, storage).generate(requests["files"][0], out_dir, iteration, policy_version=version)
 
-    return it.committed(storage, iteration, "produce", make)
+    return committed(storage, iteration, "produce", make)

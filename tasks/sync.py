@@ -13,9 +13,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from unirl.stages.recipe import Recipe
-from unirl.stages.run import iteration as it
 from unirl.stages.runtime.accumulation import closes, final_version, version_after
-from unirl.tasks.common import engine_of, group_of, storage_of
+from unirl.tasks.common import committed, engine_of, group_of, storage_of
 
 
 @task(name="sync", cache_policy=NO_CACHE)
@@ -38,4 +37,4 @@ def sync(recipe: Recipe, run_name: str, iteration: int) -> dict[str, Any]:
             engine.resume()
         return out
 
-    return it.committed(storage, iteration, "sync", make)
+    return committed(storage, iteration, "sync", make)

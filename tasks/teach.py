@@ -9,10 +9,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from unirl.stages.recipe import Recipe
-from unirl.stages.run import iteration as it
 from unirl.stages.runtime.accumulation import version_of
 from unirl.stages.runtime.storage import iter_dir, join
-from unirl.tasks.common import engine_of, group_of, say_retry, storage_of
+from unirl.tasks.common import committed, engine_of, group_of, say_retry, storage_of
 
 
 @task(name="teacher", task_run_name="teacher-{teacher}", cache_policy=NO_CACHE, tags=["gpu"], retries=1,
@@ -27,4 +26,4 @@ def teach(recipe: Recipe, run_name: str, iteration: int, rollouts: list[str], te
         return group.call("teach", iteration=iteration, rollouts=rollouts, teacher=teacher,
                           out_dir=join(iter_dir(iteration), f"teacher-{teacher}"))
 
-    return it.committed(storage, iteration, f"teacher-{teacher}", make)
+    return committed(storage, iteration, f"teacher-{teacher}", make)

@@ -19,7 +19,7 @@ from unirl.stages.recipe import Recipe
 from unirl.stages.run import iteration as it
 from unirl.stages.runtime.accumulation import accumulated, closes, version_of, window
 from unirl.stages.runtime.storage import iter_dir, join
-from unirl.tasks.common import engine_of, group_of, say_retry, storage_of
+from unirl.tasks.common import committed, engine_of, group_of, say_retry, storage_of
 
 
 @task(name="train", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1,
@@ -40,7 +40,7 @@ def train(recipe: Recipe, run_name: str, iteration: int, rollouts: list[str], ad
         group = group_of(recipe, storage)
         engine_of(recipe, storage).release()  # colocated layout: the engine's memory is the trainer's now
         group.ensure(version_of(recipe, iteration))
-        earlier = [committed(storage, j) for j in batches if j < iteration]
+        earlier = [earlier_batch(storage, j) for j in batches if j < iteration]
         result = group.call("train", iteration=iteration, rollouts=rollouts, advantages=advantages,
                             **({"earlier": earlier} if earlier else {}))
         if m > 1:
@@ -48,10 +48,10 @@ def train(recipe: Recipe, run_name: str, iteration: int, rollouts: list[str], ad
         storage.write_json(rel, result)
         return {"files": [rel], **result}
 
-    return it.committed(storage, iteration, "train", make)
+    return committed(storage, iteration, "train", make)
 
 
-def committed(storage: Any, iteration: int) -> dict[str, Any]:
+def earlier_batch(storage: Any, iteration: int) -> dict[str, Any]:
     """An earlier batch of the window: what its committed manifests say its train step reads."""
     batch = it.committed_batch(storage, iteration)
     if batch is None:

@@ -8,6 +8,8 @@ their readers, starting iterations ahead, closing the worker groups) is the loop
 every shape. A recipe's shape is `Recipe.shape`: `single`, or its `compose.kind`, whose
 Prefect side (tasks, iteration flow, `RunShape`) is one module of this package registered under
 that name (pipeline.py, unified.py); a composed recipe's parts are named by it and run in its order.
+An iteration's flow run is named `<run>/iter-NNNNNN`; each task logs one line of what it did and
+the iteration's flow run its metric line.
 
     single      rl-iteration:      generate -> score -> [teacher-<name> per teacher] -> advantage -> train -> sync
     pipeline    pe-iteration:      generate-<part> for each part in order -> compose -> score -> advantage
@@ -22,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.states import Cancelled, State
 
 from unirl.flows.ahead import hand_over, wait_turn
@@ -42,6 +44,7 @@ from unirl.stages.tools.agent import transcript_table
 from unirl.stages.train.manifests import MANIFEST
 from unirl.tasks.advantage import advantage
 from unirl.tasks.common import engine_of, group_of, staged
+from unirl.tasks.console import iteration_line
 from unirl.tasks.evaluate import evaluate
 from unirl.tasks.generate import generate
 from unirl.tasks.score import score
@@ -107,10 +110,12 @@ def iterate(recipe: Recipe, run_name: str, iteration: int, steps: Callable[[], S
     """An iteration flow's body: its turn (flows/ahead.py), the sequence through `steps`, its hand-over."""
     if not wait_turn(run_name, iteration):  # started ahead, and the run stopped meanwhile
         return stopped(run_name, iteration)
-    return hand_over(run_name, iteration, run_iteration(recipe, iteration, steps()))
+    summary = run_iteration(recipe, iteration, steps())
+    get_run_logger().info(iteration_line(iteration, recipe.iterations, summary["metrics"]))  # the subflow's own page says it
+    return hand_over(run_name, iteration, summary)
 
 
-@flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
+@flow(name="rl-iteration", flow_run_name="{run_name}/iter-{iteration:06d}")
 def rl_iteration(recipe: InnerRecipe, run_name: str, iteration: int) -> dict[str, Any] | State[Any]:
     return iterate(recipe, run_name, iteration, lambda: single_steps(recipe, run_name, iteration))
 

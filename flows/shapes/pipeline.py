@@ -36,7 +36,7 @@ from unirl.stages.run.sequence import Update, seconds
 from unirl.stages.run.tracking import Tracker
 from unirl.stages.runtime.storage import RunStorage, iter_dir, join
 from unirl.stages.workers.group import SharedGroup, share_group
-from unirl.tasks.common import announce, engine_of, say_retry, staged, storage_of
+from unirl.tasks.common import announce, committed, engine_of, say_retry, staged, storage_of
 from unirl.tasks.console import say
 from unirl.tasks.sync import sync
 from unirl.tasks.train import train
@@ -59,13 +59,13 @@ def generate_part(recipe: Recipe, run_name: str, iteration: int, name: str, upst
     storage = storage_of(part, name)
     up = upstream_of(recipe, name)
     if up is None:
-        requests = it.committed(storage, iteration, "requests", lambda: it.write_requests(storage, part, iteration))
+        requests = committed(storage, iteration, "requests", lambda: it.write_requests(storage, part, iteration))
     else:
         rel = join(iter_dir(iteration), "requests.arrow")
-        requests = it.committed(storage, iteration, "requests", lambda: next_requests(
+        requests = committed(storage, iteration, "requests", lambda: next_requests(
             pipeline.part_storage(recipe, run_name, up), list(upstream or []), storage, iteration, part.rollout.group_size, rel))
     version = part_version(recipe, name, iteration)
-    return it.committed(storage, iteration, "generate", lambda: engine_of(part, storage).generate(
+    return committed(storage, iteration, "generate", lambda: engine_of(part, storage).generate(
         requests["files"][0], join(iter_dir(iteration), "rollouts"), iteration, policy_version=version))
 
 
@@ -75,7 +75,7 @@ def compose(recipe: Recipe, run_name: str, iteration: int, files: dict[str, list
     storage = storage_of(recipe, run_name)
     stores = {n: pipeline.part_storage(recipe, run_name, n) for n in names(recipe)}
     rel = join(iter_dir(iteration), "rollouts", "composed.arrow")
-    return it.committed(storage, iteration, "compose", lambda: compose_rows(storage, rel, chain(recipe, stores, files)))
+    return committed(storage, iteration, "compose", lambda: compose_rows(storage, rel, chain(recipe, stores, files)))
 
 
 @task(name="advantage", cache_policy=NO_CACHE)
@@ -84,7 +84,7 @@ def part_advantages(recipe: Recipe, run_name: str, iteration: int, composed: lis
     """Advantages of each trained part within its own groups, in the part's run."""
     storage = storage_of(recipe, run_name)
     parts = {n: pipeline.part_storage(recipe, run_name, n) for n in names(recipe) if pipeline.trains(recipe, n)}
-    return it.committed(storage, iteration, "advantage",
+    return committed(storage, iteration, "advantage",
                         lambda: pipeline.part_advantages(recipe, storage, iteration, composed, rewards, parts))
 
 
@@ -129,7 +129,7 @@ def pipeline_update(recipe: Recipe, run_name: str, iteration: int) -> Any:
     return update
 
 
-@flow(name="pe-iteration", flow_run_name="iter-{iteration:06d}")
+@flow(name="pe-iteration", flow_run_name="{run_name}/iter-{iteration:06d}")
 def pe_iteration(recipe: InnerRecipe, run_name: str, iteration: int) -> dict[str, Any] | State[Any]:
     return iterate(recipe, run_name, iteration, lambda: composed_steps(
         recipe, run_name, iteration, generate_part, compose, part_advantages, pipeline_update(recipe, run_name, iteration)))

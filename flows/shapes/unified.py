@@ -31,7 +31,7 @@ from unirl.stages.run.evaluation import eval_dir
 from unirl.stages.run.tracking import Tracker
 from unirl.stages.runtime.sample import table_from_rows, write_shard
 from unirl.stages.runtime.storage import RunStorage, iter_dir, join
-from unirl.tasks.common import group_of, say_retry, storage_of
+from unirl.tasks.common import committed, group_of, say_retry, storage_of
 from unirl.tasks.console import say
 
 
@@ -46,10 +46,10 @@ def generate_stage(recipe: Recipe, run_name: str, iteration: int, name: str, ups
     part = stage_recipe(recipe, name)
     up = upstream_of(recipe, name)
     if up is None:
-        requests = it.committed(storage, iteration, "requests", lambda: it.write_requests(storage, part, iteration))
+        requests = committed(storage, iteration, "requests", lambda: it.write_requests(storage, part, iteration))
     else:
         rel = join(iter_dir(iteration), f"requests-{name}.arrow")
-        requests = it.committed(storage, iteration, f"requests-{name}", lambda: next_requests(
+        requests = committed(storage, iteration, f"requests-{name}", lambda: next_requests(
             storage, list(upstream or []), storage, iteration, part.rollout.group_size, rel))
 
     def make() -> dict[str, Any]:
@@ -58,7 +58,7 @@ def generate_stage(recipe: Recipe, run_name: str, iteration: int, name: str, ups
         return group.call("generate", iteration=iteration, requests=requests["files"][0],
                           out_dir=join(iter_dir(iteration), "rollouts", name), stage=name)
 
-    return it.committed(storage, iteration, f"generate-{name}", make)
+    return committed(storage, iteration, f"generate-{name}", make)
 
 
 @task(name="compose", cache_policy=NO_CACHE)
@@ -67,7 +67,7 @@ def compose(recipe: Recipe, run_name: str, iteration: int, files: dict[str, list
     storage = storage_of(recipe, run_name)
     rel = join(iter_dir(iteration), "rollouts", "composed.arrow")
     stores = dict.fromkeys(names(recipe), storage)
-    return it.committed(storage, iteration, "compose", lambda: compose_rows(storage, rel, chain(recipe, stores, files)))
+    return committed(storage, iteration, "compose", lambda: compose_rows(storage, rel, chain(recipe, stores, files)))
 
 
 @task(name="advantage", cache_policy=NO_CACHE)
@@ -82,7 +82,7 @@ def advantages(recipe: Recipe, run_name: str, iteration: int, composed: list[str
         write_shard(storage, rel, table_from_rows([r for name in names(recipe) for r in rows[name]], "advantages"))
         return {"files": [rel], "rows": sum(len(v) for v in rows.values()), "metrics": advantage_metrics(rows)}
 
-    return it.committed(storage, iteration, "advantage", make)
+    return committed(storage, iteration, "advantage", make)
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=1,
@@ -109,7 +109,7 @@ def evaluate_unified(recipe: Recipe, run_name: str, version: int, split: str = "
     return result
 
 
-@flow(name="unified-iteration", flow_run_name="iter-{iteration:06d}")
+@flow(name="unified-iteration", flow_run_name="{run_name}/iter-{iteration:06d}")
 def unified_iteration(recipe: InnerRecipe, run_name: str, iteration: int) -> dict[str, Any] | State[Any]:
     return iterate(recipe, run_name, iteration, lambda: composed_steps(
         recipe, run_name, iteration, generate_stage, compose, advantages,

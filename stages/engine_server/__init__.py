@@ -42,7 +42,7 @@ def serve(recipe: Any, weights: str, version: str, *, host: str, port: int, toke
     import uvicorn  # start-up time: uvicorn loads on first use, not when a recipe is read
 
     from unirl.stages.engine_server.app import create_app  # start-up time: it loads torch
-    from unirl.stages.engine_server.core import EngineCore  # start-up time: it loads torch
+    from unirl.stages.engine_server.core import EngineCore
 
     torch.set_num_threads(max(1, threads))
     core = EngineCore(recipe, weights, version)

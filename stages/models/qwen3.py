@@ -178,7 +178,7 @@ class Qwen3(Family):
         """peft LoRA on the linear layers; a target list that matches no layer names what exists."""
         import torch  # start-up time: torch loads on first use, not when a recipe is read
         from peft import LoraConfig as PeftLora  # start-up time: peft loads on first use, not when a recipe is read
-        from peft import get_peft_model  # start-up time: peft loads on first use, not when a recipe is read
+        from peft import get_peft_model
 
         targets = lora.target_modules or list(cls.lora_targets)
         names = {n.rsplit(".", 1)[-1] for n, m in bundle.module.named_modules() if isinstance(m, torch.nn.Linear)}

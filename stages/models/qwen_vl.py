@@ -261,7 +261,7 @@ class QwenVL(Family):
         tower's MLP has layers of the same names: it keeps its own weights)."""
         import torch  # start-up time: torch loads on first use, not when a recipe is read
         from peft import LoraConfig as PeftLora  # start-up time: peft loads on first use, not when a recipe is read
-        from peft import get_peft_model  # start-up time: peft loads on first use, not when a recipe is read
+        from peft import get_peft_model
 
         targets = lora.target_modules or list(cls.lora_targets)
         linear = [n for n, m in bundle.module.named_modules() if isinstance(m, torch.nn.Linear) and ".language_model." in f".{n}"]

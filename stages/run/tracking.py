@@ -73,8 +73,8 @@ def model_card(family: Any, example: str) -> dict[str, bytes]:
     vision-language model; a response for each text policy, a PNG image or a GIF clip for a flow
     policy) and `example` as its input example. Files by name, written beside the weights."""
     from mlflow.models import Model, ModelSignature  # start-up time: mlflow loads on first use, not when a recipe is read
-    from mlflow.models.utils import _save_example  # start-up time: mlflow loads on first use, not when a recipe is read
-    from mlflow.types import ColSpec, Schema  # start-up time: mlflow loads on first use, not when a recipe is read
+    from mlflow.models.utils import _save_example
+    from mlflow.types import ColSpec, Schema
 
     inputs: list[Any] = [ColSpec("string", "prompt")] + ([ColSpec("binary", "images", required=False)] if family.takes_images else [])
     outputs: list[Any] = []
@@ -183,7 +183,7 @@ class Tracker:
 
     def list_table(self, path: str) -> None:
         from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS  # start-up time: mlflow loads on first use, not when a recipe is read
-        from mlflow.utils.validation import MAX_TAG_VAL_LENGTH  # start-up time: mlflow loads on first use, not when a recipe is read
+        from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
 
         if self.tables is None:
             listed = json.loads(self.client.get_run(self.run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))

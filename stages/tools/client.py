@@ -128,7 +128,7 @@ class ToolServer:
 
     async def _main(self) -> None:
         from mcp import ClientSession  # start-up time: mcp loads on first use, not when a recipe is read
-        from mcp.client.stdio import stdio_client  # start-up time: mcp loads on first use, not when a recipe is read
+        from mcp.client.stdio import stdio_client
 
         self._queue = asyncio.Queue()
         self.spec.scratch.mkdir(parents=True, exist_ok=True)
@@ -186,7 +186,7 @@ class ToolServer:
         """(observation, whether the server must be started again)."""
         start = time.perf_counter()
         from mcp.shared.exceptions import MCPError  # start-up time: mcp loads on first use, not when a recipe is read
-        from mcp.types import REQUEST_TIMEOUT  # start-up time: mcp loads on first use, not when a recipe is read
+        from mcp.types import REQUEST_TIMEOUT
 
         try:
             result = await session.call_tool(name, args, read_timeout_seconds=self.spec.timeout_s)

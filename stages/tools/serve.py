@@ -36,7 +36,7 @@ def as_text(value: Any, max_chars: int) -> str:
 
 def build(names: list[str], max_chars: int) -> Any:
     from mcp.server.mcpserver import MCPServer  # start-up time: mcp loads on first use, not when a recipe is read
-    from mcp.server.mcpserver.exceptions import ToolError  # start-up time: mcp loads on first use, not when a recipe is read
+    from mcp.server.mcpserver.exceptions import ToolError
 
     server = MCPServer("unirl-tools")
     for name in names:

@@ -12,7 +12,7 @@ from unirl.stages.toys.kvstore import calc, make_store
 
 def build(seed: int, size: int):
     from mcp.server.mcpserver import MCPServer  # start-up time: mcp loads on first use, not when a recipe is read
-    from mcp.server.mcpserver.exceptions import ToolError  # start-up time: mcp loads on first use, not when a recipe is read
+    from mcp.server.mcpserver.exceptions import ToolError
 
     store = make_store(seed, size)
     server = MCPServer("unirl-kvstore")

@@ -9,7 +9,7 @@ from typing import Any
 def broadcast_json(obj: Any, *, rank: int, device: Any) -> Any:
     """Send a JSON-able object from rank 0 to all ranks (length, then UTF-8 bytes)."""
     import torch  # start-up time: torch loads on first use, not when a recipe is read
-    import torch.distributed as dist  # start-up time: torch loads on first use, not when a recipe is read
+    import torch.distributed as dist
 
     if dist.get_world_size() == 1:
         return obj
@@ -30,7 +30,7 @@ def broadcast_json(obj: Any, *, rank: int, device: Any) -> Any:
 def all_gather_json(obj: Any, *, device: Any) -> list[Any]:
     """Every rank's JSON-able object, in rank order (lengths, then padded UTF-8 bytes)."""
     import torch  # start-up time: torch loads on first use, not when a recipe is read
-    import torch.distributed as dist  # start-up time: torch loads on first use, not when a recipe is read
+    import torch.distributed as dist
 
     world = dist.get_world_size()
     if world == 1:

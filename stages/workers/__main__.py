@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch  # start-up time: torch loads on first use, not when a recipe is read
-    import torch.distributed as dist  # start-up time: torch loads on first use, not when a recipe is read
-    from torch.distributed.device_mesh import init_device_mesh  # start-up time: torch loads on first use, not when a recipe is read
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     from unirl.stages.workers.worker import make_worker  # start-up time: it loads torch
 

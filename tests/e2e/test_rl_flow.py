@@ -77,7 +77,7 @@ def test_iteration_flow_runs_started_ahead_are_subflows_that_each_complete(refer
         subflows = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[trains[0].id])))
     # Exactly the run's iterations, each Completed: none started past the last one, none left waiting.
-    assert sorted((r.name, r.state.type.value) for r in subflows) == [(f"iter-{i:06d}", "COMPLETED") for i in range(4)]
+    assert sorted((r.name, r.state.type.value) for r in subflows) == [(f"tiny/iter-{i:06d}", "COMPLETED") for i in range(4)]
 
 
 def test_four_iterations_layout_shards_advantages_and_mlflow(tmp_path, reference):
@@ -285,7 +285,11 @@ def assert_default_console(out: subprocess.CompletedProcess, iterations: int) ->
     assert test.startswith(f"[unirl] test v{iterations:06d} (after RL): accuracy ") and "(v000000 before RL: accuracy " in test
     log = next(line for line in lines if line.startswith("[unirl] log: ")).split(": ", 1)[1]
     text = Path(log).read_text()
-    assert "Beginning subflow run 'iter-000000'" in text and "Task run 'train-" in text  # Prefect's INFO lines go there
+    assert re.search(r"Beginning subflow run '[^'/]+/iter-000000'", text) and "Task run 'train-" in text  # Prefect's INFO lines go there
+    # each task says what it did, and each iteration's flow run its metric line (what its page in the UI shows)
+    assert re.search(r"Task run 'score-[^']*' - score of [^:]+: \d+ rows, 1 file, reward \d\.\d{3}, [^(]*\(\d+\.\d\d s\)", text)
+    assert re.search(r"Task run 'train-[^']*' - train of [^:]+: 1 file, loss [-+]\d\.\d{4}, version \d+ \(", text)
+    assert re.search(rf"Flow run '[^'/]+/iter-{iterations - 1:06d}' - \[unirl\] iter-{iterations - 1:06d} \({iterations}/{iterations}\)", text)
 
 
 def test_world_size_two_and_resume_at_another_world_size(tmp_path, unirl_env):
