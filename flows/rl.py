@@ -12,9 +12,12 @@ committed output instead of recomputing it.
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 from typing import Annotated, Any
 
 from prefect import flow, get_run_logger
+from prefect.runtime import deployment, flow_run
 from prefect.settings import temporary_settings
 from pydantic import Field
 
@@ -101,9 +104,9 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
     try:
         models = shape.models(recipe, run_name, storage)
         shape.prepare(recipe, storage)
-        tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"))
+        tracker = Tracker(recipe, storage, run_name, info.get("mlflow_run_id"), links())
         if info.get("mlflow_run_id") != tracker.run_id:
-            info = update_run_info(storage, mlflow_run_id=tracker.run_id)
+            info = update_run_info(storage, mlflow_run_id=tracker.run_id, mlflow_url=tracker.link())
         shape.warm_start(recipe, run_name, storage, tracker)
         events.subscribe(Console(recipe))
         for reader in (Mlflow(tracker), Registry(recipe, tracker, run_name, models), Previews(shape, recipe, tracker, storage),
@@ -165,6 +168,30 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
             close_engine(store)
             close_group(store)
     return result
+
+
+def links() -> dict[str, str]:
+    """What the MLflow run says of where it comes from: the Prefect flow run (id, and its page
+    when a server's UI shows it), the deployment, the git commit of this code and whether the
+    checkout had changes (MLflow's own tags for a run's source)."""
+    out = {"mlflow.source.name": "unirl rl-train", "mlflow.source.type": "JOB"}
+    if flow_run.id:
+        out["prefect.flow_run_id"] = str(flow_run.id)
+    if flow_run.ui_url:
+        out["prefect.flow_run_url"] = str(flow_run.ui_url)
+    if deployment.name:
+        out["prefect.deployment"] = str(deployment.name)
+    code = Path(__file__).resolve().parents[1]  # the checkout this code runs from (none for an installed wheel)
+    try:
+        commit = subprocess.run(["git", "-C", str(code), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        changed = subprocess.run(["git", "-C", str(code), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return out
+    if commit.returncode == 0:
+        out["mlflow.source.git.commit"] = commit.stdout.strip()
+        out["unirl.git_dirty"] = str(bool(changed.stdout.strip())).lower()
+    return out
 
 
 def catch_up(recipe: Recipe, tracker: Tracker, storage: Any, events: RunEvents, first: int) -> list[int]:

@@ -90,11 +90,25 @@ def model_card(family: Any, example: str) -> dict[str, bytes]:
         return {p.name: p.read_bytes() for p in Path(tmp).iterdir()}
 
 
+# MLflow 3 opens an experiment of this kind on its training runs (the Runs table, charts), not on
+# GenAI traces and evaluations.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
+def recipe_sha(recipe: Recipe) -> str:
+    """sha256 of the recipe as it runs (every field, defaults included): two runs with the same
+    value ran the same recipe."""
+    return hashlib.sha256(recipe.model_dump_json().encode()).hexdigest()
+
+
 class Tracker:
     """One MLflow run per unirl run; resumed runs keep logging into the same MLflow run, and a
     step that already has metrics is not logged again."""
 
-    def __init__(self, recipe: Recipe, storage: RunStorage, run_name: str, mlflow_run_id: str | None):
+    def __init__(self, recipe: Recipe, storage: RunStorage, run_name: str, mlflow_run_id: str | None,
+                 tags: dict[str, str] | None = None):
+        """`tags`: where this process runs from (the Prefect flow run, deployment, git commit),
+        set on a new MLflow run and again on a resumed one (the latest process's)."""
         from mlflow.tracking import MlflowClient  # start-up time: mlflow loads on first use, not when a recipe is read
 
         logging.getLogger("alembic").setLevel(logging.WARNING)
@@ -105,11 +119,17 @@ class Tracker:
             exp = self.client.get_experiment_by_name(recipe.tracking.experiment)
             exp_id = exp.experiment_id if exp else self.client.create_experiment(
                 recipe.tracking.experiment, artifact_location=artifact_root(self.uri))
-            run = self.client.create_run(exp_id, run_name=run_name, tags={"unirl.run": run_name, "unirl.storage": storage.url()})
+            run = self.client.create_run(exp_id, run_name=run_name, tags={
+                "unirl.run": run_name, "unirl.storage": storage.url(), "unirl.recipe_sha256": recipe_sha(recipe), **(tags or {})})
             self.run_id = run.info.run_id
             self.log_params(recipe)
         else:
             self.run_id = mlflow_run_id
+            exp_id = self.client.get_run(mlflow_run_id).info.experiment_id
+            for key, value in (tags or {}).items():
+                self.client.set_tag(self.run_id, key, value)
+        if self.client.get_experiment(exp_id).tags.get(EXPERIMENT_KIND[0]) is None:  # a user's own choice stays
+            self.client.set_experiment_tag(exp_id, *EXPERIMENT_KIND)
         self.logged_steps: dict[str, set[int]] = {}  # metric key -> steps already in MLflow
         self.tables: list[str] | None = None  # the tables MLflow's table views list (read once, then kept)
 

@@ -115,6 +115,13 @@ def test_four_iterations_layout_shards_advantages_and_mlflow(tmp_path, reference
     client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
     mlrun = client.get_run(info["mlflow_run_id"])
     assert mlrun.data.params["train.lr"] == "0.003"
+    # Links both ways: the MLflow run names its Prefect flow run and the code it ran; run.json its MLflow page;
+    # the experiment opens on training runs (MLflow 3's model-training mode), not GenAI traces.
+    tags = mlrun.data.tags
+    assert tags["prefect.flow_run_id"] and tags["mlflow.source.name"] == "unirl rl-train" and len(tags["unirl.recipe_sha256"]) == 64
+    assert len(tags["mlflow.source.git.commit"]) == 40 and tags["unirl.git_dirty"] in ("true", "false")
+    assert info["mlflow_url"].endswith(f"/runs/{info['mlflow_run_id']}")
+    assert client.get_experiment(mlrun.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     assert mlrun.data.params["rollout.group_size"] == "4"
     for key in ["rollout/reward_mean", "rollout/reward_std", "rollout/zero_std_group_frac", "train/loss",
                 "train/clip_frac", "train/approx_kl", "train/grad_norm", "time/generate_s", "time/train_s"]:
