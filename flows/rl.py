@@ -99,7 +99,7 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
     shape = shape_of(recipe)
     storage, info = open_run(recipe, run_name)
     models: Models = {}
-    events = RunEvents(logger)  # type: ignore[arg-type] - Prefect's run logger is a LoggerAdapter
+    events = RunEvents(logger)
     ahead = Ahead(run_name, recipe.iterations, lambda i: shape.iteration(recipe, run_name, i))
     try:
         models = shape.models(recipe, run_name, storage)

@@ -182,7 +182,7 @@ def unexplained(path: Path) -> list[int]:
     other), or on the comment lines just above the block."""
     lines = path.read_text().splitlines()
     tree = ast.parse("\n".join(lines), str(path))
-    out = []
+    out: list[int] = []
     for fn in ast.walk(tree):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue

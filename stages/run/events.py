@@ -127,7 +127,7 @@ class Lane:
 class RunEvents:
     """The bus: `subscribe` readers, `emit` events, `close` at the run's end."""
 
-    def __init__(self, log: logging.Logger | None = None) -> None:
+    def __init__(self, log: logging.Logger | logging.LoggerAdapter | None = None) -> None:
         self._readers: list[tuple[Reader, bool]] = []
         self._lane = Lane()
         self._log = log or logging.getLogger("unirl.events")

@@ -215,7 +215,7 @@ def sample_prompts(n: int, seed: int, split: str = "train", kinds: tuple[str, ..
 
 
 def _place(spec: PromptSpec, size: int, rng: np.random.Generator) -> list[tuple[ObjectSpec, tuple[int, int, int, int]]]:
-    from unirl.stages.toys.geneval.detector import relations  # at call time: toys.geneval imports this module while it loads
+    from unirl.stages.toys.geneval.detector import relations  # at call time: detector imports this module while it loads
 
     gap = max(2, round(0.06 * size))
     lo, hi = max(5, round(0.22 * size)), max(6, round(0.32 * size))
