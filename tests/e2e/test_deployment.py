@@ -228,7 +228,7 @@ def test_deployment_run_completes_with_artifacts(server: Deployments) -> None:
     assert "iter-000000" in summary.data and "iter-000001" in summary.data
     assert str(run_dir / "weights" / "v000002") in summary.data
 
-    assert sorted(r.name for r in iterations) == ["iter-000000", "iter-000001"]
+    assert sorted(r.name for r in iterations) == ["tiny/iter-000000", "tiny/iter-000001"]
     ours = {r.id for r in iterations}
     tagged = {t.name.split("-")[0]: set(t.tags) for t in tasks if t.flow_run_id in ours}
     assert "gpu" in tagged["generate"] and "gpu" in tagged["train"] and "gpu" not in tagged["score"]

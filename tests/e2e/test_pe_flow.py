@@ -74,7 +74,7 @@ def test_a_pipeline_run_trains_every_part_and_shows_each(pe_reference, prefect_s
         iterations = c.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["pe-iteration"])),
                                       flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=["run:pe-reference"])))
         tasks = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in iterations])))
-    assert sorted(r.name for r in iterations) == ["iter-000000", "iter-000001", "iter-000002"]
+    assert sorted(r.name for r in iterations) == [f"pe-reference/iter-{i:06d}" for i in range(3)]
     names = {t.name.rsplit("-", 1)[0] for t in tasks if t.flow_run_id == iterations[0].id}
     assert {"compose", "score", "advantage", *(f"{task}-{side}" for task in ("generate", "train", "sync") for side in PARTS)} <= names
 

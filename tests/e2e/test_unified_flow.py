@@ -71,7 +71,7 @@ def test_a_unified_run_trains_both_stages_in_one_step(unified_reference, prefect
         iterations = c.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["unified-iteration"])),
                                       flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=["run:unified-reference"])))
         tasks = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in iterations])))
-    assert sorted(r.name for r in iterations) == ["iter-000000", "iter-000001", "iter-000002"]
+    assert sorted(r.name for r in iterations) == [f"unified-reference/iter-{i:06d}" for i in range(3)]
     names = {t.name.rsplit("-", 1)[0] for t in tasks if t.flow_run_id == iterations[0].id}
     assert {"generate-plan", "generate-image", "compose", "score", "advantage", "train", "sync"} <= names
 
