@@ -53,17 +53,20 @@ class Console:
             case RunStarted(first=first):
                 self.progress = Progress(recipe.iterations, first)
             case EvaluationStarted(version=v, split=split, note=note):
-                where = "held-out" if split == "dev" else split
                 of = f" of {self.run_name}" if self.run_name else ""
-                say(f"[unirl] evaluating v{v:06d}{of} on the {where} prompts ({note or f'greedy, and {recipe.eval.k} samples each'}) ...")
+                say(f"[unirl] evaluating v{v:06d}{of} on the {split_name(split)} prompts ({note or f'greedy, and {recipe.eval.k} samples each'}) ...")
             case EvaluationDone(replayed=False, version=v, metrics=m, split=split, label=label, before=before):
-                name = "held-out" if split == "dev" else split
                 was = f"  (v000000 before RL: {metrics_line(recipe, before, split)})" if before is not None else ""
-                say(f"[unirl] {name} v{v:06d}{' (' + label + ')' if label else ''}: {metrics_line(recipe, m, split)}{was}")
+                say(f"[unirl] {split_name(split)} v{v:06d}{' (' + label + ')' if label else ''}: {metrics_line(recipe, m, split)}{was}")
             case IterationEnded(iteration=i, summary=s) if self.progress is not None:
                 self.progress.iteration(i, s["metrics"])  # before its evaluation: the console reads top to bottom
             case RunFinished() if self.progress is not None:
                 self.progress.close()
+
+
+def split_name(split: str) -> str:
+    """What the console calls a split: the dev split is the held-out one."""
+    return "held-out" if split == "dev" else split
 
 
 class Mlflow:

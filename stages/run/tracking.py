@@ -118,18 +118,18 @@ class Tracker:
         if mlflow_run_id is None:
             exp = self.client.get_experiment_by_name(recipe.tracking.experiment)
             exp_id = exp.experiment_id if exp else self.client.create_experiment(
-                recipe.tracking.experiment, artifact_location=artifact_root(self.uri))
+                recipe.tracking.experiment, artifact_location=artifact_root(self.uri), tags=dict([EXPERIMENT_KIND]))
             run = self.client.create_run(exp_id, run_name=run_name, tags={
                 "unirl.run": run_name, "unirl.storage": storage.url(), "unirl.recipe_sha256": recipe_sha(recipe), **(tags or {})})
             self.run_id = run.info.run_id
             self.log_params(recipe)
         else:
             self.run_id = mlflow_run_id
-            exp_id = self.client.get_run(mlflow_run_id).info.experiment_id
+            exp = self.client.get_experiment(self.client.get_run(mlflow_run_id).info.experiment_id)
             for key, value in (tags or {}).items():
                 self.client.set_tag(self.run_id, key, value)
-        if self.client.get_experiment(exp_id).tags.get(EXPERIMENT_KIND[0]) is None:  # a user's own choice stays
-            self.client.set_experiment_tag(exp_id, *EXPERIMENT_KIND)
+        if exp is not None and exp.tags.get(EXPERIMENT_KIND[0]) is None:  # an older experiment; a user's own kind stays
+            self.client.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
         self.logged_steps: dict[str, set[int]] = {}  # metric key -> steps already in MLflow
         self.tables: list[str] | None = None  # the tables MLflow's table views list (read once, then kept)
 
