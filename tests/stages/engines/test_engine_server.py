@@ -44,15 +44,24 @@ def test_concurrent_requests_are_batched_and_answers_do_not_depend_on_the_batch(
     client = EngineClient(url, TOKEN)
     prompts = [[3, 4, 5], [6, 7], [8], [9, 10, 11, 12]]
     alone = [client.generate([p], [params(i)])[0] for i, p in enumerate(prompts)]
-    before = core_batches(url)
-    with ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(lambda ip: client.generate([ip[1]], [params(ip[0])])[0], enumerate(prompts)))
-    assert core_batches(url) - before == 1  # four HTTP requests, one sampled batch
-    for a, b in zip(alone, together):
-        assert a["output_ids"] == b["output_ids"]
-        lp_a = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
-        lp_b = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
-        assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < 1e-5
+    batches = []
+    # Four HTTP requests sent at once join one sampled batch when they reach the server within
+    # its 0.3 s batching wait. A loaded machine can delay a thread past it, so the test tries up
+    # to three times and needs one try in a single batch; every try's answers must equal the
+    # answers sampled alone, however the requests were batched.
+    for _ in range(3):
+        before = core_batches(url)
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda ip: client.generate([ip[1]], [params(ip[0])])[0], enumerate(prompts)))
+        batches.append(core_batches(url) - before)
+        for a, b in zip(alone, together):
+            assert a["output_ids"] == b["output_ids"]
+            lp_a = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+            lp_b = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
+            assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < 1e-5
+        if batches[-1] == 1:
+            break
+    assert batches[-1] == 1, f"four concurrent requests were sampled in {batches} batches (one try per entry), never in one"
 
 
 def core_batches(url: str) -> int:
