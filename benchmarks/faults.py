@@ -93,7 +93,7 @@ def notable(out: str) -> str:
 def mlflow_history(run_dir: Path, env: dict[str, str]) -> dict[str, list[tuple[int, float]]]:
     from mlflow.tracking import MlflowClient
 
-    uri = env.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir / 'mlflow.db'}"
+    uri = env.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir.parent / 'mlflow.db'}"  # the storage root's store
     client = MlflowClient(tracking_uri=uri)
     run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
     keys = client.get_run(run_id).data.metrics.keys()

@@ -113,8 +113,8 @@ def summary_markdown(recipe: Recipe, run_name: str, storage_url: str, rows: list
     lines += ["", f"* weights: `{weights}`" if weights else "* weights: none published yet",
               f"* checkpoint: `{checkpoint}`" if checkpoint else "* checkpoint: none",
               f"* MLflow: {mlflow}",
-              f"* resume or extend: `unirl run RECIPE --run-name {run_name} iterations=N`, or run the deployment "
-              f"with `run_name={run_name}`"]
+              f"* extend: `unirl run RECIPE --run-name {run_name} iterations=N` (N > {recipe.iterations}), or run the "
+              f"deployment with `run_name={run_name}` and `iterations=N`"]
     return "\n".join(lines) + "\n"
 
 
@@ -160,8 +160,7 @@ class RunArtifacts:
             "progress", create_progress_artifact, progress=self._percent(done),
             key=artifact_key(self.run_name, "progress"), description=self._progress_text(done),
         )
-        experiment_id = self._try("MLflow link", lambda: self.tracker.client.get_run(self.tracker.run_id).info.experiment_id)
-        link, command = browse(self.tracker.uri, experiment_id, self.tracker.run_id)
+        link, command = self.tracker.page()
         self._try(
             "MLflow link", create_link_artifact, link=link, link_text=f"MLflow run {self.tracker.run_id}",
             key=artifact_key(self.run_name, "mlflow"),
@@ -205,10 +204,15 @@ class RunArtifacts:
             self.summaries[0], last,
             self.storage.url(self.storage.weights_rel(max(weights))) if weights else None,
             self.storage.url(self.storage.checkpoint_rel(max(checkpoints))) if checkpoints else None,
-            f"`{self.tracker.uri}` run `{self.tracker.run_id}`", self._evals(),
+            self._mlflow_line(), self._evals(),
         )
         self._try("summary", create_markdown_artifact, markdown=markdown, key=artifact_key(self.run_name, "summary"),
                   description=f"{self.recipe.name}/{self.run_name}: before and after")
+
+    def _mlflow_line(self) -> str:
+        """The MLflow run's page as a link, and for a local store the command that serves it."""
+        link, command = self.tracker.page()
+        return f"[run {self.tracker.run_id}]({link})" + (f" (serve the store first: `{command}`)" if command else "")
 
     def _evals(self) -> list[dict[str, Any]]:
         """Held-out results written by the evaluate task (`eval/vNNNNNN/metrics.json`), by version."""

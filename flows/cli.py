@@ -1,6 +1,6 @@
 """`unirl`: run and validate recipes, serve rewards.
 
-    unirl run RECIPE [key.sub=value ...] [--run-name NAME] [--verbose]
+    unirl run RECIPE [key.sub=value ...] [--run-name NAME] [--resume] [--verbose]
     unirl validate RECIPE [key.sub=value ...]
     unirl sft RECIPE [key.sub=value ...] [--run-name NAME]
     unirl evaluate RECIPE [key.sub=value ...] [--run-name NAME] [--version N] [--split dev|test]
@@ -8,6 +8,7 @@
     unirl reward-server --config FILE
     unirl engine-server RECIPE [key.sub=value ...] [--weights DIR] [--port N]
     unirl audit RUN [--root ROOT]          (RUN: a run name under ROOT, or a run folder's path or URL)
+    unirl ui [STORE] [--port N]            (MLflow's UI over a storage root's runs; STORE default: runs)
 """
 from __future__ import annotations
 
@@ -31,7 +32,10 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run (or resume) a recipe as a Prefect flow")
     run.add_argument("recipe", help="recipe YAML file")
     run.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    run.add_argument("--run-name", default="", help="run folder name (default: the recipe's name); same name resumes")
+    run.add_argument("--run-name", default="", help="run folder name (default: the recipe's name); the same name "
+                     "resumes a run that did not finish")
+    run.add_argument("--resume", action="store_true", help="start a finished run again to report it (its held-out "
+                     "lines, anything MLflow misses) instead of failing with 'run X is finished'")
     run.add_argument("--verbose", action="store_true", help="Prefect's flow and task run logs on the console too")
     sft = sub.add_parser("sft", help="run only the supervised warm start of a recipe (its `sft` section)")
     sft.add_argument("recipe", help="recipe YAML file")
@@ -59,6 +63,10 @@ def _parser() -> argparse.ArgumentParser:
     au = sub.add_parser("audit", help="check a run's storage: each group trained once, staleness, weights, behaviour")
     au.add_argument("run", help="run name (under --root), or a run folder's path or URL (runs/tiny, s3://bucket/runs/tiny)")
     au.add_argument("--root", default=None, help="storage root of a run name (default: storage.root's default, runs)")
+    ui = sub.add_parser("ui", help="serve MLflow's UI over a storage root's store: every run of it in one place")
+    ui.add_argument("store", nargs="?", default="runs",
+                    help="a storage root (its mlflow.db), a .db file, or a tracking URI (default: runs)")
+    ui.add_argument("--port", type=int, default=None, help="port (default: 5000 when free, else a free one)")
     es = sub.add_parser("engine-server", help="serve a recipe's policy as a rollout engine (docs/engines.md)", add_help=False)
     es.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
@@ -78,10 +86,14 @@ def main(argv: list[str] | None = None) -> int:
         return engine_server(argv[1:])
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command == "audit":
+    if args.command in ("audit", "ui"):
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         startup.imports_done()
+        if args.command == "ui":
+            from unirl.flows.ui import serve as serve_ui  # start-up time: loaded on first use
+
+            return serve_ui(args.store, args.port)
         return audit(args.run, args.root)
     # overrides may also follow options (`--run-name x train.lr=0.1`)
     stray = [a for a in rest if a.startswith("-") or "=" not in a]
@@ -116,12 +128,15 @@ def main(argv: list[str] | None = None) -> int:
         startup.imports_done()
         return node_agent(recipe, args.run_name or recipe.name, args.group)
     if args.command in ("run", "sft"):
-        from unirl.stages.run.record import check_inputs  # start-up time: loaded on first use
+        from unirl.stages.run.record import check_inputs, finished_error  # start-up time: loaded on first use
 
         try:
             check_inputs(recipe)  # a bad model folder or data file, before Prefect, MLflow or a model start
         except (OSError, ValueError) as exc:
             print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        if args.command == "run" and not args.resume and (finished := finished_error(recipe, args.run_name or recipe.name)):
+            print(f"error: {finished}", file=sys.stderr)  # before Prefect starts: nothing to do
             return 1
     from unirl.tasks.console import error_text, failures_once, quiet_prefect, say  # start-up time: loaded on first use
 
@@ -150,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             while True:
                 restarts = api.restarts if api is not None else 0
                 try:
-                    result = rl_train(recipe, run_name)
+                    result = rl_train(recipe, run_name, resume=args.resume)
                     break
                 except Exception as exc:
                     # A run that failed while its local API server died and was started again goes on

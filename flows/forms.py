@@ -157,6 +157,8 @@ def narrowed_schema(chosen: dict[str, tuple[str, ...]]) -> dict[str, Any]:
     cannot add to)."""
     schema = recipe_schema()
     defs = schema["$defs"]
+    # Fields of one policy only: not on another's form (a flow model's responses are never overlong).
+    hidden = {"reward.overlong"} if chosen.get("rollout") == ("flow",) else set()
 
     def build(node: dict[str, Any], path: str, stack: tuple[str, ...]) -> dict[str, Any]:
         node = dict(node)
@@ -178,10 +180,15 @@ def narrowed_schema(chosen: dict[str, tuple[str, ...]]) -> dict[str, Any]:
                 node["oneOf"] = [{"$ref": mapping[tag]} for tag in tags]
         for key in ("oneOf", "anyOf", "allOf"):
             if key in node:
-                node[key] = [build(b, path, stack) for b in node[key]]
+                # An optional section's choice reads as the section (`Sft` or None), not its class (`SFTConfig`).
+                node[key] = [build({"title": node["title"], **b} if "$ref" in b and "title" in node else b, path, stack)
+                             for b in node[key]]
         if "properties" in node:
             props = {k: (f"{path}.{k}" if path else k, v) for k, v in node["properties"].items()}
-            node["properties"] = {k: build(v, sub, stack) for k, (sub, v) in props.items() if not unset(sub)}
+            # A section is titled by its field as every plain field is (`Reward`, `Tiny`), not by its
+            # class (`RewardConfig`, `TinyQwen3`).
+            node["properties"] = {k: build({"title": k.replace("_", " ").title(), **v}, sub, stack)
+                                  for k, (sub, v) in props.items() if not unset(sub) and sub not in hidden}
         if isinstance(node.get("items"), dict):
             node["items"] = build(node["items"], path, stack)
         if isinstance(node.get("additionalProperties"), dict):

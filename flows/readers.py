@@ -54,7 +54,9 @@ class Console:
                 self.progress = Progress(recipe.iterations, first)
             case EvaluationStarted(version=v, split=split, note=note):
                 of = f" of {self.run_name}" if self.run_name else ""
-                say(f"[unirl] evaluating v{v:06d}{of} on the {split_name(split)} prompts ({note or f'greedy, and {recipe.eval.k} samples each'}) ...")
+                first_ = "the ODE sample (no noise)" if recipe.rollout.kind == "flow" else "greedy"  # what `greedy` is for a flow model
+                say(f"[unirl] evaluating v{v:06d}{of} on the {split_name(split)} prompts "
+                    f"({note or f'{first_}, and {recipe.eval.k} samples each'}) ...")
             case EvaluationDone(replayed=False, version=v, metrics=m, split=split, label=label, before=before):
                 was = f"  (v000000 before RL: {metrics_line(recipe, before, split)})" if before is not None else ""
                 say(f"[unirl] {split_name(split)} v{v:06d}{' (' + label + ')' if label else ''}: {metrics_line(recipe, m, split)}{was}")
@@ -71,14 +73,16 @@ def split_name(split: str) -> str:
 
 class Mlflow:
     """The run's MLflow run: an iteration's metrics at its step (`time/iteration_s` marks it
-    logged), an evaluation's at its version (`eval/*`, `test/*`), the run's status at its end. The
-    tracker logs a step once, so a replay logs nothing twice."""
+    logged), an evaluation's at its version (`eval/*`, `test/*`), system metrics while the run runs,
+    the run's status at its end. The tracker logs a step once, so a replay logs nothing twice."""
 
     def __init__(self, tracker: Tracker, *, finishes: bool = True):
         self.tracker, self.finishes = tracker, finishes
 
     def on(self, event: Event) -> None:
         match event:
+            case RunStarted(first=first) if self.finishes:
+                self.tracker.watch_system(resumed=first > 0)
             case IterationCommitted(iteration=i, summary=s, replayed=replayed):
                 if not replayed:
                     fault_point("report", i)  # the fault table's kill after a commit, before its report

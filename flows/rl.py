@@ -1,5 +1,5 @@
 """The RL training run as Prefect flows: one `rl-train` flow run for the whole run, and one
-iteration flow run per iteration (named iter-000007) whose tasks are its stages.
+iteration flow run per iteration (named <run>/iter-000007) whose tasks are its stages.
 
 One run loop (`train_run`) drives every shape a recipe can have (flows/shapes/: a single
 model, a pipeline of models, a unified model; each iteration the one sequence of
@@ -38,12 +38,12 @@ from unirl.stages.run.events import (
     RunStarted,
     VersionPublished,
 )
-from unirl.stages.run.record import open_run, update_run_info
+from unirl.stages.run.record import finished_error, mark_finished, open_run, update_run_info
 from unirl.stages.run.tracking import Tracker
 from unirl.stages.runtime.accumulation import closes, iterations_error, version_after
 from unirl.stages.runtime.data import build_prompt_source
 from unirl.stages.runtime.lease import RunLease
-from unirl.stages.runtime.storage import iter_dir, join
+from unirl.stages.runtime.storage import check_run_name, iter_dir, join
 from unirl.stages.workers.group import close_group
 from unirl.tasks.common import close_engine, run_tags, start_producer, stop_producer, storage_of
 from unirl.tasks.console import log_to_run_folder, say
@@ -60,30 +60,56 @@ def starts_ahead() -> bool:
     return mode == "on"
 
 
-@flow(name="rl-train", flow_run_name="{recipe.name}/{run_name}",
+def chosen_run_name(recipe_name: str, run_name: str) -> str:
+    """The run folder of an `rl-train` flow run: `run_name` when given; else, for a flow run of a
+    deployment, its Prefect name (the Run form's "Run Name", or the name Prefect generated), so a
+    deployment run never lands in a finished run's folder by default; else the recipe's name.
+    The same before and after Prefect renames the flow run to `<recipe>/<run name>`."""
+    if run_name:
+        return run_name
+    if deployment.id and flow_run.name:
+        return check_run_name(flow_run.name.removeprefix(f"{recipe_name}/"),
+                              "the flow run's name (its Run Name; or set the run_name parameter)")
+    return recipe_name
+
+
+def flow_run_label() -> str:
+    """`<recipe>/<run name>`: how the Prefect UI lists an `rl-train` flow run."""
+    params = flow_run.parameters
+    recipe = params.get("recipe")
+    name = recipe.name if isinstance(recipe, Recipe) else str((recipe or {}).get("name", "run"))
+    return f"{name}/{chosen_run_name(name, params.get('run_name') or '')}"
+
+
+@flow(name="rl-train", flow_run_name=flow_run_label,
       on_cancellation=[stop_worker_group], on_crashed=[stop_worker_group])
 def rl_train(
     recipe: Recipe, run_name: str = "", iterations: Annotated[int | None, Field(ge=1)] = None,
-    overrides: Annotated[list[str] | None, Field(max_length=MAX_OVERRIDES)] = None,
+    overrides: Annotated[list[str] | None, Field(max_length=MAX_OVERRIDES)] = None, resume: bool = False,
 ) -> dict[str, Any]:
-    """Run (or resume) `recipe` as run `run_name` (default: the recipe's name).
+    """Run (or resume) `recipe` as run `run_name`.
 
     Args:
         recipe: The whole run: model, data, rollout, reward, algorithm, training, storage.
-        run_name: Run folder name (default: the recipe's name); the same name resumes the run.
+        run_name: Run folder name; the same name resumes an unfinished run. Empty: the flow run's
+            name (the Run Name above) for a deployment's run, else the recipe's name.
         iterations: Overrides `recipe.iterations` (e.g. `--param iterations=2`); more than the
             run has finished extends it.
         overrides: `key.sub=value` changes to the recipe, applied as `unirl run` applies them
             (e.g. `train.lr=3e-4`, `reward.scorers=[{name: exact_match}]`), so one field changes
             without rewriting the recipe.
+        resume: Start a finished run again to report it (its held-out lines, anything MLflow
+            misses) instead of failing with "run X is finished".
     """
+    run_name = chosen_run_name(recipe.name, run_name)
     recipe = with_overrides(recipe, overrides or [])  # a bad override fails here, naming it
-    run_name = run_name or recipe.name
     if iterations is not None:
         recipe = recipe.model_copy(update={"iterations": iterations})
         if (error := iterations_error(recipe, iterations)) is not None:
             raise ValueError(error)
     build_prompt_source(recipe.data)  # a bad data file fails here, before any model loads
+    if not resume and (finished := finished_error(recipe, run_name)) is not None:
+        raise finished
     lease = RunLease(storage_of(recipe, run_name), log=lambda m: say(f"[unirl] {m}")).acquire()  # one owner per run
     try:
         return train_run(recipe, run_name)
@@ -155,6 +181,7 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
         result = {"run": run_name, "storage": storage.url(), "iterations": recipe.iterations, "last": last,
                   "mlflow_run_id": tracker.run_id, "eval": {str(k): v for k, v in evals.items()}}
         events.close(RunFinished(ok=True, result=result))  # a reader's failure fails the run
+        mark_finished(storage, recipe.iterations)  # starting it again now says so (rl_train)
     except BaseException:
         try:
             ahead.close()

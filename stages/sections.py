@@ -283,9 +283,15 @@ class TrackingConfig(Section):
     """MLflow."""
 
     mlflow_uri: str | None = Field(
-        None, description="Tracking URI; empty: $MLFLOW_TRACKING_URI, else sqlite in the run folder (local storage) or ./mlruns.db."
+        None, description="Tracking URI; empty: $MLFLOW_TRACKING_URI, else one SQLite store for every run of the storage "
+        "root (<root>/mlflow.db, local storage) or ./mlruns.db."
     )
-    experiment: str = Field("unirl", min_length=1, description="MLflow experiment name.")
+    experiment: str | None = Field(
+        None, min_length=1, description="MLflow experiment name; empty: the recipe's name (one experiment per recipe, so "
+        "its runs sit in one table and on one chart).")
+    system_metrics: bool = Field(
+        True, description="Log MLflow system metrics (CPU, memory, disk, network; GPU where present) every 10 s "
+        "($MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL) as system/*.")
     preview_every: int = Field(
         1, ge=0, description="Log what people should see of an iteration's rollouts every N iterations (0: never): a "
         "samples table (prompt, response or picture, reward, advantage, version), and an image grid for flow models.",

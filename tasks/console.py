@@ -137,8 +137,10 @@ def say(text: str, stream: TextIO | None = None) -> None:
 
 
 def iteration_line(i: int, total: int, m: dict[str, float]) -> str:
-    """One line per iteration; kl and clip only for losses that have them (not NFT's)."""
-    kl = f"  kl {m['train/approx_kl']:.2e}" if "train/approx_kl" in m else ""
+    """One line per iteration; kl and clip only for losses that have them (not NFT's), kl only
+    when the policy moved from the one that sampled (not with one on-policy update per batch,
+    where it is 0 by construction)."""
+    kl = f"  kl {m['train/approx_kl']:.2e}" if m.get("train/approx_kl") else ""
     clip = f"  clip {m['train/clip_frac']:.3f}" if "train/clip_frac" in m else ""
     if "train/loss" not in m and "train/accumulated_batches" in m:  # rollout accumulation: the update comes later
         return (f"[unirl] iter-{i:06d} ({i + 1}/{total})  reward {m['rollout/reward_mean']:.3f}±{m['rollout/reward_std']:.3f}"

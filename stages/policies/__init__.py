@@ -180,7 +180,8 @@ def samples_table(storage: Any, iteration: int, read: list[str], cells: Any, row
                   table: Any = None) -> dict[str, list[Any]] | None:
     """The table of an iteration's first rollouts (one per group first) that people read in MLflow:
     sample_id, prompt, what `cells(table, i)` gives of row i (the response; the image), reward,
-    advantage and the policy version that sampled it. `read`: the rollout columns `cells` needs;
+    its components (`reward/<scorer>`, as the score stage stored them), advantage and the policy
+    version that sampled it. `read`: the rollout columns `cells` needs;
     `table`: the rollouts (at least SAMPLES_COLUMNS and `read`) when the caller has read them.
     None until the iteration's rollouts are committed."""
     if table is None:
@@ -194,12 +195,15 @@ def samples_table(storage: Any, iteration: int, read: list[str], cells: Any, row
     for i in pick:
         for name, value in cells(table, i).items():
             columns.setdefault(name, []).append(value)
-    for stage, column in (("score", "reward"), ("advantage", "advantage")):
+    for stage, kind in (("score", "rewards"), ("advantage", "advantages")):
         manifest = storage.stage_manifest(iteration, stage)
         if manifest is not None:
-            shard = read_shard(storage, manifest["files"][0], "rewards" if stage == "score" else "advantages")
-            by_id = dict(zip(shard.column("sample_id").to_pylist(), shard.column(column).to_pylist()))
-            columns[column] = [by_id.get(ids[i]) for i in pick]
+            shard = read_shard(storage, manifest["files"][0], kind)
+            at = {sid: k for k, sid in enumerate(shard.column("sample_id").to_pylist())}
+            wanted = ["reward", *(c for c in shard.column_names if c.startswith("reward/"))] if stage == "score" else ["advantage"]
+            for column in wanted:
+                values = shard.column(column).to_pylist()
+                columns[column] = [values[at[ids[i]]] if ids[i] in at else None for i in pick]
     columns["version"] = [versions[i] for i in pick]
     return columns
 

@@ -190,9 +190,16 @@ class TextPolicy(Policy):
 
     @classmethod
     def log_preview(cls, recipe: Any, tracker: Any, storage: Any, iteration: int) -> str | None:
-        """A table of the iteration's first samples, one per group first: prompt, response, reward,
-        advantage, version (MLflow `tables/samples/step-N.json`)."""
-        columns = samples_table(storage, iteration, ["text"], lambda table, i: {"response": table.column("text")[i].as_py()})
+        """A table of the iteration's first samples, one per group first: prompt, response, why it
+        ended (`stop`, `length`; an agent's reason), reward and its components, advantage, version
+        (MLflow `tables/samples/step-N.json`)."""
+        def cells(table: pa.Table, i: int) -> dict[str, Any]:
+            row = {"response": table.column("text")[i].as_py()}
+            if "finish_reason" in table.column_names:
+                row["finish_reason"] = table.column("finish_reason")[i].as_py()
+            return row
+
+        columns = samples_table(storage, iteration, ["text", "finish_reason"], cells)
         return None if columns is None else tracker.log_table(iteration, columns, "samples")
 
     @classmethod

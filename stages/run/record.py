@@ -25,6 +25,31 @@ class RunMismatchError(ValueError):
     """Resuming a run with a recipe that would change what was already computed."""
 
 
+class RunFinishedError(ValueError):
+    """Starting a run that has finished, without asking to extend it or to resume it."""
+
+
+def finished_error(recipe: Recipe, run_name: str) -> RunFinishedError | None:
+    """The error for starting run `run_name` again once it has finished every one of
+    `recipe.iterations` (run.json's `finished_iterations`, written when a run ends well), else None.
+    A run killed before its end is not finished: starting it again resumes it. Reads run.json only."""
+    storage = RunStorage(recipe.storage.root, run_name, recipe.storage.options)
+    if not storage.exists("run.json"):
+        return None
+    done = storage.read_json("run.json").get("finished_iterations")
+    if done is None or recipe.iterations > done:
+        return None
+    return RunFinishedError(
+        f"run {run_name!r} is finished ({done} iterations, {storage.url()}); pass iterations=M with M > {done} to "
+        f"extend it or pick another run name; to report it again (its held-out lines, anything MLflow misses) "
+        "resume it explicitly (unirl run --resume, or the flow's resume=true)")
+
+
+def mark_finished(storage: RunStorage, iterations: int) -> dict[str, Any]:
+    """What a run that ended well leaves in run.json: how many iterations it finished, and when."""
+    return update_run_info(storage, finished_iterations=iterations, finished=datetime.now(timezone.utc).isoformat())
+
+
 def code_version() -> str:
     try:
         here = Path(__file__).resolve().parent

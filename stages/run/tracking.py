@@ -1,5 +1,7 @@
 """MLflow tracking through `MlflowClient` with an explicit run id (the fluent API is not
-thread-safe). Default store: SQLite in the run folder for local runs, else ./mlruns.db.
+thread-safe). Default store: one SQLite store per local storage root (`<root>/mlflow.db`: every
+run of the root in one `mlflow ui`, one experiment per recipe), else ./mlruns.db; a run started
+with a store of its own (`<root>/<run>/mlflow.db`, before) keeps it.
 
 MLflow is also the model's home: every published weights version is a version of the registered
 model named after the recipe, its source the weights folder in run storage (no second copy),
@@ -7,6 +9,8 @@ tagged with the run, iteration, policy version, the manifest's sha256 and, once 
 held-out metrics; per iteration a small samples table (text) or preview image (flow)."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -15,6 +19,7 @@ import os
 import shlex
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +34,51 @@ def artifact_root(uri: str) -> str | None:
     """Where a new experiment of a SQLite store keeps its artifacts: `mlartifacts` beside the
     database (for a run's own store, in the run folder) instead of MLflow's default, ./mlruns in
     whatever folder the process started in. A tracking server or a folder store decides itself."""
-    if uri.startswith("sqlite:///"):
-        return os.path.join(os.path.dirname(uri[len("sqlite:///"):]) or ".", "mlartifacts")
-    return None
+    path = sqlite_path(uri)
+    return os.path.join(os.path.dirname(str(path)) or ".", "mlartifacts") if path is not None else None
+
+
+STORE = "mlflow.db"  # a local storage root's MLflow store (and, before, a run folder's own)
 
 
 def tracking_uri(recipe: Recipe, storage: RunStorage) -> str:
+    """The recipe's `tracking.mlflow_uri`, else $MLFLOW_TRACKING_URI, else the storage root's
+    SQLite store (a run folder's own store where it has one), else ./mlruns.db for an object store."""
     if recipe.tracking.mlflow_uri:
         return recipe.tracking.mlflow_uri
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    if storage.local:
-        return f"sqlite:///{storage.local_path('mlflow.db')}"
+    folder = storage.local_path()
+    if folder is not None:
+        own = folder / STORE
+        return f"sqlite:///{own if own.exists() else folder.parent / STORE}"
     return f"sqlite:///{os.path.abspath('mlruns.db')}"
+
+
+def experiment_name(recipe: Recipe) -> str:
+    return recipe.tracking.experiment or recipe.name
+
+
+def sqlite_path(uri: str) -> Path | None:
+    return Path(uri[len("sqlite:///"):].split("?", 1)[0]) if uri.startswith("sqlite:///") else None
+
+
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """Held while a process opens a SQLite store the first time: MLflow creates a new store's
+    tables on first use, and two runs starting at once on a fresh storage root would both try
+    (`<store>.lock`, an advisory lock beside it). Other stores need none."""
+    path = sqlite_path(uri)
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{path}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def flatten(prefix: str, value: Any, out: dict[str, str]) -> dict[str, str]:
@@ -53,18 +90,20 @@ def flatten(prefix: str, value: Any, out: dict[str, str]) -> dict[str, str]:
     return out
 
 
-MLFLOW_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
+MLFLOW_PORT = 5000  # where `unirl ui` (and `mlflow ui`) serve when the port is free
+MLFLOW_UI = f"http://127.0.0.1:{MLFLOW_PORT}"
 
 
 def browse(uri: str, experiment_id: str | None, run_id: str) -> tuple[str, str | None]:
     """(the run's page, the command that serves it first or None): an MLflow server's own page; a
-    local store (sqlite, a folder) is served by `mlflow ui --backend-store-uri URI` on MLFLOW_UI."""
+    local store (sqlite, a folder) is served by `unirl ui URI` on MLFLOW_UI (on another port when
+    that one is taken: it says which)."""
 
     uri = redact_url(uri)
     page = f"#/experiments/{experiment_id}/runs/{run_id}" if experiment_id is not None else f"#/runs/{run_id}"
     if uri.startswith(("http://", "https://")):
         return f"{uri.rstrip('/')}/{page}", None
-    return f"{MLFLOW_UI}/{page}", f"mlflow ui --backend-store-uri {shlex.quote(uri)}"
+    return f"{MLFLOW_UI}/{page}", f"unirl ui {shlex.quote(uri)}"
 
 
 def model_card(family: Any, example: str) -> dict[str, bytes]:
@@ -113,12 +152,12 @@ class Tracker:
 
         logging.getLogger("alembic").setLevel(logging.WARNING)
         self.uri = tracking_uri(recipe, storage)
-        self.client = MlflowClient(tracking_uri=self.uri)
         self.recipe = recipe
+        self.monitor: Any = None
+        with store_lock(self.uri):  # a new store's tables (made when a client opens it), and the recipe's experiment, made once
+            self.client = MlflowClient(tracking_uri=self.uri)
+            exp, exp_id = self.experiment(experiment_name(recipe)) if mlflow_run_id is None else (None, "")
         if mlflow_run_id is None:
-            exp = self.client.get_experiment_by_name(recipe.tracking.experiment)
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(
-                recipe.tracking.experiment, artifact_location=artifact_root(self.uri), tags=dict([EXPERIMENT_KIND]))
             run = self.client.create_run(exp_id, run_name=run_name, tags={
                 "unirl.run": run_name, "unirl.storage": storage.url(), "unirl.recipe_sha256": recipe_sha(recipe), **(tags or {})})
             self.run_id = run.info.run_id
@@ -132,6 +171,21 @@ class Tracker:
             self.client.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
         self.logged_steps: dict[str, set[int]] = {}  # metric key -> steps already in MLflow
         self.tables: list[str] | None = None  # the tables MLflow's table views list (read once, then kept)
+
+    def experiment(self, name: str) -> tuple[Any, str]:
+        """(the experiment if it existed, its id): a new one is made with its kind and artifact
+        folder; one another run made a moment before (a tracking server) is found."""
+        from mlflow.exceptions import MlflowException  # start-up time: mlflow loads on first use, not when a recipe is read
+
+        exp = self.client.get_experiment_by_name(name)
+        if exp is not None:
+            return exp, exp.experiment_id
+        try:
+            return None, self.client.create_experiment(name, artifact_location=artifact_root(self.uri), tags=dict([EXPERIMENT_KIND]))
+        except MlflowException as exc:
+            if "RESOURCE_ALREADY_EXISTS" not in str(exc.error_code) or (exp := self.client.get_experiment_by_name(name)) is None:
+                raise
+            return exp, exp.experiment_id
 
     def log_params(self, recipe: Recipe) -> None:
         from mlflow.entities import Param  # start-up time: mlflow loads on first use, not when a recipe is read
@@ -258,7 +312,22 @@ class Tracker:
             self.client.set_model_version_tag(model, version, key, f"{value:.6g}")
         return True
 
+    def watch_system(self, resumed: bool) -> None:
+        """MLflow's system metrics (system/cpu_utilization_percentage, memory, disk, network; GPU
+        where its library finds one) sampled on a thread into this run until `finish`; a resumed
+        run's samples go on after its last step. Off with `tracking.system_metrics: false`."""
+        if not self.recipe.tracking.system_metrics or self.monitor is not None:
+            return
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor  # start-up time: loaded on first use
+
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start and stop lines are not the run's
+        self.monitor = SystemMetricsMonitor(self.run_id, resume_logging=resumed, tracking_uri=self.uri)
+        self.monitor.start()
+
     def finish(self, status: str = "FINISHED") -> None:
+        if self.monitor is not None:
+            self.monitor.finish()  # its last samples, before the run is marked ended
+            self.monitor = None
         self.client.set_terminated(self.run_id, status=status)
 
     def experiment_id(self) -> str | None:
@@ -267,8 +336,12 @@ class Tracker:
         except Exception:  # noqa: BLE001 - an address without the experiment is still an address
             return None
 
+    def page(self) -> tuple[str, str | None]:
+        """(this run's page, the command that serves its store first or None): `browse`."""
+        return browse(self.uri, self.experiment_id(), self.run_id)
+
     def link(self) -> str:
         """Where a person opens this run: a tracking server's run page, or for a local store the
         command that serves it and the page it then shows (credentials redacted)."""
-        page, command = browse(self.uri, self.experiment_id(), self.run_id)
+        page, command = self.page()
         return page if command is None else f"{command}  then {page}"

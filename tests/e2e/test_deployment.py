@@ -175,13 +175,14 @@ def test_deployment_run_completes_with_artifacts(server: Deployments) -> None:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId, LogFilter, LogFilterFlowRunId
 
     started = time.monotonic()
-    out = server.cli("deployment", "run", "rl-train/tiny", "--param", "iterations=2",
+    # A name given to the flow run (the Run form's "Run Name") with `run_name` left empty is the run's folder.
+    out = server.cli("deployment", "run", "rl-train/tiny", "--flow-run-name", "sweep-a", "--param", "iterations=2",
                      "--param", 'overrides=["train.lr=2e-3", "rollout.temperature=0.9"]', "--watch", timeout=600)
     seconds = time.monotonic() - started
     assert "Completed" in out.stdout, out.stdout[-3000:]
     (run,) = server.flow_runs("rl-train/tiny")
-    assert run.state.is_completed() and run.name == "tiny/tiny"
-    run_dir = server.runs / "tiny"
+    assert run.state.is_completed() and run.name == "tiny/sweep-a"
+    run_dir = server.runs / "sweep-a"
     assert all((run_dir / f"iter-{i:06d}" / "_SUCCESS").exists() for i in range(2))
     info = json.loads((run_dir / "run.json").read_text())
     ran = yaml.safe_load((run_dir / "recipe.yaml").read_text())  # the overrides, applied as the CLI applies them
@@ -193,14 +194,14 @@ def test_deployment_run_completes_with_artifacts(server: Deployments) -> None:
         tasks = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in iterations])))
         logs = [log.message for log in c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))]
     # the run's own lines are in its Logs tab, not only on the worker's terminal
-    assert any(m.startswith("[unirl] run tiny at ") and "mlflow ui --backend-store-uri" in m for m in logs), logs
+    assert any(m.startswith("[unirl] run sweep-a at ") and "unirl ui " in m for m in logs), logs
     assert any(m.startswith("[unirl] iter-000001 (2/2)  reward ") for m in logs), logs
     by_key: dict[str, list[Any]] = {}
     for art in artifacts:
         by_key.setdefault(art.key, []).append(art)
-    assert {"unirl-tiny-iterations", "unirl-tiny-progress", "unirl-tiny-mlflow", "unirl-tiny-summary"} <= set(by_key)
+    assert {"unirl-sweep-a-iterations", "unirl-sweep-a-progress", "unirl-sweep-a-mlflow", "unirl-sweep-a-summary"} <= set(by_key)
 
-    tables = sorted(by_key["unirl-tiny-iterations"], key=lambda a: a.created)
+    tables = sorted(by_key["unirl-sweep-a-iterations"], key=lambda a: a.created)
     assert len(tables) == 2  # one version per iteration
     rows = json.loads(tables[-1].data) if isinstance(tables[-1].data, str) else tables[-1].data
     assert [r["iteration"] for r in rows] == [0, 1]
@@ -210,29 +211,33 @@ def test_deployment_run_completes_with_artifacts(server: Deployments) -> None:
     success = json.loads((run_dir / "iter-000001" / "_SUCCESS").read_text())
     assert rows[1]["reward_mean"] == pytest.approx(success["metrics"]["rollout/reward_mean"], abs=1e-6)
 
-    (progress,) = by_key["unirl-tiny-progress"]
+    (progress,) = by_key["unirl-sweep-a-progress"]
     assert float(progress.data) == 100.0
-    (link,) = by_key["unirl-tiny-mlflow"]
-    assert f"http://127.0.0.1:5000/#/experiments/1/runs/{info['mlflow_run_id']}" in str(link.data)  # what `mlflow ui` serves
-    assert f"mlflow ui --backend-store-uri sqlite:///{run_dir / 'mlflow.db'}" in str(link.description)
+    (link,) = by_key["unirl-sweep-a-mlflow"]
+    page = f"http://127.0.0.1:5000/#/experiments/1/runs/{info['mlflow_run_id']}"  # what `unirl ui` serves
+    assert page in str(link.data) and info["mlflow_url"].endswith(page)
+    assert f"unirl ui sqlite:///{server.runs / 'mlflow.db'}" in str(link.description)  # the storage root's one store
     # The link's store opens the run; its samples table is one MLflow's table views list, with its columns.
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=str(link.description).split("--backend-store-uri ")[1].split()[0].strip("`'"))
+    client = MlflowClient(tracking_uri=str(link.description).split("unirl ui ")[1].split()[0].strip("`'"))
     mlrun = client.get_run(info["mlflow_run_id"])
     assert [m.step for m in client.get_metric_history(mlrun.info.run_id, "rollout/reward_mean")] == [0, 1]
     assert {"path": "tables/samples/step-000000.json", "type": "table"} in json.loads(mlrun.data.tags["mlflow.loggedArtifacts"])
     table = json.loads(Path(client.download_artifacts(mlrun.info.run_id, "tables/samples/step-000000.json", str(run_dir))).read_text())
-    assert table["columns"] == ["sample_id", "prompt", "response", "reward", "advantage", "version"]
-    (summary,) = by_key["unirl-tiny-summary"]
+    assert table["columns"] == ["sample_id", "prompt", "response", "finish_reason", "reward", "reward/exact_match",
+                                "reward/integer_format", "advantage", "version"]
+    assert mlrun.data.tags["prefect.flow_run_id"] == str(run.id) and mlrun.data.tags["prefect.deployment"] == "tiny"
+    (summary,) = by_key["unirl-sweep-a-summary"]
     assert "iter-000000" in summary.data and "iter-000001" in summary.data
     assert str(run_dir / "weights" / "v000002") in summary.data
+    assert f"[run {info['mlflow_run_id']}]({page})" in summary.data  # the summary links the MLflow run
 
-    assert sorted(r.name for r in iterations) == ["tiny/iter-000000", "tiny/iter-000001"]
+    assert sorted(r.name for r in iterations) == ["sweep-a/iter-000000", "sweep-a/iter-000001"]
     ours = {r.id for r in iterations}
     tagged = {t.name.split("-")[0]: set(t.tags) for t in tasks if t.flow_run_id in ours}
     assert "gpu" in tagged["generate"] and "gpu" in tagged["train"] and "gpu" not in tagged["score"]
-    assert {"unirl", "recipe:tiny", "run:tiny"} <= tagged["score"]
+    assert {"unirl", "recipe:tiny", "run:sweep-a"} <= tagged["score"]
     print(f"\n[deploy] rl-train/tiny, 2 iterations through the worker: {seconds:.1f}s")
 
 

@@ -19,7 +19,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests import zygote
-from tests.conftest import REPO, TINY, run_unirl
+from tests.conftest import REPO, TINY, isolated_env, run_unirl
+from tests.prefect_server import free_port
 from unirl.flows.hooks import worker_processes
 from unirl.stages.kernels.advantage import group_advantages
 
@@ -51,19 +52,75 @@ def assert_no_pickles(run: Path) -> None:
 REFERENCE = ["run", str(TINY), "iterations=4", SIGNAL, "checkpoint_every=3"]
 
 
+# A second run of the same recipe on the same storage root, at the same time as the reference.
+BESIDE = ["run", str(TINY), "iterations=2", SIGNAL, "eval.enabled=false", "--run-name", "tiny-b"]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, prefect_server):
     """One uninterrupted run the tests below look into and compare with: 4 iterations, a
-    checkpoint after the third, MLflow in the run folder (the default), iteration flow runs
-    started ahead."""
-    from tests.conftest import isolated_env
-
+    checkpoint after the third, MLflow in the storage root's one store (the default), iteration
+    flow runs started ahead; and beside it, at the same time, a short second run of the recipe
+    writing the same store (`tiny-b`)."""
     root = tmp_path_factory.mktemp("reference") / "runs"
     # Its iteration flow runs start ahead (flows/ahead.py; off by default on a CPU): the SIGKILL
-    # test's run, one after the other, must end the same.
-    env = {**isolated_env(root.parent), **prefect_server.client_env, "UNIRL_OVERLAP_ITERATIONS": "on"}
-    out = run_unirl([*REFERENCE, f"storage.root={root}"], env)
+    # test's run, one after the other, must end the same. System metrics every 2 s (not 10): a
+    # short run has some.
+    env = {**isolated_env(root.parent), **prefect_server.client_env, "UNIRL_OVERLAP_ITERATIONS": "on",
+           "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "2"}
+    beside = zygote.popen([sys.executable, "-m", "unirl.flows.cli", *BESIDE, f"storage.root={root}"], env=env, cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out = run_unirl([*REFERENCE, f"storage.root={root}"], env)
+        tail = beside.communicate(timeout=600)[0]
+    finally:
+        if beside.poll() is None:
+            beside.kill()
+    assert beside.returncode == 0, tail[-4000:]
     return root / "tiny", out
+
+
+def test_two_runs_at_once_share_the_roots_store_one_ui_serves_both_and_a_finished_run_says_so(reference, tmp_path):
+    import httpx
+
+    run, _ = reference
+    root = run.parent
+    store = root / "mlflow.db"
+    assert store.is_file() and not (run / "mlflow.db").exists() and not (root / "tiny-b" / "mlflow.db").exists()
+    client = MlflowClient(tracking_uri=f"sqlite:///{store}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "tiny"]  # one experiment per recipe
+    runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
+    assert sorted(runs) == ["tiny", "tiny-b"] and {r.info.status for r in runs.values()} == {"FINISHED"}
+    for name, r in runs.items():
+        assert r.info.run_id == json.loads((root / name / "run.json").read_text())["mlflow_run_id"]
+        assert r.data.tags["unirl.run"] == name and r.data.tags["prefect.flow_run_id"]
+    # MLflow's system metrics, sampled while the run ran
+    assert client.get_metric_history(runs["tiny"].info.run_id, "system/cpu_utilization_percentage")
+    # `unirl ui ROOT` serves that store: both runs of the experiment, from one server.
+    port = free_port()
+    ui = subprocess.Popen([sys.executable, "-m", "unirl.flows.cli", "ui", str(root), "--port", str(port)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        first = ui.stdout.readline() if ui.stdout else ""
+        assert first.startswith(f"[unirl] MLflow UI of sqlite:///{store} at http://127.0.0.1:{port}"), first
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                found = httpx.post(f"http://127.0.0.1:{port}/api/2.0/mlflow/runs/search",
+                                   json={"experiment_ids": [experiment.experiment_id]}, timeout=10)
+                break
+            except httpx.TransportError:
+                assert ui.poll() is None and time.monotonic() < deadline, "unirl ui never served"
+                time.sleep(0.5)
+        assert found.status_code == 200
+        assert sorted(r["info"]["run_name"] for r in found.json()["runs"]) == ["tiny", "tiny-b"]
+    finally:
+        os.killpg(ui.pid, signal.SIGTERM)
+        ui.wait(timeout=30)
+    # The finished run started again: refused at once, saying how to extend it; nothing trained.
+    again = run_unirl([*REFERENCE, f"storage.root={root}"], isolated_env(tmp_path), check=False)
+    assert again.returncode == 1 and again.stderr.startswith("error: run 'tiny' is finished (4 iterations, "), again.stderr
+    assert "pass iterations=M with M > 4 to extend it" in again.stderr and not (run / "iter-000004").exists()
 
 
 def test_iteration_flow_runs_started_ahead_are_subflows_that_each_complete(reference, prefect_server):
@@ -72,7 +129,7 @@ def test_iteration_flow_runs_started_ahead_are_subflows_that_each_complete(refer
     run, _ = reference
     with prefect_server.client() as client:
         trains = [r for r in client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["rl-train"])))
-                  if r.parameters.get("recipe", {}).get("storage", {}).get("root") == str(run.parent)]
+                  if r.parameters.get("recipe", {}).get("storage", {}).get("root") == str(run.parent) and r.name == "tiny/tiny"]
         assert len(trains) == 1 and trains[0].state.is_completed()
         subflows = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[trains[0].id])))
@@ -110,9 +167,9 @@ def test_four_iterations_layout_shards_advantages_and_mlflow(tmp_path, reference
     train = [json.loads((run / f"iter-{i:06d}/train.json").read_text()) for i in range(4)]
     assert all(t["metrics"]["grad_norm"] > 0 for t in train)
     assert all(0.0 <= t["metrics"]["behaviour_logp_max_abs_diff"] <= 1e-4 for t in train)  # the sampler's record
-    # MLflow on SQLite in the run folder: params from the recipe, metrics per iteration.
+    # MLflow on SQLite, the storage root's store: params from the recipe, metrics per iteration.
     info = json.loads((run / "run.json").read_text())
-    client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=f"sqlite:///{run.parent / 'mlflow.db'}")
     mlrun = client.get_run(info["mlflow_run_id"])
     assert mlrun.data.params["train.lr"] == "0.003"
     # Links both ways: the MLflow run names its Prefect flow run and the code it ran; run.json its MLflow page;
@@ -131,7 +188,8 @@ def test_four_iterations_layout_shards_advantages_and_mlflow(tmp_path, reference
     # MLflow is the model's home: every published weights version is registered under the recipe's
     # name, pointing at the weights folder, tagged with the run, its version, the manifest's
     # sha256 and, where evaluated, the held-out metrics; every iteration logs a samples table.
-    versions = {int(v.tags["unirl.policy_version"]): v for v in client.search_model_versions("name = 'tiny'")}
+    versions = {int(v.tags["unirl.policy_version"]): v
+                for v in client.search_model_versions("name = 'tiny' and tags.`unirl.run` = 'tiny'")}  # not tiny-b's
     assert sorted(versions) == [0, 3, 4]
     for version, mv in versions.items():
         manifest = json.loads((run / f"weights/v{version:06d}/manifest.json").read_text())
@@ -156,13 +214,15 @@ def test_four_iterations_layout_shards_advantages_and_mlflow(tmp_path, reference
     assert dev and test and not dev & test and not (dev | test) & trained
     local = client.download_artifacts(info["mlflow_run_id"], "tables/samples/step-000003.json", str(tmp_path))
     table = json.loads(Path(local).read_text())
-    assert table["columns"] == ["sample_id", "prompt", "response", "reward", "advantage", "version"] and len(table["data"]) == 16
+    assert table["columns"] == ["sample_id", "prompt", "response", "finish_reason", "reward", "reward/integer_format",
+                                "advantage", "version"] and len(table["data"]) == 16
+    assert {row[3] for row in table["data"]} <= {"stop", "length"}
     assert {row[-1] for row in table["data"]} == {3}  # sampled by the weights after 3 train steps
-    # MLflow's table views list it (the tag its own log_table keeps), and its artifacts are in the run folder.
+    # MLflow's table views list it (the tag its own log_table keeps), and its artifacts are beside the store.
     listed = json.loads(mlrun.data.tags["mlflow.loggedArtifacts"])
     assert {"path": "tables/samples/step-000003.json", "type": "table"} in listed
-    assert mlrun.info.artifact_uri.startswith(str(run / "mlartifacts"))
-    assert any((run / "mlartifacts").rglob("step-000003.json"))
+    assert mlrun.info.artifact_uri.startswith(str(run.parent / "mlartifacts"))
+    assert any((run.parent / "mlartifacts").rglob("step-000003.json"))
     # The registry page shows what a version takes and gives: MLflow's own reader finds its signature and example.
     from mlflow.models import Model
 
@@ -247,7 +307,7 @@ def test_sigkill_mid_iteration_resumes_without_loss_or_duplication(tmp_path, eph
     wb = json.loads((ref_run / "weights/v000004/manifest.json").read_text())["files"]["model.safetensors"]["sha256"]
     assert wa == wb
     info = json.loads((run / "run.json").read_text())
-    client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     assert [m.step for m in client.get_metric_history(info["mlflow_run_id"], "train/loss")] == [0, 1, 2, 3]
 
 

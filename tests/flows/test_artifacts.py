@@ -46,7 +46,7 @@ def test_mlflow_link_points_into_a_tracking_server() -> None:
 
 
 def test_a_local_mlflow_store_is_shown_as_the_command_that_serves_it(tmp_path) -> None:
-    """The console and the artifact give what a person can paste: the exact `mlflow ui` command
+    """The console and the artifact give what a person can paste: the exact `unirl ui` command
     (a four-slash absolute sqlite URI kept as it is) and the page it then serves."""
     import subprocess
     import sys
@@ -55,7 +55,7 @@ def test_a_local_mlflow_store_is_shown_as_the_command_that_serves_it(tmp_path) -
 
     uri = f"sqlite:///{tmp_path / 'my runs' / 'mlflow.db'}"
     page, command = browse(uri, "1", "abc")
-    assert command == f"mlflow ui --backend-store-uri 'sqlite:///{tmp_path}/my runs/mlflow.db'" and uri.startswith("sqlite:////")
+    assert command == f"unirl ui 'sqlite:///{tmp_path}/my runs/mlflow.db'" and uri.startswith("sqlite:////")
     assert page == "http://127.0.0.1:5000/#/experiments/1/runs/abc"
     assert browse("https://bob:pw@mlflow.example.com/", "2", "r") == ("https://bob:***@mlflow.example.com/#/experiments/2/runs/r", None)
     # the command's URI opens the store: MLflow reads it back

@@ -37,10 +37,18 @@ def test_the_form_shows_the_recipes_own_model_with_descriptions() -> None:
     assert recipe["properties"]["rollout"]["properties"]["max_new_tokens"]["description"]
     assert "compose" not in recipe["properties"]  # another shape's section
 
+    # Sections are titled by their field, as plain fields are, not by their classes' names.
+    assert [recipe["properties"][k]["title"] for k in ("reward", "train")] == ["Reward", "Train"]
+    assert model["properties"]["tiny"]["title"] == "Tiny"
+    assert recipe["properties"]["rollout"]["properties"]["max_new_tokens"]["title"] == "Max New Tokens"
+    assert [b.get("title") for b in recipe["properties"]["sft"]["anyOf"] if b.get("type") != "null"] == ["Sft"]
+    assert "overlong" in recipe["properties"]["reward"]["properties"]  # what truncated responses get
+
     _, sd3 = form_schema(SD3)
     model = sd3["properties"]["recipe"]["properties"]["model"]
     assert model["properties"]["kind"]["const"] == "sd3"
     assert "sampler" in sd3["properties"]["recipe"]["properties"]["rollout"]["properties"]
+    assert "overlong" not in sd3["properties"]["recipe"]["properties"]["reward"]["properties"]  # a flow model's never are
 
 
 def test_a_typo_inside_a_section_is_refused_naming_the_field() -> None:
