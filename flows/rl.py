@@ -11,6 +11,7 @@ committed output instead of recomputing it.
 """
 from __future__ import annotations
 
+import getpass
 import os
 import subprocess
 from pathlib import Path
@@ -200,8 +201,8 @@ def train_run(recipe: Recipe, run_name: str) -> dict[str, Any]:
 def links() -> dict[str, str]:
     """What the MLflow run says of where it comes from: the Prefect flow run (id, and its page
     when a server's UI shows it), the deployment, the git commit of this code and whether the
-    checkout had changes (MLflow's own tags for a run's source)."""
-    out = {"mlflow.source.name": "unirl rl-train", "mlflow.source.type": "JOB"}
+    checkout had changes, and who ran it (MLflow's own tags for a run's source and user)."""
+    out = {"mlflow.source.name": "unirl rl-train", "mlflow.source.type": "JOB", "mlflow.user": getpass.getuser()}
     if flow_run.id:
         out["prefect.flow_run_id"] = str(flow_run.id)
     if flow_run.ui_url:

@@ -12,7 +12,7 @@ import socket
 import sys
 from pathlib import Path
 
-from unirl.stages.run.tracking import MLFLOW_PORT, STORE
+from unirl.stages.run.tracking import MLFLOW_PORT, STORE, TRAINING_VIEW
 from unirl.stages.runtime.secrets import redact_url
 
 
@@ -52,8 +52,9 @@ def serve(store: str, port: int | None, host: str = "127.0.0.1") -> int:
         print(f"[unirl] {redact_url(uri)} is a tracking server: open it in a browser", flush=True)
         return 0
     chosen = port or free_port(MLFLOW_PORT, host)
-    moved = "" if chosen == MLFLOW_PORT else f" (not {MLFLOW_PORT}: put {chosen} in the links runs print)"
-    print(f"[unirl] MLflow UI of {redact_url(uri)} at http://{host}:{chosen}{moved}; Ctrl-C stops it", flush=True)
+    moved = "" if chosen == MLFLOW_PORT or port else f" ({MLFLOW_PORT} is taken: put {chosen} in the links runs print)"
+    print(f"[unirl] MLflow UI of {redact_url(uri)} at http://{host}:{chosen}/#/?{TRAINING_VIEW}{moved}; Ctrl-C stops it",
+          flush=True)
     os.execv(sys.executable, [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
                               "--host", host, "--port", str(chosen), "--workers", "1"])
     return 0  # not reached: execv replaces the process

@@ -90,6 +90,9 @@ def flatten(prefix: str, value: Any, out: dict[str, str]) -> dict[str, str]:
     return out
 
 
+# MLflow 3's UI opens on GenAI pages unless the address says otherwise (its `workflowType` query
+# parameter, else a per-browser setting): a run's page, opened from our links, shows model training.
+TRAINING_VIEW = "workflowType=machine_learning"
 MLFLOW_PORT = 5000  # where `unirl ui` (and `mlflow ui`) serve when the port is free
 MLFLOW_UI = f"http://127.0.0.1:{MLFLOW_PORT}"
 
@@ -101,6 +104,7 @@ def browse(uri: str, experiment_id: str | None, run_id: str) -> tuple[str, str |
 
     uri = redact_url(uri)
     page = f"#/experiments/{experiment_id}/runs/{run_id}" if experiment_id is not None else f"#/runs/{run_id}"
+    page += f"?{TRAINING_VIEW}"
     if uri.startswith(("http://", "https://")):
         return f"{uri.rstrip('/')}/{page}", None
     return f"{MLFLOW_UI}/{page}", f"unirl ui {shlex.quote(uri)}"

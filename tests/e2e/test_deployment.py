@@ -214,7 +214,7 @@ def test_deployment_run_completes_with_artifacts(server: Deployments) -> None:
     (progress,) = by_key["unirl-sweep-a-progress"]
     assert float(progress.data) == 100.0
     (link,) = by_key["unirl-sweep-a-mlflow"]
-    page = f"http://127.0.0.1:5000/#/experiments/1/runs/{info['mlflow_run_id']}"  # what `unirl ui` serves
+    page = f"http://127.0.0.1:5000/#/experiments/1/runs/{info['mlflow_run_id']}?workflowType=machine_learning"  # `unirl ui`
     assert page in str(link.data) and info["mlflow_url"].endswith(page)
     assert f"unirl ui sqlite:///{server.runs / 'mlflow.db'}" in str(link.description)  # the storage root's one store
     # The link's store opens the run; its samples table is one MLflow's table views list, with its columns.

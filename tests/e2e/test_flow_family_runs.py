@@ -77,7 +77,9 @@ def check_run(run: Path, case: str, algo: str, env: dict[str, str], iterations: 
     # that the table view shows in its cell, enlarged from the model's 16 pixels.
     table = json.loads(Path(client.download_artifacts(info["mlflow_run_id"], "tables/samples/step-000000.json", str(run))).read_text())
     picture = "video" if video else "image"
-    assert table["columns"] == ["sample_id", "prompt", picture, "reward", "advantage", "version"]
+    columns = table["columns"]
+    assert columns[:4] == ["sample_id", "prompt", picture, "reward"] and columns[-2:] == ["advantage", "version"]
+    assert columns[4:-2] and all(c.startswith("reward/") for c in columns[4:-2])  # the reward's components, each scorer's
     cell = table["data"][0][2]
     assert cell["type"] == "image" and cell["filepath"].endswith(".gif" if video else ".png")
     shown = Image.open(client.download_artifacts(info["mlflow_run_id"], cell["filepath"], str(run)))

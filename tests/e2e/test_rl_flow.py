@@ -19,6 +19,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests import zygote
+from tests.browser import CHROMIUM, chromium
 from tests.conftest import REPO, TINY, isolated_env, run_unirl
 from tests.prefect_server import free_port
 from unirl.flows.hooks import worker_processes
@@ -114,6 +115,8 @@ def test_two_runs_at_once_share_the_roots_store_one_ui_serves_both_and_a_finishe
                 time.sleep(0.5)
         assert found.status_code == 200
         assert sorted(r["info"]["run_name"] for r in found.json()["runs"]) == ["tiny", "tiny-b"]
+        if CHROMIUM is not None:  # as a person sees them (tests/browser.py; skipped without Chromium)
+            look_at_the_runs_in_a_browser(port, experiment.experiment_id, json.loads((run / "run.json").read_text()), tmp_path)
     finally:
         os.killpg(ui.pid, signal.SIGTERM)
         ui.wait(timeout=30)
@@ -121,6 +124,25 @@ def test_two_runs_at_once_share_the_roots_store_one_ui_serves_both_and_a_finishe
     again = run_unirl([*REFERENCE, f"storage.root={root}"], isolated_env(tmp_path), check=False)
     assert again.returncode == 1 and again.stderr.startswith("error: run 'tiny' is finished (4 iterations, "), again.stderr
     assert "pass iterations=M with M > 4 to extend it" in again.stderr and not (run / "iter-000004").exists()
+
+
+def look_at_the_runs_in_a_browser(port: int, experiment_id: str, info: dict, tmp_path: Path) -> None:
+    """The experiment page lists both runs of the recipe; the page a run links to (run.json's
+    `mlflow_url`, on this port) opens on model training, not GenAI, with the Prefect flow run's tag.
+    Screenshots go to $UNIRL_SCREENSHOTS (docs/images) when set."""
+    base = f"http://127.0.0.1:{port}"
+    experiment = chromium("--dump-dom", url=f"{base}/#/experiments/{experiment_id}?workflowType=machine_learning").stdout
+    assert ">tiny<" in experiment and ">tiny-b<" in experiment and "matching runs" in experiment
+    page = info["mlflow_url"].split("  then ")[-1].replace("http://127.0.0.1:5000", base)  # "<command>  then <page>"
+    dom = chromium("--dump-dom", url=page).stdout
+    assert 'title="prefect.flow_run_id"' in dom and ">Model metrics<" in dom and ">System metrics<" in dom
+    assert ">Runs<" in dom and ">Judges<" not in dom and ">Sessions<" not in dom  # the model-training sidebar, not GenAI's
+    folder = Path(os.environ.get("UNIRL_SCREENSHOTS") or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, url in (("mlflow-one-store-runs", f"{base}/#/experiments/{experiment_id}?workflowType=machine_learning"),
+                      ("mlflow-run-page", page)):
+        chromium(f"--screenshot={folder / name}.png", url=url, height=1000)
+        assert (folder / f"{name}.png").stat().st_size > 10_000
 
 
 def test_iteration_flow_runs_started_ahead_are_subflows_that_each_complete(reference, prefect_server):
@@ -177,7 +199,7 @@ def test_four_iterations_layout_shards_advantages_and_mlflow(tmp_path, reference
     tags = mlrun.data.tags
     assert tags["prefect.flow_run_id"] and tags["mlflow.source.name"] == "unirl rl-train" and len(tags["unirl.recipe_sha256"]) == 64
     assert len(tags["mlflow.source.git.commit"]) == 40 and tags["unirl.git_dirty"] in ("true", "false")
-    assert info["mlflow_url"].endswith(f"/runs/{info['mlflow_run_id']}")
+    assert info["mlflow_url"].endswith(f"/runs/{info['mlflow_run_id']}?workflowType=machine_learning")  # model training
     assert client.get_experiment(mlrun.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     assert mlrun.data.params["rollout.group_size"] == "4"
     for key in ["rollout/reward_mean", "rollout/reward_std", "rollout/zero_std_group_frac", "train/loss",

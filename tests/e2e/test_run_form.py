@@ -4,32 +4,30 @@ recipe's own family's fields, each with its description, and no other family's. 
 server start` with its UI, `prefect deploy` from prefect.yaml, the page read back as its DOM and
 saved as a screenshot (to $UNIRL_SCREENSHOTS when set, e.g. docs/images; else the test's temp dir).
 
-Skipped where no Chromium is installed (Debian: `apt-get install chromium`): CI's machine has none.
+Skipped where no Chromium is installed (tests/browser.py): CI's machine has none.
 """
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.browser import CHROMIUM, chromium, needs_chromium
 from tests.conftest import REPO, isolated_env
 from tests.prefect_server import PrefectServer
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = next((path for name in ("chromium", "chromium-browser", "google-chrome") if (path := shutil.which(name))), None)
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (apt-get install chromium): "
-                                    "the Run form is only seen in a browser")
-
 # deployment -> (what its model section must show, what only another family's would)
+# (and sections titled by their fields, not their classes; no text-only section on a flow model's form)
 FORMS = {
-    "tiny": (["Width of the residual stream.", "Key/value heads (grouped-query attention).", "Kind is a const"],
-             ["MMDiT blocks of the transformer.", "Transformer blocks."]),
+    "tiny": (["Width of the residual stream.", "Key/value heads (grouped-query attention).", "Kind is a const",
+              "What truncated (overlong) responses get."],
+             ["MMDiT blocks of the transformer.", "Transformer blocks.", "RewardConfig", "TrainConfig", "TinyQwen3"]),
     "diffusion-quickstart": (["MMDiT blocks of the transformer.", "Side of generated images in pixels.", "Kind is a const"],
-                             ["Width of the residual stream.", "Transformer blocks."]),
+                             ["Width of the residual stream.", "Transformer blocks.", "What truncated (overlong) responses get.",
+                              "RewardConfig"]),
 }
 
 
@@ -47,13 +45,6 @@ def ui(tmp_path_factory: pytest.TempPathFactory):
         yield server
     finally:
         server.stop_all()
-
-
-def chromium(*args: str, url: str) -> subprocess.CompletedProcess:
-    assert CHROMIUM is not None
-    return subprocess.run([CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                           "--window-size=1400,2400", "--virtual-time-budget=20000", *args, url],
-                          capture_output=True, text=True, timeout=180, check=True)
 
 
 @needs_chromium

@@ -3,7 +3,7 @@ the artifact functions are replaced by recorders)."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -40,9 +40,20 @@ def test_row_has_every_column_and_no_nan() -> None:
     assert list(row)[2:] == [c for c, _ in artifacts.COLUMNS]
 
 
+def fake_tracker(**fields: Any) -> SimpleNamespace:
+    """A stand-in for the MLflow tracker (no MLflow store here): its fields, and the real
+    Tracker's page and experiment id read through them."""
+    from unirl.stages.run.tracking import Tracker
+
+    tracker = SimpleNamespace(**fields)
+    tracker.experiment_id = MethodType(Tracker.experiment_id, tracker)
+    tracker.page = MethodType(Tracker.page, tracker)
+    return tracker
+
+
 def test_mlflow_link_points_into_a_tracking_server() -> None:
-    assert mlflow_link("http://mlflow:5000/", "3", "abc") == "http://mlflow:5000/#/experiments/3/runs/abc"
-    assert mlflow_link("sqlite:////runs/tiny/mlflow.db", "3", "abc") == "http://127.0.0.1:5000/#/experiments/3/runs/abc"
+    assert mlflow_link("http://mlflow:5000/", "3", "abc") == "http://mlflow:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
+    assert mlflow_link("sqlite:////runs/tiny/mlflow.db", "3", "abc") == "http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
 
 
 def test_a_local_mlflow_store_is_shown_as_the_command_that_serves_it(tmp_path) -> None:
@@ -56,8 +67,9 @@ def test_a_local_mlflow_store_is_shown_as_the_command_that_serves_it(tmp_path) -
     uri = f"sqlite:///{tmp_path / 'my runs' / 'mlflow.db'}"
     page, command = browse(uri, "1", "abc")
     assert command == f"unirl ui 'sqlite:///{tmp_path}/my runs/mlflow.db'" and uri.startswith("sqlite:////")
-    assert page == "http://127.0.0.1:5000/#/experiments/1/runs/abc"
-    assert browse("https://bob:pw@mlflow.example.com/", "2", "r") == ("https://bob:***@mlflow.example.com/#/experiments/2/runs/r", None)
+    assert page == "http://127.0.0.1:5000/#/experiments/1/runs/abc?workflowType=machine_learning"  # model training, not GenAI
+    assert browse("https://bob:pw@mlflow.example.com/", "2", "r") == (
+        "https://bob:***@mlflow.example.com/#/experiments/2/runs/r?workflowType=machine_learning", None)
     # the command's URI opens the store: MLflow reads it back
     (tmp_path / "my runs").mkdir()
     code = "import sys; from mlflow.tracking import MlflowClient; print(MlflowClient(tracking_uri=sys.argv[1]).create_experiment('e'))"
@@ -102,7 +114,7 @@ def test_run_artifacts_cover_resumed_iterations(tmp_path: Path, monkeypatch: pyt
     for version, acc in ((2, 0.75), (0, 0.25)):
         storage.write_json(f"eval/v{version:06d}/metrics.json", {"version": version, "metrics": {"eval/accuracy": acc}})
     client = SimpleNamespace(get_run=lambda run_id: SimpleNamespace(info=SimpleNamespace(experiment_id="7")))
-    tracker = SimpleNamespace(uri="http://mlflow:5000", run_id="r1", client=client)
+    tracker = fake_tracker(uri="http://mlflow:5000", run_id="r1", client=client)
 
     arts = RunArtifacts(recipe, "tiny", storage, tracker)
     arts.start(first=1)  # iter-000000 finished before this flow run
@@ -113,7 +125,7 @@ def test_run_artifacts_cover_resumed_iterations(tmp_path: Path, monkeypatch: pyt
     assert kinds == ["create_progress_artifact", "create_link_artifact", "create_table_artifact",
                      "update_progress_artifact", "create_markdown_artifact"]
     assert calls[0][1]["progress"] == 25.0 and calls[0][1]["key"] == "unirl-tiny-progress"
-    assert calls[1][1]["link"] == "http://mlflow:5000/#/experiments/7/runs/r1"
+    assert calls[1][1]["link"] == "http://mlflow:5000/#/experiments/7/runs/r1?workflowType=machine_learning"
     table = calls[2][1]["table"]
     assert [r["iteration"] for r in table] == [0, 1] and table[0]["reward_mean"] == 0.25
     assert calls[3][1]["args"] == ("id-create_progress_artifact", 50.0)
@@ -128,7 +140,7 @@ def test_a_failing_artifact_never_fails_the_run(tmp_path: Path, monkeypatch: pyt
 
     for name in ("create_table_artifact", "create_progress_artifact", "create_link_artifact", "create_markdown_artifact"):
         monkeypatch.setattr(artifacts, name, boom)
-    tracker = SimpleNamespace(uri="sqlite:///x.db", run_id="r1", client=SimpleNamespace(get_run=boom))
+    tracker = fake_tracker(uri="sqlite:///x.db", run_id="r1", client=SimpleNamespace(get_run=boom))
     arts = RunArtifacts(load_recipe(TINY), "tiny", RunStorage(str(tmp_path), "tiny"), tracker)
     arts.start(0)
     arts.iteration(summary(0, 0.0))
@@ -145,7 +157,7 @@ def test_the_iterations_table_is_republished_at_most_every_table_every_s(tmp_pat
         monkeypatch.setattr(artifacts, name, lambda *a, **kw: "id")
     clock = [100.0]
     monkeypatch.setattr(artifacts.time, "monotonic", lambda: clock[0])
-    tracker = SimpleNamespace(uri="sqlite:///x.db", run_id="r1",
+    tracker = fake_tracker(uri="sqlite:///x.db", run_id="r1",
                               client=SimpleNamespace(get_run=lambda run_id: SimpleNamespace(info=SimpleNamespace(experiment_id="0"))))
     arts = RunArtifacts(load_recipe(TINY, ["iterations=6"]), "tiny", RunStorage(str(tmp_path), "tiny"), tracker)
     arts.start(0)

@@ -13,6 +13,12 @@ def test_progress_line_shows_kl_and_clip_when_the_loss_has_them():
                     "  grad 0.750  2.0s")
 
 
+def test_kl_is_left_out_while_the_policy_is_the_one_that_sampled():
+    # one on-policy update per batch: the ratio is 1 and approx_kl 0 by construction, on every line
+    line = progress_line(3, 40, {**BASE, "train/approx_kl": 0.0, "train/clip_frac": 0.0})
+    assert line == "[unirl] iter-000003 (4/40)  reward 0.250±0.500  loss -0.0123  clip 0.000  grad 0.750  2.0s"
+
+
 def test_progress_line_leaves_out_what_a_likelihood_free_loss_lacks():
     line = progress_line(0, 2, BASE)
     assert line == "[unirl] iter-000000 (1/2)  reward 0.250±0.500  loss -0.0123  grad 0.750  2.0s"

@@ -80,3 +80,18 @@ def test_unirl_ui_finds_a_roots_store_and_a_free_port(tmp_path) -> None:
         port = taken.getsockname()[1]
         other = free_port(port, "127.0.0.1")
         assert other != port and other > 0
+
+
+def test_runs_of_a_root_share_its_store_and_a_run_with_its_own_keeps_it(tmp_path, monkeypatch) -> None:
+    from unirl.stages.run.tracking import tracking_uri
+    from unirl.stages.runtime.storage import RunStorage
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    recipe = load_recipe(TINY, [f"storage.root={tmp_path}"])
+    assert tracking_uri(recipe, RunStorage(str(tmp_path), "a")) == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert tracking_uri(recipe, RunStorage(str(tmp_path), "b")) == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "mlflow.db").write_bytes(b"")  # a run started when each run had its own store
+    assert tracking_uri(recipe, RunStorage(str(tmp_path), "old")) == f"sqlite:///{tmp_path / 'old' / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    assert tracking_uri(recipe, RunStorage(str(tmp_path), "a")) == "http://mlflow:5000"
