@@ -54,7 +54,8 @@ else:
 class Recipe(Section):
     """A whole RL post-training run."""
 
-    name: str = Field("recipe", description="Recipe name (letters, digits, '.', '_', '-'): the MLflow experiment and registered model, and `unirl run`'s default run name (a deployment run's is its Run Name).")
+    name: str = Field("recipe", description="Recipe name (letters, digits, '.', '_', '-'): the MLflow experiment and "
+                      "registered model, and `unirl run`'s default run name (a deployment run's is its Run Name).")
     seed: int = Field(0, ge=0, description="Base seed for sampling.")
     model: ModelConfig = Field(default_factory=lambda: families.get("qwen3").config(), description="The policy model.")
     data: DataConfig = Field(default_factory=lambda: sources.get("arithmetic").config(), description="Prompt source.")
