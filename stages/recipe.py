@@ -217,7 +217,8 @@ class Recipe(Section):
         """sha256 of what this recipe sets away from the defaults (`non_default`), tagged with
         `FINGERPRINT_SCHEMA`, without where it is stored and tracked, how long it runs, and where
         and how it loads (nodes, ranks, how the agents start, backend, sharded loading: a run
-        checkpointed at one world size resumes at another, DCP resharding it). A field added to
+        checkpointed at one world size resumes at another, DCP resharding it; activation
+        checkpointing, which changes memory, not gradients). A field added to
         the schema at its default leaves it unchanged, so older runs resume; a recipe and its
         resolved YAML (recipe.yaml, what worker nodes load) have the same one."""
         data = non_default(self)
@@ -267,9 +268,10 @@ class Recipe(Section):
 # The fingerprint's form: raised when a default changes what a run does, so a run started under
 # the old default does not resume under the new one unnoticed.
 FINGERPRINT_SCHEMA = 2
-# Where and how a run loads: not part of its fingerprint.
+# Where and how a run loads, and what trades memory for compute without changing a gradient
+# (activation checkpointing: a run that ran out of memory resumes with it): not part of its fingerprint.
 PLACEMENT = frozenset({"nnodes", "nproc_per_node", "min_nnodes", "rendezvous", "agents", "backend", "startup_timeout_s",
-                       "sharded_load"})
+                       "sharded_load", "activation_checkpointing"})
 
 
 def non_default(model: BaseModel) -> dict[str, Any]:

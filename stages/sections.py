@@ -196,6 +196,10 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward on each rank.")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each block's activations (decoder layers, transformer blocks) in the backward "
+        "instead of keeping them: activation memory of about one block instead of all, for about one more forward of "
+        "compute. Every family; with FSDP2, LoRA and EMA (docs/scaling.md).")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm; a non-finite norm skips the step.")
     updates_per_batch: int = Field(1, ge=1, description="Optimizer steps per batch (disjoint mini-batches).")
     accumulate_rollouts: int = Field(

@@ -1,7 +1,8 @@
 """The train stack: the one owner of what every trainable model needs, whatever its family,
 policy or algorithm, in a worker group or in one process.
 
-* FSDP2 `fully_shard` on the family's units (a one-rank group keeps the plain module);
+* FSDP2 `fully_shard` on the family's units (a one-rank group keeps the plain module), and
+  activation checkpointing on the same units (`train.activation_checkpointing`);
 * the frozen reference policy (the adapter disabled with LoRA, else a sharded frozen copy);
 * AdamW, the learning-rate schedule, gradient clipping, skipping a step whose gradient norm is
   not finite, and an EMA of the trainable weights with the swap that puts it in place;
@@ -76,6 +77,21 @@ class OptimizerSpec:
     ema: float | None = None  # decay of an EMA of the trainable weights; None: no EMA
 
 
+def checkpoint_blocks(units: list[torch.nn.Module]) -> int:
+    """Activation checkpointing on each unit (a family's blocks: decoder layers, transformer blocks;
+    `fsdp_units`): its activations are not kept for the backward but recomputed there from its
+    input, non-reentrant (torch.utils.checkpoint's autograd-friendly form, through the composable
+    API: parameter names and state dicts are unchanged, and FSDP2 goes on top). A block frozen whole
+    keeps nothing anyway and is left as it is. Returns how many blocks checkpoint. Applied before
+    sharding (TrainStack)."""
+    from torch.distributed._composable import checkpoint  # start-up time: loaded on first use
+
+    trained = [u for u in units if any(p.requires_grad for p in u.parameters())]
+    for unit in trained:
+        checkpoint(unit)
+    return len(trained)
+
+
 def shard(model: torch.nn.Module, units: list[torch.nn.Module], mesh: Any, mixed_precision: str = "off") -> torch.nn.Module:
     """FSDP2 `fully_shard` on each unit (decoder layer, transformer block) and at the root. A
     one-rank group keeps the plain module: sharding there is a copy and two hooks per unit and
@@ -133,7 +149,7 @@ class TrainStack:
     def __init__(self, family: Any, bundle: Any, *, mesh: Any, device: torch.device, spec: OptimizerSpec,
                  reference_dir: Any = None, reference_cfg: Any = None, lora: Any = None, seed: int = 0,
                  ema_decay: Callable[[int], float] | None = None, weights_dir: Any = None,
-                 sharded_load: bool = False, mixed_precision: str = "off"):
+                 sharded_load: bool = False, mixed_precision: str = "off", activation_checkpointing: bool = False):
         self.family, self.bundle, self.mesh, self.device, self.spec = family, bundle, mesh, device, spec
         self.rank, self.world = rank_of(), world_size()
         self.lora = lora
@@ -143,6 +159,8 @@ class TrainStack:
                 family.add_lora(bundle, lora)
             if not is_empty(bundle.module):
                 lora_init(bundle.module, seed)  # the values a sharded load draws too
+        if activation_checkpointing:  # the trained module only: frozen ones run without autograd
+            checkpoint_blocks(family.fsdp_units(bundle.module))
         bundle.module = self.module = self._build(bundle.module, weights_dir, seed, mixed_precision)
         self._reference = None
         self.teachers: dict[str, torch.nn.Module] = {}  # on-policy distillation's, by name (set by the worker)

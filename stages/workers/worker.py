@@ -101,7 +101,7 @@ class Worker:
             self.family, bundle, mesh=mesh, device=device, spec=opt, lora=recipe.model.lora, seed=recipe.seed, ema_decay=decay,
             reference_dir=self.base_dir if self.mode == "rl" and needs_reference else None,
             reference_cfg=recipe.model, weights_dir=self.base_dir, sharded_load=sharded,
-            mixed_precision=recipe.train.mixed_precision,
+            mixed_precision=recipe.train.mixed_precision, activation_checkpointing=recipe.train.activation_checkpointing,
         )
         self._sft_info: dict[str, Any] | None = None
         # On-policy distillation's teachers (docs/distillation.md), frozen beside the student, sharded like it.
