@@ -196,6 +196,11 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward on each rank.")
+    logprob_chunk_tokens: int | None = Field(
+        None, ge=1, description="Token log-probs of language models (training, the behaviour replay, reference and teacher "
+        "forwards, SFT) on response positions only, from the last hidden states, the output head applied this many tokens "
+        "at a time (recomputed in the backward): one chunk's logits instead of rows x tokens x vocabulary. Empty: the "
+        "whole logits tensor (docs/scaling.md).")
     activation_checkpointing: bool = Field(
         False, description="Recompute each block's activations (decoder layers, transformer blocks) in the backward "
         "instead of keeping them: activation memory of about one block instead of all, for about one more forward of "

@@ -19,6 +19,8 @@ decoded from the shard's PNG bytes (stages/runtime/images.py). Text-only familie
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -64,13 +66,65 @@ def token_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_
 
 
 def token_logp(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float,
-               inputs: dict[str, torch.Tensor] | None = None, banned: torch.Tensor | None = None) -> torch.Tensor:
+               inputs: dict[str, torch.Tensor] | None = None, banned: torch.Tensor | None = None,
+               chunk: int | None = None) -> torch.Tensor:
     """log softmax(logits / temperature) at the next token, fp32. Returns (B, T-1). `inputs`: the
     model's other inputs for these rows (a VLM's pixel values, grids and M-RoPE positions);
-    `banned`: token ids the sampler never draws, at probability 0 as there (text_sampling.log_probs)."""
+    `banned`: token ids the sampler never draws, at probability 0 as there (text_sampling.log_probs).
+    `chunk` (`train.logprob_chunk_tokens`): only on `batch["mask"]`'s positions (0 elsewhere), from
+    the last hidden states, the output head applied `chunk` tokens at a time (`chunked_logp`): no
+    (rows, tokens, vocabulary) tensor is ever whole."""
+    if chunk:
+        return chunked_logp(model, batch, temperature, inputs, banned, chunk)
     logits = model(input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False, **(inputs or {})).logits[:, :-1]
     logp = log_probs(logits, temperature, banned)
     return logp.gather(-1, batch["ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+@contextmanager
+def hidden_states_out(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Inside the block the model's forward gives its last hidden states where it gave logits:
+    its output head (`get_output_embeddings`, a Linear) passes its input through. The forward
+    still runs as the whole model's (FSDP2's root hooks gather the root's parameters, the head's
+    among them, and keep them for the backward), so the head applied after it is the model's own.
+    Yields the head."""
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
+    find: Any = getattr(model, "get_output_embeddings", None)
+    head = find() if callable(find) else None
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"train.logprob_chunk_tokens: {type(model).__name__} has no linear output head "
+                         "(get_output_embeddings) to apply chunk by chunk; leave it empty for this model")
+    passthrough: Any = head
+    passthrough.forward = lambda x: x  # an instance attribute over the class's forward, removed below
+    try:
+        yield head
+    finally:
+        del passthrough.forward
+
+
+def chunked_logp(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float,
+                 inputs: dict[str, torch.Tensor] | None, banned: torch.Tensor | None, chunk: int) -> torch.Tensor:
+    """`token_logp` on the mask's positions, `chunk` tokens at a time: each chunk's logits are made,
+    turned into fp32 log-probs of its tokens, and dropped; the backward makes them again (a
+    non-reentrant checkpoint per chunk), so at most one chunk's (chunk, vocabulary) logits live at once."""
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+    from torch.utils.checkpoint import checkpoint  # start-up time: loaded on first use
+
+    with hidden_states_out(model) as head:
+        hidden = model(input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False, **(inputs or {})).logits[:, :-1]
+    on = batch["mask"] > 0
+    states, targets = hidden[on], batch["ids"][:, 1:][on]
+
+    def part(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return log_probs(head(h), temperature, banned).gather(-1, t.unsqueeze(-1)).squeeze(-1)
+
+    out = torch.zeros(on.shape, dtype=torch.float32, device=hidden.device)
+    if len(targets) == 0:  # nothing to score: still a graph through the model, as the full path has
+        return out + hidden.sum() * 0.0
+    values = [checkpoint(part, states[i:i + chunk], targets[i:i + chunk], use_reentrant=False)
+              for i in range(0, len(targets), chunk)]
+    return out.index_put((*on.nonzero(as_tuple=True),), torch.cat(values))
 
 
 def pad_like(lists: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
@@ -230,6 +284,7 @@ class TextPolicy(Policy):
         self.cfg: TextRollout = recipe.rollout
         self.images = family.image_prompts(bundle, self.use_chat, device) if family.takes_images else None
         self.banned = None if self.images is None else torch.tensor(self.images.banned, dtype=torch.long)
+        self.chunk: int | None = recipe.train.logprob_chunk_tokens  # log-probs chunk by chunk (token_logp)
 
     def canary(self, module: Any) -> dict[str, Any] | None:
         """The run's canary tokens and the module's log-probs of them at temperature 1 (fp32)."""
@@ -360,12 +415,12 @@ class TextPolicy(Policy):
 
     def replay(self, module: Any, batch: TextBatch, selection: Any = None) -> torch.Tensor:
         """log pi(response token | prefix) under `module`, fp32: (B, T-1), meaningful on the mask."""
-        return token_logp(module, batch.tokens(), self.cfg.temperature, batch.inputs, self.banned)
+        return token_logp(module, batch.tokens(), self.cfg.temperature, batch.inputs, self.banned, self.chunk)
 
     def teacher_scores(self, teacher: Any, batch: TextBatch) -> list[list[float]]:
         """A teacher's log-probs of each row's response tokens (at the sampling temperature, as the
         student's record), in order: what on-policy distillation compares the student's with."""
-        logp = token_logp(teacher, batch.tokens(), self.cfg.temperature, batch.inputs, self.banned)
+        logp = token_logp(teacher, batch.tokens(), self.cfg.temperature, batch.inputs, self.banned, self.chunk)
         return [logp[i][batch.mask[i] > 0].float().cpu().tolist() for i in range(len(batch.sample_ids))]
 
     def decode(self, response_ids: list[int]) -> str:
@@ -423,7 +478,7 @@ class TextPolicy(Policy):
         inputs = self._forward_inputs(batch, [self._sft_images[i] for i in idx] if self.images is not None else [])
         if self._sft_masks is not None:  # tool turns of a transcript are context
             batch["mask"] = batch["mask"] * pad_like([[float(m) for m in self._sft_masks[i]] for i in idx], batch["mask"])
-        logp = token_logp(module, batch, 1.0, inputs, self.banned)
+        logp = token_logp(module, batch, 1.0, inputs, self.banned, self.chunk)
         tokens = torch.tensor([float(batch["mask"].sum())], dtype=torch.float64, device=self.device)
         stack.all_reduce(tokens)
         loss = -(logp * batch["mask"]).sum() / float(tokens)
