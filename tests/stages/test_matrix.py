@@ -90,8 +90,9 @@ def test_world_size_two_matches_the_update_in_one_process(family, algo, tmp_path
     step, also with activation checkpointing and chunked log-probs on at world size 2 (blocks
     recomputed and the output head applied after the forward, under FSDP2). Each rank cuts its
     own micro-batches, so kernels see other batch shapes and round differently; flow log-probs
-    divide by the small late-step std, which turns that rounding into ~0.1% of the gradient norm. A wrong gradient reduction across ranks (a
-    missing world-size factor, a rank's micro-batch counted twice) is off by tens of percent."""
+    divide by the small late-step std, which turns that rounding into ~0.1% of the gradient norm.
+    A wrong gradient reduction across ranks (a missing world-size factor, a rank's micro-batch
+    counted twice) is off by tens of percent."""
     from unirl.stages.run import iteration as it
     from unirl.stages.run.record import initial_weights
     from unirl.stages.runtime.sample import read_rollouts
