@@ -196,6 +196,15 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward on each rank.")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, description="Cut a language model's micro-batches by tokens instead of rows: rows taken longest "
+        "first while rows x the longest row (with `packing`: the rows' tokens summed) stay within this budget; a longer "
+        "row trains alone. Replaces `micro_batch_size` for training; the same optimizer steps over the same rows, so the "
+        "same loss and gradient (docs/scaling.md). Empty: `micro_batch_size` rows.")
+    packing: bool = Field(
+        False, description="A language model's micro-batch forward without padding: its rows concatenated into one "
+        "sequence, positions restarting per row, attention kept inside each row (varlen flash-attention on GPU, a "
+        "block-diagonal mask on CPU); the log-probs of the padded forward. Text models (not images' rows).")
     logprob_chunk_tokens: int | None = Field(
         None, ge=1, description="Token log-probs of language models (training, the behaviour replay, reference and teacher "
         "forwards, SFT) on response positions only, from the last hidden states, the output head applied this many tokens "

@@ -199,6 +199,12 @@ class FlowPolicy(Policy):
             )
         if recipe.reward.overlong.truncated != "keep":
             raise ValueError("reward.overlong.truncated: flow samples are never truncated; remove reward.overlong")
+        t = recipe.train
+        for knob, value in (("max_tokens_per_micro_batch", t.max_tokens_per_micro_batch), ("packing", t.packing),
+                            ("logprob_chunk_tokens", t.logprob_chunk_tokens)):
+            if value:
+                raise ValueError(f"train.{knob}: a language model's knob; every sample of a flow model has the same "
+                                 "latent size and no vocabulary: cut its micro-batches with train.micro_batch_size")
         if sampler.init_same_noise and (sampler.eta == 0 or kernels.get(sampler.kernel).deterministic) and recipe.rollout.group_size > 1:
             raise ValueError(
                 "rollout.sampler.init_same_noise: with deterministic sampling (eta 0 or sde_kind ode) one initial "

@@ -30,7 +30,7 @@ from pydantic import Field
 
 from unirl.stages.policies import Policy, RolloutBase, samples_table
 from unirl.stages.policies.text_sampling import log_probs, sample
-from unirl.stages.runtime.registry import policies
+from unirl.stages.runtime.registry import families, policies
 from unirl.stages.runtime.seeds import derive_seed
 from unirl.stages.runtime.tokenizer import encode_prompt
 from unirl.stages.tools.calls import ToolFormat
@@ -67,18 +67,65 @@ def token_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_
 
 def token_logp(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float,
                inputs: dict[str, torch.Tensor] | None = None, banned: torch.Tensor | None = None,
-               chunk: int | None = None) -> torch.Tensor:
+               chunk: int | None = None, packed: bool = False) -> torch.Tensor:
     """log softmax(logits / temperature) at the next token, fp32. Returns (B, T-1). `inputs`: the
     model's other inputs for these rows (a VLM's pixel values, grids and M-RoPE positions);
     `banned`: token ids the sampler never draws, at probability 0 as there (text_sampling.log_probs).
     `chunk` (`train.logprob_chunk_tokens`): only on `batch["mask"]`'s positions (0 elsewhere), from
     the last hidden states, the output head applied `chunk` tokens at a time (`chunked_logp`): no
-    (rows, tokens, vocabulary) tensor is ever whole."""
+    (rows, tokens, vocabulary) tensor is ever whole. `packed` (`train.packing`, text rows): one
+    forward over the rows without their padding (`packed_logp`), chunked too when `chunk` is set."""
+    if packed:
+        return packed_logp(model, batch, temperature, banned, chunk)
     if chunk:
         return chunked_logp(model, batch, temperature, inputs, banned, chunk)
     logits = model(input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False, **(inputs or {})).logits[:, :-1]
     logp = log_probs(logits, temperature, banned)
     return logp.gather(-1, batch["ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def packed_logp(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float, banned: torch.Tensor | None,
+                chunk: int | None) -> torch.Tensor:
+    """`token_logp` of right-padded rows through one forward without padding (`train.packing`): the
+    rows' tokens concatenated into one sequence whose positions restart at 0 for each row and no
+    attention mask, from which transformers keeps attention inside each row (a block-diagonal
+    causal mask; flash-attention's varlen kernel on GPU). The log-probs come back in the padded
+    layout, on the mask's positions (0 elsewhere): what the losses read is unchanged."""
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
+    lengths = batch["attn"].sum(-1).tolist()
+    device = batch["ids"].device
+    ids = torch.cat([batch["ids"][i, :n] for i, n in enumerate(lengths)])[None]
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+    on = batch["mask"] > 0
+    rows, cols = on.nonzero(as_tuple=True)
+    offsets = torch.tensor([0, *lengths[:-1]], device=device).cumsum(0)
+    at = offsets[rows] + cols  # where each padded mask position is in the packed sequence
+    targets = ids[0, at + 1]
+    out = torch.zeros(on.shape, dtype=torch.float32, device=device)
+    if not chunk:
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, at]
+        return out.index_put((rows, cols), log_probs(logits, temperature, banned).gather(-1, targets.unsqueeze(-1)).squeeze(-1))
+    with hidden_states_out(model) as head:
+        hidden = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+    if len(targets) == 0:
+        return out + hidden.sum() * 0.0
+    return out.index_put((rows, cols), head_logp(head, hidden[at], targets, temperature, banned, chunk))
+
+
+def head_logp(head: torch.nn.Module, states: torch.Tensor, targets: torch.Tensor, temperature: float,
+              banned: torch.Tensor | None, chunk: int) -> torch.Tensor:
+    """fp32 log-probs of `targets` (N,) under `head` applied to `states` (N, H), `chunk` rows at a
+    time, each chunk's logits dropped after its log-probs and made again in the backward (a
+    non-reentrant checkpoint per chunk): at most one chunk's (chunk, vocabulary) logits live at once."""
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+    from torch.utils.checkpoint import checkpoint  # start-up time: loaded on first use
+
+    def part(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return log_probs(head(h), temperature, banned).gather(-1, t.unsqueeze(-1)).squeeze(-1)
+
+    return torch.cat([checkpoint(part, states[i:i + chunk], targets[i:i + chunk], use_reentrant=False)
+                      for i in range(0, len(targets), chunk)])
 
 
 @contextmanager
@@ -105,26 +152,18 @@ def hidden_states_out(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 def chunked_logp(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float,
                  inputs: dict[str, torch.Tensor] | None, banned: torch.Tensor | None, chunk: int) -> torch.Tensor:
-    """`token_logp` on the mask's positions, `chunk` tokens at a time: each chunk's logits are made,
-    turned into fp32 log-probs of its tokens, and dropped; the backward makes them again (a
-    non-reentrant checkpoint per chunk), so at most one chunk's (chunk, vocabulary) logits live at once."""
+    """`token_logp` on the mask's positions, `chunk` tokens at a time (`head_logp`) from the
+    padded forward's last hidden states."""
     import torch  # start-up time: loaded on first use, not when a recipe is read
-    from torch.utils.checkpoint import checkpoint  # start-up time: loaded on first use
 
     with hidden_states_out(model) as head:
         hidden = model(input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False, **(inputs or {})).logits[:, :-1]
     on = batch["mask"] > 0
-    states, targets = hidden[on], batch["ids"][:, 1:][on]
-
-    def part(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return log_probs(head(h), temperature, banned).gather(-1, t.unsqueeze(-1)).squeeze(-1)
-
     out = torch.zeros(on.shape, dtype=torch.float32, device=hidden.device)
+    targets = batch["ids"][:, 1:][on]
     if len(targets) == 0:  # nothing to score: still a graph through the model, as the full path has
         return out + hidden.sum() * 0.0
-    values = [checkpoint(part, states[i:i + chunk], targets[i:i + chunk], use_reentrant=False)
-              for i in range(0, len(targets), chunk)]
-    return out.index_put((*on.nonzero(as_tuple=True),), torch.cat(values))
+    return out.index_put((*on.nonzero(as_tuple=True),), head_logp(head, hidden[on], targets, temperature, banned, chunk))
 
 
 def pad_like(lists: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
@@ -235,6 +274,14 @@ class TextPolicy(Policy):
         if context is not None and recipe.rollout.max_new_tokens >= context:
             raise ValueError(f"rollout.max_new_tokens: {recipe.rollout.max_new_tokens} does not fit the model's context of "
                              f"{context} tokens (max_position_embeddings), prompt included; ask for fewer")
+        family = families.get(recipe.model.kind)
+        if recipe.train.packing and (family.takes_images or family.policy != "text"):
+            raise ValueError(f"train.packing: model.kind {recipe.model.kind!r} is not packed (a vision-language model's rows "
+                             "carry images and M-RoPE positions; a unified model's backbone is not a transformers decoder); "
+                             "leave packing off (train.max_tokens_per_micro_batch still cuts by tokens)")
+        if recipe.train.logprob_chunk_tokens and family.policy != "text":
+            raise ValueError(f"train.logprob_chunk_tokens: model.kind {recipe.model.kind!r}'s backbone has no transformers "
+                             "output head to apply chunk by chunk; leave it empty")
         overlong = recipe.reward.overlong
         if overlong.truncated == "soft" and overlong.buffer > recipe.rollout.max_new_tokens:
             raise ValueError(
@@ -285,6 +332,7 @@ class TextPolicy(Policy):
         self.images = family.image_prompts(bundle, self.use_chat, device) if family.takes_images else None
         self.banned = None if self.images is None else torch.tensor(self.images.banned, dtype=torch.long)
         self.chunk: int | None = recipe.train.logprob_chunk_tokens  # log-probs chunk by chunk (token_logp)
+        self.packed = recipe.train.packing  # text rows' forward without padding (token_logp)
 
     def canary(self, module: Any) -> dict[str, Any] | None:
         """The run's canary tokens and the module's log-probs of them at temperature 1 (fp32)."""
@@ -415,12 +463,12 @@ class TextPolicy(Policy):
 
     def replay(self, module: Any, batch: TextBatch, selection: Any = None) -> torch.Tensor:
         """log pi(response token | prefix) under `module`, fp32: (B, T-1), meaningful on the mask."""
-        return token_logp(module, batch.tokens(), self.cfg.temperature, batch.inputs, self.banned, self.chunk)
+        return token_logp(module, batch.tokens(), self.cfg.temperature, batch.inputs, self.banned, self.chunk, self.packed)
 
     def teacher_scores(self, teacher: Any, batch: TextBatch) -> list[list[float]]:
         """A teacher's log-probs of each row's response tokens (at the sampling temperature, as the
         student's record), in order: what on-policy distillation compares the student's with."""
-        logp = token_logp(teacher, batch.tokens(), self.cfg.temperature, batch.inputs, self.banned, self.chunk)
+        logp = token_logp(teacher, batch.tokens(), self.cfg.temperature, batch.inputs, self.banned, self.chunk, self.packed)
         return [logp[i][batch.mask[i] > 0].float().cpu().tolist() for i in range(len(batch.sample_ids))]
 
     def decode(self, response_ids: list[int]) -> str:
@@ -478,7 +526,7 @@ class TextPolicy(Policy):
         inputs = self._forward_inputs(batch, [self._sft_images[i] for i in idx] if self.images is not None else [])
         if self._sft_masks is not None:  # tool turns of a transcript are context
             batch["mask"] = batch["mask"] * pad_like([[float(m) for m in self._sft_masks[i]] for i in idx], batch["mask"])
-        logp = token_logp(module, batch, 1.0, inputs, self.banned, self.chunk)
+        logp = token_logp(module, batch, 1.0, inputs, self.banned, self.chunk, self.packed)
         tokens = torch.tensor([float(batch["mask"].sum())], dtype=torch.float64, device=self.device)
         stack.all_reduce(tokens)
         loss = -(logp * batch["mask"]).sum() / float(tokens)

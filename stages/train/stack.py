@@ -133,6 +133,34 @@ def micro_batches(items: Sequence[Any], size: int, updates: int = 1) -> list[lis
             for k in range(updates)]
 
 
+def token_micro_batches(items: Sequence[Any], lengths: Sequence[int], budget: int, updates: int = 1,
+                        packed: bool = False) -> list[list[list[Any]]]:
+    """`items` split into the same `updates` mini-batches as `micro_batches`, each cut into
+    micro-batches by a token budget instead of a count: its rows in order of length (longest
+    first, ties in their order), a micro-batch taking rows while its tokens stay within `budget`
+    (padded: rows x its longest row; `packed`: the rows' lengths summed). A row longer than the
+    budget is a micro-batch alone. Every row is in exactly one micro-batch."""
+    n = len(items)
+    bounds = [round(k * n / updates) for k in range(updates + 1)]
+    out = []
+    for k in range(updates):
+        rows = sorted(range(bounds[k], bounds[k + 1]), key=lambda i: (-lengths[i], i))
+        groups: list[list[Any]] = []
+        current: list[int] = []
+        longest = used = 0
+        for i in rows:
+            cost = used + lengths[i] if packed else (len(current) + 1) * max(longest, lengths[i])
+            if current and cost > budget:
+                groups.append([items[j] for j in current])
+                current, longest, used = [], 0, 0
+            current.append(i)
+            longest, used = max(longest, lengths[i]), used + lengths[i]
+        if current:
+            groups.append([items[j] for j in current])
+        out.append(groups)
+    return out
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -225,7 +253,16 @@ class TrainStack:
         micro-batches of at most `size`; and per mini-batch the most micro-batches any rank has:
         every rank runs that many, ranks short of it with stand-ins of weight 0. Sampling and
         training cut the same way, so the first update replays exactly the sampled micro-batches."""
-        groups = micro_batches(items, size, updates)
+        return self.counted(micro_batches(items, size, updates))
+
+    def cut_by_tokens(self, items: Sequence[Any], lengths: Sequence[int], budget: int, updates: int = 1,
+                      packed: bool = False) -> tuple[list[list[list[Any]]], list[int]]:
+        """`cut` by a token budget (`token_micro_batches`; `lengths[i]`: item i's tokens): the same
+        mini-batches, so the same optimizer steps over the same rows, in other micro-batches."""
+        return self.counted(token_micro_batches(items, lengths, budget, updates, packed))
+
+    def counted(self, groups: list[list[list[Any]]]) -> tuple[list[list[list[Any]]], list[int]]:
+        """`groups` and, per mini-batch, the most micro-batches any rank has (the others run stand-ins)."""
         counts = torch.tensor([len(g) for g in groups], dtype=torch.int64, device=self.device)
         self.all_reduce(counts, "max")
         return groups, [int(c) for c in counts]

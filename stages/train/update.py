@@ -9,7 +9,8 @@ the step's total across ranks. With rollout accumulation the update is on a wind
 cut so, mini-batch k holding every batch's k-th: the step's total is then the union's. Ranks short
 of micro-batches run stand-ins of weight 0, so every rank issues the same collectives in the same
 order. Metrics are averaged with the policy's weights (tokens, samples); keys naming a max or
-ending in `_min` are the max / min across everything.
+ending in `_min` are the max / min across everything; `loss` is the step's loss (each
+micro-batch's at its share), averaged over the steps, so no cut of the batch changes it.
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def joint_update(stack: Any, parts: list[UpdatePart], *, iteration: int, seed: i
                     old = part.algo.freeze_old(ctx, get(k, j)[0], k)
                     if old is not None:
                         frozen[(k, j)] = old
-        states.append({"get": get, "ctx": ctx, "frozen": frozen, "totals": {}, "extremes": {}, "weight": 0.0})
+        states.append({"get": get, "ctx": ctx, "frozen": frozen, "totals": {}, "extremes": {}, "weight": 0.0, "objective": 0.0})
     norms, skipped = [], 0
     for k in range(updates.pop()):
         for part, st in zip(parts, states):
@@ -85,6 +86,8 @@ def joint_update(stack: Any, parts: list[UpdatePart], *, iteration: int, seed: i
                 b, real = st["get"](k, j)
                 share = part.weight * real * algo.units(b) / max(float(total[0]), 1.0)
                 metrics = algo.loss_backward(st["ctx"], b, st["frozen"].get((k, j)), share=share, update=k, real=bool(real))
+                if real and "loss" in metrics:  # the step's loss: each micro-batch's at its share, whatever the cut
+                    st["objective"] += real * algo.units(b) / max(float(total[0]), 1.0) * metrics["loss"]
                 w = b.weight * real
                 for key, value in metrics.items():
                     kind = _extreme(key)
@@ -108,6 +111,10 @@ def joint_update(stack: Any, parts: list[UpdatePart], *, iteration: int, seed: i
         for key in st["extremes"]:
             if _extreme(key) == "min":
                 metrics[key] = -metrics[key]
+        if "loss" in metrics:  # the mean over the optimizer steps of each step's loss, summed over ranks
+            objective = torch.tensor([st["objective"]], dtype=torch.float64, device=stack.device)
+            stack.all_reduce(objective)
+            metrics["loss"] = float(objective[0]) / len(part.counts)
         out.update({part.prefix + key: value for key, value in metrics.items()})
     out.update({"grad_norm": float(np.mean(norms)) if norms else float("nan"), "skipped_steps": skipped, "lr": stack.lr})
     return out

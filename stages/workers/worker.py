@@ -259,7 +259,13 @@ class Worker:
             per_token = "token_advantages" in adv_table.schema.names  # on-policy distillation's (docs/distillation.md)
             table = join_on_sample_id(table, adv_table, ["token_advantages" if per_token else "advantage"],
                                       self.storage.url(advantages))
-            groups, counts = self.stack.cut(self.stack.my_share(range(table.num_rows)), t.micro_batch_size, t.updates_per_batch)
+            mine = self.stack.my_share(range(table.num_rows))
+            if t.max_tokens_per_micro_batch is not None:  # a language model's rows by their tokens (prompt + response)
+                lengths = [len(p) + len(r) for p, r in zip(table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist())]
+                groups, counts = self.stack.cut_by_tokens(mine, [lengths[i] for i in mine], t.max_tokens_per_micro_batch,
+                                                          t.updates_per_batch, t.packing)
+            else:
+                groups, counts = self.stack.cut(mine, t.micro_batch_size, t.updates_per_batch)
             values = table.column("token_advantages").to_pylist() if per_token else table.column("advantage").to_numpy()
             out[name] = ([stage.policy.batches(table, group, values, where) for group in groups], counts, where)
         return out

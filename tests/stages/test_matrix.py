@@ -87,8 +87,9 @@ def one_of_each_kind() -> list[tuple[str, str]]:
 def test_world_size_two_matches_the_update_in_one_process(family, algo, tmp_path, forked_children):
     """The torchrun worker group at world size 2 (gloo, FSDP2) samples what one process samples
     (rank 1's tokens, latents and log-probs for a sample id are one process's) and takes the same
-    step, also with activation checkpointing and chunked log-probs on at world size 2 (blocks
-    recomputed and the output head applied after the forward, under FSDP2). Each rank cuts its
+    step, also with the memory knobs on at world size 2 (blocks recomputed, and a language model's
+    micro-batches cut by tokens, packed where text-only, and its output head applied chunk by
+    chunk after the forward, under FSDP2; ranks then have different numbers of micro-batches). Each rank cuts its
     own micro-batches, so kernels see other batch shapes and round differently; flow log-probs
     divide by the small late-step std, which turns that rounding into ~0.1% of the gradient norm.
     A wrong gradient reduction across ranks (a missing world-size factor, a rank's micro-batch
@@ -103,8 +104,9 @@ def test_world_size_two_matches_the_update_in_one_process(family, algo, tmp_path
     for nproc in (1, 2):
         # world size 2 (FSDP2) with activation checkpointing and a language model's log-probs chunk by
         # chunk, which change no gradient
-        text = families.get(kind_of(family)).policy == "text"
-        memory = {"activation_checkpointing": True} | ({"logprob_chunk_tokens": 3} if text else {})
+        family_ = families.get(kind_of(family))
+        text = {"logprob_chunk_tokens": 3, "max_tokens_per_micro_batch": 24, "packing": not family_.takes_images}
+        memory = {"activation_checkpointing": True} | (text if family_.policy == "text" else {})
         recipe = recipe_of(family, algo, tmp_path / f"ws{nproc}", train={"nproc": nproc, **(memory if nproc == 2 else {})})
         storage = RunStorage(recipe.storage.root, "run")
         group = WorkerGroup(recipe, storage, init_weights=initial_weights(storage, recipe), log=lambda _: None)

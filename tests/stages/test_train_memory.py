@@ -8,7 +8,13 @@
 * `train.logprob_chunk_tokens` (stages/policies/text.py `chunked_logp`): the same log-probs and
   gradients as the whole logits tensor, for a tied and an untied output head, with temperature and
   banned tokens; no tensor of the forward or backward holds more than one chunk's logits; and
-  through the worker (text, and a VLM with its images) the same step, the behaviour check holding."""
+  through the worker (text, and a VLM with its images) the same step, the behaviour check holding.
+* `train.packing` (stages/policies/text.py `packed_logp`): the padded forward's log-probs and
+  gradients from one forward without padding, attention kept inside each row.
+* `train.max_tokens_per_micro_batch` (stages/train/stack.py `token_micro_batches`): each row in
+  exactly one micro-batch of the same mini-batch, within the budget; and for every loss aggregation,
+  with several budgets, packing, `updates_per_batch` 2 and rollout accumulation, the same steps as
+  the fixed-size cut (world size 2: tests/stages/test_matrix.py)."""
 from __future__ import annotations
 
 import pytest
@@ -150,3 +156,107 @@ def test_the_step_is_the_same_with_chunked_log_probs(case, algo, tiny_weights, t
     assert chunked["train/behaviour_logp_max_abs_diff"] <= 1e-4  # the sampler's record, replayed chunk by chunk
     for a, b in zip(weights, weights_chunked):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+# -- packing ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [None, 5], ids=["whole", "chunked"])
+def test_packed_log_probs_equal_the_padded_forward(chunk):
+    from unirl.stages.policies.text import token_logp
+
+    batch = a_batch()
+    on = batch["mask"] > 0
+    got = {}
+    for packed in (False, True):
+        model = text_model(tied=True)
+        logp = token_logp(model, batch, 0.7, chunk=chunk, packed=packed)
+        (logp * batch["mask"]).sum().backward()
+        got[packed] = (logp, {n: p.grad.clone() for n, p in model.named_parameters()})
+    (padded, padded_grads), (packed, packed_grads) = got[False], got[True]
+    torch.testing.assert_close(packed[on], padded[on], rtol=1e-5, atol=1e-5)
+    assert bool((packed[~on] == 0).all())
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-5)
+
+
+def test_a_packed_row_attends_only_to_itself():
+    """Row 1's log-probs do not change when row 0's tokens do: the packed sequence's attention
+    stops at row boundaries (positions restarting at 0)."""
+    from unirl.stages.policies.text import token_logp
+
+    batch = a_batch()
+    other = {k: v.clone() for k, v in batch.items()}
+    other["ids"][0, :5] = (other["ids"][0, :5] + 1) % VOCAB
+    model = text_model(tied=False)
+    with torch.no_grad():
+        a, b = (token_logp(model, x, 1.0, packed=True) for x in (batch, other))
+    assert not torch.equal(a[0], b[0])  # row 0 itself changed
+    torch.testing.assert_close(a[1:], b[1:], rtol=0, atol=1e-6)
+
+
+# -- a token budget -------------------------------------------------------------------------------
+
+
+def test_a_token_budget_cuts_each_mini_batch_without_losing_or_moving_a_row():
+    from unirl.stages.train.stack import micro_batches, token_micro_batches
+
+    lengths = [5, 30, 7, 7, 12, 3, 40, 9, 9, 2, 18]
+    items = [f"r{i}" for i in range(len(lengths))]
+    by_count = micro_batches(items, 4, updates=2)
+    for budget, packed in ((30, False), (30, True), (100, False), (10, True)):
+        cut = token_micro_batches(items, lengths, budget, updates=2, packed=packed)
+        assert [sorted(x for mb in g for x in mb) for g in cut] == [sorted(x for mb in g for x in mb) for g in by_count]
+        for mb in (mb for g in cut for mb in g):
+            size = [lengths[items.index(x)] for x in mb]
+            cost = sum(size) if packed else len(size) * max(size)
+            assert cost <= budget or len(mb) == 1, (budget, packed, mb)  # a longer row alone
+    # padded cost: rows x the longest; longest first
+    assert token_micro_batches(items[:6], lengths[:6], 30, packed=False) == [[["r1"], ["r4", "r2"], ["r3", "r0", "r5"]]]
+    assert token_micro_batches(items[:6], lengths[:6], 30, packed=True) == [[["r1"], ["r4", "r2", "r3"], ["r0", "r5"]]]
+
+
+AGG_CASES = [({"algorithm": {"agg": agg}}, budget, packing) for agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+             for budget, packing in ((10, False), (24, True))]
+
+
+@pytest.mark.parametrize("extra,budget,packing", [
+    *AGG_CASES,
+    ({"train": {"updates_per_batch": 2}}, 16, False),
+    ({"train": {"updates_per_batch": 2}}, 16, True),
+], ids=lambda x: str(x))
+def test_a_token_budget_takes_the_steps_of_the_fixed_size_cut(extra, budget, packing, tiny_weights, tmp_path):
+    plain, weights, _, _ = run_once("qwen3", "grpo", tiny_weights("qwen3"), tmp_path / "plain", {"micro_batch_size": 3}, **extra)
+    knobs = {"max_tokens_per_micro_batch": budget, "packing": packing}
+    cut, weights_cut, _, _ = run_once("qwen3", "grpo", tiny_weights("qwen3"), tmp_path / "cut", knobs, **extra)
+    for key in ("train/loss", "train/grad_norm"):
+        assert cut[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-6), key
+    assert cut["train/behaviour_logp_max_abs_diff"] <= 1e-4
+    for a, b in zip(weights, weights_cut):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_rollout_accumulation_with_a_token_budget_takes_the_windows_step(tiny_weights, tmp_path):
+    from unirl.stages.run.loop import InProcessLoop
+
+    got = {}
+    for name, knobs in (("plain", {"micro_batch_size": 3}), ("cut", {"max_tokens_per_micro_batch": 12, "packing": True})):
+        recipe = recipe_of("qwen3", "grpo", tmp_path / name, iterations=2, train={"accumulate_rollouts": 2, **knobs})
+        loop = InProcessLoop(recipe, str(tiny_weights("qwen3")))
+        loop.iteration(0)
+        got[name] = (loop.iteration(1), [p.detach().clone() for p in loop.worker.stack.trainable])
+    (plain, w_plain), (cut, w_cut) = got["plain"], got["cut"]
+    for key in ("train/loss", "train/grad_norm"):
+        assert cut[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-6), key
+    for a, b in zip(w_plain, w_cut):  # two batches' gradients summed in other orders: a few 1e-6 on Adam's first step
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_validate_refuses_the_language_knobs_where_they_cannot_apply():
+    from tests.tiny import CASES, merged
+    from unirl.stages.recipe import RecipeError, build_recipe
+
+    with pytest.raises(RecipeError, match=r"train.packing: model.kind 'qwen2_5_vl' is not packed"):
+        build_recipe(merged(CASES["qwen2_5_vl"], {"train": {"packing": True}}))
+    with pytest.raises(RecipeError, match=r"train.max_tokens_per_micro_batch: a language model's knob"):
+        build_recipe(merged(CASES["sd3"], {"algorithm": {"name": "flow_grpo"}, "train": {"max_tokens_per_micro_batch": 64}}))

@@ -156,4 +156,5 @@ def test_the_joint_step_sums_each_stage_loss_times_its_weight_in_one_step():
     out = joint_update(stack, [text, image], iteration=0, seed=0)
     # mean over the stage's samples of 2 w x^2 (w = 1): ar (2 + 2 + 8) / 3 = 4; diffusion 18; 4 + 0.5 * 18 = 13
     assert grads == [pytest.approx(13.0)] and stack.opt_steps == 1
-    assert out["ar/loss"] == pytest.approx((1 + 4) / 2) and out["diffusion/loss"] == pytest.approx(9.0)  # per-batch losses, sample-weighted
+    # each stage's step loss: the mean over its samples of x^2, whatever its micro-batches: ar (1 + 1 + 4) / 3, diffusion 9
+    assert out["ar/loss"] == pytest.approx(2.0) and out["diffusion/loss"] == pytest.approx(9.0)
