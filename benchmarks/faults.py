@@ -98,7 +98,7 @@ def mlflow_history(run_dir: Path, env: dict[str, str]) -> dict[str, list[tuple[i
     run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
     keys = client.get_run(run_id).data.metrics.keys()
     return {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k)) for k in keys
-            if not k.startswith("time/")}
+            if not k.startswith(("time/", "system/"))}  # seconds and the machine's load: never equal twice
 
 
 def snapshot(run_dir: Path, env: dict[str, str], iterations: int, version: int | None = None) -> dict[str, Any]:

@@ -128,21 +128,24 @@ def main(argv: list[str] | None = None) -> int:
         startup.imports_done()
         return node_agent(recipe, args.run_name or recipe.name, args.group)
     if args.command in ("run", "sft"):
-        from unirl.stages.run.record import check_inputs, finished_error  # start-up time: loaded on first use
+        from unirl.stages.run.record import check_inputs  # start-up time: loaded on first use
 
         try:
             check_inputs(recipe)  # a bad model folder or data file, before Prefect, MLflow or a model start
         except (OSError, ValueError) as exc:
             print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
-        if args.command == "run" and not args.resume and (finished := finished_error(recipe, args.run_name or recipe.name)):
-            print(f"error: {finished}", file=sys.stderr)  # before Prefect starts: nothing to do
-            return 1
     from unirl.tasks.console import error_text, failures_once, quiet_prefect, say  # start-up time: loaded on first use
 
     quiet_prefect(args.verbose)  # before Prefect configures its logging
     run_name = args.run_name or recipe.name
     try:
+        if args.command == "run" and not args.resume:
+            from unirl.stages.run.record import finished_error  # start-up time: loaded on first use
+
+            if (finished := finished_error(recipe, run_name)) is not None:  # before Prefect starts: nothing to do
+                print(f"error: {finished}", file=sys.stderr)
+                return 1
         from unirl.flows.ephemeral import LocalApiDown, local_api  # start-up time: loaded on first use
 
         failures_once(args.verbose)

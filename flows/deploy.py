@@ -99,7 +99,8 @@ def render(deployments: list[dict[str, Any]]) -> str:
         text += "  work_pool: *cpu-pool\n"
         text += "  enforce_parameter_schema: true\n"
         text += "  concurrency_limit: *one-run-at-a-time\n"
-        text += f"  parameters:\n    run_name: {d['name']}\n    recipe: &{anchor(d['name'])}\n"
+        # No run_name: a flow run of the deployment is the run named as the flow run is (flows/rl.py).
+        text += f"  parameters:\n    recipe: &{anchor(d['name'])}\n"
         body = yaml.safe_dump(d["recipe"], sort_keys=False, width=120, default_flow_style=None)
         text += "".join(f"      {line}\n" for line in body.splitlines())
         text = "".join(f"  {line}\n" if line else "\n" for line in text.splitlines())
