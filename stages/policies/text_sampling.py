@@ -2,8 +2,11 @@
 
 Each sample draws its randomness from its own generator, seeded from (run seed, iteration,
 sample id), so a sample's tokens do not depend on the batch it was in, the rank that made it, or
-whether the run was resumed. Every rank runs the same number of forward passes (FSDP2 gathers
-parameters collectively), stopping only when all ranks' samples are finished.
+whether the run was resumed. A row that finished leaves the batch and the KV cache, so the decoding
+steps compute only the rows still going; the cache holds at most rows x (longest prompt +
+max_new_tokens) positions per layer (keys and values: 2 x kv heads x head dim each). Every rank
+runs the same number of forward passes (FSDP2 gathers parameters collectively), stopping only
+when all ranks' samples are finished.
 """
 from __future__ import annotations
 
@@ -124,29 +127,39 @@ def sample(
     out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True, **cache, **extra)
     logits = out.logits[:, -1, :]
     next_pos = next_positions(positions)
-    finished = torch.zeros(batch, dtype=torch.bool)
     responses: list[list[int]] = [[] for _ in range(batch)]
     logprobs: list[list[float]] = [[] for _ in range(batch)]
+    rows = list(range(batch))  # the rows of the batch still decoding, in the order the model sees them
     for step in range(max_new_tokens):
-        logp = log_probs(logits, temperature, banned).cpu()
-        if greedy:
-            tokens = logp.argmax(-1)
-        else:
-            u = torch.cat([torch.rand(1, generator=g) for g in generators])
-            tokens = inverse_cdf(top_p_filter(logp.exp(), top_p), u)
-        token_logp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        for i in range(batch):
-            if not finished[i]:
-                responses[i].append(int(tokens[i]))
-                logprobs[i].append(float(token_logp[i]))
-        finished |= tokens == eos_id
-        pending = torch.tensor([0 if bool(finished.all()) else 1], dtype=torch.int64, device=device)
+        going: list[int] = []  # positions in `rows` of the rows that go on
+        if rows:
+            logp = log_probs(logits, temperature, banned).cpu()
+            if greedy:
+                tokens = logp.argmax(-1)
+            else:
+                u = torch.cat([torch.rand(1, generator=generators[i]) for i in rows])
+                tokens = inverse_cdf(top_p_filter(logp.exp(), top_p), u)
+            token_logp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            for k, i in enumerate(rows):
+                responses[i].append(int(tokens[k]))
+                logprobs[i].append(float(token_logp[k]))
+            going = [k for k in range(len(rows)) if int(tokens[k]) != eos_id]
+        pending = torch.tensor([1 if going else 0], dtype=torch.int64, device=device)
         if distributed:
             dist.all_reduce(pending, op=dist.ReduceOp.MAX)
         if int(pending.item()) == 0 or step == max_new_tokens - 1:
             break
-        feed = torch.where(finished, torch.full_like(tokens, pad_id), tokens).to(device)
-        attn = torch.cat([attn, torch.ones((batch, 1), dtype=attn.dtype, device=device)], dim=1)
+        # Finished rows leave the batch and the KV cache: the next forwards compute only the rows
+        # still decoding. A rank whose rows all finished keeps one row, fed padding and never read
+        # again, to take part in the forwards the other ranks still run (FSDP2 gathers collectively).
+        keep = going or [0]
+        if len(keep) < attn.shape[0]:
+            index = torch.tensor(keep, dtype=torch.long, device=device)
+            cache[cache_kwarg(model)].batch_select_indices(index)
+            attn, next_pos = attn[index], next_pos[..., index]
+        feed = tokens[going].to(device) if going else torch.full((1,), pad_id, dtype=torch.long, device=device)
+        rows = [rows[k] for k in going]
+        attn = torch.cat([attn, torch.ones((len(feed), 1), dtype=attn.dtype, device=device)], dim=1)
         out = model(input_ids=feed.unsqueeze(-1), attention_mask=attn, position_ids=next_pos.unsqueeze(-1), use_cache=True, **cache)
         logits = out.logits[:, -1, :]
         next_pos = next_pos + 1

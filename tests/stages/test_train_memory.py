@@ -11,6 +11,8 @@
   through the worker (text, and a VLM with its images) the same step, the behaviour check holding.
 * `train.packing` (stages/policies/text.py `packed_logp`): the padded forward's log-probs and
   gradients from one forward without padding, attention kept inside each row.
+* The trainside sampler (stages/policies/text_sampling.py): rows that finished leave the batch and
+  the KV cache, and every row's tokens and log-probs are what it samples alone.
 * `train.max_tokens_per_micro_batch` (stages/train/stack.py `token_micro_batches`): each row in
   exactly one micro-batch of the same mini-batch, within the budget; and for every loss aggregation,
   with several budgets, packing, `updates_per_batch` 2 and rollout accumulation, the same steps as
@@ -260,3 +262,31 @@ def test_validate_refuses_the_language_knobs_where_they_cannot_apply():
         build_recipe(merged(CASES["qwen2_5_vl"], {"train": {"packing": True}}))
     with pytest.raises(RecipeError, match=r"train.max_tokens_per_micro_batch: a language model's knob"):
         build_recipe(merged(CASES["sd3"], {"algorithm": {"name": "flow_grpo"}, "train": {"max_tokens_per_micro_batch": 64}}))
+
+
+# -- the sampler ----------------------------------------------------------------------------------
+
+
+def test_the_sampler_drops_finished_rows_and_each_row_samples_as_it_would_alone():
+    from unirl.stages.policies.text_sampling import sample
+
+    model = text_model(tied=False).eval()
+    eos = 7
+    with torch.no_grad():  # a head that favours eos for some rows more than others: they finish at different steps
+        model.lm_head.weight[eos] += 0.6 * model.lm_head.weight.mean(0)
+    prompts = [[11, 12, 13], [400], [5, 6], [900, 901, 902, 903], [42, 43]]
+    seeds = [3, 1, 4, 1, 5]
+    rows_seen = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: rows_seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    common = {"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "eos_id": eos, "pad_id": 0, "device": torch.device("cpu")}
+    together = sample(model, prompts, seeds, **common)
+    hook.remove()
+    lengths = sorted(len(r) for r in together.response_ids)
+    assert lengths[0] < lengths[-1], "the rows should finish at different steps"
+    # after the prefill, each decoding forward has only the rows still going
+    assert rows_seen[0] == len(prompts) and rows_seen[1:] == [sum(n > s for n in lengths) for s in range(1, len(rows_seen))]
+    for i, (p, seed) in enumerate(zip(prompts, seeds)):
+        alone = sample(model, [p], [seed], **common)
+        assert alone.response_ids[0] == together.response_ids[i]
+        assert alone.finish_reasons[0] == together.finish_reasons[i]
+        assert max(abs(a - b) for a, b in zip(alone.logprobs[0], together.logprobs[i])) < 1e-5
