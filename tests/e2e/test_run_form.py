@@ -66,3 +66,30 @@ def test_the_run_form_shows_the_recipes_own_model_fields(ui: PrefectServer, depl
     chromium(f"--screenshot={shot}", url=page)
     assert shot.stat().st_size > 10_000
     print(f"\n[run form] {deployment}: {shot}")
+
+
+@needs_chromium
+def test_a_run_name_typed_in_the_form_names_the_run(ui: PrefectServer) -> None:
+    """Typing a name in the form's "Run Name" box, leaving `run_name` empty, and submitting makes a
+    flow run of that name with no `run_name` parameter: its run folder is that name
+    (flows/rl.py `chosen_run_name`; tests/e2e/test_deployment.py runs such a flow run to its end
+    through a worker, named from the CLI). Driven through the page with Playwright (the `browser`
+    extra) on the system's Chromium; skipped without either."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install -e .[browser]")
+    with ui.client() as c:
+        dep = c.read_deployment_by_name("rl-train/tiny")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1200})
+            page.goto(f"{ui.url.removesuffix('/api')}/deployments/deployment/{dep.id}/run", wait_until="networkidle")
+            name = page.get_by_label("Run Name") if page.get_by_label("Run Name").count() else page.locator("input").first
+            name.fill("lr-sweep-b")
+            page.get_by_role("button", name="Submit").click()
+            page.wait_for_url("**?tab=Runs", timeout=60_000)  # the UI goes to the deployment's runs once it made one
+        finally:
+            browser.close()
+    with ui.client() as c:
+        runs = [r for r in c.read_flow_runs() if r.deployment_id == dep.id]
+    assert [r.name for r in runs] == ["lr-sweep-b"], [r.name for r in runs]
+    assert not runs[0].parameters.get("run_name")  # the deployment gives none: the run is named as the flow run
