@@ -34,10 +34,28 @@ from unirl.stages.runtime.secrets import RedactingFilter
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+def engine_device(name: str, cuda_devices: int) -> str:
+    """The torch device an engine serves on: `name` as given (`cpu`, `cuda`, `cuda:N`), `auto` the
+    first CUDA device where there is one, else the CPU. A CUDA device that is not there is an error
+    naming what to set."""
+    if name == "auto":
+        return "cuda:0" if cuda_devices else "cpu"
+    if name == "cpu":
+        return name
+    index = int(name.partition(":")[2] or 0) if name.startswith("cuda") and name[4:5] in ("", ":") else None
+    if index is None or (name[5:] and not name[5:].isdigit()):
+        raise ValueError(f"engine device {name!r}: use auto, cpu, cuda or cuda:N")
+    if index >= cuda_devices:
+        raise ValueError(f"engine device {name!r}: torch sees {cuda_devices} CUDA device(s) here; set the engine's device "
+                         "to cpu or auto, or run the engine where that GPU is (CUDA_VISIBLE_DEVICES)")
+    return f"cuda:{index}"
+
+
 def serve(recipe: Any, weights: str, version: str, *, host: str, port: int, token: str | None, max_batch: int,
-          batch_wait_ms: float, threads: int, limits: Limits, ready_file: str | None = None, log_level: str = "warning") -> None:
-    """Load the model and serve until stopped. `port` 0 takes a free one; `ready_file` gets
-    {"port", "pid"} once the server accepts connections."""
+          batch_wait_ms: float, threads: int, limits: Limits, ready_file: str | None = None, log_level: str = "warning",
+          device: str = "auto") -> None:
+    """Load the model on `device` (`engine_device`) and serve until stopped. `port` 0 takes a free
+    one; `ready_file` gets {"port", "pid"} once the server accepts connections."""
     import torch  # start-up time: torch loads on first use, not when a recipe is read
     import uvicorn  # start-up time: uvicorn loads on first use, not when a recipe is read
 
@@ -45,7 +63,8 @@ def serve(recipe: Any, weights: str, version: str, *, host: str, port: int, toke
     from unirl.stages.engine_server.core import EngineCore
 
     torch.set_num_threads(max(1, threads))
-    core = EngineCore(recipe, weights, version)
+    where = engine_device(device, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    core = EngineCore(recipe, weights, version, device=where)
     app = create_app(core, token, max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000.0, limits=limits)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -62,7 +81,7 @@ def serve(recipe: Any, weights: str, version: str, *, host: str, port: int, toke
             tmp.write_text(json.dumps({"port": bound, "pid": os.getpid()}))
             tmp.replace(ready_file)
         print(f"[unirl] engine server on http://{host}:{bound} serving {recipe.model.kind} weights {weights} "
-              f"(version {version}, {threads} thread(s))", flush=True)
+              f"(version {version}, on {where}, {threads} CPU thread(s))", flush=True)
 
     threading.Thread(target=announce, daemon=True).start()
     server.run(sockets=[sock])
@@ -87,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token-env", default="UNIRL_ENGINE_TOKEN", help="variable holding the bearer token")
     p.add_argument("--no-auth", action="store_true", help="serve without a token (loopback only)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--device", default="auto", help="auto (the first GPU where there is one, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--max-batch", type=int, default=64, help="requests (text) or outputs (flow) sampled together at most")
     p.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long a batch waits for more requests")
     for f in fields(Limits):
@@ -113,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         serve(build_recipe(spec["recipe"]), spec["weights"], str(spec["version"]), host=spec.get("host", "127.0.0.1"),
               port=int(spec.get("port", 0)), token=os.environ.get("UNIRL_ENGINE_TOKEN") or None,
               max_batch=int(spec["max_batch"]), batch_wait_ms=float(spec["batch_wait_ms"]), threads=int(spec["threads"]),
-              limits=limits_from(spec), ready_file=spec.get("ready_file"))
+              limits=limits_from(spec), ready_file=spec.get("ready_file"), device=spec.get("device", "auto"))
         return 0
     if not args.recipe:
         print("unirl engine-server: give a recipe (or --spec)", file=sys.stderr)
@@ -142,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         weights = str(get_family(recipe.model.kind).materialize(recipe.model, scratch_dir("unirl-engine-") / "model"))
     try:
         serve(recipe, weights, args.version, host=args.host, port=args.port, token=token, max_batch=args.max_batch,
-              batch_wait_ms=args.batch_wait_ms, threads=args.threads, limits=limits)
+              batch_wait_ms=args.batch_wait_ms, threads=args.threads, limits=limits, device=args.device)
     except KeyboardInterrupt:
         pass
+    except ValueError as exc:  # a device that is not there
+        print(f"unirl engine-server: {exc}", file=sys.stderr)
+        return 2
     return 0

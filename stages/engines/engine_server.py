@@ -42,6 +42,9 @@ class EngineServerConfig(LaunchedConfig):
     name: Literal["engine_server"] = Field("engine_server", description="Rollout engine.")
     url: str | None = Field(None, description="http://host:port of a running `unirl engine-server`; empty: the run "
                             "launches one on loopback and stops it at the end.")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+                        description="Where a launched engine serves: auto (the first GPU the engine's process sees, "
+                        "else the CPU), cpu, cuda or cuda:N (docs/engines.md, placement).")
     threads: int = Field(1, ge=1, description="CPU threads of a launched engine.")
     cpus: list[int] = Field(default_factory=list, description="CPU cores a launched engine is pinned to (empty: not pinned).")
     max_batch: int = Field(64, ge=1, description="Requests the engine samples together at most.")
@@ -62,6 +65,7 @@ class EngineServer(LaunchedEngine):
         spec = {"recipe": self.recipe.model_dump(mode="json"), "weights": str(weights), "version": version,
                 "host": "127.0.0.1", "port": 0, "ready_file": str(self._ready), "max_batch": self.cfg.max_batch,
                 "batch_wait_ms": self.cfg.batch_wait_ms, "threads": self.cfg.threads, "cpus": list(self.cfg.cpus),
+                "device": self.cfg.device,
                 **run_limits(self.recipe)}
         spec_path = self.scratch / "engine-spec.json"
         spec_path.write_text(json.dumps(spec))
