@@ -1,7 +1,7 @@
 """`unirl`: run and validate recipes, serve rewards.
 
     unirl run RECIPE [key.sub=value ...] [--run-name NAME] [--resume] [--verbose]
-    unirl validate RECIPE [key.sub=value ...]
+    unirl validate RECIPE [key.sub=value ...] [--memory [--prompt-tokens N]]
     unirl sft RECIPE [key.sub=value ...] [--run-name NAME]
     unirl evaluate RECIPE [key.sub=value ...] [--run-name NAME] [--version N] [--split dev|test]
     unirl agent RECIPE [key.sub=value ...] [--run-name NAME] [--group ID]   (one node of a multi-node run)
@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="print the resolved recipe or every error, without loading a model")
     val.add_argument("recipe", help="recipe YAML file")
     val.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    val.add_argument("--memory", action="store_true", help="each rank's peak memory, term by term, instead of the recipe "
+                     "(language models; docs/scaling.md)")
+    val.add_argument("--prompt-tokens", type=int, default=256, help="prompt length the --memory estimate assumes (default 256)")
     rs = sub.add_parser("reward-server", help="serve scorers over HTTP", add_help=False)
     rs.add_argument("rest", nargs=argparse.REMAINDER)
     au = sub.add_parser("audit", help="check a run's storage: each group trained once, staleness, weights, behaviour")
@@ -106,7 +109,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.command == "validate":
-        print(recipe.to_yaml(), end="")
+        if not args.memory:
+            print(recipe.to_yaml(), end="")
+            return 0
+        from unirl.stages.run.memory import estimate, memory_table  # start-up time: it loads torch to measure a layer
+
+        try:
+            print(memory_table(estimate(recipe, max(1, args.prompt_tokens))))
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         return 0
     if args.run_name:
         from unirl.stages.recipe import check_run_name  # start-up time: loaded on first use

@@ -16,12 +16,16 @@
 * `train.max_tokens_per_micro_batch` (stages/train/stack.py `token_micro_batches`): each row in
   exactly one micro-batch of the same mini-batch, within the budget; and for every loss aggregation,
   with several budgets, packing, `updates_per_batch` 2 and rollout accumulation, the same steps as
-  the fixed-size cut (world size 2: tests/stages/test_matrix.py)."""
+  the fixed-size cut (world size 2: tests/stages/test_matrix.py).
+* `unirl validate --memory` (stages/run/memory.py): parameters and LoRA adapters counted as
+  built; its per-token activation probe scales to a longer micro-batch; its terms follow the knobs
+  and the ranks (at Qwen3-0.6B's geometry)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.conftest import REPO
 from tests.stages.test_matrix import one_of_each_kind, pairs, recipe_of
 
 
@@ -290,3 +294,81 @@ def test_the_sampler_drops_finished_rows_and_each_row_samples_as_it_would_alone(
         assert alone.response_ids[0] == together.response_ids[i]
         assert alone.finish_reasons[0] == together.finish_reasons[i]
         assert max(abs(a - b) for a, b in zip(alone.logprobs[0], together.logprobs[i])) < 1e-5
+
+
+# -- the memory estimate ----------------------------------------------------------------------------
+
+
+def test_the_estimate_counts_a_models_parameters_and_lora_adapters_as_built():
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from unirl.stages.run.memory import LINEARS, Geometry
+
+    for tied in (False, True):
+        g = Geometry(vocab=300, hidden=48, layers=3, heads=6, kv_heads=2, head_dim=8, intermediate=80, tied=tied)
+        config = Qwen3Config(vocab_size=300, hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+                             head_dim=8, intermediate_size=80, tie_word_embeddings=tied)
+        model = Qwen3ForCausalLM(config)
+        assert g.params() == sum(p.numel() for p in model.parameters())
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules=list(LINEARS)))
+    assert g.lora_params(4, list(LINEARS)) == sum(p.numel() for p in peft.parameters() if p.requires_grad)
+
+
+def test_the_activation_probe_scales_to_a_longer_micro_batch():
+    """The estimate measures a layer's kept bytes per token at 64 tokens and scales them: at 4 rows
+    of 96 tokens, two layers keep what it says within 10% (CPU attention keeps no tokens x tokens tensor)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from unirl.stages.policies.text import hidden_states_out
+    from unirl.stages.run.memory import Geometry, layer_bytes_per_token
+
+    g = Geometry(vocab=50, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, tied=False)
+    kept = {}
+    for layers in (1, 3):
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=50, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                                             num_key_value_heads=2, head_dim=16, intermediate_size=128)).train()
+        seen = {}
+
+        def keep(t, seen=seen):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), hidden_states_out(model):
+            model(input_ids=torch.randint(0, 50, (4, 96)), attention_mask=torch.ones(4, 96, dtype=torch.long), use_cache=False)
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        kept[layers] = sum(n for ptr, n in seen.items() if ptr not in weights)
+    measured = (kept[3] - kept[1]) / 2  # one layer's, at 384 tokens
+    assert layer_bytes_per_token(g, "float32", False) * 4 * 96 == pytest.approx(measured, rel=0.10)
+    assert layer_bytes_per_token(g, "float32", True) <= 64 * 4 * 1.5  # checkpointed: about a layer's input, h floats a token
+
+
+def test_the_estimate_follows_the_knobs_and_the_ranks(tmp_path):
+    import json as json_
+
+    from unirl.stages.recipe import load_recipe
+    from unirl.stages.run.memory import estimate, memory_table
+
+    (tmp_path / "config.json").write_text(json_.dumps({  # Qwen3-0.6B's published geometry
+        "vocab_size": 151936, "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072, "tie_word_embeddings": True}))
+    base = ["recipes/ar/tiny.yaml"]
+
+    def lines(*over):
+        recipe = load_recipe(REPO / base[0], [f"model.path={tmp_path}", "rollout.max_new_tokens=1024", "train.micro_batch_size=8", *over])
+        return {line.what: line.bytes for line in estimate(recipe, 1024)}
+
+    plain = lines()
+    assert plain["parameters"] == 596_049_920 * 4  # Qwen3-0.6B: 0.6B parameters, fp32
+    lean = lines("train.activation_checkpointing=true", "train.logprob_chunk_tokens=1024")
+    assert lean["activations"] < plain["activations"] / 10 and lean["log-probs"] < plain["log-probs"] / 100
+    assert lean["logits gradient"] == 1024 * 151936 * 4
+    two = lines("train.nproc_per_node=2")
+    assert two["AdamW moments"] == plain["AdamW moments"] // 2 and "gathered for compute" in two
+    table = memory_table(estimate(load_recipe(REPO / base[0], [f"model.path={tmp_path}"]), 256))
+    assert table.splitlines()[-1].startswith("peak per rank ")
+    with pytest.raises(ValueError, match=r"--memory: model.kind 'sd3' is not estimated yet"):
+        from tests.tiny import CASES, merged
+        from unirl.stages.recipe import build_recipe
+
+        estimate(build_recipe(merged(CASES["sd3"], {"algorithm": {"name": "flow_grpo"}})), 256)
