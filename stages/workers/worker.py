@@ -260,7 +260,7 @@ class Worker:
             table = join_on_sample_id(table, adv_table, ["token_advantages" if per_token else "advantage"],
                                       self.storage.url(advantages))
             mine = self.stack.my_share(range(table.num_rows))
-            if t.max_tokens_per_micro_batch is not None:  # a language model's rows by their tokens (prompt + response)
+            if t.max_tokens_per_micro_batch is not None and "prompt_ids" in table.column_names:  # a language model's rows by their tokens
                 lengths = [len(p) + len(r) for p, r in zip(table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist())]
                 groups, counts = self.stack.cut_by_tokens(mine, [lengths[i] for i in mine], t.max_tokens_per_micro_batch,
                                                           t.updates_per_batch, t.packing)
