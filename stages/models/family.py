@@ -95,6 +95,12 @@ class Family:
         raise NotImplementedError
 
     @classmethod
+    def text_geometry(cls, cfg: Any) -> dict[str, Any] | None:
+        """A decoder-only language model's architecture for `unirl validate --memory`
+        (stages/run/memory.py `Geometry`'s fields), read without loading it; None: not estimated."""
+        return None
+
+    @classmethod
     def reference(cls, bundle: Any) -> AbstractContextManager[Any]:
         """Inside the block `bundle.module` runs as the frozen reference (its adapters disabled)."""
         raise NotImplementedError

@@ -6,6 +6,7 @@ and smoke runs go through the same loading code as real checkpoints.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from pydantic import Field, model_validator
 from unirl.stages.models.family import Family
 from unirl.stages.runtime.config_base import LoraConfig, Section
 from unirl.stages.runtime.registry import families
-from unirl.stages.runtime.tokenizer import build_char_tokenizer, load_tokenizer
+from unirl.stages.runtime.tokenizer import SPECIAL, build_char_tokenizer, load_tokenizer
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 
@@ -172,6 +173,26 @@ class Qwen3(Family):
     @classmethod
     def fsdp_units(cls, module: Any) -> list[Any]:
         return [m for m in module.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+    @classmethod
+    def text_geometry(cls, cfg: Qwen3ModelConfig) -> dict[str, Any]:
+        """The architecture of `model.path`'s config.json, or of the tiny model."""
+        if cfg.path:
+            path = Path(cfg.path) / "config.json"
+            try:
+                data = json.loads(path.read_bytes()[: 1 << 20])
+                heads = int(data["num_attention_heads"])
+                return {"vocab": int(data["vocab_size"]), "hidden": int(data["hidden_size"]), "layers": int(data["num_hidden_layers"]),
+                        "heads": heads, "kv_heads": int(data.get("num_key_value_heads") or heads),
+                        "head_dim": int(data.get("head_dim") or int(data["hidden_size"]) // heads),
+                        "intermediate": int(data["intermediate_size"]), "tied": bool(data.get("tie_word_embeddings", False))}
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"model.path: {path}: not a Qwen3 config.json to read the architecture from "
+                                 f"({type(exc).__name__}: {exc})") from exc
+        t = cfg.tiny
+        return {"vocab": len(SPECIAL) + len(dict.fromkeys(t.charset)), "hidden": t.hidden_size, "layers": t.num_hidden_layers,
+                "heads": t.num_attention_heads, "kv_heads": t.num_key_value_heads, "head_dim": t.head_dim,
+                "intermediate": t.intermediate_size, "tied": False}
 
     @classmethod
     def add_lora(cls, bundle: TextBundle, lora: LoraConfig) -> None:

@@ -21,14 +21,13 @@ libraries come on top. It has not been checked against measured peaks yet (docs/
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from unirl.stages.algorithms import get_algorithm
+from unirl.stages.models.family import get_family
 from unirl.stages.policies.text import hidden_states_out
-from unirl.stages.runtime.tokenizer import CHARSET, SPECIAL
+from unirl.stages.runtime.registry import engines
 from unirl.stages.train.stack import checkpoint_blocks
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -70,25 +69,6 @@ class Geometry:
         return self.layers * sum(rank * sum(shapes[t]) for t in targets if t in shapes)
 
 
-def qwen3_geometry(model: Any) -> Geometry:
-    """The geometry of a qwen3 recipe's model: its folder's config.json, or the tiny architecture."""
-    if model.path:
-        path = Path(model.path) / "config.json"
-        try:
-            data = json.loads(path.read_bytes()[: 1 << 20])
-            heads = int(data["num_attention_heads"])
-            return Geometry(vocab=int(data["vocab_size"]), hidden=int(data["hidden_size"]), layers=int(data["num_hidden_layers"]),
-                            heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads),
-                            head_dim=int(data.get("head_dim") or int(data["hidden_size"]) // heads),
-                            intermediate=int(data["intermediate_size"]), tied=bool(data.get("tie_word_embeddings", False)))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"model.path: {path}: not a Qwen3 config.json the estimate can read ({type(exc).__name__}: {exc})") from exc
-    t = model.tiny
-    return Geometry(vocab=len(SPECIAL) + len(dict.fromkeys(t.charset or CHARSET)), hidden=t.hidden_size,
-                    layers=t.num_hidden_layers, heads=t.num_attention_heads, kv_heads=t.num_key_value_heads,
-                    head_dim=t.head_dim, intermediate=t.intermediate_size, tied=False)
-
-
 def layer_bytes_per_token(g: Geometry, dtype: str, checkpointing: bool) -> float:
     """Bytes one decoder layer keeps for the backward per token of a micro-batch: one and two
     layers of this width run on this machine over PROBE_TOKENS tokens (a 16-token vocabulary),
@@ -127,9 +107,11 @@ class Line:
 
 def estimate(recipe: Any, prompt_tokens: int) -> list[Line]:
     """Each term of one rank's peak for `recipe`, with prompts of `prompt_tokens` tokens."""
-    if recipe.model.kind != "qwen3":
-        raise ValueError(f"--memory: model.kind {recipe.model.kind!r} is not estimated yet (qwen3 is); docs/scaling.md")
-    g = qwen3_geometry(recipe.model)
+    found = get_family(recipe.model.kind).text_geometry(recipe.model)
+    if found is None:
+        raise ValueError(f"--memory: model.kind {recipe.model.kind!r} is not estimated yet (decoder-only language models "
+                         "are: qwen3); docs/scaling.md")
+    g = Geometry(**found)
     t, pb = recipe.train, DTYPE_BYTES[recipe.model.dtype]
     world = t.nnodes * t.nproc_per_node
     lora = recipe.model.lora
@@ -167,7 +149,7 @@ def estimate(recipe: Any, prompt_tokens: int) -> list[Line]:
         lines.append(Line("log-probs", tokens * g.vocab * fp32, f"{tokens} positions x {g.vocab}: logits and their fp32 log-softmax"))
     at_once = min(t.logprob_chunk_tokens, scored) if t.logprob_chunk_tokens else tokens
     lines.append(Line("logits gradient", at_once * g.vocab * 4, f"{at_once} positions x {g.vocab} fp32, at once in the backward"))
-    if recipe.rollout.engine.name == "trainside":
+    if not engines.get(recipe.rollout.engine.name).own_weights:  # the trainer's own sampler
         kv = t.micro_batch_size * longest * g.layers * 2 * g.kv_heads * g.head_dim * pb
         lines.append(Line("KV cache (sampling)", kv, f"{t.micro_batch_size} rows x {longest} positions x {g.layers} layers, "
                           "at another time than the train step"))

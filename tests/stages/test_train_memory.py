@@ -367,7 +367,7 @@ def test_the_estimate_follows_the_knobs_and_the_ranks(tmp_path):
     assert two["AdamW moments"] == plain["AdamW moments"] // 2 and "gathered for compute" in two
     table = memory_table(estimate(load_recipe(REPO / base[0], [f"model.path={tmp_path}"]), 256))
     assert table.splitlines()[-1].startswith("peak per rank ")
-    with pytest.raises(ValueError, match=r"--memory: model.kind 'sd3' is not estimated yet"):
+    with pytest.raises(ValueError, match=r"--memory: model.kind 'sd3' is not estimated yet \(decoder-only"):
         from tests.tiny import CASES, merged
         from unirl.stages.recipe import build_recipe
 
