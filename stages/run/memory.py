@@ -17,7 +17,7 @@ KV cache holds its rows x (prompt + max_new_tokens) positions per layer, at anot
 train step.
 
 An estimate, not a measurement: allocator slack, the framework's own buffers and the process's
-libraries come on top. It has not been checked against measured peaks yet (docs/scaling.md).
+libraries come on top; benchmarks/train_step.py compares it with measured peaks (docs/scaling.md).
 """
 from __future__ import annotations
 
