@@ -330,7 +330,11 @@ class Tracker:
 
     def finish(self, status: str = "FINISHED") -> None:
         if self.monitor is not None:
-            self.monitor.finish()  # its last samples, before the run is marked ended
+            self.monitor.finish()  # its thread stopped, what it sampled logged
+            # and one sample of the end, so a run shorter than the sampling interval has one too
+            self.monitor.collect_metrics()
+            self.monitor.publish_metrics(self.monitor.aggregate_metrics())
+            self.monitor.mlflow_logger.flush()
             self.monitor = None
         self.client.set_terminated(self.run_id, status=status)
 
