@@ -102,15 +102,26 @@ def packed_logp(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperat
     offsets = torch.tensor([0, *lengths[:-1]], device=device).cumsum(0)
     at = offsets[rows] + cols  # where each padded mask position is in the packed sequence
     targets = ids[0, at + 1]
-    out = torch.zeros(on.shape, dtype=torch.float32, device=device)
     if not chunk:
         logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, at]
+        out = torch.zeros(on.shape, dtype=torch.float32, device=device)
         return out.index_put((rows, cols), log_probs(logits, temperature, banned).gather(-1, targets.unsqueeze(-1)).squeeze(-1))
     with hidden_states_out(model) as head:
         hidden = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+    return scored_logp(on, hidden, hidden[at], targets, head, temperature, banned, chunk)
+
+
+def scored_logp(on: torch.Tensor, hidden: torch.Tensor, states: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
+                temperature: float, banned: torch.Tensor | None, chunk: int) -> torch.Tensor:
+    """The log-probs of `targets` from `states` (`head_logp`) in the padded layout of mask `on`
+    (B, T-1), 0 off it; with nothing to score, zeros still on a graph through `hidden`, as the
+    whole path's are."""
+    import torch  # start-up time: loaded on first use, not when a recipe is read
+
+    out = torch.zeros(on.shape, dtype=torch.float32, device=hidden.device)
     if len(targets) == 0:
         return out + hidden.sum() * 0.0
-    return out.index_put((rows, cols), head_logp(head, hidden[at], targets, temperature, banned, chunk))
+    return out.index_put((*on.nonzero(as_tuple=True),), head_logp(head, states, targets, temperature, banned, chunk))
 
 
 def head_logp(head: torch.nn.Module, states: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -152,18 +163,12 @@ def hidden_states_out(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 def chunked_logp(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float,
                  inputs: dict[str, torch.Tensor] | None, banned: torch.Tensor | None, chunk: int) -> torch.Tensor:
-    """`token_logp` on the mask's positions, `chunk` tokens at a time (`head_logp`) from the
+    """`token_logp` on the mask's positions, `chunk` tokens at a time (`scored_logp`) from the
     padded forward's last hidden states."""
-    import torch  # start-up time: loaded on first use, not when a recipe is read
-
     with hidden_states_out(model) as head:
         hidden = model(input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False, **(inputs or {})).logits[:, :-1]
     on = batch["mask"] > 0
-    out = torch.zeros(on.shape, dtype=torch.float32, device=hidden.device)
-    targets = batch["ids"][:, 1:][on]
-    if len(targets) == 0:  # nothing to score: still a graph through the model, as the full path has
-        return out + hidden.sum() * 0.0
-    return out.index_put((*on.nonzero(as_tuple=True),), head_logp(head, hidden[on], targets, temperature, banned, chunk))
+    return scored_logp(on, hidden, hidden[on], batch["ids"][:, 1:][on], head, temperature, banned, chunk)
 
 
 def pad_like(lists: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
