@@ -18,6 +18,16 @@ terms. tokens/s = the batch's tokens / the step's wall seconds (forward, backwar
 
     python benchmarks/train_step.py                       # every configuration, 2 layers, 16 rows of 64-1024 tokens
     python benchmarks/train_step.py --layers 28 --rows 64 --max-len 2048   # the issue's size (long on a CPU)
+    python benchmarks/train_step.py --flow                # SD3.5-medium's blocks, with and without checkpointing
+
+`--flow`: the SD3 transformer at Stable Diffusion 3.5 Medium's published widths (benchmarks/released.py:
+24 heads of 64, joint attention over 4,096-wide text features, dual attention; random init) with
+`--blocks` of its 24 blocks, `--flow-rows` rows of one `--image-size` latent each (and 333 text
+tokens, SD3's two CLIPs and T5), `--flow-micro` rows a micro-batch: per micro-batch one transformer
+forward at a random noise level (stages/models/sd3.py `forward`, as the flow losses call it), a
+squared-error loss at its share of the rows, backward; one AdamW step. tokens/s counts image and
+text tokens. The estimate beside it is the transformer's terms of `unirl validate --memory` for the
+same recipe (the frozen text encoders and VAE are not loaded here, so not counted).
 """
 from __future__ import annotations
 
@@ -43,6 +53,10 @@ CONFIGS = {
     "budget+packing+ckpt+chunk": {"max_tokens_per_micro_batch": 4096, "packing": True, "activation_checkpointing": True,
                                   "logprob_chunk_tokens": 1024},
 }
+
+
+FLOW_CONFIGS = {"flow": {}, "flow+ckpt": {"activation_checkpointing": True}}
+TEXT_TOKENS = 77 + 256  # SD3's two CLIPs' tokens, then T5's
 
 
 def lengths(rows: int, low: int, high: int, seed: int) -> list[tuple[int, int]]:
@@ -109,6 +123,56 @@ def one(config: str, layers: int, rows: list[tuple[int, int]], seed: int) -> dic
             "micro_batches": len(groups), "peak_bytes": vm_hwm() - base}
 
 
+def one_flow(name: str, blocks: int, rows: int, micro: int, image_size: int, seed: int) -> dict:
+    """One flow configuration, in this process: the step's seconds and peak bytes above the baseline."""
+    import torch
+    from diffusers import SD3Transformer2DModel
+    from released import SD35_MEDIUM_TRANSFORMER
+
+    from unirl.stages.models.sd3 import SD3
+    from unirl.stages.train.stack import checkpoint_blocks
+
+    reset_hwm()
+    base = vm_hwm()
+    torch.manual_seed(seed)
+    config = SD35_MEDIUM_TRANSFORMER
+    model = SD3Transformer2DModel.from_config({**config, "num_layers": blocks}).train()
+    if FLOW_CONFIGS[name].get("activation_checkpointing"):
+        checkpoint_blocks(SD3.fsdp_units(model))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    side = image_size // 8
+    g = torch.Generator().manual_seed(seed)
+    start = time.perf_counter()
+    for first in range(0, rows, micro):
+        n = min(micro, rows - first)
+        x = torch.randn((n, config["in_channels"], side, side), generator=g)
+        cond = (torch.randn((n, TEXT_TOKENS, config["joint_attention_dim"]), generator=g),
+                torch.randn((n, config["pooled_projection_dim"]), generator=g))
+        v = SD3.forward(None, model, x, torch.rand((n,), generator=g), cond, None)
+        (((v - x) ** 2).mean() * n / rows).backward()
+    optimizer.step()
+    seconds = time.perf_counter() - start
+    tokens = rows * ((side // config["patch_size"]) ** 2 + TEXT_TOKENS)
+    return {"config": name, "seconds": seconds, "tokens": tokens, "padded_tokens": tokens,
+            "micro_batches": -(-rows // micro), "peak_bytes": vm_hwm() - base}
+
+
+def estimate_flow(config: str, blocks: int, micro: int, image_size: int) -> int:
+    """The transformer's terms of `unirl validate --memory` for this configuration (no frozen parts)."""
+    from released import sd35_medium
+
+    from unirl.stages.recipe import load_recipe
+    from unirl.stages.run.memory import estimate as terms
+
+    folder = sd35_medium(Path(tempfile.mkdtemp(prefix="unirl-train-step-")), num_layers=blocks)
+    knobs = [f"train.{k}={str(v).lower()}" for k, v in {"activation_checkpointing": False, **FLOW_CONFIGS[config]}.items()]
+    recipe = load_recipe(REPO / "docs" / "recipes" / "sd35-medium-lora-flow-grpo.yaml",
+                         [f"model.path={folder}", "model.dtype=float32", "model.lora=null", "train.nproc_per_node=1",
+                          f"train.micro_batch_size={micro}", f"rollout.sampler.image_size={image_size}",
+                          "rollout.sampler.guidance_scale=1.0", *knobs])
+    return sum(line.bytes for line in terms(recipe, 1) if line.what != "frozen models")
+
+
 def estimate(config: str, layers: int, rows: list[tuple[int, int]]) -> int:
     """`unirl validate --memory`'s peak for this configuration (its train step), prompts and
     responses of the batch's longest row."""
@@ -132,8 +196,15 @@ def main() -> int:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--flow", action="store_true", help="the SD3.5-medium transformer step instead")
+    p.add_argument("--blocks", type=int, default=2, help="--flow: transformer blocks (24 is the real model)")
+    p.add_argument("--flow-rows", type=int, default=4)
+    p.add_argument("--flow-micro", type=int, default=2)
+    p.add_argument("--image-size", type=int, default=512)
     p.add_argument("--one", help=argparse.SUPPRESS)  # a configuration in this process (what the parent starts)
     args = p.parse_args()
+    if args.flow:
+        return main_flow(args)
     rows = lengths(args.rows, args.min_len, args.max_len, args.seed)
     if args.one:
         print(json.dumps(one(args.one, args.layers, rows, args.seed)))
@@ -155,6 +226,32 @@ def main() -> int:
         first = first or rate
         est = estimate(config, args.layers, rows)
         print(f"| {config} | {r['micro_batches']} | {r['padded_tokens']} | {rate:.0f} | {rate / first:.2f} | "
+              f"{r['peak_bytes'] / 2**30:.2f} | {est / 2**30:.2f} | {est / r['peak_bytes']:.2f} |", flush=True)
+    return 0
+
+
+def main_flow(args: argparse.Namespace) -> int:
+    flow = ["--flow", "--blocks", str(args.blocks), "--flow-rows", str(args.flow_rows), "--flow-micro", str(args.flow_micro),
+            "--image-size", str(args.image_size), "--seed", str(args.seed)]
+    if args.one:
+        print(json.dumps(one_flow(args.one, args.blocks, args.flow_rows, args.flow_micro, args.image_size, args.seed)))
+        return 0
+    print(f"SD3.5-medium transformer widths, {args.blocks} of 24 blocks; {args.flow_rows} rows of {args.image_size} px "
+          f"({args.flow_micro} a micro-batch) + {TEXT_TOKENS} text tokens; fp32; "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}", flush=True)
+    print("| configuration | micro-batches | tokens | tokens/s | x plain | peak GiB | estimate GiB | estimate / peak |")
+    print("|---|---|---|---|---|---|---|---|")
+    first = None
+    for config in FLOW_CONFIGS:
+        out = subprocess.run([sys.executable, __file__, *flow, "--one", config], capture_output=True, text=True, cwd=REPO)
+        if out.returncode != 0:
+            print(f"| {config} | failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode} |", flush=True)
+            continue
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        rate = r["tokens"] / r["seconds"]
+        first = first or rate
+        est = estimate_flow(config, args.blocks, args.flow_micro, args.image_size)
+        print(f"| {config} | {r['micro_batches']} | {r['tokens']} | {rate:.0f} | {rate / first:.2f} | "
               f"{r['peak_bytes'] / 2**30:.2f} | {est / 2**30:.2f} | {est / r['peak_bytes']:.2f} |", flush=True)
     return 0
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field
 
 from unirl.stages.models.family import Family, get_family
-from unirl.stages.models.flow_folder import check_pipeline, write_folder
+from unirl.stages.models.flow_folder import check_pipeline, component_parameters, listed, read_index, write_folder
 from unirl.stages.models.flow_geometry import FlowGeometry
 from unirl.stages.models.flow_lora import add_lora, merge_lora, reference_policy
 from unirl.stages.runtime.config_base import LoraConfig, Section
@@ -161,6 +161,39 @@ class FlowParts:
     vae: Any
     text: dict[str, Any]
     transformers: list[Any]
+
+
+@dataclass(frozen=True)
+class MemoryProbe:
+    """What `unirl validate --memory` (stages/run/memory.py) needs of a flow model, read from its
+    configs without loading weights: each component's parameters (`trained`: the transformer,
+    with `buffers` elements of buffers such as a position table, whole on every rank; `frozen`: text
+    encoders and VAE with their buffers, whole on every rank), the transformer's blocks (the largest's
+    parameters) and its parameters outside them, LoRA's parameters for the recipe's adapters, the conditioning tokens
+    a prompt adds to the transformer's sequence, whether guidance doubles the batch, and `make`:
+    (blocks, dtype) -> (a transformer of the real width with that many blocks, randomly
+    initialised, and run(module, latents, sigma) -> velocity, its forward on a batch of one
+    prompt's zero conditioning)."""
+
+    trained: int
+    buffers: int
+    frozen: dict[str, int]
+    blocks: int
+    block_params: int
+    outside: int
+    lora: int
+    text_tokens: int
+    cfg_doubles: bool
+    make: Any
+
+
+def lora_parameters(module: Any, rank: int, targets: tuple[str, ...] | list[str]) -> int:
+    """Parameters LoRA of `rank` adds on the linears of `module` whose name is or ends with a target
+    (peft's matching): rank x (in + out) each."""
+    import torch  # start-up time: loaded on first use
+
+    return sum(rank * (m.in_features + m.out_features) for name, m in module.named_modules()
+               if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
 
 
 # ---------------------------------------------------------------------------- the base class
@@ -401,6 +434,25 @@ class FlowFamily(Family):
         if lora is not None:
             state = merge_lora(state, rank=lora.rank, alpha=lora.alpha)
         write_folder(local, base_dir=bundle.directory, vae=bundle.vae, parts=cls.split_state(state))
+
+    # -- the memory estimate --------------------------------------------------------------------
+    @classmethod
+    def memory_probe(cls, cfg: Any) -> MemoryProbe | None:
+        """What `unirl validate --memory` needs of a model of `cfg` (MemoryProbe); None: the family
+        is not estimated yet."""
+        return None
+
+    @classmethod
+    def probe_parts(cls, root: Path) -> tuple[Any, int, int, dict[str, int], int, int]:
+        """The folder's transformer on the meta device with its parameters and buffers, the frozen
+        models' parameters and buffers by component (text encoders, VAE), the largest block's
+        parameters and those outside the blocks."""
+        index = read_index(root)
+        module, trained, buffers = component_parameters(root, index, "transformer")
+        frozen = {name: sum(component_parameters(root, index, name)[1:]) for name in sorted(index)
+                  if listed(index, name) and (name.startswith("text_encoder") or name == "vae")}
+        sizes = [sum(p.numel() for p in b.parameters()) for b in cls.fsdp_units(module)]
+        return module, trained, buffers, frozen, max(sizes, default=0), trained - sum(sizes)
 
     # -- recipes and folders --------------------------------------------------------------------
     @classmethod

@@ -75,6 +75,25 @@ def load_component(root: Path, index: dict[str, Any], name: str, dtype: torch.dt
         raise OSError(f"could not load {name!r} of {root} from {root / name}: {exc}") from exc
 
 
+def component_parameters(root: Path, index: dict[str, Any], name: str) -> tuple[Any, int, int]:
+    """Component `name` of the folder built from its config on the meta device (no weights read,
+    no memory taken; buffers too), its parameters and its buffers' elements (a position table):
+    what `unirl validate --memory` counts."""
+    from accelerate import init_empty_weights  # start-up time: loaded on first use, not when a recipe is read
+
+    cls = component_class(index, name)
+    with init_empty_weights(include_buffers=True):
+        if index[name][0] == "diffusers":
+            model = cls.from_config(cls.load_config(Path(root) / name))
+        else:
+            from transformers import AutoConfig  # start-up time: loaded on first use
+
+            model = cls._from_config(AutoConfig.from_pretrained(str(Path(root) / name)))
+    if hasattr(model, "tie_weights"):  # as from_pretrained ties them (T5's shared embedding and its encoder's)
+        model.tie_weights()
+    return model, sum(p.numel() for p in model.parameters()), sum(b.numel() for b in model.buffers())
+
+
 def config_of(root: Path, name: str) -> dict[str, Any]:
     """A component's config.json (no weights loaded: validate-time checks read these)."""
     path = Path(root) / name / "config.json"

@@ -14,6 +14,8 @@ gets 256 zero rows in its place, as diffusers' pipeline does.
 """
 from __future__ import annotations
 
+import json
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -21,7 +23,7 @@ from pydantic import Field, model_validator
 
 from unirl.stages.kernels import no_grad
 from unirl.stages.models import flow_text as T
-from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase
+from unirl.stages.models.flow_family import FlowBundle, FlowFamily, FlowModelBase, MemoryProbe, lora_parameters
 from unirl.stages.models.flow_folder import config_of, listed, read_index, write_index
 from unirl.stages.models.flow_geometry import FlowGeometry, check_image_side
 from unirl.stages.models.flow_vae import ShiftScale
@@ -154,6 +156,49 @@ class SD3(FlowFamily):
             return super().native_media(cfg)
         return image_side(config_of(Path(cfg.path), "vae"), config_of(Path(cfg.path), "transformer")), None
 
+    @classmethod
+    def memory_probe(cls, cfg: SD3ModelConfig) -> MemoryProbe:
+        """The folder's (or the tiny model's) parameters from its configs, its text tokens (both
+        CLIPs' length, then T5's or the zero rows' (module docstring)) and a transformer of its width."""
+        with tempfile.TemporaryDirectory() as scratch:
+            root = cls.materialize(cfg, Path(scratch))
+            module, trained, buffers, frozen, block, outside = cls.probe_parts(root)
+
+            def max_length(name: str, default: int) -> int:
+                path = root / name / "tokenizer_config.json"
+                return int(json.loads(path.read_text()).get("model_max_length", default)) if path.is_file() else default
+
+            index = read_index(root)
+            t5 = min(T5_LENGTH, max_length("tokenizer_3", T5_LENGTH)) if listed(index, "tokenizer_3") else T5_LENGTH
+            text_tokens = max_length("tokenizer", 77) + t5
+            config = config_of(root, "transformer")
+        lora = lora_parameters(module, cfg.lora.rank, cfg.lora.target_modules or cls.lora_targets) if cfg.lora else 0
+
+        def make(blocks: int, dtype: str) -> tuple[Any, Any]:
+            import torch  # start-up time: loaded on first use
+            from diffusers import SD3Transformer2DModel  # start-up time: loaded on first use
+
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(getattr(torch, dtype))  # built in the recipe's dtype, as a checkpoint loads
+            try:
+                # its position table only as large as the probe's 8 x 8 patches need (no activations in it)
+                table = {"pos_embed_max_size": min(16, config["pos_embed_max_size"]),
+                         "sample_size": min(32, config.get("sample_size", 128))} if config.get("pos_embed_max_size") else {}
+                module = SD3Transformer2DModel.from_config({**config, "num_layers": blocks, **table})
+            finally:
+                torch.set_default_dtype(default)
+
+            def run(m: Any, x: torch.Tensor, sigma: torch.Tensor, text: int) -> torch.Tensor:
+                cond = (torch.zeros(x.shape[0], text, config["joint_attention_dim"]),
+                        torch.zeros(x.shape[0], config["pooled_projection_dim"]))
+                return cls.forward(None, m, x, sigma, cond, None)
+
+            return module, run
+
+        return MemoryProbe(trained=trained, buffers=buffers, frozen=frozen, blocks=len(cls.fsdp_units(module)),
+                           block_params=block, outside=outside, lora=lora, text_tokens=text_tokens, cfg_doubles=True,
+                           make=make)
+
     # -- the folder -----------------------------------------------------------------------------
     @classmethod
     def build_tiny(cls, directory: Path, tiny: TinySD3) -> Path:
@@ -239,9 +284,10 @@ class SD3(FlowFamily):
         return torch.cat([clip, t5]).to(bundle.dtype), torch.cat(pooled).to(bundle.dtype)
 
     @classmethod
-    def forward(cls, bundle: FlowBundle, module: Any, x: torch.Tensor, sigma: torch.Tensor, cond: tuple[torch.Tensor, ...],
+    def forward(cls, bundle: FlowBundle | None, module: Any, x: torch.Tensor, sigma: torch.Tensor, cond: tuple[torch.Tensor, ...],
                 guidance: float | None) -> torch.Tensor:
-        """SD3's MMDiT on (B, C, h, w) latents, timestep = sigma * 1000."""
+        """SD3's MMDiT on (B, C, h, w) latents, timestep = sigma * 1000 (nothing of the bundle is
+        needed: the memory probe calls it with none)."""
         embeds, pooled = cond
         dtype = module.dtype
         return module(hidden_states=x.to(dtype), timestep=sigma * cls.timestep_scale, encoder_hidden_states=embeds.to(dtype),

@@ -18,8 +18,9 @@
   with several budgets, packing, `updates_per_batch` 2 and rollout accumulation, the same steps as
   the fixed-size cut (world size 2: tests/stages/test_matrix.py).
 * `unirl validate --memory` (stages/run/memory.py): parameters and LoRA adapters counted as
-  built; its per-token activation probe scales to a longer micro-batch; its terms follow the knobs
-  and the ranks (at Qwen3-0.6B's geometry)."""
+  built, a language model's and a flow model's; its per-token activation probes scale to a longer
+  micro-batch and a larger image; its terms follow the knobs and the ranks (at Qwen3-0.6B's
+  geometry); the real-workload recipes of docs/recipes/ validate with their estimates."""
 from __future__ import annotations
 
 import pytest
@@ -367,8 +368,84 @@ def test_the_estimate_follows_the_knobs_and_the_ranks(tmp_path):
     assert two["AdamW moments"] == plain["AdamW moments"] // 2 and "gathered for compute" in two
     table = memory_table(estimate(load_recipe(REPO / base[0], [f"model.path={tmp_path}"]), 256))
     assert table.splitlines()[-1].startswith("peak per rank ")
-    with pytest.raises(ValueError, match=r"--memory: model.kind 'sd3' is not estimated yet \(decoder-only"):
+    with pytest.raises(ValueError, match=r"--memory: model.kind 'flux2_klein' is not estimated yet \(qwen3, sd3 are\)"):
         from tests.tiny import CASES, merged
         from unirl.stages.recipe import build_recipe
 
-        estimate(build_recipe(merged(CASES["sd3"], {"algorithm": {"name": "flow_grpo"}})), 256)
+        estimate(build_recipe(merged(CASES["flux2_klein"], {"algorithm": {"name": "flow_grpo"}})), 256)
+
+
+def test_the_flow_estimate_counts_the_folder_as_loaded(tmp_path):
+    """A tiny SD3 folder: the transformer's parameters and buffers, each frozen model's and LoRA's,
+    counted from the configs on the meta device, are those of the loaded bundle."""
+    from tests.tiny import CASES, merged
+    from unirl.stages.models.sd3 import SD3
+    from unirl.stages.recipe import build_recipe
+    from unirl.stages.runtime.config_base import LoraConfig
+
+    recipe = build_recipe(merged(CASES["sd3"], {"algorithm": {"name": "flow_grpo"}, "model": {"lora": {"rank": 4}}}))
+    folder = SD3.materialize(recipe.model, tmp_path)
+    probe = SD3.memory_probe(recipe.model.model_copy(update={"path": str(folder)}))
+    bundle = SD3.load(folder, recipe.model, "cpu")
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert probe.trained == count(bundle.transformer) and probe.buffers == sum(b.numel() for b in bundle.transformer.buffers())
+    assert probe.frozen == {name: count(bundle.text[name]) + sum(b.numel() for b in bundle.text[name].buffers())
+                            for name in ("text_encoder", "text_encoder_2", "text_encoder_3")} | {
+                                "vae": count(bundle.vae) + sum(b.numel() for b in bundle.vae.buffers())}
+    blocks = SD3.fsdp_units(bundle.transformer)
+    assert probe.blocks == len(blocks) and probe.outside == probe.trained - sum(count(b) for b in blocks)
+    SD3.add_lora(bundle, LoraConfig(rank=4))
+    assert probe.lora == sum(p.numel() for p in bundle.transformer.parameters() if p.requires_grad)
+
+
+def test_the_flow_probe_scales_to_a_larger_image():
+    """The flow estimate measures a block's kept bytes per token over 8 x 8 patches and 16 text
+    tokens, and scales them: an SD3 transformer of the same width with 1 and 3 blocks, 2 rows of a
+    4x larger latent and 24 text tokens, keeps what it says per block within 10%; checkpointed, a
+    block keeps its input (h floats a token for each stream's tokens)."""
+    from tests.tiny import CASES, merged
+    from unirl.stages.models.sd3 import SD3
+    from unirl.stages.recipe import build_recipe
+    from unirl.stages.run.memory import block_bytes_per_token, kept_bytes
+
+    recipe = build_recipe(merged(CASES["sd3"], {"algorithm": {"name": "flow_grpo"}, "model": {"tiny": {"image_size": 64}}}))
+    probe, geo = SD3.memory_probe(recipe.model), SD3.recipe_geometry(recipe.model)
+    per_block, _ = block_bytes_per_token(SD3, probe, geo, None, "float32", False)
+    side = geo.spatial * geo.patch * 16  # 16 x 16 patches, more than the probe's 8 x 8
+    shape = geo.latent_shape(side)
+    kept = {}
+    for blocks in (1, 3):
+        module, run = probe.make(blocks, "float32")
+        x, sigma = torch.randn((2, *shape)), torch.rand(2)
+        kept[blocks] = kept_bytes(module.train(), lambda module=module, run=run, x=x, sigma=sigma: run(module, x, sigma, 24))
+    tokens = 2 * (geo.tokens(shape) + 24)
+    assert per_block * tokens == pytest.approx((kept[3] - kept[1]) / 2, rel=0.10)
+    hidden = recipe.model.tiny.num_heads * recipe.model.tiny.head_dim
+    assert block_bytes_per_token(SD3, probe, geo, None, "float32", True)[0] == pytest.approx(hidden * 4, rel=0.25)
+
+
+@pytest.mark.slow  # 13 s: four decoder layers at Qwen3-4B's width and SD3.5-medium's blocks are probed
+def test_the_real_workload_recipes_validate_with_their_estimates(tmp_path):
+    """docs/recipes/ (docs/scaling.md): Qwen3-4B-Base with DRPO on 8 GPUs and SD3.5-medium with LoRA
+    Flow-GRPO validate against config-only folders of the releases (benchmarks/released.py) and
+    their estimates count the published sizes and fit an 80 GB GPU."""
+    import sys
+
+    from unirl.stages.recipe import load_recipe
+    from unirl.stages.run.memory import estimate, memory_table
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from released import qwen3, sd35_medium
+
+    (tmp_path / "math.jsonl").write_text("".join(f'{{"prompt": "What is {i} + 1?", "answer": "{i + 1}"}}\n' for i in range(300)))
+    text = load_recipe(REPO / "docs/recipes/qwen3-4b-drpo-math.yaml",
+                       [f"model.path={qwen3(tmp_path, 'Qwen3-4B-Base')}", f"data.path={tmp_path / 'math.jsonl'}"])
+    image = load_recipe(REPO / "docs/recipes/sd35-medium-lora-flow-grpo.yaml", [f"model.path={sd35_medium(tmp_path)}"])
+    assert text.train.nproc_per_node == image.train.nproc_per_node == 8
+    for recipe, params in ((text, 4_022_468_096), (image, 2_243_171_520)):
+        lines = {line.what: line for line in estimate(recipe, 512)}
+        assert lines["parameters"].bytes == params * 2 // 8  # bf16, sharded over 8 ranks
+        peak = float(memory_table(list(lines.values())).splitlines()[-1].split()[3])
+        assert 4 < peak < 40, memory_table(list(lines.values()))
+    assert lines["frozen models"].bytes > 10 * 2**30  # T5-XXL, both CLIPs and the VAE in bf16 on every rank
+    assert lines["gradients"].bytes < 0.01 * lines["parameters"].bytes * 8  # LoRA only
