@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument("recipe", help="recipe YAML file")
     val.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     val.add_argument("--memory", action="store_true", help="each rank's peak memory, term by term, instead of the recipe "
-                     "(qwen3 and sd3 models; docs/scaling.md)")
+                     "(qwen3, Qwen-VL and sd3 models; docs/scaling.md)")
     val.add_argument("--prompt-tokens", type=int, default=256, help="prompt length the --memory estimate assumes (default 256)")
     rs = sub.add_parser("reward-server", help="serve scorers over HTTP", add_help=False)
     rs.add_argument("rest", nargs=argparse.REMAINDER)

@@ -14,6 +14,7 @@ block when the tower trains).
 from __future__ import annotations
 
 import re
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -240,6 +241,32 @@ class QwenVL(Family):
         model.tie_weights()
         model.eval()
         return cls._bundle(model, d, cfg)
+
+    @classmethod
+    def text_geometry(cls, cfg: VLModelConfig) -> dict[str, Any]:
+        """The language model's architecture and the vision tower's parameters, from the folder's
+        config.json (or the tiny model's), the model built on the meta device."""
+        from accelerate import init_empty_weights  # start-up time: accelerate loads on first use, not when a recipe is read
+        from transformers import AutoConfig  # start-up time: transformers loads on first use, not when a recipe is read
+
+        with tempfile.TemporaryDirectory() as scratch:
+            try:
+                config = AutoConfig.from_pretrained(str(cls.materialize(cfg, Path(scratch))))
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"model.path: {cfg.path}: no vision-language config.json to read the architecture from "
+                                 f"({type(exc).__name__}: {exc})") from exc
+        with init_empty_weights(include_buffers=True):
+            model = cls.model_class()._from_config(config)
+        model.tie_weights()
+        text = config.text_config
+        heads = int(text.num_attention_heads)
+        layer = next(m for m in model.modules() if type(m).__name__.endswith("DecoderLayer"))
+        return {"vocab": int(text.vocab_size), "hidden": int(text.hidden_size), "layers": int(text.num_hidden_layers),
+                "heads": heads, "kv_heads": int(text.num_key_value_heads or heads),
+                "head_dim": int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+                "intermediate": int(text.intermediate_size), "tied": bool(getattr(config, "tie_word_embeddings", False)),
+                "qk_norm": hasattr(layer.self_attn, "q_norm"), "qkv_bias": layer.self_attn.q_proj.bias is not None,
+                "vision": sum(p.numel() for p in model.model.visual.parameters()), "vision_trained": cfg.train_vision}
 
     @classmethod
     def weight_files(cls, directory: Path) -> list[Path]:

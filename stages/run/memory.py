@@ -1,5 +1,6 @@
 """`unirl validate --memory`: what one rank of a run holds at its peak, term by term, before
-anything is loaded (docs/scaling.md), for language models (qwen3) and flow models (sd3).
+anything is loaded (docs/scaling.md), for language models (qwen3), vision-language models
+(qwen2_5_vl, qwen3_vl: the vision tower among the parameters) and flow models (sd3).
 
 The static terms are counted from the architecture (its config files, or the tiny one's): the
 parameters (sharded by FSDP2 over the ranks, one layer or block and the root gathered whole while
@@ -51,18 +52,24 @@ class Geometry:
     head_dim: int
     intermediate: int
     tied: bool
+    qk_norm: bool = True  # Qwen3's q/k RMSNorms (Qwen2's layers have none, and biases on q, k, v)
+    qkv_bias: bool = False
+    vision: int = 0  # a vision-language model's vision tower: its parameters
+    vision_trained: bool = False
 
     def layer_params(self) -> int:
-        """One decoder layer: q, k, v, o projections, q/k norms, the SwiGLU MLP, two RMSNorms."""
+        """One decoder layer: q, k, v, o projections (their biases), q/k norms, the SwiGLU MLP, two RMSNorms."""
         attn = self.hidden * self.head_dim * (self.heads + 2 * self.kv_heads) + self.heads * self.head_dim * self.hidden
-        return attn + 2 * self.head_dim + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        norms = 2 * self.head_dim if self.qk_norm else 0
+        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+        return attn + norms + bias + 3 * self.hidden * self.intermediate + 2 * self.hidden
 
     def root_params(self) -> int:
         """What is not in a layer: the embedding, the output head unless tied to it, the final norm."""
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
 
     def params(self) -> int:
-        return self.root_params() + self.layers * self.layer_params()
+        return self.root_params() + self.layers * self.layer_params() + self.vision
 
     def lora_params(self, rank: int, targets: list[str]) -> int:
         """LoRA adapters (A: rank x in, B: out x rank) on each layer's named linears."""
@@ -114,14 +121,15 @@ def layer_bytes_per_token(g: Geometry, dtype: str, checkpointing: bool) -> float
     layers of this width run on this machine over PROBE_TOKENS tokens (a 16-token vocabulary),
     the difference over the tokens."""
     import torch  # start-up time: torch loads on first use, not when a recipe is read
-    from transformers import Qwen3Config, Qwen3ForCausalLM  # start-up time: transformers loads on first use
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM  # start-up time: on first use
 
     kept = []
+    Config, Model = (Qwen3Config, Qwen3ForCausalLM) if g.qk_norm else (Qwen2Config, Qwen2ForCausalLM)
     for layers in (1, 2):
-        config = Qwen3Config(vocab_size=16, hidden_size=g.hidden, num_hidden_layers=layers, num_attention_heads=g.heads,
+        config = Config(vocab_size=16, hidden_size=g.hidden, num_hidden_layers=layers, num_attention_heads=g.heads,
                              num_key_value_heads=g.kv_heads, head_dim=g.head_dim, intermediate_size=g.intermediate,
                              max_position_embeddings=PROBE_TOKENS)
-        model = Qwen3ForCausalLM(config).to(getattr(torch, dtype)).train()
+        model = Model(config).to(getattr(torch, dtype)).train()
         units = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")] if checkpointing else []
         checkpoint_blocks(units)
         ids = torch.zeros((1, PROBE_TOKENS), dtype=torch.long)
@@ -190,7 +198,9 @@ def estimate(recipe: Any, prompt_tokens: int) -> list[Line]:
     g = Geometry(**found)
     t, pb = recipe.train, DTYPE_BYTES[recipe.model.dtype]
     lora = recipe.model.lora
-    trained = g.lora_params(lora.rank, lora.target_modules or list(LINEARS)) if lora else g.params()
+    vision = g.vision if g.vision_trained else 0
+    trained = (g.lora_params(lora.rank, lora.target_modules or list(LINEARS)) + vision if lora
+               else g.params() - g.vision + vision)
     lines = static_lines(recipe, g.params(), trained, g.layer_params() + g.root_params(), {},
                          "one decoder layer, the embedding and the head")
     longest = prompt_tokens + recipe.rollout.max_new_tokens
@@ -204,7 +214,9 @@ def estimate(recipe: Any, prompt_tokens: int) -> list[Line]:
     embed = tokens * g.hidden * pb
     lines.append(Line("activations", int(per_token * tokens * g.layers) + embed,
                       f"{shape}: {per_token / 1024:.1f} KiB a token a layer x {g.layers} layers"
-                      + (" (checkpointed: its input)" if t.activation_checkpointing else "")))
+                      + (" (checkpointed: its input)" if t.activation_checkpointing else "")
+                      + ("; an image's tokens count among the prompt's" if g.vision else "")
+                      + ("; the vision tower's own not counted" if g.vision_trained else "")))
     if t.activation_checkpointing:
         again = layer_bytes_per_token(g, recipe.model.dtype, False)
         lines.append(Line("one layer recomputed", int(again * tokens), "a checkpointed layer's activations, back in the backward"))

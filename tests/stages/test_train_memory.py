@@ -368,11 +368,34 @@ def test_the_estimate_follows_the_knobs_and_the_ranks(tmp_path):
     assert two["AdamW moments"] == plain["AdamW moments"] // 2 and "gathered for compute" in two
     table = memory_table(estimate(load_recipe(REPO / base[0], [f"model.path={tmp_path}"]), 256))
     assert table.splitlines()[-1].startswith("peak per rank ")
-    with pytest.raises(ValueError, match=r"--memory: model.kind 'flux2_klein' is not estimated yet \(qwen3, sd3 are\)"):
+    with pytest.raises(ValueError, match=r"--memory: model.kind 'flux2_klein' is not estimated yet \(qwen2_5_vl, qwen3, qwen3_vl, sd3 are\)"):
         from tests.tiny import CASES, merged
         from unirl.stages.recipe import build_recipe
 
         estimate(build_recipe(merged(CASES["flux2_klein"], {"algorithm": {"name": "flow_grpo"}})), 256)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_vision_language_models_geometry_counts_it_as_loaded(kind, tmp_path):
+    """The language model's layers (Qwen2.5-VL's with q/k/v biases and no q/k norms) and the vision
+    tower, read from the tiny folder's config, count the loaded model's parameters; the estimate
+    trains the tower only where the recipe does."""
+    from tests.tiny import CASES, merged
+    from unirl.stages.models.family import get_family
+    from unirl.stages.recipe import build_recipe
+    from unirl.stages.run.memory import Geometry, estimate
+
+    family = get_family(kind)
+    recipe = build_recipe(merged(CASES[kind], {"algorithm": {"name": "grpo"}}))
+    g = Geometry(**family.text_geometry(recipe.model))
+    bundle = family.load(family.materialize(recipe.model, tmp_path), recipe.model, "cpu")
+    assert g.params() == sum(p.numel() for p in bundle.module.parameters())
+    assert g.vision == sum(p.numel() for p in bundle.module.model.visual.parameters()) > 0
+    assert (g.qk_norm, g.qkv_bias) == ((False, True) if kind == "qwen2_5_vl" else (True, False))
+    for train_vision in (False, True):
+        lines = {line.what: line.bytes for line in estimate(recipe.model_copy(update={"model": recipe.model.model_copy(
+            update={"train_vision": train_vision})}), 64)}
+        assert lines["gradients"] == (g.params() - (0 if train_vision else g.vision)) * 4
 
 
 def test_the_flow_estimate_counts_the_folder_as_loaded(tmp_path):
