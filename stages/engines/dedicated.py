@@ -29,7 +29,7 @@ from unirl.stages.engines import RolloutEngine
 from unirl.stages.engines.client import EngineClient, EngineError
 from unirl.stages.models.family import get_family
 from unirl.stages.runtime.accumulation import final_version
-from unirl.stages.runtime.canary import verify
+from unirl.stages.runtime.canary import CanaryError, verify
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.processes import free_port
 from unirl.stages.runtime.registry import algorithms, load_object
@@ -198,10 +198,32 @@ class DedicatedEngine(RolloutEngine):
         client = self.client(version)
         if self._version != version:
             served = client.weight_version() if self.wire.reports_version else None
-            if served != str(version) or (self.cfg.sync.weights == "lora" and self.lora_name != adapter_name(version)):
+            stale = served != str(version) or (self.cfg.sync.weights == "lora" and self.lora_name != adapter_name(version))
+            if not stale and self._version is None and not self.launched_here and not (self.cfg.sync.weights == "lora" and version > 0):
+                stale = not self._serves(client, version)
+            if stale:
                 self._load(client, version)
             self._version = version
         return client
+
+    @property
+    def launched_here(self) -> bool:
+        """Whether this object started the engine's server itself (with this run's weights)."""
+        return False
+
+    def _serves(self, client: EngineClient, version: int) -> bool:
+        """At first contact with a server this object did not start, whether it serves this run's
+        version of that number: a server another run (or a test) loaded reports its own version 0
+        too. The published version's canary says; a version without one (the initial weights) is
+        loaded."""
+        canary = self.storage.read_json(f"{self.storage.weights_rel(version)}/{MANIFEST}").get("canary")
+        if not canary:
+            return False
+        try:
+            verify(client, canary, self.canary_tolerance, version=version, what="connecting")
+        except CanaryError:
+            return False
+        return True
 
     def _load(self, client: EngineClient, version: int) -> dict[str, Any]:
         if self.cfg.sync.weights == "lora" and version > 0:

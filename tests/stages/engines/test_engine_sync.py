@@ -94,6 +94,26 @@ def test_full_sync_versions_checksums_and_faults(tmp_path, monkeypatch):
         engine.close()
 
 
+def test_a_server_reached_by_url_that_reports_another_runs_version_is_loaded_first(tmp_path, monkeypatch):
+    """Run B reaches, by its url, the server run A launched: both call their initial weights
+    version 0, so the number alone would let B sample A's model. B's engine checks the canary at
+    first contact, loads its own version 0, and its rows are its trainer's (the on-policy check)."""
+    a_recipe, a_storage, _, a = setup(tmp_path / "a", threads=1)
+    try:
+        a.ensure(0)
+        monkeypatch.setenv("UNIRL_ENGINE_TOKEN", a.client(0)._http.headers["Authorization"].removeprefix("Bearer "))
+        b_recipe, b_storage, b_worker, b = setup(tmp_path / "b", url=a.client(0).url,
+                                                 recipe={"model": {"tiny": {"seed": 7}}})
+        assert b.client(0).weight_version() == "0"  # A's version 0
+        loads = []
+        real = b.load_weights
+        monkeypatch.setattr(b, "load_weights", lambda rel, version: (loads.append(rel), real(rel, version))[1])
+        out = step(b_recipe, b_storage, b_worker, b, 0)
+        assert loads[0] == "weights/v000000"  # B's own version 0, loaded before its first rows
+        assert out["train"]["metrics"]["behaviour_logp_max_abs_diff"] <= b_worker.tolerance
+    finally:
+        a.close()
+
 def test_lora_adapters_sync_alone_into_a_colocated_engine(tmp_path):
     recipe, storage, worker, engine = setup(tmp_path, sync={"weights": "lora"}, layout="colocated",
                                             recipe={"model": {"lora": {"rank": 4}}, "train": {"lr": 0.05}})

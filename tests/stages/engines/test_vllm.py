@@ -125,6 +125,26 @@ def test_long_seeded_prompts_at_once_are_served(served):
     assert [o["token_ids"] for o in again] == [o["token_ids"] for o in outs[:2]]  # a seed's sample, whatever the batch
 
 
+def test_a_group_is_one_request_whose_samples_are_each_their_seeds(served, monkeypatch):
+    """A rollout of 3 groups of 4 samples is 3 requests (n = 4); run after run the same samples, and
+    each is what its seed gives when sent alone (vLLM seeds a request's k-th sample with seed + k)."""
+    engine = served["engine"]
+    client, wire = engine.client(0), engine.wire
+    samples = [(f"g{g}/{k}", f"g{g}", f"{g}+{g}=", None) for g in range(3) for k in range(4)]
+    calls = []
+    real = client._call
+    monkeypatch.setattr(client, "_call", lambda method, path, body=None: (calls.append(path), real(method, path, body))[1])
+    rows = wire.rollout(client, samples, iteration=5, seed_tag="", greedy=False, lora=None, transitions=False)
+    assert calls.count("/v1/completions") == 3
+    again = wire.rollout(client, samples, iteration=5, seed_tag="", greedy=False, lora=None, transitions=False)
+    assert [r["response_ids"] for r in again] == [r["response_ids"] for r in rows]
+    pids = wire.prompt_ids(samples, None)
+    params = wire.sampling(samples, iteration=5, seed_tag="", greedy=False, length="max_tokens", seed="seed")
+    alone = client.complete(pids, [{**p, "seed": wire.group_seed(5, "", gid) + int(sid.rsplit("/", 1)[1])}
+                                   for p, (sid, gid, _, _) in zip(params, samples)], client.model)
+    assert [o["token_ids"] for o in alone] == [r["response_ids"] for r in rows]
+    assert len({tuple(r["response_ids"]) for r in rows}) > 3  # the samples of a group differ
+
 def test_full_sync_is_verified_by_the_canary_and_a_skipped_reload_is_caught(served, monkeypatch):
     s = served
     engine, worker = s["engine"], s["worker"]
