@@ -12,6 +12,10 @@ instead of 4 of 16: vLLM's CPU attention serves 32 and more), max_position_embed
 
     quickstart   16 prompts x 8 samples x 4 new tokens    (the quickstart's iteration)
     big          64 prompts x 8 samples x 128 new tokens
+    qwen3-0.6b   16 prompts x 8 samples x 256 new tokens  at Qwen3-0.6B's geometry (benchmarks/released.py):
+                 its vocabulary (151,936: the character tokenizer padded with filler tokens), widths and
+                 heads, random init saved to disk, `--layers` of its 28 decoder layers (default 4: a
+                 step of the whole model takes minutes a generate on 2 cores); run it on its own
 
 Every sample of an iteration goes in one batch (engine_server `max_batch`, vllm `max_concurrent`,
 as the trainside sampler does) unless --max-batch says otherwise. This process and every server
@@ -20,6 +24,7 @@ it starts are pinned to the first `--threads` cores, one thread per core in each
     python benchmarks/engines.py                         # both geometries, three engines, 3 repeats
     python benchmarks/engines.py --geometries big --engines engine_server vllm --repeats 5
     python benchmarks/engines.py --smoke                 # tiny geometries, 1 repeat: does it run
+    python benchmarks/engines.py --geometries qwen3-0.6b --repeats 1 --layers 4
 
 vLLM's interpreter: --vllm-python, else UNIRL_VLLM_PYTHON, else the suite's venv (tests/vllm_env.py).
 """
@@ -58,6 +63,7 @@ class Geometry:
     prompts: int
     group: int
     new_tokens: int
+    released: str | None = None  # a released model's geometry (benchmarks/released.py) instead of the tiny ARCH
 
     @property
     def samples(self) -> int:
@@ -67,15 +73,35 @@ class Geometry:
         return f"{self.prompts} x {self.group} x {self.new_tokens}"
 
 
-GEOMETRIES = {"quickstart": Geometry("quickstart", 16, 8, 4), "big": Geometry("big", 64, 8, 128)}
-SMOKE = {"quickstart": Geometry("quickstart", 4, 2, 4), "big": Geometry("big", 4, 2, 16)}
+GEOMETRIES = {"quickstart": Geometry("quickstart", 16, 8, 4), "big": Geometry("big", 64, 8, 128),
+              "qwen3-0.6b": Geometry("qwen3-0.6b", 16, 8, 256, "Qwen3-0.6B")}
+SMOKE = {"quickstart": Geometry("quickstart", 4, 2, 4), "big": Geometry("big", 4, 2, 16),
+         "qwen3-0.6b": Geometry("qwen3-0.6b", 2, 2, 8, "Qwen3-0.6B")}
+
+
+def released_folder(root: Path, g: Geometry, layers: int) -> Path:
+    """A model folder at the released geometry `g.released` with `layers` decoder layers: random
+    init (seeded) in safetensors and the character tokenizer padded to its vocabulary."""
+    from released import QWEN3, QWEN3_COMMON, qwen3
+    from transformers import AutoConfig, Qwen3ForCausalLM
+
+    from unirl.stages.runtime.tokenizer import build_char_tokenizer
+
+    folder = qwen3(root, g.released, num_hidden_layers=layers, torch_dtype="float32")
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(AutoConfig.from_pretrained(str(folder))).save_pretrained(folder)
+    tok = build_char_tokenizer(vocab_size={**QWEN3_COMMON, **QWEN3[g.released]}["vocab_size"])
+    tok.save_pretrained(folder)
+    return folder
 
 
 def recipe_for(root: Path, g: Geometry, engine: dict[str, Any]) -> Any:
-    """The quickstart recipe at geometry `g` on the head_dim-32 architecture, sampling on `engine`."""
+    """The quickstart recipe at geometry `g` on the head_dim-32 architecture (or the released
+    model's folder under `root`), sampling on `engine`."""
     from unirl.stages.recipe import load_recipe
 
-    return load_recipe(QUICKSTART, ["name=bench", f"storage.root={root}", f"model.tiny={json.dumps(ARCH)}",
+    model = f"model.path={root / g.released}" if g.released else f"model.tiny={json.dumps(ARCH)}"
+    return load_recipe(QUICKSTART, ["name=bench", f"storage.root={root}", model, "sft=null",
                                     f"rollout.prompts_per_iteration={g.prompts}", f"rollout.group_size={g.group}",
                                     f"rollout.max_new_tokens={g.new_tokens}", f"rollout.engine={json.dumps(engine)}"])
 
@@ -142,8 +168,11 @@ def main() -> int:
                         "an iteration's)")
     parser.add_argument("--vllm-python", default=None, help="interpreter of vLLM's venv")
     parser.add_argument("--smoke", action="store_true", help="4 prompts x 2 samples (4 and 16 new tokens), 1 repeat")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of a released geometry (28: Qwen3-0.6B whole)")
     args = parser.parse_args()
     geometries = [(SMOKE if args.smoke else GEOMETRIES)[name] for name in args.geometries]
+    if len({g.released for g in geometries}) > 1:
+        parser.error("--geometries: a released model's geometry has weights of its own: run it alone")
     repeats = 1 if args.smoke else args.repeats
     python = vllm_python(args.vllm_python) if "vllm" in args.engines else None
     cores = pinned_cores(args.threads)
@@ -151,6 +180,13 @@ def main() -> int:
     torch.set_num_threads(len(cores))
     root = Path(tempfile.mkdtemp(prefix="unirl-engines-"))
     most = args.max_batch or max(g.samples for g in geometries)
+    kv_gib = 1
+    for g in geometries:
+        if g.released:
+            folder = released_folder(root, g, args.layers)
+            c = json.loads((folder / "config.json").read_text())  # vLLM's KV cache for every sample at once, fp32
+            kv_gib = max(kv_gib, 1 + g.samples * (64 + g.new_tokens) * args.layers * 2 * c["num_key_value_heads"]
+                         * c["head_dim"] * 4 // 2**30)
 
     plain = {g.name: recipe_for(root, g, {"name": "trainside"}) for g in geometries}
     storage = RunStorage(str(root), "bench")
@@ -165,7 +201,8 @@ def main() -> int:
             for g in geometries:
                 results[name, g.name] = timed(local[g.name], requests[g.name], f"out/{name}/{g.name}")
             continue
-        fields = {"name": name, **launch_fields(name, cores, python), BATCH_FIELD[name]: most}
+        fields = {"name": name, **launch_fields(name, cores, python), BATCH_FIELD[name]: most,
+                  **({"kv_cache_gib": kv_gib} if name == "vllm" else {})}
         launcher = engines.get(name)(recipe_for(root, geometries[0], fields), storage, None)
         assert isinstance(launcher, LaunchedEngine), f"{name} is not an engine the run launches"
         try:

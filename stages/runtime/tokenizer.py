@@ -8,14 +8,18 @@ CHARSET = "0123456789+-*/=()., abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVW
 SPECIAL = ("<pad>", "<eos>", "<bos>", "<unk>")
 
 
-def build_char_tokenizer(charset: str = CHARSET):
-    """A `PreTrainedTokenizerFast` with one token per character plus <pad>/<eos>/<bos>/<unk>."""
+def build_char_tokenizer(charset: str = CHARSET, vocab_size: int | None = None):
+    """A `PreTrainedTokenizerFast` with one token per character plus <pad>/<eos>/<bos>/<unk>;
+    with `vocab_size`, filler tokens `<|tN|>` up to that size (text never encodes to them; a model of
+    a released vocabulary's size samples them, and they decode as written)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # start-up time: tokenizers loads on first use, not when a recipe is read
     from transformers import PreTrainedTokenizerFast  # start-up time: transformers loads on first use, not when a recipe is read
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL)}
     for ch in dict.fromkeys(charset):
         vocab[ch] = len(vocab)
+    for n in range(len(vocab), vocab_size or 0):
+        vocab[f"<|t{n}|>"] = n
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     core.decoder = decoders.Fuse()
