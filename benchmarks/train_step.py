@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 GEOMETRY = {"vocab_size": 151936, "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
@@ -211,24 +212,29 @@ def main() -> int:
         return 0
     print(f"Qwen3-0.6B geometry, {args.layers} layer(s); {args.rows} rows of {min(map(sum, rows))}-{max(map(sum, rows))} tokens "
           f"({sum(map(sum, rows))} in all); OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}", flush=True)
-    print("| configuration | micro-batches | padded tokens | tokens/s | x padded | peak GiB | estimate GiB | estimate / peak |")
+    argv = ["--layers", str(args.layers), "--rows", str(args.rows), "--min-len", str(args.min_len), "--max-len", str(args.max_len),
+            "--seed", str(args.seed)]
+    return table(args.configs, argv, lambda config: estimate(config, args.layers, rows), "padded tokens", "padded")
+
+
+def table(configs: list[str], argv: list[str], estimate_of: Any, tokens: str, first_name: str) -> int:
+    """Each configuration in a fresh process (`argv` and `--one`), a row each: its tokens/s beside
+    the first's, its peak beside `estimate_of(config)`."""
+    print(f"| configuration | micro-batches | {tokens} | tokens/s | x {first_name} | peak GiB | estimate GiB | estimate / peak |")
     print("|---|---|---|---|---|---|---|---|")
     first = None
-    for config in args.configs:
-        out = subprocess.run([sys.executable, __file__, "--one", config, "--layers", str(args.layers), "--rows", str(args.rows),
-                              "--min-len", str(args.min_len), "--max-len", str(args.max_len), "--seed", str(args.seed)],
-                             capture_output=True, text=True, cwd=REPO)
+    for config in configs:
+        out = subprocess.run([sys.executable, __file__, *argv, "--one", config], capture_output=True, text=True, cwd=REPO)
         if out.returncode != 0:
             print(f"| {config} | failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode} |", flush=True)
             continue
         r = json.loads(out.stdout.strip().splitlines()[-1])
         rate = r["tokens"] / r["seconds"]
         first = first or rate
-        est = estimate(config, args.layers, rows)
+        est = estimate_of(config)
         print(f"| {config} | {r['micro_batches']} | {r['padded_tokens']} | {rate:.0f} | {rate / first:.2f} | "
               f"{r['peak_bytes'] / 2**30:.2f} | {est / 2**30:.2f} | {est / r['peak_bytes']:.2f} |", flush=True)
     return 0
-
 
 def main_flow(args: argparse.Namespace) -> int:
     flow = ["--flow", "--blocks", str(args.blocks), "--flow-rows", str(args.flow_rows), "--flow-micro", str(args.flow_micro),
@@ -239,22 +245,8 @@ def main_flow(args: argparse.Namespace) -> int:
     print(f"SD3.5-medium transformer widths, {args.blocks} of 24 blocks; {args.flow_rows} rows of {args.image_size} px "
           f"({args.flow_micro} a micro-batch) + {TEXT_TOKENS} text tokens; fp32; "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}", flush=True)
-    print("| configuration | micro-batches | tokens | tokens/s | x plain | peak GiB | estimate GiB | estimate / peak |")
-    print("|---|---|---|---|---|---|---|---|")
-    first = None
-    for config in FLOW_CONFIGS:
-        out = subprocess.run([sys.executable, __file__, *flow, "--one", config], capture_output=True, text=True, cwd=REPO)
-        if out.returncode != 0:
-            print(f"| {config} | failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode} |", flush=True)
-            continue
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        rate = r["tokens"] / r["seconds"]
-        first = first or rate
-        est = estimate_flow(config, args.blocks, args.flow_micro, args.image_size)
-        print(f"| {config} | {r['micro_batches']} | {r['tokens']} | {rate:.0f} | {rate / first:.2f} | "
-              f"{r['peak_bytes'] / 2**30:.2f} | {est / 2**30:.2f} | {est / r['peak_bytes']:.2f} |", flush=True)
-    return 0
-
+    return table(list(FLOW_CONFIGS), flow, lambda config: estimate_flow(config, args.blocks, args.flow_micro, args.image_size),
+                 "tokens", "plain")
 
 if __name__ == "__main__":
     sys.exit(main())
