@@ -13,8 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from unirl.stages.algorithms.base import TrainContext
-from unirl.stages.algorithms.flow_likelihood import FlowLikelihood, transition_means
+from unirl.stages.algorithms.flow_likelihood import FlowLikelihood
 from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.registry import algorithms
 
@@ -31,14 +30,11 @@ class FlowDPPO(FlowLikelihood):
     name = "flow_dppo"
     config = FlowDPPOConfig
 
-    def freeze_old(self, ctx: TrainContext, batch: Any, update: int) -> Any:
-        """The old policy's transition means of the later mini-batches, before any step (the first
-        mini-batch's are the live ones, detached)."""
-        return transition_means(ctx, batch) if update > 0 else None
+    reads_old_means = True
 
-    def step_loss(self, logp: Any, old: Any, adv: Any, out: Any, old_mean: Any) -> Any:
+    def step_loss(self, logp: Any, old: Any, adv: Any, out: Any, old_mean: Any, weights: Any) -> Any:
         from unirl.stages.kernels.flow_losses import flow_dppo_loss  # start-up time: torch loads at the first train step
 
         old_mean = out.mean.detach() if old_mean is None else old_mean
         return flow_dppo_loss(logp, old, adv, out.mean[:, None], old_mean[:, None], out.std[:, None],
-                              threshold=self.cfg.threshold)
+                              threshold=self.cfg.threshold, weights=weights)

@@ -34,7 +34,7 @@ class FlowGRPO(FlowLikelihood):
     def kl_coef(self) -> float:
         return self.cfg.kl_coef
 
-    def step_loss(self, logp: Any, old: Any, adv: Any, out: Any, old_mean: Any) -> Any:
+    def step_loss(self, logp: Any, old: Any, adv: Any, out: Any, old_mean: Any, weights: Any) -> Any:
         from unirl.stages.kernels.flow_losses import flow_grpo_loss  # start-up time: torch loads at the first train step
 
-        return flow_grpo_loss(logp, old, adv, clip_range=self.cfg.clip_range, adv_clip=self.cfg.adv_clip)
+        return flow_grpo_loss(logp, old, adv, clip_range=self.cfg.clip_range, adv_clip=self.cfg.adv_clip, weights=weights)

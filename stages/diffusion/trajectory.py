@@ -51,6 +51,13 @@ class LatentBatch:
     plan: Plan
     advantage: Tensor | None = None  # (B,), attached for training
     domains: list[str | None] | None = None  # each row's domain (a mixture's; routes its distillation teacher)
+    versions: Tensor | None = None  # (B,) the policy version that sampled each row (None: not known)
+
+    def fresh(self, version: int) -> Tensor:
+        """(B,) bool: the rows sampled by policy `version` (all of them when versions are not known)."""
+        if self.versions is None:
+            return torch.ones(len(self.sample_ids), dtype=torch.bool, device=self.logprobs.device)
+        return self.versions.to(self.logprobs.device) == version
 
     def at(self, step: int) -> Tensor:
         """x at step `step` (B, *latent); KeyError naming the stored steps when it was not kept."""
@@ -71,7 +78,8 @@ class LatentBatch:
         """The same rows with latents and log-probs on `device` (the plan stays on the CPU: its
         sigmas enter the kernels as scalars)."""
         return dataclasses.replace(self, latents=self.latents.to(device), logprobs=self.logprobs.to(device),
-                                   advantage=None if self.advantage is None else self.advantage.to(device))
+                                   advantage=None if self.advantage is None else self.advantage.to(device),
+                                   versions=None if self.versions is None else self.versions.to(device))
 
 
 def read_latents(table: pa.Table, rows: list[int], *, kind: str, eta: float, where: str) -> LatentBatch:
@@ -117,5 +125,9 @@ def read_latents(table: pa.Table, rows: list[int], *, kind: str, eta: float, whe
     prompts = table.column("prompt").to_pylist()
     metas = table.column("metadata").to_pylist() if "metadata" in table.schema.names else None
     domains = [json.loads(metas[r] or "{}").get("domain") if metas is not None else None for r in rows]
+    versions = None
+    if "policy_version" in table.schema.names:
+        column = [table.column("policy_version")[r].as_py() for r in rows]
+        versions = None if None in column else torch.tensor(column, dtype=torch.int64)
     return LatentBatch([ids[r] for r in rows], [prompts[r] for r in rows], torch.stack(latents),
-                       torch.stack(logprobs), stored, plan, domains=domains)
+                       torch.stack(logprobs), stored, plan, domains=domains, versions=versions)

@@ -43,8 +43,10 @@ class SGLang(DedicatedEngine):
     def check(cls, recipe: Any) -> None:
         super().check(recipe)
         # Text losses correct with importance weights; flow losses anchor on the recorded
-        # per-step log-probs themselves (their behaviour check is off here too).
-        if recipe.rollout.correction is None and algorithms.get(recipe.algorithm.name).correction_levels:
+        # per-step log-probs themselves (their behaviour check is off here too), and take a
+        # correction only for rows of older versions (sync.every > 1, async: DedicatedEngine.check).
+        algo = algorithms.get(recipe.algorithm.name)
+        if recipe.rollout.correction is None and algo.correction_levels and not algo.replays_transitions:
             raise ValueError("rollout.correction: SGLang's kernels and precision differ from the trainer's, so its "
                              "behaviour log-probs do too; set rollout.correction (e.g. `correction: {}`)")
         sampler = getattr(recipe.rollout, "sampler", None)

@@ -185,14 +185,14 @@ def batched_requests(samples: list[tuple[str, str, str, Any]], prompt_ids: list[
             order.append([position])
         else:
             runs.setdefault((gid, tuple(pids)), []).append((k, position))
-    for (gid, pids), members in runs.items():
+    for (gid, prompt), members in runs.items():
         members.sort()
         run = [members[0]]
         for member in [*members[1:], None]:
             if member is not None and member[0] == run[-1][0] + 1:
                 run.append(member)
                 continue
-            requests.append(([list(pids)], {**params[run[0][1]], "n": len(run), "seed": group_seed(gid) + run[0][0]}))
+            requests.append(([list(prompt)], {**params[run[0][1]], "n": len(run), "seed": group_seed(gid) + run[0][0]}))
             order.append([position for _, position in run])
             if member is not None:
                 run = [member]

@@ -19,6 +19,15 @@ def step_advantages(adv: torch.Tensor, like: torch.Tensor, name: str) -> torch.T
     return a[:, None].expand_as(like) if a.dim() == 1 else a
 
 
+def step_weights(weights: torch.Tensor | None, like: torch.Tensor, name: str) -> torch.Tensor | float:
+    """The correction's per-step weights (B, S), detached float32; 1 without them."""
+    if weights is None:
+        return 1.0
+    if weights.shape != like.shape:
+        raise ValueError(f"{name}: weights must be (B, S) = {tuple(like.shape)}, got {tuple(weights.shape)}")
+    return weights.detach().to(torch.float32)
+
+
 def check_step_logps(logp: torch.Tensor, old_logp: torch.Tensor, name: str) -> None:
     if logp.dim() != 2:
         raise ValueError(f"{name}: logp must be (B, S), one log-prob per trained step, got {tuple(logp.shape)}")
@@ -33,11 +42,13 @@ def flow_grpo_loss(
     *,
     clip_range: float = 1e-4,
     adv_clip: float = 5.0,
+    weights: torch.Tensor | None = None,
 ) -> LossOutput:
-    """logp, old_logp: (B, S); adv: (B,) per sample (or (B, S)).
+    """logp, old_logp: (B, S); adv: (B,) per sample (or (B, S)); weights: (B, S) importance
+    weights of the off-policy correction (detached; None: 1).
 
     A = clip(adv, -adv_clip, adv_clip); r = exp(logp - old_logp);
-    loss = mean over (B, S) of max(-A*r, -A*clip(r, 1-eps, 1+eps)).
+    loss = mean over (B, S) of w * max(-A*r, -A*clip(r, 1-eps, 1+eps)).
     Metrics: clip_frac(_low/_high), approx_kl = mean((logp-old)^2)/2, ratio_mean/min/max.
     """
     check_step_logps(logp, old_logp, "flow_grpo_loss")
@@ -47,7 +58,7 @@ def flow_grpo_loss(
     a = step_advantages(adv, log_ratio, "flow_grpo_loss").clamp(-adv_clip, adv_clip)
     ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1 - clip_range, 1 + clip_range)
-    loss = torch.maximum(-a * ratio, -a * clipped).mean()
+    loss = (step_weights(weights, ratio, "flow_grpo_loss") * torch.maximum(-a * ratio, -a * clipped)).mean()
     ones = torch.ones_like(ratio)
     metrics = loss_metrics(
         log_ratio, ones, ratio, ones,
@@ -66,13 +77,15 @@ def flow_dppo_loss(
     std: float | torch.Tensor,
     *,
     threshold: float = 1e-5,
+    weights: torch.Tensor | None = None,
 ) -> LossOutput:
     """logp, old_logp: (B, S); adv: (B,) (or (B, S)); mean, old_mean: (B, S, ...) transition means;
-    std: transition standard deviation, a float or a tensor aligned with the leading dims, e.g. (B, S).
+    std: transition standard deviation, a float or a tensor aligned with the leading dims, e.g. (B, S);
+    weights: (B, S) importance weights of the off-policy correction (detached; None: 1).
 
     r = exp(logp - old_logp); k (B, S) = mean over the dims after S of (mean - old_mean)^2 / (2*std^2);
     drop = k >= threshold and ((r > 1 and A > 0) or (r < 1 and A < 0));
-    loss = mean over (B, S) of where(drop, 0, -A*r).
+    loss = mean over (B, S) of w * where(drop, 0, -A*r).
     Metrics: drop_frac; clip_frac(_low/_high) are the dropped fractions with A < 0 / A > 0;
     approx_kl, ratio_mean/min/max.
     """
@@ -93,7 +106,7 @@ def flow_dppo_loss(
         pushed_up = (ratio > 1) & (a > 0)
         pushed_down = (ratio < 1) & (a < 0)
         drop = (k >= threshold) & (pushed_up | pushed_down)
-    loss = torch.where(drop, torch.zeros_like(ratio), -a * ratio).mean()
+    loss = (step_weights(weights, ratio, name) * torch.where(drop, torch.zeros_like(ratio), -a * ratio)).mean()
     ones = torch.ones_like(ratio)
     metrics = loss_metrics(
         log_ratio, ones, ratio, ones,

@@ -72,3 +72,49 @@ def test_a_sync_engine_serves_every_iteration_without_a_restart(tmp_path, unirl_
         assert set(rows.column("policy_version").to_pylist()) == {i}
         train = json.loads((root / "tiny" / f"iter-{i:06d}/train.json").read_text())["metrics"]
         assert train["behaviour_logp_max_abs_diff"] <= 1e-4  # the engine's record, replayed by the trainer
+
+
+# The diffusion quickstart's tiny SD3 (16 px), no warm start, 4 prompts x 4 images of 3 SDE steps.
+FLOW_ASYNC = ["run", "recipes/diffusion/quickstart.yaml", "model.tiny={image_size: 16}", "sft=null", "iterations=3",
+              "checkpoint_every=3", "rollout.prompts_per_iteration=4", "rollout.group_size=4", "rollout.sampler.num_steps=3",
+              "rollout.sampler.sde_steps={mode: all}", "reward.scorers=[{name: brightness}]", "eval.enabled=false",
+              "tracking.preview_every=0", "rollout.engine.name=engine_server", "rollout.mode=async", "rollout.max_staleness=1",
+              "rollout.correction={}"]
+
+
+def test_an_async_flow_run_resumes_a_killed_producer_and_weighs_the_older_rows(tmp_path, unirl_env):
+    """Flow-GRPO on the engine server, async under max_staleness 1, the producer SIGKILLed as it
+    commits iteration 1's batch: restarted, it commits what the killed one would have (latents and
+    step log-probs of version 0, sampled again); iteration 0 replays its rows bit for bit, the later
+    ones (version i - 1) train under the per-step correction; `unirl audit` passes."""
+    from tests.conftest import REPO
+    from unirl.stages.recipe import load_recipe
+    from unirl.stages.run.audit import audit_run
+    from unirl.stages.runtime.registry import engines
+    from unirl.stages.runtime.sample import read_rollouts
+    from unirl.stages.runtime.storage import RunStorage
+
+    root = tmp_path / "runs"
+    args = [FLOW_ASYNC[0], str(REPO / FLOW_ASYNC[1]), *FLOW_ASYNC[2:], f"storage.root={root}"]
+    out = run_unirl(args, {**unirl_env, "UNIRL_FAULTS": "produce@1"})
+    assert "starting it again" in out.stdout + out.stderr
+    run = root / "diffusion-quickstart"
+    for i in range(3):
+        rows = ipc.open_file(str(run / f"iter-{i:06d}/rollouts/part-000.arrow")).read_all()
+        assert set(rows.column("policy_version").to_pylist()) == {max(0, i - 1)}
+        train = json.loads((run / f"iter-{i:06d}/train.json").read_text())["metrics"]
+        assert train["stale_frac"] == (0.0 if i == 0 else 1.0) and train["is_weight_mean"] > 0
+        assert (train["behaviour_logp_max_abs_diff"] == 0.0) == (i == 0)
+    report = audit_run(RunStorage(str(root), "diffusion-quickstart"))
+    assert report.ok and [line.versions for line in report.lines] == [(0, 0), (0, 0), (1, 1)], report.text()
+    recipe = load_recipe(str(REPO / FLOW_ASYNC[1]), [*FLOW_ASYNC[2:], f"storage.root={root}"])
+    storage = RunStorage(str(root), "diffusion-quickstart")
+    engine = engines.get("engine_server")(recipe, storage, None)
+    try:
+        req = storage.stage_manifest(1, "requests")["files"][0]
+        again = read_rollouts(storage, engine.generate(req, "check/rollouts", 1, 0)["files"])
+    finally:
+        engine.close()
+    committed = read_rollouts(storage, ["iter-000001/rollouts/part-000.arrow"])
+    for column in ("sample_id", "latents", "sde_logprobs"):
+        assert again.column(column).to_pylist() == committed.column(column).to_pylist(), column

@@ -17,7 +17,6 @@ import torch
 from unirl.stages.algorithms import BehaviourMismatchError, TrainContext
 from unirl.stages.algorithms.flow_dppo import FlowDPPO, FlowDPPOConfig
 from unirl.stages.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
-from unirl.stages.algorithms.flow_likelihood import transition_means
 from unirl.stages.algorithms.nft import NFT, NFTConfig
 from unirl.stages.diffusion.sampling import make_plan, replay_step, sample, stored_steps
 from unirl.stages.diffusion.trajectory import LatentBatch
@@ -134,8 +133,12 @@ def test_flow_dppo_drops_with_frozen_old_means():
     batch = rollouts(model, steps=3, adv=torch.tensor([1.0, -1.0, 1.0, -1.0]))
     algo = FlowDPPO(FlowDPPOConfig(threshold=1e-12), None)
     assert algo.freeze_old(ctx(model), batch, update=0) is None  # the first mini-batch uses the live means
-    old_means = algo.freeze_old(ctx(model), batch, update=1)
-    torch.testing.assert_close(old_means, transition_means(ctx(model), batch))
+    old = algo.freeze_old(ctx(model), batch, update=1)
+    with torch.no_grad():  # each SDE step's transition under the weights before any step
+        outs = [LinearPolicy().replay(model, batch, j) for j in batch.plan.sde_indices.tolist()]
+    torch.testing.assert_close(old["mean"], torch.stack([o.mean for o in outs], dim=1))
+    torch.testing.assert_close(old["logp"], torch.stack([o.log_prob for o in outs], dim=1))
+    old_means = old
     with torch.no_grad():  # the policy moves after the means were frozen
         model.w.add_(0.5)
     m = algo.loss_backward(ctx(model), batch, old_means, share=1.0, update=1, real=True)

@@ -162,8 +162,8 @@ def test_sglang_recipes_and_an_unreachable_server(tmp_path):
         build_recipe(flow)
     with pytest.raises(RecipeError, match="rollout.sampler.init_same_noise: SGLang draws a sample's SDE noise from its seed"):
         build_recipe(merged(flow, {"algorithm": {"name": "flow_grpo"}, "rollout": {"sampler": {"init_same_noise": True}}}))
-    with pytest.raises(RecipeError, match=r"rollout.mode: with rollout.mode async \(max_staleness 2\) rows are sampled by "
-                                          r"older policy versions, but algorithm 'flow_grpo' trains only on rows its weights"):
+    with pytest.raises(RecipeError, match=r"rollout.correction: with rollout.mode async \(max_staleness 2\) rows are sampled "
+                                          r"by older policy versions"):  # flow losses take the per-step correction
         build_recipe(merged(flow, {"algorithm": {"name": "flow_grpo"}, "rollout": {"mode": "async", "max_staleness": 2,
                                                                                   "sampler": {"init_same_noise": False}}}))
     recipe = build_recipe(merged(TINY["qwen3"], {"rollout": {"engine": {**sglang, "request_timeout_s": 5}, "correction": {}},
