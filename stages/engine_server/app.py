@@ -29,6 +29,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from unirl.stages.engine_server.core import EngineCore, EngineRequestError
@@ -106,12 +107,13 @@ def create_app(core: EngineCore, token: str | None, *, max_batch: int = 64, batc
         return out if isinstance(body["input_ids"][0], list) else out[0]
 
     @app.post("/rollout/generate")
-    def rollout_generate(body: dict[str, Any]) -> Response:
+    async def rollout_generate(body: dict[str, Any]) -> Response:
         import msgpack  # start-up time: msgpack loads on first use, not when a recipe is read
 
         if flow is None:
             raise EngineRequestError(f"this engine serves a {core.policy.kind} model: POST {backend.route}")
-        payload = tensor_to_wire(flow.submit(body))
+        out = await flow.submit(body)  # a batch member waits without a worker thread (FlowBackend.submit)
+        payload = await run_in_threadpool(tensor_to_wire, out)
         return Response(msgpack.packb(payload, use_bin_type=True), media_type="application/msgpack")
 
     @app.post("/update_weights_from_disk")

@@ -14,16 +14,17 @@ kernel SGLang does not have: `dance`).
 """
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
 import uuid
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from starlette.concurrency import run_in_threadpool
 
 from unirl.stages.diffusion.kernels import ODE
 from unirl.stages.diffusion.sampling import Plan, sample
@@ -90,12 +91,29 @@ class FlowBackend:
         self._lock = threading.Lock()
         self.batches = 0
 
-    def submit(self, body: dict[str, Any]) -> list[dict[str, Any]]:
-        req = self.check(body)
+    async def submit(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """The request's outputs, once its batch (its `unirl_batch`, or itself alone) is sampled.
+        A member waiting for the rest of its batch awaits without holding one of the server's worker
+        threads: they are finite (anyio's 40), and members of several batches that each held one
+        could fill them all while every batch waits for a member that cannot get a thread (seen:
+        four batches of 32 from one async producer, a 120 s stall)."""
+        req = await run_in_threadpool(self.check, body)
         if req.batch is None:
-            self._run([req])
+            await run_in_threadpool(self._run, [req])
             return req.future.result()
-        key, size, index = req.batch
+        complete = self._join(req)
+        if complete is not None:
+            await run_in_threadpool(self._run, complete)
+        answer = asyncio.wrap_future(req.future)
+        try:
+            return await asyncio.wait_for(asyncio.shield(answer), timeout=self.batch_timeout_s)
+        except asyncio.TimeoutError:
+            self._expire(req)
+            return await answer  # an error now, or the outputs when it completed meanwhile (being sampled)
+
+    def _join(self, req: FlowRequest) -> list[FlowRequest] | None:
+        """Add a batch member to its batch; the whole batch, in index order, when this completes it."""
+        key, size, index = batch_of(req)
         with self._lock:
             group = self._waiting.setdefault(key, [])
             if group and (size != batch_of(group[0])[1] or group[0].settings != req.settings):
@@ -104,22 +122,22 @@ class FlowBackend:
             if any(batch_of(r)[2] == index for r in group):
                 raise EngineRequestError(f"unirl_batch {shown(key)}: index {index} was sent already")
             group.append(req)
-            complete = len(group) == size
-            if complete:
+            if len(group) < size:
+                return None
+            del self._waiting[key]
+        return sorted(group, key=lambda r: batch_of(r)[2])
+
+    def _expire(self, req: FlowRequest) -> None:
+        """A batch still incomplete after batch_timeout_s: every member that came is answered an error."""
+        key, size, _ = batch_of(req)
+        with self._lock:
+            group = self._waiting.get(key)
+            if group is not None and req in group:
                 del self._waiting[key]
-        if complete:
-            self._run(sorted(group, key=lambda r: batch_of(r)[2]))
-        try:
-            return req.future.result(timeout=self.batch_timeout_s)
-        except FutureTimeout:
-            with self._lock:
-                if self._waiting.get(key) is group:  # still incomplete: answer every member that came
-                    del self._waiting[key]
-                    for r in group:
-                        r.future.set_exception(EngineRequestError(
-                            f"unirl_batch {shown(key)}: {len(group)} of its {size} requests arrived within "
-                            f"{self.batch_timeout_s:.0f}s; send all of them"))
-            return req.future.result()  # else completed meanwhile: being sampled
+                for r in group:
+                    r.future.set_exception(EngineRequestError(
+                        f"unirl_batch {shown(key)}: {len(group)} of its {size} requests arrived within "
+                        f"{self.batch_timeout_s:.0f}s; send all of them"))
 
     def check(self, body: dict[str, Any]) -> FlowRequest:
         """The request's fields checked against the served recipe and the server's limits before it

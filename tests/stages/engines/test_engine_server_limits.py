@@ -240,6 +240,34 @@ def test_a_bad_member_of_a_flow_batch_is_refused_alone(flow):
     assert [msgpack.unpackb(r.content)[0]["seed"] for r in (first, second)] == [1, 2]
 
 
+
+def test_batch_members_past_the_servers_worker_threads_do_not_wait_each_other_out(tiny_weights):
+    """Three batches of 16 members whose first 15 each arrive before any last one: 45 members
+    waiting at once, more than the server's 40 worker threads. A waiting member holds no thread
+    (FlowBackend.submit awaits), so every last member gets in and all 48 are sampled at once (it
+    used to stall for the 120 s batch timeout: an async producer met it)."""
+    from unirl.stages.engine_server.app import create_app
+    from unirl.stages.engine_server.core import EngineCore
+    from unirl.stages.recipe import build_recipe
+
+    recipe = build_recipe(merged(TINY["sd3"], {"algorithm": {"name": "flow_grpo"}}))
+    app = create_app(EngineCore(recipe, tiny_weights("sd3"), "0"), TOKEN, limits=Limits(), max_batch=16)
+    backend = app.state.backend
+
+    def member(batch: int, index: int) -> dict:
+        return {"prompt": "a red cube", "seed": 100 * batch + index, "rollout": True, "rollout_sde_type": "sde",
+                "num_inference_steps": 2,
+                "extra_sampling_params": {"unirl_batch": {"id": f"wide{batch}", "size": 16, "index": index}}}
+
+    with serve_app(app) as url, ThreadPoolExecutor(48) as pool:
+        start = time.monotonic()
+        first = [pool.submit(post, url, "/rollout/generate", member(b, i)) for b in range(3) for i in range(15)]
+        wait_until(lambda: sum(len(g) for g in backend._waiting.values()) == 45, timeout_s=60)
+        last = [pool.submit(post, url, "/rollout/generate", member(b, 15)) for b in range(3)]
+        replies = [f.result(timeout=110) for f in first + last]
+        assert [r.status_code for r in replies] == [200] * 48
+        assert time.monotonic() - start < 100
+
 # -- malformed fields and health after each hostile request ------------------------------------------
 def generate(input_ids=(1,), **sampling) -> dict:
     """A /generate request that is fine but for what `input_ids` and `sampling` say."""
