@@ -375,6 +375,7 @@ def test_the_estimate_follows_the_knobs_and_the_ranks(tmp_path):
         estimate(build_recipe(merged(CASES["flux2_klein"], {"algorithm": {"name": "flow_grpo"}})), 256)
 
 
+@pytest.mark.slow  # two tiny VLMs built, loaded and probed: about 12 s
 @pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
 def test_a_vision_language_models_geometry_counts_it_as_loaded(kind, tmp_path):
     """The language model's layers (Qwen2.5-VL's with q/k/v biases and no q/k norms) and the vision
