@@ -71,6 +71,14 @@ class TrainContext:
         return self.stack.teacher(name)
 
 
+def extreme(key: str) -> str | None:
+    """How a metric named `key` combines over micro-batches or steps: "min" (`*_min`), "max" (a
+    `max` word in it: `ratio_max`, `behaviour_logp_max_abs_diff`), None: a weighted mean."""
+    if key.endswith("_min"):
+        return "min"
+    return "max" if "max" in key.split("_") else None
+
+
 def judge_masked(ctx: TrainContext) -> None:
     """After an update's checks on this rank: fail when more than `ctx.max_masked_frac` of the
     samples checked were masked (a real misalignment off by a little everywhere, not rounding on a

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from unirl.stages.algorithms.base import Algorithm, TrainContext
+from unirl.stages.algorithms.base import Algorithm, TrainContext, extreme
 
 
 def add(totals: dict[str, float], metrics: dict[str, float], weight: float) -> None:
+    """Fold one step's metrics into the micro-batch's: a mean at `weight`, a max or min as such."""
     for key, value in metrics.items():
-        totals[key] = totals.get(key, 0.0) + float(value) * weight
+        kind = extreme(key)
+        if kind is None:
+            totals[key] = totals.get(key, 0.0) + float(value) * weight
+        else:
+            totals[key] = (max if kind == "max" else min)(totals.get(key, float(value)), float(value))
 
 
 def sde_steps(algorithm: str, batch: Any, iteration: int) -> list[int]:

@@ -21,13 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from unirl.stages.algorithms.base import TrainContext, judge_masked
-
-
-def _extreme(key: str) -> str | None:
-    if key.endswith("_min"):
-        return "min"
-    return "max" if "max" in key.split("_") else None
+from unirl.stages.algorithms.base import TrainContext, extreme, judge_masked
 
 
 @dataclass
@@ -90,7 +84,7 @@ def joint_update(stack: Any, parts: list[UpdatePart], *, iteration: int, seed: i
                     st["objective"] += real * algo.units(b) / max(float(total[0]), 1.0) * metrics["loss"]
                 w = b.weight * real
                 for key, value in metrics.items():
-                    kind = _extreme(key)
+                    kind = extreme(key)
                     if kind is None:
                         st["totals"][key] = st["totals"].get(key, 0.0) + (value * w if real else 0.0)
                     elif real:
@@ -109,7 +103,7 @@ def joint_update(stack: Any, parts: list[UpdatePart], *, iteration: int, seed: i
     for part, st in zip(parts, states):
         metrics = stack.reduce_metrics(st["totals"], st["weight"], st["extremes"], part.policy.weight_name)
         for key in st["extremes"]:
-            if _extreme(key) == "min":
+            if extreme(key) == "min":
                 metrics[key] = -metrics[key]
         if "loss" in metrics:  # the mean over the optimizer steps of each step's loss, summed over ranks
             objective = torch.tensor([st["objective"]], dtype=torch.float64, device=stack.device)
