@@ -19,11 +19,28 @@ ASYNC = ["run", str(TINY), "iterations=3", "reward.scorers=[{name: integer_forma
          "rollout.mode=async", "rollout.max_staleness=1", "rollout.correction={}", "eval.enabled=false"]
 
 
+def resampled_equals_committed(recipe, root, run: str, columns: tuple[str, ...]) -> None:
+    """Iteration 1's batch sampled again from scratch with version 0 on a fresh engine server equals
+    what the (restarted) producer committed, in `columns`."""
+    from unirl.stages.runtime.registry import engines
+    from unirl.stages.runtime.sample import read_rollouts
+    from unirl.stages.runtime.storage import RunStorage
+
+    storage = RunStorage(str(root), run)
+    engine = engines.get("engine_server")(recipe, storage, None)
+    try:
+        req = storage.stage_manifest(1, "requests")["files"][0]
+        again = read_rollouts(storage, engine.generate(req, "check/rollouts", 1, 0)["files"])
+    finally:
+        engine.close()
+    committed = read_rollouts(storage, ["iter-000001/rollouts/part-000.arrow"])
+    for column in columns:
+        assert again.column(column).to_pylist() == committed.column(column).to_pylist(), column
+
+
 def test_a_killed_producer_is_restarted_and_loses_nothing(tmp_path, unirl_env):
     from unirl.stages.recipe import load_recipe
     from unirl.stages.run.audit import audit_run
-    from unirl.stages.runtime.registry import engines
-    from unirl.stages.runtime.sample import read_rollouts
     from unirl.stages.runtime.storage import RunStorage
 
     root = tmp_path / "runs"
@@ -44,17 +61,8 @@ def test_a_killed_producer_is_restarted_and_loses_nothing(tmp_path, unirl_env):
     report = audit_run(RunStorage(str(root), "tiny"))  # each group trained once, across the producer's restart
     assert report.ok and [line.versions for line in report.lines] == [(0, 0), (0, 0), (1, 1)], report.text()
     # iteration 1's batch, sampled again from scratch with version 0: the restarted producer's rows
-    recipe = load_recipe(str(TINY), [*ASYNC[2:], f"storage.root={root}"])
-    storage = RunStorage(str(root), "tiny")
-    engine = engines.get("engine_server")(recipe, storage, None)
-    try:
-        req = storage.stage_manifest(1, "requests")["files"][0]
-        again = read_rollouts(storage, engine.generate(req, "check/rollouts", 1, 0)["files"])
-    finally:
-        engine.close()
-    committed = read_rollouts(storage, ["iter-000001/rollouts/part-000.arrow"])
-    for column in ("sample_id", "response_ids", "response_logprobs"):
-        assert again.column(column).to_pylist() == committed.column(column).to_pylist(), column
+    resampled_equals_committed(load_recipe(str(TINY), [*ASYNC[2:], f"storage.root={root}"]), root, "tiny",
+                               ("sample_id", "response_ids", "response_logprobs"))
 
 
 def test_a_sync_engine_serves_every_iteration_without_a_restart(tmp_path, unirl_env):
@@ -90,8 +98,6 @@ def test_an_async_flow_run_resumes_a_killed_producer_and_weighs_the_older_rows(t
     from tests.conftest import REPO
     from unirl.stages.recipe import load_recipe
     from unirl.stages.run.audit import audit_run
-    from unirl.stages.runtime.registry import engines
-    from unirl.stages.runtime.sample import read_rollouts
     from unirl.stages.runtime.storage import RunStorage
 
     root = tmp_path / "runs"
@@ -107,14 +113,5 @@ def test_an_async_flow_run_resumes_a_killed_producer_and_weighs_the_older_rows(t
         assert (train["behaviour_logp_max_abs_diff"] == 0.0) == (i == 0)
     report = audit_run(RunStorage(str(root), "diffusion-quickstart"))
     assert report.ok and [line.versions for line in report.lines] == [(0, 0), (0, 0), (1, 1)], report.text()
-    recipe = load_recipe(str(REPO / FLOW_ASYNC[1]), [*FLOW_ASYNC[2:], f"storage.root={root}"])
-    storage = RunStorage(str(root), "diffusion-quickstart")
-    engine = engines.get("engine_server")(recipe, storage, None)
-    try:
-        req = storage.stage_manifest(1, "requests")["files"][0]
-        again = read_rollouts(storage, engine.generate(req, "check/rollouts", 1, 0)["files"])
-    finally:
-        engine.close()
-    committed = read_rollouts(storage, ["iter-000001/rollouts/part-000.arrow"])
-    for column in ("sample_id", "latents", "sde_logprobs"):
-        assert again.column(column).to_pylist() == committed.column(column).to_pylist(), column
+    resampled_equals_committed(load_recipe(str(REPO / FLOW_ASYNC[1]), [*FLOW_ASYNC[2:], f"storage.root={root}"]), root,
+                               "diffusion-quickstart", ("sample_id", "latents", "sde_logprobs"))

@@ -91,24 +91,11 @@ def test_rows_an_older_version_sampled_train_under_the_correction(tmp_path):
     iteration 1 is sampled by version 0 (no sync after the first update) and trained at version 1.
     Its rows are not held to their record (they are another version's), their steps are weighted,
     and the first iteration's on-policy rows still replay bit for bit."""
-    from tests.stages.engines.test_engine_sync import LocalTrainer
-    from tests.tiny import TINY, merged
-    from unirl.stages.recipe import build_recipe
+    from tests.stages.engines.test_engine_sync import LocalTrainer, setup
     from unirl.stages.run import iteration as it
-    from unirl.stages.run.record import initial_weights
-    from unirl.stages.runtime.registry import engines
-    from unirl.stages.runtime.storage import RunStorage
-    from unirl.stages.workers.worker import Worker
 
-    recipe = build_recipe(merged(TINY["sd3"], {
-        "algorithm": {"name": "flow_grpo"}, "storage": {"root": str(tmp_path)}, "train": {"lr": 0.05},
-        "rollout": {"engine": {"name": "engine_server", "sync": {"every": 2}}, "correction": {"cap": 2.0}}}))
-    storage = RunStorage(str(tmp_path), "run")
-    initial_weights(storage, recipe)
-    spec = {"recipe": recipe.model_dump(mode="json"), "root": str(tmp_path), "run": "run",
-            "weights_dir": str(storage.local_path(storage.weights_rel(0))), "scratch": str(tmp_path / "scratch")}
-    worker = Worker(spec, None, torch.device("cpu"))
-    engine = engines.get("engine_server")(recipe, storage, None)
+    recipe, storage, worker, engine = setup(tmp_path, "sd3", sync={"every": 2}, recipe={
+        "algorithm": {"name": "flow_grpo"}, "train": {"lr": 0.05}, "rollout": {"correction": {"cap": 2.0}}})
     try:
         metrics = []
         for iteration in (0, 1):

@@ -34,13 +34,16 @@ class LocalTrainer:
         return self.worker.execute(cmd, args)
 
 
-def setup(tmp_path, **engine):
+def setup(tmp_path, case: str = "qwen3", **engine):
+    """(recipe, storage, in-process worker, engine_server engine) of a run of tiny `case` under
+    tmp_path; `recipe=` more sections, the rest `rollout.engine` fields."""
     from unirl.stages.run.record import initial_weights
     from unirl.stages.workers.worker import Worker
 
     extra = engine.pop("recipe", {})
-    recipe = build_recipe(merged(TINY["qwen3"], {"storage": {"root": str(tmp_path)}, "reward": {"scorers": [{"name": "integer_format"}]},
-                                                 "rollout": {"engine": {"name": "engine_server", **engine}}}, extra))
+    reward = {"reward": {"scorers": [{"name": "integer_format"}]}} if case == "qwen3" else {}
+    recipe = build_recipe(merged(TINY[case], {"storage": {"root": str(tmp_path)}, **reward,
+                                              "rollout": {"engine": {"name": "engine_server", **engine}}}, extra))
     storage = RunStorage(str(tmp_path), "run")
     initial_weights(storage, recipe)
     spec = {"recipe": recipe.model_dump(mode="json"), "root": str(tmp_path), "run": "run",
@@ -177,18 +180,7 @@ def test_sglang_recipes_and_an_unreachable_server(tmp_path):
 def test_flow_rollouts_through_the_engine_replay_bit_for_bit(tmp_path):
     """sd3 on the engine server: trajectories and per-step log-probs from the engine; the trainer's
     first update replays them exactly (tolerance 0), and they are trainside's own samples."""
-    from unirl.stages.run.record import initial_weights
-    from unirl.stages.runtime.registry import engines
-    from unirl.stages.workers.worker import Worker
-
-    recipe = build_recipe(merged(TINY["sd3"], {"algorithm": {"name": "flow_grpo"}, "storage": {"root": str(tmp_path)},
-                                               "rollout": {"engine": {"name": "engine_server"}}}))
-    storage = RunStorage(str(tmp_path), "run")
-    initial_weights(storage, recipe)
-    spec = {"recipe": recipe.model_dump(mode="json"), "root": str(tmp_path), "run": "run",
-            "weights_dir": str(storage.local_path(storage.weights_rel(0))), "scratch": str(tmp_path / "scratch")}
-    worker = Worker(spec, None, torch.device("cpu"))
-    engine = engines.get("engine_server")(recipe, storage, None)
+    recipe, storage, worker, engine = setup(tmp_path, "sd3", recipe={"algorithm": {"name": "flow_grpo"}})
     try:
         assert worker.tolerance == 0.0
         req = it.write_requests(storage, recipe, 0)["files"][0]
