@@ -29,8 +29,9 @@ def resampled_equals_committed(recipe, root, run: str, columns: tuple[str, ...])
     storage = RunStorage(str(root), run)
     engine = engines.get("engine_server")(recipe, storage, None)
     try:
-        req = storage.stage_manifest(1, "requests")["files"][0]
-        again = read_rollouts(storage, engine.generate(req, "check/rollouts", 1, 0)["files"])
+        requests = storage.stage_manifest(1, "requests")
+        assert requests is not None, "iteration 1's requests were committed"
+        again = read_rollouts(storage, engine.generate(requests["files"][0], "check/rollouts", 1, 0)["files"])
     finally:
         engine.close()
     committed = read_rollouts(storage, ["iter-000001/rollouts/part-000.arrow"])
