@@ -50,16 +50,23 @@ def sweep(parent: Path | None = None) -> list[Path]:
     return removed
 
 
-def scratch_dir(prefix: str) -> Path:
-    """A new folder in the temp dir, named `prefix` plus mkdtemp's random suffix (prefix starts
-    with "unirl-"), owned by this process and removed at its exit; stale folders of dead
-    processes are swept first."""
+def scratch_dir(prefix: str, parent: Path | None = None) -> Path:
+    """A new folder in `parent` (default the temp dir), named `prefix` plus mkdtemp's random suffix
+    (prefix starts with "unirl-"), owned by this process and removed at its exit; stale folders of
+    dead processes are swept first."""
     assert prefix.startswith(PREFIX), prefix
-    sweep()
-    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    sweep(parent)
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     (folder / OWNER_FILE).write_text(f"{os.getpid()} {_started(os.getpid())}")
     _made.append(folder)
     return folder
+
+
+def shared_memory_dir() -> Path:
+    """Where a file lives in memory, not on disk: /dev/shm (tmpfs) where this host has it writable,
+    else the temp dir."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK) else Path(tempfile.gettempdir())
 
 
 def _remove_own() -> None:
