@@ -20,7 +20,6 @@ from typing import Any
 
 from unirl.stages.engine_server.core import EngineCore, EngineRequestError
 from unirl.stages.engines.limits import SEED_BOUND, Limits, integer, number, over, over_context, shown, text_field
-from unirl.stages.policies.text import token_logp
 from unirl.stages.policies.text_sampling import sample
 from unirl.stages.runtime.faults import fault_point
 
@@ -190,21 +189,13 @@ class TextBackend:
                 out = sample(core.module, [r.input_ids for r in batch], [r.seed for r in batch],
                              max_new_tokens=first.max_new_tokens, temperature=1.0 if greedy else first.temperature,
                              top_p=first.top_p, eos_id=first.eos_id, pad_id=policy.tokenizer.pad_token_id,
-                             device=core.device, greedy=greedy)
-                inputs = {id(r): self._prompt_logprobs(r.input_ids) for r in batch if r.prompt_logprobs}
+                             device=core.device, greedy=greedy, prompt_logprobs=[r.prompt_logprobs for r in batch])
+                inputs = {id(r): lps for r, lps in zip(batch, out.prompt_logprobs or []) if lps is not None}
             version = core.version
             self.batches += 1
         for r, resp, lps, reason in zip(batch, out.response_ids, out.logprobs, out.finish_reasons):
             finish = {"type": "stop", "matched": r.eos_id} if reason == "stop" else {"type": "length", "length": len(resp)}
             r.future.set_result(self._response(r, resp, lps, finish, version, inputs.get(id(r))))
-
-    def _prompt_logprobs(self, ids: list[int]) -> list[float]:
-        """log p(ids[i] | ids[:i]) at temperature 1 for i >= 1, with the weights (and adapter) in use."""
-        import torch  # start-up time: torch loads on first use, not when a recipe is read
-
-        t = torch.tensor([ids], device=self.core.device)
-        with torch.no_grad():
-            return token_logp(self.core.module, {"ids": t, "attn": torch.ones_like(t)}, 1.0)[0].tolist()
 
     def _response(self, r: TextRequest, resp: list[int], lps: list[float], finish: dict[str, Any], version: str,
                   inputs: list[float] | None = None) -> dict[str, Any]:

@@ -11,7 +11,7 @@ when all ranks' samples are finished.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,9 @@ class SampleOutput:
     response_ids: list[list[int]]
     logprobs: list[list[float]]
     finish_reasons: list[str]
+    # per row asked for them (`sample(prompt_logprobs=)`): log p(prompt[i] | prompt[:i]) at
+    # temperature 1 for i >= 1, from the prefill's logits; None for the other rows
+    prompt_logprobs: list[list[float] | None] | None = None
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -95,12 +98,14 @@ def sample(
     greedy: bool = False,
     inputs: Callable[[torch.Tensor, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]] | None = None,
     banned: torch.Tensor | None = None,
+    prompt_logprobs: Sequence[bool] = (),
 ) -> SampleOutput:
     """Sample one response per prompt. The recorded log-prob of a token is
     log softmax(logits / temperature) at that token, in fp32 (the quantity training recomputes).
     `inputs(ids, attn)`: the prompts' other model inputs for the prefill (a VLM's pixel values)
     and their positions, (B, T) or M-RoPE's (3, B, T); default: 1-D positions of the text.
-    `banned`: token ids never sampled (`log_probs`)."""
+    `banned`: token ids never sampled (`log_probs`). `prompt_logprobs[i]`: row i's prompt log-probs
+    too (SampleOutput.prompt_logprobs), read off the prefill, which computes their logits anyway."""
     import torch  # start-up time: torch loads on first use, not when a recipe is read
     import torch.distributed as dist  # start-up time: loaded on first use, not when a recipe is read
 
@@ -125,6 +130,14 @@ def sample(
     generators = [torch.Generator().manual_seed(s) for s in seeds]
     cache = {cache_kwarg(model): DynamicCache()}
     out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True, **cache, **extra)
+    prompt_lps: list[list[float] | None] | None = None
+    if any(prompt_logprobs) and not empty:
+        prompt_lps = [None] * batch
+        for i, wanted in enumerate(prompt_logprobs):
+            if wanted:
+                start = width - len(prompts[i])
+                lp = log_probs(out.logits[i, start:-1], 1.0, None)
+                prompt_lps[i] = lp.gather(-1, input_ids[i, start + 1:].unsqueeze(-1)).squeeze(-1).float().cpu().tolist()
     logits = out.logits[:, -1, :]
     next_pos = next_positions(positions)
     responses: list[list[int]] = [[] for _ in range(batch)]
@@ -166,4 +179,4 @@ def sample(
     reasons = ["stop" if r and r[-1] == eos_id else "length" for r in responses]
     if empty:
         return SampleOutput([], [], [])
-    return SampleOutput(responses, logprobs, reasons)
+    return SampleOutput(responses, logprobs, reasons, prompt_lps)

@@ -106,6 +106,11 @@ def test_lora_adapters_hot_load_and_unload(served, tiny_weights, tmp_path):
             if "lora_B" in name:
                 p.normal_(0, 1.0)  # peft starts B at 0, which changes nothing
     model.save_pretrained(str(tmp_path / "a"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 1.0)
+    model.save_pretrained(str(tmp_path / "b"))  # the same config, other tensors
     client = EngineClient(url, TOKEN)
     base = client.generate([[3, 4, 5]], [params(3)])[0]
     client.load_lora_adapter("v000001", str(tmp_path / "a"))
@@ -114,8 +119,21 @@ def test_lora_adapters_hot_load_and_unload(served, tiny_weights, tmp_path):
     assert client.generate([[3, 4, 5]], [params(3)])[0]["output_ids"] == base["output_ids"]  # no lora_path: the base
     with pytest.raises(EngineError, match="is not a loaded adapter"):
         client.generate([[3]], [params(0)], lora_path="v000009")
+    # a sync's pattern: unloaded adapters leave their layers as a spare slot, which the next
+    # adapter of the same config is copied into, wholly (b's every tensor overwritten by a's)
+    client.load_lora_adapter("v000002", str(tmp_path / "b"))
+    b = client.generate([[3, 4, 5]], [params(3)], lora_path="v000002")[0]
+    assert b["meta_info"]["output_token_logprobs"] != adapted["meta_info"]["output_token_logprobs"]
     client.unload_lora_adapter("v000001")
-    assert core.adapters == {}
+    slot_b = core.slots["v000002"]
+    client.unload_lora_adapter("v000002")
+    assert core.adapters == {} and list(core.spare) == [slot_b]  # one spare: a's layers are gone
+    assert client.generate([[3, 4, 5]], [params(3)])[0]["meta_info"]["output_token_logprobs"] == \
+        base["meta_info"]["output_token_logprobs"]  # a spare slot is not applied
+    client.load_lora_adapter("v000003", str(tmp_path / "a"))
+    assert core.slots["v000003"] == slot_b and not core.spare
+    again = client.generate([[3, 4, 5]], [params(3)], lora_path="v000003")[0]
+    assert again["meta_info"]["output_token_logprobs"] == adapted["meta_info"]["output_token_logprobs"]
 
 
 def test_pause_holds_requests_and_release_frees_the_weights(served):
