@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -88,7 +89,8 @@ def launch_fields(engine: str, cores: list[int], python: str | None) -> dict[str
     raise ValueError(f"engine {engine!r}: launched engines here are {', '.join(ENGINES)}")
 
 
-def measure(size: str, weights: str, engine_name: str, versions: int, root: Path, fields: dict[str, Any]) -> dict[str, Any]:
+def measure(size: str, weights: str, engine_name: str, versions: int, root: Path, fields: dict[str, Any],
+            transport: str) -> dict[str, Any]:
     from unirl.stages.engines.launched import LaunchedEngine
     from unirl.stages.recipe import build_recipe
     from unirl.stages.run.record import initial_weights
@@ -98,8 +100,9 @@ def measure(size: str, weights: str, engine_name: str, versions: int, root: Path
 
     lora = {"lora": {"rank": 8}} if weights == "lora" else {}
     recipe = build_recipe({"model": {"kind": "qwen3", "tiny": SIZES[size], **lora}, "storage": {"root": str(root)},
-                           "rollout": {"engine": {"name": engine_name, "sync": {"weights": weights}, **fields}},
-                           "name": f"{engine_name}-{size.replace('.', '')}-{weights}"})
+                           "rollout": {"engine": {"name": engine_name, "sync": {"weights": weights, "transport": transport},
+                                                  **fields}},
+                           "name": f"{engine_name}-{size.replace('.', '')}-{weights}-{transport}"})
     storage = RunStorage(str(root), recipe.name)
     initial_weights(storage, recipe)
     spec = {"recipe": recipe.model_dump(mode="json"), "root": str(root), "run": recipe.name,
@@ -112,7 +115,7 @@ def measure(size: str, weights: str, engine_name: str, versions: int, root: Path
         start = time.perf_counter()
         engine.ensure(0)  # the engine's start is not a sync
         started = time.perf_counter() - start
-        times, loads, canary = [], [], []
+        times, loads, stages, canary = [], [], [], []
         for version in range(1, versions + 1):
             with torch.no_grad():  # a changed policy each version (its checksum and canary move)
                 for p in worker.stack.trainable:
@@ -122,11 +125,15 @@ def measure(size: str, weights: str, engine_name: str, versions: int, root: Path
             out = engine.sync(LocalTrainer(worker), version)
             times.append(time.perf_counter() - start)
             loads.append(out["load_s"])
+            stages.append(out.get("stage_s", out.get("publish_s", float("nan"))))
             canary.append(out.get("canary_max_abs_diff", float("nan")))
         return {"params": params, "s/version": statistics.median(times), "load": statistics.median(loads),
+                "stage": statistics.median(stages),
                 "canary": max(canary), "start": started}
     finally:
         engine.close()
+        shutil.rmtree(root / recipe.name, ignore_errors=True)  # 1.8 GB a version at 0.5B on disk
+        shutil.rmtree(str(spec["scratch"]), ignore_errors=True)
 
 
 def main() -> int:
@@ -134,6 +141,8 @@ def main() -> int:
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--weights", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+    parser.add_argument("--transports", nargs="+", default=["shm", "disk"], choices=["shm", "disk"],
+                        help="shm: staged in shared memory, canary-verified; disk: published weights/vN with manifests")
     parser.add_argument("--versions", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="cores (and threads) of each engine (default 1)")
     parser.add_argument("--vllm-python", default=None, help="interpreter of vLLM's venv")
@@ -143,14 +152,19 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="unirl-weight-sync-"))
     print(f"engines pinned to cores {cores}, {len(cores)} thread(s) each; median of {args.versions} versions; "
           "canary: largest |engine - trainer| log-prob over the versions")
-    print(f"{'model':6s} {'params':>8s} {'engine':14s} {'weights':8s} {'s/version':>10s} {'engine load s':>14s} "
-          f"{'canary_max_abs_diff':>20s} {'start s':>8s}")
-    for size in args.sizes:
-        for weights in args.weights:
-            for name in args.engines:
-                m = measure(size, weights, name, args.versions, root, launch_fields(name, cores, python))
-                print(f"{size:6s} {m['params'] / 1e6:7.1f}M {name:14s} {weights:8s} {m['s/version']:10.3f} "
-                      f"{m['load']:14.3f} {m['canary']:20.2e} {m['start']:8.1f}", flush=True)
+    print(f"{'model':6s} {'params':>8s} {'engine':14s} {'weights':8s} {'transport':9s} {'s/version':>10s} "
+          f"{'trainer s':>10s} {'engine load s':>14s} {'canary_max_abs_diff':>20s} {'start s':>8s}")
+    try:
+        for size in args.sizes:
+            for weights in args.weights:
+                for name in args.engines:
+                    for transport in args.transports:
+                        m = measure(size, weights, name, args.versions, root, launch_fields(name, cores, python), transport)
+                        print(f"{size:6s} {m['params'] / 1e6:7.1f}M {name:14s} {weights:8s} {transport:9s} "
+                              f"{m['s/version']:10.3f} {m['stage']:10.3f} {m['load']:14.3f} {m['canary']:20.2e} "
+                              f"{m['start']:8.1f}", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

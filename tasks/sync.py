@@ -1,9 +1,10 @@
 """sync: record the policy version the next iteration samples with; checkpoint and publish
 weights every `checkpoint_every` versions and at the last one; an engine that holds its own
-weights gets them every `rollout.engine.sync.every` updates (published full or as LoRA adapters,
-then loaded and checked; in async RL only published: the producer loads them, this is the
-barrier). Trainside rollout shares the training weights, so there is nothing to load. An
-iteration that took no update (rollout accumulation: not the last of its window) makes no
+weights gets them every `rollout.engine.sync.every` updates (full or as LoRA adapters, staged
+in shared memory or published, then loaded and checked by the canary; in async RL only
+published: the producer loads them, this is the barrier; stages/engines/dedicated.py).
+Trainside rollout shares the training weights, so there is nothing to load. An iteration that
+took no update (rollout accumulation: not the last of its window) makes no
 version: nothing to save, publish or load."""
 from __future__ import annotations
 

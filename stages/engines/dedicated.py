@@ -5,10 +5,13 @@ client side of an engine that holds its own copy of the weights.
   flow models: /rollout/generate, stages/engines/text_wire.py / flow_wire.py), one committed
   shard whose rows record the version the engine reports and its behaviour log-probs. A row of
   another version than the one asked for is a loud error.
-* sync: full weights (the trainer publishes weights/vN with its sha256 manifest and the checksum
-  of its tensors; the engine loads the folder, reports its weight version and the checksum of what
-  it holds; any difference is a loud error) or LoRA adapters only (adapters/vN, hot-loaded under
-  the name vN, the previous one unloaded), every `sync.every` updates.
+* sync: full weights or LoRA adapters only (hot-loaded under the name vN, the previous one
+  unloaded), every `sync.every` updates, over one of three transports. shm (the default where the
+  engine runs on this host): the trainer's rank 0 writes the tensors into a folder in shared memory
+  (stages/train/staging.py) and the engine loads it, while the trainer computes the canary; no
+  disk, no hashing. disk: the trainer publishes weights/vN (adapters/vN) with its sha256 manifest
+  and the checksum of its tensors; the engine loads the folder and reports its version and, the
+  engine server, the checksum of what it holds. distributed: a broadcast over an update group.
 * layout colocated: the engine releases its memory while the trainer trains, and takes it back
   after the sync.
 * every load is verified: the version the engine reports, the checksum of its tensors where it
@@ -16,7 +19,10 @@ client side of an engine that holds its own copy of the weights.
 """
 from __future__ import annotations
 
+import math
+import shutil
 import socket
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,7 +40,7 @@ from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.processes import free_port
 from unirl.stages.runtime.registry import algorithms, load_object
 from unirl.stages.runtime.sample import read_shard, table_from_rows, write_shard
-from unirl.stages.runtime.scratch import scratch_dir
+from unirl.stages.runtime.scratch import scratch_dir, shared_memory_dir
 from unirl.stages.runtime.storage import join
 from unirl.stages.train.manifests import MANIFEST
 
@@ -51,10 +57,14 @@ class WeightSync(Section):
     weights: Literal["full", "lora"] = Field(
         "full", description="full: the whole model (weights/vN); lora: the LoRA adapters only (adapters/vN, needs "
         "model.lora), hot-loaded under the name vN.")
-    transport: Literal["disk", "distributed"] = Field(
-        "disk", description="disk: the engine loads the published folder; distributed: the trainer's rank 0 broadcasts "
-        "the full tensors to the engine over a weight-update process group (nccl on GPUs, gloo on CPU; text models, "
-        "full weights, rollout.mode sync).")
+    transport: Literal["auto", "shm", "disk", "distributed"] = Field(
+        "auto", description="shm: the trainer's rank 0 writes the tensors into shared memory on its host and the engine "
+        "loads them from there, verified by the canary (the engine on the trainer's host, rollout.mode sync, layout "
+        "separate, a text model); disk: the engine loads the published folder (weights/vN, sha256 manifest); "
+        "distributed: the trainer's rank 0 broadcasts the full tensors to the engine over a weight-update process group "
+        "(nccl on GPUs, gloo on CPU; text models, full weights, rollout.mode sync); auto: shm where it can be, else disk.")
+    bucket_mb: int = Field(512, ge=1, le=65536, description="transport shm: the size of one safetensors file of the "
+                           "staged weights, in MB.")
     engine_ranks: int = Field(1, ge=1, description="transport distributed: the engine's ranks in the update group "
                               "(SGLang: tp_size x dp_size).")
     canary_tolerance: float | None = Field(
@@ -116,9 +126,41 @@ class DedicatedEngine(RolloutEngine):
         if r.mode == "async" and r.dynamic_sampling is not None:
             raise ValueError("rollout.dynamic_sampling: refill rounds would sample on the producer's engine out of its "
                              "schedule; remove dynamic_sampling or use rollout.mode sync")
+        if e.sync.transport == "shm" and (refused := cls.staging_refused(recipe)):
+            raise ValueError(f"rollout.engine.sync.transport: shm {refused}; use transport: disk (or auto)")
         if e.sync.weights == "lora" and recipe.model.lora is None:
             raise ValueError("rollout.engine.sync.weights: lora sends the LoRA adapters, but model.lora is empty; set "
                              "model.lora or sync.weights: full")
+
+    # Whether the engine loads a staged folder (transport shm: weights files without a manifest).
+    loads_staged = False
+
+    @classmethod
+    def staging_refused(cls, recipe: Any) -> str | None:
+        """Why the recipe's weights cannot reach this engine through shared memory (None: they can)."""
+        e, family = recipe.rollout.engine, get_family(recipe.model.kind)
+        if not cls.loads_staged:
+            return f"is not a transport of {e.name} (its server loads folders it is given: transport disk)"
+        if recipe.rollout.mode == "async":
+            return "stages weights from the trainer into the engine in the sync task; rollout.mode async loads published ones"
+        if e.layout == "colocated":
+            return "keeps the staged weights in memory, which layout colocated releases"
+        if family.policy != "text" or not (family.serves_tensors or e.sync.weights == "lora"):
+            return f"stages the weights of text models whose family serves them as tensors, not model.kind {recipe.model.kind!r}"
+        if recipe.train.nnodes > 1:
+            return f"needs the trainer's rank 0 on the engine's host; train.nnodes is {recipe.train.nnodes}"
+        url = getattr(e, "url", None)
+        if url and (urlparse(url).hostname or "") not in ("127.0.0.1", "localhost", "::1"):
+            return f"needs the engine on this host; rollout.engine.url {url} is not on loopback"
+        return None
+
+    @property
+    def transport(self) -> str:
+        """The sync's transport: the recipe's, with auto resolved (shm where it can be, else disk)."""
+        set_ = self.cfg.sync.transport
+        if set_ != "auto":
+            return set_
+        return "disk" if self._no_room or self.staging_refused(self.recipe) else "shm"
 
     def __init__(self, recipe: Any, storage: Any, group: Any):
         from unirl.stages.policies import policy_for  # at call time: policies imports this module while it loads
@@ -130,6 +172,9 @@ class DedicatedEngine(RolloutEngine):
         self._version: int | None = None
         self.lora_name: str | None = None
         self.scratch = scratch_dir(f"unirl-engine-{storage.run}-")
+        self._staging: Path | None = None
+        self._canary_tokens: list[int] | None = None  # the run's canary tokens, once a staged sync has seen them
+        self._no_room = False  # transport auto found shared memory too small: disk from then on
         self._wire: Any = None
 
     @property
@@ -216,7 +261,8 @@ class DedicatedEngine(RolloutEngine):
         version of that number: a server another run (or a test) loaded reports its own version 0
         too. The published version's canary says; a version without one (the initial weights) is
         loaded."""
-        canary = self.storage.read_json(f"{self.storage.weights_rel(version)}/{MANIFEST}").get("canary")
+        rel = f"{self.storage.weights_rel(version)}/{MANIFEST}"
+        canary = self.storage.read_json(rel).get("canary") if self.storage.exists(rel) else None
         if not canary:
             return False
         try:
@@ -226,6 +272,8 @@ class DedicatedEngine(RolloutEngine):
         return True
 
     def _load(self, client: EngineClient, version: int) -> dict[str, Any]:
+        if self.transport == "shm" and self.group is not None:
+            return self.stage(self.group, client, version)
         if self.cfg.sync.weights == "lora" and version > 0:
             return self.load_adapter(self.storage.adapters_rel(version), version)
         return self.load_weights(self.storage.weights_rel(version), version)
@@ -248,7 +296,8 @@ class DedicatedEngine(RolloutEngine):
         return set_ if set_ is not None else self.canary_tolerances.get(self.recipe.model.dtype, 2e-2)
 
     def _check_loaded(self, client: Any, version: int, what: str, sha256: str | None, *, reports_version: bool = True,
-                      manifest: dict[str, Any] | None = None, lora: str | None = None) -> float | None:
+                      manifest: dict[str, Any] | None = None, lora: str | None = None,
+                      asked: tuple[list[int], list[float]] | None = None) -> float | None:
         """After `what` (a load, a broadcast): the engine serves `version` (where its wire reports
         versions), where it reports checksums tensors whose checksum is `sha256`, and its canary
         log-probs are the trainer's (the `manifest`'s) within tolerance; else EngineVersionError or
@@ -263,7 +312,7 @@ class DedicatedEngine(RolloutEngine):
                 raise EngineVersionError(f"rollout engine at {client.url} holds weights with checksum {got} after {what}, "
                                          f"whose tensors' checksum is {sha256}")
         diff = None if manifest is None else verify(client, manifest.get("canary"), self.canary_tolerance, version=version,
-                                                    what=what, lora=lora)
+                                                    what=what, lora=lora, asked=asked)
         self._version = version
         return diff
 
@@ -271,23 +320,83 @@ class DedicatedEngine(RolloutEngine):
         """Hot-load published LoRA adapters under the name vNNNNNN and unload the previous ones."""
         client = self.client(version)
         start = time.perf_counter()
-        name = adapter_name(version)
         manifest = self.storage.read_json(f"{adapter_rel}/{MANIFEST}")
+        self._swap_adapter(client, version, str(self.local(adapter_rel)), manifest.get("weights_sha256"), adapter_rel)
+        diff = self._check_loaded(client, version, f"loading adapter {adapter_rel} as {adapter_name(version)}", None,
+                                  reports_version=self.wire.reports_version, manifest=manifest, lora=adapter_name(version))
+        return {"adapter": adapter_rel, "load_s": time.perf_counter() - start, **canary_out(diff)}
+
+    def _swap_adapter(self, client: EngineClient, version: int, folder: str, sha256: str | None, what: str) -> None:
+        """The previous adapter unloaded, the one in `folder` loaded under the name vNNNNNN (its
+        checksum checked where the engine reports one and `sha256` is given), the version set. Nothing
+        samples during a sync (rollout.mode sync; in async the producer syncs between its batches)."""
+        name = adapter_name(version)
         if self.lora_name != name:
-            client.load_lora_adapter(name, str(self.local(adapter_rel)))
-            if self.reports_checksum and manifest.get("weights_sha256"):
-                got = client.get_weights_checksum([name]).get(name)
-                if got != manifest["weights_sha256"]:
-                    raise EngineVersionError(f"rollout engine at {client.url}: adapter {name} has checksum {got}, the "
-                                             f"published {adapter_rel} {manifest['weights_sha256']}")
-            if self.lora_name is not None:
+            if self.lora_name is not None:  # first: an engine may load the new one into the old one's layers
                 client.unload_lora_adapter(self.lora_name)
+                self.lora_name = None
+            client.load_lora_adapter(name, folder)
             self.lora_name = name
+            if self.reports_checksum and sha256:
+                got = client.get_weights_checksum([name]).get(name)
+                if got != sha256:
+                    raise EngineVersionError(f"rollout engine at {client.url}: adapter {name} has checksum {got}, the "
+                                             f"published {what} {sha256}")
         if self.wire.reports_version:
             client.update_weight_version(str(version))
-        diff = self._check_loaded(client, version, f"loading adapter {adapter_rel} as {name}", None,
-                                  reports_version=self.wire.reports_version, manifest=manifest, lora=name)
-        return {"adapter": adapter_rel, "load_s": time.perf_counter() - start, **canary_out(diff)}
+
+    @property
+    def staging(self) -> Path:
+        """This engine's folder in shared memory (transport shm), made on first use, removed at close
+        (or, after a crash, by the next unirl process's sweep)."""
+        if self._staging is None:
+            self._staging = scratch_dir(f"unirl-weights-{self.storage.run}-", shared_memory_dir())
+        return self._staging
+
+    def stage(self, trainer: Any, client: EngineClient, version: int) -> dict[str, Any]:
+        """transport shm: the trainer writes `version`'s weights (or adapters) into shared memory
+        and the engine loads them while the trainer computes the canary; then the version and the
+        canary are checked as after a load from disk. Nothing is published or hashed."""
+        start = time.perf_counter()
+        lora = self.cfg.sync.weights == "lora" and version > 0
+        folder = self.staging / ("adapter" if lora else "model")
+        trainer.ensure(version)
+        staged = trainer.call("stage_weights", folder=str(folder), lora=lora, bucket_mb=self.cfg.sync.bucket_mb)
+        if staged.get("refused"):
+            if self.cfg.sync.transport == "shm":
+                raise EngineError(f"rollout.engine.sync.transport shm: {staged['refused']}; make room, or set transport: "
+                                  "disk")
+            print(f"[unirl] weight sync: {staged['refused']}; this run syncs through published folders from now on "
+                  "(rollout.engine.sync.transport: disk)", file=sys.stderr, flush=True)
+            self._no_room = True
+            if self._staging is not None:
+                shutil.rmtree(self._staging, ignore_errors=True)
+                self._staging = None
+            out = {"published": self.publish_for(trainer, version)}
+            lora_rel = self.storage.adapters_rel(version)
+            return {**out, **(self.load_adapter(lora_rel, version) if lora else
+                              self.load_weights(self.storage.weights_rel(version), version))}
+        if staged.get("host") != socket.gethostname():
+            raise EngineError(f"rollout.engine.sync.transport shm: the trainer's rank 0 runs on {staged.get('host')!r}, "
+                              f"not on this host ({socket.gethostname()!r}), so the engine cannot read what it staged in "
+                              f"{folder}; set transport: disk")
+        staged_s = time.perf_counter() - start
+        what = f"loading version {version} from shared memory ({folder})"
+        name = adapter_name(version) if lora else None
+        tokens = self._canary_tokens  # the same every version: known after the first
+        with ThreadPoolExecutor(1) as pool:
+            expected = pool.submit(trainer.call, "canary")  # the trainer's forward overlaps the engine's load and its own
+            if lora:
+                self._swap_adapter(client, version, str(folder), None, str(folder))
+            else:
+                client.update_weights_from_disk(str(folder), str(version) if self.wire.reports_version else None)
+            asked = None if tokens is None or math.isinf(self.canary_tolerance) else (tokens, client.prompt_logprobs(tokens, name))
+            manifest = expected.result()
+        self._canary_tokens = list(manifest["canary"]["tokens"]) if manifest.get("canary") else None
+        diff = self._check_loaded(client, version, what, None, reports_version=self.wire.reports_version,
+                                  manifest=manifest, lora=name, asked=asked)
+        return {"staged": str(folder), "staged_bytes": staged.get("bytes", 0), "stage_s": staged_s,
+                "load_s": time.perf_counter() - start - staged_s, **canary_out(diff)}
 
     def publish_for(self, trainer: Any, version: int) -> str:
         """What the engine loads for `version` (weights/vN, or adapters/vN with LoRA sync),
@@ -305,15 +414,19 @@ class DedicatedEngine(RolloutEngine):
         if version % self.cfg.sync.every and version != final_version(self.recipe):
             return {}
         start = time.perf_counter()
-        rel = self.publish_for(trainer, version)
-        out: dict[str, Any] = {"published": rel, "publish_s": time.perf_counter() - start}
+        out: dict[str, Any] = {}
+        if self.transport != "shm":
+            out["published"] = self.publish_for(trainer, version)
+            out["publish_s"] = time.perf_counter() - start
         if self.recipe.rollout.mode == "async":
             return out
         client = self.client(version)
         if self.cfg.layout == "colocated":  # SGLang's order: weights back, new weights in, then the cache
             client.resume_memory_occupation(["weights"])
-        if self.cfg.sync.transport == "distributed":
+        if self.transport == "distributed":
             out.update(self.push(trainer, client, version))
+        elif self.transport == "shm":
+            out.update(self.stage(trainer, client, version))
         else:
             out.update(self._load(client, version))
         if self.cfg.layout == "colocated":
@@ -368,6 +481,9 @@ class DedicatedEngine(RolloutEngine):
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None
 
 
 def canary_out(diff: float | None) -> dict[str, float]:

@@ -56,6 +56,7 @@ class EngineServer(LaunchedEngine):
     name = "engine_server"
     config = EngineServerConfig
     exact_replay = True
+    loads_staged = True
     reports_checksum = True
 
     def launch_command(self, weights: Path, version: int, token: str) -> tuple[list[str], dict[str, str]]:

@@ -80,8 +80,8 @@ class LaunchedEngine(DedicatedEngine):
         return self.cfg.url is not None or (self.proc is not None and self.proc.poll() is None)
 
     def _launch(self, version: int) -> None:
-        """Start the server with weights/v{version} (or, with LoRA sync, the initial weights, the
-        adapters of `version` loaded after) and wait until it is ready."""
+        """Start the server with weights/v{version} (or, with LoRA sync or a version staged but not
+        published, the initial weights, `version` loaded after) and wait until it is ready."""
         if self.proc is not None:
             if self.starts > self.cfg.restarts:
                 raise EngineUnreachable(f"{self.server_name} died {self.starts} times (rollout.engine.restarts "
@@ -89,7 +89,8 @@ class LaunchedEngine(DedicatedEngine):
             kill_tree(self.proc)
             self.log(f"{self.server_name} (pid {self.proc.pid}) exited with {self.proc.returncode}; starting it again")
         DedicatedEngine.close(self)  # the old client; the process is gone
-        base = 0 if self.cfg.sync.weights == "lora" else version
+        published = self.storage.exists(f"{self.storage.weights_rel(version)}/{MANIFEST}")
+        base = 0 if self.cfg.sync.weights == "lora" or not published else version  # else staged after the start
         token = secrets.token_hex(16)
         argv, extra = self.launch_command(self.local(self.storage.weights_rel(base)), base, token)
         env = {**os.environ, **extra, "UNIRL_OWNER_PID": str(os.getpid())}

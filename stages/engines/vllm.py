@@ -255,6 +255,7 @@ class VLLM(LaunchedEngine):
     name = "vllm"
     config = VLLMConfig
     server_name = "vLLM server"
+    loads_staged = True  # reload_weights reads the staged safetensors folder
     # other kernels than the trainer's: log-probs agree to ~1e-6 in fp32 (vLLM, CPU), less in bf16
     canary_tolerances = {"float32": 1e-3, "bfloat16": 5e-2}
 

@@ -42,6 +42,9 @@ class Family:
     # Whether its prompts carry images (vision-language models): requests and rollouts then hold
     # each prompt's PNG bytes and patch grids (stages/runtime/images.py).
     takes_images: ClassVar[bool] = False
+    # Whether `served_tensors` gives an engine its weights as tensors (a sync through shared
+    # memory, rollout.engine.sync.transport shm); else engines load published folders only.
+    serves_tensors: ClassVar[bool] = False
     # Modules `load` imports (the model classes: seconds each on a small machine); a worker group
     # launched ahead of its spec imports them while it waits (WorkerGroup.prewarm).
     modules: ClassVar[tuple[str, ...]] = ()
@@ -109,6 +112,13 @@ class Family:
     def export(cls, bundle: Any, local: Path, state: dict[str, Any], *, lora: Any) -> None:
         """Write `state` (the full module state, adapters not yet merged) as a folder that is a
         valid `model.path` for this family."""
+        raise NotImplementedError
+
+    @classmethod
+    def served_tensors(cls, bundle: Any, state: dict[str, Any], *, lora: Any) -> dict[str, Any]:
+        """What an engine's module is loaded with, under the names `weight_files` hold (`state`: the
+        full module state, adapters not yet merged; LoRA merged as `export` merges it), for a family
+        that `serves_tensors`."""
         raise NotImplementedError
 
     @classmethod

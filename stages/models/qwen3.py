@@ -138,6 +138,7 @@ class Qwen3(Family):
     produces = ("text",)
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     modules = ("transformers.models.qwen3.modeling_qwen3", "peft")
+    serves_tensors = True
 
     @classmethod
     def materialize(cls, cfg: Qwen3ModelConfig, scratch: Path) -> Path:
@@ -212,6 +213,16 @@ class Qwen3(Family):
     def reference(cls, bundle: TextBundle) -> Iterator[Any]:
         with bundle.module.disable_adapter():
             yield bundle.module
+
+    @classmethod
+    def served_tensors(cls, bundle: TextBundle, state: dict[str, Any], *, lora: LoraConfig | None) -> dict[str, Any]:
+        """`state` under the base model's names (LoRA merged: W + B A * alpha / r)."""
+        if lora is None:
+            return state
+        from unirl.stages.models.flow_lora import merge_lora  # start-up time: torch loads on first use
+
+        prefix = "base_model.model."
+        return {k.removeprefix(prefix): v for k, v in merge_lora(state, rank=lora.rank, alpha=lora.alpha).items()}
 
     @classmethod
     def export(cls, bundle: TextBundle, local: Path, state: dict[str, Any], *, lora: LoraConfig | None) -> None:

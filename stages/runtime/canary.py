@@ -39,13 +39,15 @@ def canary_diff(engine: list[float], trainer: list[float]) -> float:
 
 
 def verify(client: Any, canary: dict[str, Any] | None, tolerance: float, *, version: int, what: str,
-           lora: str | None = None) -> float | None:
+           lora: str | None = None, asked: tuple[list[int], list[float]] | None = None) -> float | None:
     """Compare the engine's canary log-probs (`client.prompt_logprobs`) with the trainer's
     recorded ones; the largest difference, or None when the version records no canary. Raises
-    CanaryError naming the version when it is beyond `tolerance`."""
+    CanaryError naming the version when it is beyond `tolerance`. `asked`: the engine's answer
+    for these tokens already, (tokens, log-probs) (asked again when its tokens are not the canary's)."""
     if not canary or math.isinf(tolerance):
         return None
-    got = client.prompt_logprobs(list(canary["tokens"]), lora)
+    tokens = list(canary["tokens"])
+    got = asked[1] if asked is not None and list(asked[0]) == tokens else client.prompt_logprobs(tokens, lora)
     diff = canary_diff(got, list(canary["logprobs"]))
     if diff > tolerance:
         raise CanaryError(

@@ -7,6 +7,7 @@ class runs in one process without a process group (stages/run/loop.py).
 """
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,10 +35,11 @@ from unirl.stages.train import checkpoint
 from unirl.stages.train.adapter import publish_adapter
 from unirl.stages.train.manifests import MANIFEST
 from unirl.stages.train.stack import OptimizerSpec, TrainStack, load_bundle, rank_of, world_size
+from unirl.stages.train.staging import NoRoom, stage_adapter, stage_tensors
 from unirl.stages.train.update import UpdatePart, joint_update, sft_steps
 
-COMMANDS = ("ping", "generate", "teach", "train", "sft", "save", "publish", "publish_adapter", "weight_specs",
-            "join_update_group", "broadcast_weights")
+COMMANDS = ("ping", "generate", "teach", "train", "sft", "save", "publish", "publish_adapter", "stage_weights",
+            "canary", "weight_specs", "join_update_group", "broadcast_weights")
 
 
 @dataclass
@@ -306,11 +308,13 @@ class Worker:
         return publish_adapter(self.stack, self.storage, self.scratch, self.version, canary)
 
     def _canary(self, rel: str) -> dict[str, Any]:
-        """{"canary": ...} of the policy's weights as published at `rel` (SFT's EMA where it keeps
-        one, as `export` writes), or nothing where the policy has none or `rel` is published already
-        (publishing keeps the first). Every rank runs the forward (each sees the same storage)."""
-        if self.storage.exists(join(rel, MANIFEST)):
-            return {}
+        """{"canary": ...} of the policy's weights as published at `rel`, or nothing where `rel` is
+        published already (publishing keeps the first)."""
+        return {} if self.storage.exists(join(rel, MANIFEST)) else self.canary()
+
+    def canary(self) -> dict[str, Any]:
+        """{"canary": ...} of the policy's weights as an engine gets them (SFT's EMA where it keeps
+        one, as `export` writes), or nothing where the policy has none. Every rank runs the forward."""
         module = self.stack.module
         training = module.training
         module.eval()
@@ -320,6 +324,37 @@ class Worker:
         finally:
             module.train(training)
         return {} if canary is None else {"canary": canary}
+
+    def stage_weights(self, folder: str, lora: bool = False, bucket_mb: int = 512) -> dict[str, Any]:
+        """The fast path of a weight sync (stages/train/staging.py): every rank gathers; rank 0
+        writes what the engine loads into `folder` on its host (shared memory): the full weights
+        in buckets of `bucket_mb` MB in the engine's dtype (model.dtype), or with `lora` the
+        adapters alone in PEFT's layout. Returns what it wrote, the host and the seconds."""
+        start = time.perf_counter()
+        full = self._full_state()
+        out: dict[str, Any] = {"version": self.version, "host": socket.gethostname()}
+        if self.rank == 0:
+            try:
+                out.update(self._write_staged(Path(folder), full, lora, bucket_mb))
+            except NoRoom as exc:  # the engine's side decides: fall back to disk, or stop naming it
+                out["refused"] = str(exc)
+        out["seconds"] = time.perf_counter() - start
+        return out
+
+    def _write_staged(self, folder: Path, full: dict[str, torch.Tensor], lora: bool, bucket_mb: int) -> dict[str, Any]:
+        """Rank 0's part of `stage_weights`."""
+        if lora:
+            from peft import get_peft_model_state_dict  # start-up time: peft loads on first use
+
+            adapter = get_peft_model_state_dict(self.stack.module, state_dict=full)
+            return stage_adapter(folder, adapter, cast(Any, self.stack.module).peft_config["default"])
+        if self.mode == "sft" and self.stack.ema is not None:  # as `export`: SFT serves its EMA
+            full = {**full, **{n: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu()
+                               for n, v in self.stack.ema.shadow.items()}}
+        dtype = getattr(torch, self.recipe.model.dtype)
+        tensors = self.family.served_tensors(self.stack.bundle, full, lora=self.recipe.model.lora)
+        tensors = {k: v if v.dtype == dtype or not v.is_floating_point() else v.to(dtype) for k, v in tensors.items()}
+        return stage_tensors(folder, tensors, bucket_mb << 20)
 
     # -- weights into an engine over a weight-update group (stages/engines/update_group.py) ---------
     def _full_state(self) -> dict[str, torch.Tensor]:

@@ -3,6 +3,7 @@ rules, checked before anything starts."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -55,3 +56,37 @@ def test_a_flow_model_on_vllm_and_a_vlm_on_any_dedicated_engine_are_refused():
 def test_a_servable_recipe_is_accepted():
     recipe = vllm_recipe()
     assert recipe.rollout.engine.name == "vllm" and recipe.rollout.engine.kv_cache_gib == 1
+
+
+def transport_of(recipe) -> str | None:
+    """Why shared-memory staging is refused for the recipe's engine (None: auto picks it)."""
+    from unirl.stages.engines.dedicated import DedicatedEngine
+    from unirl.stages.runtime.registry import engines
+
+    engine = engines.get(recipe.rollout.engine.name)
+    assert issubclass(engine, DedicatedEngine)
+    return engine.staging_refused(recipe)
+
+
+def test_auto_stages_weights_in_shared_memory_only_where_the_engine_can_read_them():
+    es = {"rollout": {"engine": {"name": "engine_server"}}}
+    assert transport_of(build_recipe(merged(TINY["qwen3"], es))) is None
+    assert transport_of(build_recipe(merged(TINY["qwen3"], es, {"model": {"lora": {"rank": 4}},
+                                                                 "rollout": {"engine": {"sync": {"weights": "lora"}}}}))) is None
+    assert transport_of(vllm_recipe()) is None
+    refused = {
+        "async": ({"rollout": {"mode": "async", "max_staleness": 1, "correction": {}}}, r"rollout.mode async loads published"),
+        "colocated": ({"rollout": {"engine": {"layout": "colocated"}}}, r"which layout colocated releases"),
+        "remote": ({"rollout": {"engine": {"url": "http://10.0.0.7:30000"}}}, r"url http://10.0.0.7:30000 is not on loopback"),
+    }
+    for name, (over, message) in refused.items():
+        recipe = build_recipe(merged(TINY["qwen3"], es, over))
+        assert recipe.rollout.engine.sync.transport == "auto"
+        assert re.search(message, transport_of(recipe) or ""), name
+        with pytest.raises(ValueError, match=rf"rollout.engine.sync.transport: shm .*{message}.*; use transport: disk"):
+            build_recipe(merged(TINY["qwen3"], es, over, {"rollout": {"engine": {"sync": {"transport": "shm"}}}}))
+    flow = merged(TINY["sd3"], {"algorithm": {"name": "flow_grpo"}}, es)
+    assert "model.kind 'sd3'" in transport_of(build_recipe(flow))
+    sglang = build_recipe(merged(TINY["qwen3"], {"rollout": {"engine": {"name": "sglang", "url": "http://127.0.0.1:1"},
+                                                                       "correction": {}}}))
+    assert "is not a transport of sglang" in transport_of(sglang)

@@ -1,6 +1,6 @@
 """The `engine_server` rollout engine as a run uses it: its own process (launched, pinned,
-tokened), weight sync from a trainer (full weights with their checksum, LoRA adapters, a
-broadcast over an update group), the faults (a version mismatch, a checksum mismatch, the engine
+tokened), weight sync from a trainer (staged in shared memory, published with their checksum,
+LoRA adapters, a broadcast over an update group), the faults (a version mismatch, a checksum mismatch, the engine
 killed mid-generate, an engine unreachable at start). The trainer is the worker itself in this
 process (stages/workers/worker.py), so no torchrun starts."""
 from __future__ import annotations
@@ -67,7 +67,7 @@ def step(recipe, storage, worker, engine, iteration: int) -> dict:
 
 def test_full_sync_versions_checksums_and_faults(tmp_path, monkeypatch):
     monkeypatch.setenv("UNIRL_FAULTS", "engine-generate")  # the first engine dies in its first generate
-    recipe, storage, worker, engine = setup(tmp_path, cpus=[0], threads=1)
+    recipe, storage, worker, engine = setup(tmp_path, cpus=[0], threads=1, sync={"transport": "disk"})
     try:
         first = step(recipe, storage, worker, engine, 0)
         assert engine.starts == 2  # killed mid-generate, started again, asked again: nothing was committed
@@ -201,7 +201,7 @@ def test_the_canary_stops_a_reload_that_did_not_take(tmp_path, monkeypatch):
     catches an engine that answers the new version while holding the old weights."""
     from unirl.stages.runtime.canary import CanaryError
 
-    recipe, storage, worker, engine = setup(tmp_path, recipe={"train": {"lr": 0.05}})
+    recipe, storage, worker, engine = setup(tmp_path, recipe={"train": {"lr": 0.05}}, sync={"transport": "disk"})
     monkeypatch.setattr(engine, "reports_checksum", False)
     try:
         first = step(recipe, storage, worker, engine, 0)
@@ -215,5 +215,113 @@ def test_the_canary_stops_a_reload_that_did_not_take(tmp_path, monkeypatch):
         with pytest.raises(CanaryError, match=r"rollout engine at .* after loading weights/v000002 as version 2: its "
                                               r"log-probs of the canary differ from the trainer's for version 2 by"):
             engine.sync(LocalTrainer(worker), 2)
+    finally:
+        engine.close()
+
+
+BIGGER = {"model": {"tiny": {"hidden_size": 128, "intermediate_size": 1024, "num_attention_heads": 4,
+                             "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 2}},
+          "train": {"lr": 0.05}}  # 3.5 MB of fp32 weights: buckets of 1 MB
+
+
+def test_a_sync_through_shared_memory_is_the_trainers_weights_bit_for_bit(tmp_path):
+    """The default transport where the engine runs here: the trainer stages its tensors in shared
+    memory in buckets, the engine reads them into its module; nothing is published or hashed, the
+    canary verifies the load, and the engine's rows of the new version pass the on-policy check."""
+    from unirl.stages.runtime.weights_checksum import tensors_checksum
+
+    recipe, storage, worker, engine = setup(tmp_path, recipe=BIGGER, sync={"bucket_mb": 1})
+    assert engine.transport == "shm"
+    try:
+        first = step(recipe, storage, worker, engine, 0)["sync"]
+        index = json.loads(engine.staging.joinpath("model/model.safetensors.index.json").read_text())
+        files = sorted(set(index["weight_map"].values()))
+        assert len(files) >= 2 and set(index["weight_map"]) == set(worker._full_state())  # every tensor, in buckets
+        assert sorted(p.name for p in engine.staging.joinpath("model").iterdir()) == [*files, "model.safetensors.index.json"]
+        assert str(engine.staging).startswith("/dev/shm/") and first["staged"] == str(engine.staging / "model")
+        assert engine.client(1).get_weights_checksum(["model"])["model"] == tensors_checksum(worker._full_state().items())
+        assert first["canary_max_abs_diff"] == 0.0 and "published" not in first
+        assert sorted(p.name for p in (tmp_path / "run/weights").iterdir()) == ["v000000"]  # nothing on disk
+        second = step(recipe, storage, worker, engine, 1)
+        assert second["train"]["metrics"]["behaviour_logp_max_abs_diff"] <= worker.tolerance  # version 1's rows
+        assert engine.client(2).get_weights_checksum(["model"])["model"] == tensors_checksum(worker._full_state().items())
+        # an engine started again at a version that was staged, never published: the initial
+        # weights, then the version staged from the trainer
+        folder = engine.staging
+        engine.close()
+        assert not folder.exists()  # the shared memory is given back
+        engine.group = LocalTrainer(worker)
+        assert engine.ensure(2).weight_version() == "2" and engine.starts == 2
+        assert engine.client(2).get_weights_checksum(["model"])["model"] == tensors_checksum(worker._full_state().items())
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("fault", ["skipped", "partial"])
+def test_the_canary_stops_a_staged_load_that_was_skipped_or_partial(tmp_path, monkeypatch, fault):
+    from unirl.stages.runtime.canary import CanaryError
+
+    recipe, storage, worker, engine = setup(tmp_path, recipe=BIGGER, sync={"bucket_mb": 1})
+    try:
+        step(recipe, storage, worker, engine, 0)
+        req = it.write_requests(storage, recipe, 1)["files"][0]
+        gen = engine.generate(req, "iter-000001/rollouts", 1, 1)
+        adv = it.advantages(storage, recipe, 1, it.score(storage, recipe, 1, gen["files"])["files"])["files"][0]
+        worker.train(iteration=1, rollouts=gen["files"], advantages=adv)
+        client = engine.client(1)
+        real = client.update_weights_from_disk
+
+        def load(path, version):
+            if fault == "skipped":
+                return client.update_weight_version(version)
+            sorted((engine.staging / "model").glob("model-*.safetensors"))[1].unlink()  # one bucket never arrives
+            return real(path, version)
+
+        monkeypatch.setattr(client, "update_weights_from_disk", load)
+        with pytest.raises(CanaryError, match=r"after loading version 2 from shared memory .*: its log-probs of the canary "
+                                              r"differ from the trainer's for version 2 by"):
+            engine.sync(LocalTrainer(worker), 2)
+    finally:
+        engine.close()
+
+
+def test_lora_adapters_sync_through_shared_memory_into_their_old_layers(tmp_path):
+    recipe, storage, worker, engine = setup(tmp_path, recipe={"model": {"lora": {"rank": 4}}, "train": {"lr": 0.05}},
+                                            sync={"weights": "lora"})
+    try:
+        out = step(recipe, storage, worker, engine, 0)["sync"]
+        assert engine.transport == "shm" and out["staged"] == str(engine.staging / "adapter")
+        assert sorted(p.name for p in engine.staging.joinpath("adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        second = step(recipe, storage, worker, engine, 1)  # v000002 goes into v000001's layers
+        assert second["train"]["metrics"]["behaviour_logp_max_abs_diff"] <= worker.tolerance
+        assert engine.lora_name == "v000002" and not (tmp_path / "run/adapters").exists()
+        third = step(recipe, storage, worker, engine, 2)
+        assert third["train"]["metrics"]["behaviour_logp_max_abs_diff"] <= worker.tolerance
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("transport", ["auto", "shm"])
+def test_shared_memory_without_room_falls_back_to_disk_or_is_named(tmp_path, monkeypatch, transport):
+    """A container's /dev/shm is 64 MB unless --shm-size says otherwise: `auto` says so once and syncs
+    through published folders from then on; `shm`, asked for, stops naming what to do."""
+    from collections import namedtuple
+
+    from unirl.stages.engines.client import EngineError
+    from unirl.stages.train import staging
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(staging.shutil, "disk_usage", lambda path: usage(64 << 20, 64 << 20, 1000))
+    recipe, storage, worker, engine = setup(tmp_path, sync={"transport": transport})
+    try:
+        if transport == "shm":
+            with pytest.raises(EngineError, match=r"transport shm: .* is on a filesystem with 0 MB free, and the weights "
+                                                  r"need .*; make room, or set transport: disk"):
+                step(recipe, storage, worker, engine, 0)
+            return
+        out = step(recipe, storage, worker, engine, 0)["sync"]
+        assert out["published"] == "weights/v000001" and out["canary_max_abs_diff"] <= 1e-4 and engine.transport == "disk"
+        second = step(recipe, storage, worker, engine, 1)["sync"]
+        assert second["published"] == "weights/v000002" and "staged" not in second
     finally:
         engine.close()

@@ -148,10 +148,10 @@ def test_a_group_is_one_request_whose_samples_are_each_their_seeds(served, monke
 def test_full_sync_is_verified_by_the_canary_and_a_skipped_reload_is_caught(served, monkeypatch):
     s = served
     engine, worker = s["engine"], s["worker"]
-    synced = engine.sync(LocalTrainer(worker), 1)
-    manifest = json.loads((s["root"] / "run/weights/v000001/manifest.json").read_text())
-    assert len(manifest["canary"]["tokens"]) == len(manifest["canary"]["logprobs"]) + 1
+    synced = engine.sync(LocalTrainer(worker), 1)  # staged in shared memory, reloaded from there
+    assert engine.transport == "shm" and synced["staged"] == str(engine.staging / "model"), synced
     assert synced["canary_max_abs_diff"] <= 1e-3, synced
+    assert not (s["root"] / "run/weights/v000001").exists()  # nothing published
     out = train_step(s, 1)  # rows of version 1 replay on the trainer's version 1
     assert out["train"]["metrics"]["behaviour_logp_max_abs_diff"] <= 1e-4
     # a reload that does not take: the server answers the new version, holding the old weights
@@ -161,12 +161,17 @@ def test_full_sync_is_verified_by_the_canary_and_a_skipped_reload_is_caught(serv
     with pytest.raises(CanaryError, match=r"differ from the trainer's for version 2 by .* the engine does not serve"):
         engine.sync(LocalTrainer(worker), 2)
     monkeypatch.undo()
-    assert engine.load_weights("weights/v000002", 2)["canary_max_abs_diff"] <= 1e-3  # a real reload passes
+    assert engine.sync(LocalTrainer(worker), 2)["canary_max_abs_diff"] <= 1e-3  # a real reload passes
+    # the published path: weights/v000002 with its manifest and canary, loaded from disk
+    LocalTrainer(worker).call("publish")
+    manifest = json.loads((s["root"] / "run/weights/v000002/manifest.json").read_text())
+    assert len(manifest["canary"]["tokens"]) == len(manifest["canary"]["logprobs"]) + 1
+    assert engine.load_weights("weights/v000002", 2)["canary_max_abs_diff"] <= 1e-3
 
 
 def test_lora_adapters_sync_under_versioned_names_and_a_stale_adapter_is_caught(served, monkeypatch):
     s = served
-    _, _, lora = make(s["root"], None, url=s["engine"].client(2).url, sync={"weights": "lora"})
+    _, _, lora = make(s["root"], None, url=s["engine"].client(2).url, sync={"weights": "lora", "transport": "disk"})
     os.environ[lora.cfg.token_env] = s["engine"].client(2)._http.headers["Authorization"].split()[-1]
     try:
         # the adapters apply to the base weights: the server holds merged version 2 now, on which the
@@ -207,6 +212,7 @@ def test_a_run_samples_every_iteration_on_the_server(served, tmp_path, unirl_env
         assert train["behaviour_logp_max_abs_diff"] <= 1e-4
     sync = json.loads((root / "tiny/iter-000000/manifests/sync.json").read_text())
     assert sync["engine_sync"]["canary_max_abs_diff"] <= 1e-3, sync
+    assert sync["engine_sync"]["staged"].startswith("/dev/shm/unirl-weights-tiny-")  # the worker group staged it
 
 
 def test_an_agent_takes_its_turns_on_the_server(served, tmp_path, unirl_env):
