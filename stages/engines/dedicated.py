@@ -368,14 +368,11 @@ class DedicatedEngine(RolloutEngine):
                                   "disk")
             print(f"[unirl] weight sync: {staged['refused']}; this run syncs through published folders from now on "
                   "(rollout.engine.sync.transport: disk)", file=sys.stderr, flush=True)
-            self._no_room = True
+            self._no_room = True  # self.transport is disk from now on
             if self._staging is not None:
                 shutil.rmtree(self._staging, ignore_errors=True)
                 self._staging = None
-            out = {"published": self.publish_for(trainer, version)}
-            lora_rel = self.storage.adapters_rel(version)
-            return {**out, **(self.load_adapter(lora_rel, version) if lora else
-                              self.load_weights(self.storage.weights_rel(version), version))}
+            return {"published": self.publish_for(trainer, version), **self._load(client, version)}
         if staged.get("host") != socket.gethostname():
             raise EngineError(f"rollout.engine.sync.transport shm: the trainer's rank 0 runs on {staged.get('host')!r}, "
                               f"not on this host ({socket.gethostname()!r}), so the engine cannot read what it staged in "

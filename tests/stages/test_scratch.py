@@ -9,14 +9,14 @@ import sys
 
 from tests.conftest import REPO
 
-MAKE = ("import sys, time; from unirl.stages.runtime.scratch import scratch_dir; "
-        "d = scratch_dir('unirl-t-'); (d / 'weights.bin').write_bytes(b'x' * 1000); print(d, flush=True); "
-        "time.sleep(float(sys.argv[1]))")
+MAKE = ("import sys, time; from pathlib import Path; from unirl.stages.runtime.scratch import scratch_dir; "
+        "d = scratch_dir('unirl-t-', Path(sys.argv[2]) if sys.argv[2:] else None); (d / 'weights.bin').write_bytes(b'x' * 1000); "
+        "print(d, flush=True); time.sleep(float(sys.argv[1]))")
 
 
-def _start(tmp_path, sleep: float) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", MAKE, str(sleep)], cwd=REPO, env={**os.environ, "TMPDIR": str(tmp_path)},
-                            stdout=subprocess.PIPE, text=True)
+def _start(tmp_path, sleep: float, parent=None) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-c", MAKE, str(sleep), *([str(parent)] if parent else [])], cwd=REPO,
+                            env={**os.environ, "TMPDIR": str(tmp_path)}, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     return proc, proc.stdout.readline().strip()
 
@@ -54,3 +54,21 @@ def test_a_forked_child_does_not_remove_its_parents_folders(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "True", out.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_weights_staged_in_shared_memory_by_a_killed_run_are_removed_by_the_next(tmp_path):
+    """Staged weights (stages/train/staging.py) live in /dev/shm, in RAM: a SIGKILLed run's copy is
+    removed by the next process that makes a folder there (here a stand-in for /dev/shm)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    proc, folder = _start(tmp_path, 60, shm)
+    try:
+        assert folder.startswith(str(shm / "unirl-t-"))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        assert os.path.exists(f"{folder}/weights.bin")
+        nxt, _ = _start(tmp_path, 0, shm)
+        assert nxt.wait(timeout=60) == 0
+        assert not os.path.exists(folder) and not any(shm.iterdir())
+    finally:
+        proc.kill()
