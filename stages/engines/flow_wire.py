@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from unirl.stages.engines.client import EngineClient, EngineError, tensor_from_wire
 from unirl.stages.runtime.accumulation import version_of
-from unirl.stages.runtime.media import to_png_bytes
+from unirl.stages.runtime.media import media_columns, media_counts
 from unirl.stages.runtime.registry import kernels
 from unirl.stages.runtime.seeds import derive_seed
 from unirl.stages.runtime.seeds import derive_seed as seed_of
@@ -31,15 +31,16 @@ if TYPE_CHECKING:
 SDE_TYPES = {name: kernel.sglang for name, kernel in kernels.items() if kernel.sglang is not None}
 
 
-def image_uint8(image: torch.Tensor) -> np.ndarray:
-    """(H, W, 3) uint8 from an engine's decoded image: uint8 HWC as ours, or float in [0, 1] CHW."""
+def media_uint8(media: torch.Tensor) -> np.ndarray:
+    """(H, W, 3) or, a video, (F, H, W, 3) uint8 from an engine's decoded sample: uint8 channels
+    last as ours, or float in [0, 1] channels first (CHW, FCHW)."""
     import torch  # start-up time: loaded on first use, not when a recipe is read
 
-    x = image.detach().cpu()
+    x = media.detach().cpu()
     if x.dtype != torch.uint8:
         x = (x.float().clamp(0, 1) * 255).round().to(torch.uint8)
-    if x.ndim == 3 and x.shape[0] in (1, 3) and x.shape[-1] not in (1, 3):
-        x = x.permute(1, 2, 0)
+    if x.ndim in (3, 4) and x.shape[-3] in (1, 3) and x.shape[-1] not in (1, 3):
+        x = x.movedim(-3, -1)
     return x.numpy()
 
 
@@ -120,10 +121,10 @@ class FlowWire:
             seg = latent_rows(latents.float()[None], step_lp,
                               Plan(sigmas.float(), plan.sde_indices, plan.kind, plan.eta))[0]
             rows.append({"sample_id": sid, "group_id": gid, "metadata": meta, "prompt": prompt,
-                         "noise_seed": int(body["seed"]), "media_png": to_png_bytes(image_uint8(out["generated_output"])[None])[0],
+                         "noise_seed": int(body["seed"]), **media_columns(media_uint8(out["generated_output"])[None])[0],
                          **seg})
         return rows
 
     @staticmethod
     def counters(rows: list[dict[str, Any]]) -> dict[str, int]:
-        return {"images": len(rows)}
+        return media_counts(rows)

@@ -26,7 +26,7 @@ from unirl.stages.models.flow_folder import latent_space_differences
 from unirl.stages.policies import SAMPLES_COLUMNS, Policy, RolloutBase, iteration_rollouts, samples_table
 from unirl.stages.runtime.accumulation import version_of
 from unirl.stages.runtime.config_base import Section
-from unirl.stages.runtime.media import Media, decode_png, media_columns, to_gif
+from unirl.stages.runtime.media import Media, decode_png, media_columns, media_counts, to_gif
 from unirl.stages.runtime.registry import algorithms, kernels, policies
 from unirl.stages.runtime.seeds import derive_seed
 
@@ -317,7 +317,7 @@ class FlowPolicy(Policy):
 
     @staticmethod
     def counters(rows: list[dict[str, Any]]) -> dict[str, int]:
-        return {"videos" if rows and rows[0].get("media_frames") else "images": len(rows)}
+        return media_counts(rows)
 
     # -- replay ---------------------------------------------------------------------------------
     def batches(self, table: pa.Table, chunks: list[list[int]], advantages: Any, where: str) -> list[Any]:

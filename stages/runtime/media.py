@@ -49,6 +49,11 @@ def media_columns(media: Any) -> list[dict[str, Any]]:
     return [{"media_png": None, "media_frames": to_png_bytes(clip)} for clip in media]
 
 
+def media_counts(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """{"videos" or "images": how many} of rows carrying `media_columns`."""
+    return {"videos" if rows and rows[0].get("media_frames") else "images": len(rows)}
+
+
 def decode_png(data: bytes) -> Any:
     """PNG bytes of a shard -> RGB PIL image."""
     from PIL import Image  # start-up time: PIL loads on first use, not when a recipe is read

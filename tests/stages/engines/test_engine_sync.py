@@ -177,17 +177,21 @@ def test_sglang_recipes_and_an_unreachable_server(tmp_path):
         engine.connect()
 
 
-def test_flow_rollouts_through_the_engine_replay_bit_for_bit(tmp_path):
-    """sd3 on the engine server: trajectories and per-step log-probs from the engine; the trainer's
-    first update replays them exactly (tolerance 0), and they are trainside's own samples."""
-    recipe, storage, worker, engine = setup(tmp_path, "sd3", recipe={"algorithm": {"name": "flow_grpo"}})
+@pytest.mark.parametrize("case", ["sd3", "wan"])
+def test_flow_rollouts_through_the_engine_replay_bit_for_bit(tmp_path, case):
+    """An image (sd3) and a video (wan) model on the engine server: trajectories and per-step
+    log-probs from the engine; the trainer's first update replays them exactly (tolerance 0), and
+    they are trainside's own samples, media included (a video's frames as PNGs)."""
+    recipe, storage, worker, engine = setup(tmp_path, case, recipe={"algorithm": {"name": "flow_grpo"}})
     try:
         assert worker.tolerance == 0.0
         req = it.write_requests(storage, recipe, 0)["files"][0]
         gen = engine.generate(req, "iter-000000/rollouts", 0, 0)
         mine = worker.generate(iteration=0, requests=req, out_dir="iter-000000/trainside")
         a, b = read_rollouts(storage, gen["files"]), read_rollouts(storage, mine["files"])
-        for column in ("latents", "sde_logprobs", "sigmas", "sde_indices", "media_png"):
+        media = "media_frames" if case == "wan" else "media_png"
+        assert ("videos" if case == "wan" else "images") in gen and a.column(media).null_count == 0
+        for column in ("latents", "sde_logprobs", "sigmas", "sde_indices", media):
             assert a.column(column).to_pylist() == b.column(column).to_pylist(), column
         adv = it.advantages(storage, recipe, 0, it.score(storage, recipe, 0, gen["files"])["files"])["files"][0]
         trained = worker.train(iteration=0, rollouts=gen["files"], advantages=adv)
