@@ -145,9 +145,7 @@ def publish(stack: TrainStack, storage: RunStorage, scratch: Path, version: int,
     start = time.perf_counter()
     rel = storage.weights_rel(version)
     full = cast("dict[str, torch.Tensor]", get_model_state_dict(stack.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
-    ema_full = None
-    if stack.ema is not None:
-        ema_full = {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu() for n, v in stack.ema.shadow.items()}
+    ema_full = full_ema(stack)
     if stack.rank == 0 and not storage.exists(join(rel, MANIFEST)):
         local = scratch / f"publish-{version:06d}"
         local.mkdir(parents=True, exist_ok=True)
@@ -160,3 +158,10 @@ def publish(stack: TrainStack, storage: RunStorage, scratch: Path, version: int,
         write_weights_dir(storage, local, rel, info)
     stack.barrier()
     return {"version": version, "path": rel, "seconds": time.perf_counter() - start}
+
+
+def full_ema(stack: TrainStack) -> dict[str, torch.Tensor] | None:
+    """The EMA's full tensors on the CPU (every rank gathers its shards), None without an EMA."""
+    if stack.ema is None:
+        return None
+    return {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu() for n, v in stack.ema.shadow.items()}

@@ -34,7 +34,7 @@ def buckets(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[st
     out: list[list[str]] = []
     size = 0
     for name in sorted(tensors):
-        n = tensors[name].numel() * tensors[name].element_size()
+        n = tensors[name].nbytes
         if not out or (size + n > bucket_bytes and out[-1]):
             out.append([])
             size = 0
@@ -51,7 +51,7 @@ def _header(tensors: dict[str, torch.Tensor], names: list[str]) -> bytes:
         if t.dtype not in DTYPES:
             raise ValueError(f"staging weights: {name} has dtype {t.dtype}, which safetensors files here do not carry "
                              f"({', '.join(str(d) for d in DTYPES)})")
-        end = offset + t.numel() * t.element_size()
+        end = offset + t.nbytes
         entries[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, end]}
         offset = end
     raw = json.dumps(entries, separators=(",", ":")).encode()
@@ -99,18 +99,19 @@ def stage_tensors(folder: Path, tensors: dict[str, torch.Tensor], bucket_bytes: 
     removed. Returns {"files", "bytes", "tensors"}; NoRoom, before writing anything, where the
     filesystem cannot hold them."""
     folder.mkdir(parents=True, exist_ok=True)
-    check_room(folder, sum(t.numel() * t.element_size() for t in tensors.values()) + (1 << 20))
+    data = sum(t.nbytes for t in tensors.values())
+    check_room(folder, data + (1 << 20))
     groups = buckets(tensors, bucket_bytes)
     names = [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+    weight_map = {n: f for f, group in zip(names, groups) for n in group}
     index_path = folder / INDEX
     previous = json.loads(index_path.read_text()) if index_path.exists() else {}
-    same = previous.get("weight_map") == {n: f for f, group in zip(names, groups) for n in group}
+    same = previous.get("weight_map") == weight_map
     for stale in folder.glob("*.safetensors"):
         if stale.name not in names:
             stale.unlink()
     total = sum(write_safetensors(folder / f, tensors, group, in_place=same) for f, group in zip(names, groups))
-    data = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": data}, "weight_map": {n: f for f, group in zip(names, groups) for n in group}}
+    index = {"metadata": {"total_size": data}, "weight_map": weight_map}
     index_path.write_text(json.dumps(index))
     return {"files": names, "bytes": total, "tensors": len(tensors)}
 
@@ -119,7 +120,7 @@ def stage_adapter(folder: Path, adapter: dict[str, torch.Tensor], config: Any) -
     """LoRA adapters in PEFT's layout (adapter_model.safetensors, adapter_config.json: what
     engines hot-load) in `folder`, each file replaced whole. Returns {"files", "bytes", "tensors"}."""
     folder.mkdir(parents=True, exist_ok=True)
-    check_room(folder, 2 * sum(t.numel() * t.element_size() for t in adapter.values()) + (1 << 20))  # new file, then the old goes
+    check_room(folder, 2 * sum(t.nbytes for t in adapter.values()) + (1 << 20))  # new file, then the old goes
     size = write_safetensors(folder / "adapter_model.safetensors", adapter, sorted(adapter), in_place=False)
     config.save_pretrained(str(folder))
     return {"files": ["adapter_model.safetensors", "adapter_config.json"], "bytes": size, "tensors": len(adapter)}

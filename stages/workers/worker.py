@@ -332,6 +332,9 @@ class Worker:
         adapters alone in PEFT's layout. Returns what it wrote, the host and the seconds."""
         start = time.perf_counter()
         full = self._full_state()
+        ema = checkpoint.full_ema(self.stack) if self.mode == "sft" and not lora else None  # every rank gathers
+        if ema is not None:  # as `export`: SFT serves its EMA
+            full = {**full, **ema}
         out: dict[str, Any] = {"version": self.version, "host": socket.gethostname()}
         if self.rank == 0:
             try:
@@ -348,9 +351,6 @@ class Worker:
 
             adapter = get_peft_model_state_dict(self.stack.module, state_dict=full)
             return stage_adapter(folder, adapter, cast(Any, self.stack.module).peft_config["default"])
-        if self.mode == "sft" and self.stack.ema is not None:  # as `export`: SFT serves its EMA
-            full = {**full, **{n: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu()
-                               for n, v in self.stack.ema.shadow.items()}}
         dtype = getattr(torch, self.recipe.model.dtype)
         tensors = self.family.served_tensors(self.stack.bundle, full, lora=self.recipe.model.lora)
         tensors = {k: v if v.dtype == dtype or not v.is_floating_point() else v.to(dtype) for k, v in tensors.items()}
