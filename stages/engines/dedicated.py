@@ -94,11 +94,13 @@ class DedicatedEngine(RolloutEngine):
     reports_checksum = False
     # The canary check's default tolerance by model dtype (same kernels as the trainer: tight).
     canary_tolerances: dict[str, float] = {"float32": 1e-4, "bfloat16": 2e-2}
+    # Whether the engine's wire sends a prompt's images (families that `takes_images`).
+    carries_images = False
 
     @classmethod
     def check(cls, recipe: Any) -> None:
         e, r = recipe.rollout.engine, recipe.rollout
-        if get_family(recipe.model.kind).takes_images:
+        if get_family(recipe.model.kind).takes_images and not cls.carries_images:
             raise ValueError(f"rollout.engine.name: {e.name} takes prompts without images (its wire carries none), but "
                              f"model.kind {recipe.model.kind!r} shows its prompts' images; sample it trainside")
         stale = r.mode == "async" or e.sync.every > 1

