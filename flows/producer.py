@@ -1,8 +1,8 @@
 """The producer of async RL (`rollout.mode: async`): its own long-running Prefect flow run
 `rl-producer`, one `produce` task run per iteration's batch, sampling on the dedicated engine
 ahead of the trainer. Batch j waits until the trainer has published the version the staleness
-bound schedules for it (stages/run/async_rollout.py `behaviour_version`): the trainer's sync task is
-the barrier. It resumes at the first batch it had not committed.
+bound schedules for it (stages/run/async_rollout.py `behaviour_version`; with partial rollouts one
+update ahead, stages/engines/partial.py): the trainer's sync task is the barrier. It resumes at the first batch it had not committed.
 
     python -m unirl.flows.producer --spec FILE     # as the trainer's run starts it (stages/run/producer_process.py)
 """
@@ -19,8 +19,7 @@ from prefect import flow, get_run_logger
 
 from unirl.flows.forms import InnerRecipe
 from unirl.stages.recipe import Recipe, build_recipe
-from unirl.stages.run.async_rollout import behaviour_version
-from unirl.stages.runtime.accumulation import version_of
+from unirl.stages.run.async_rollout import producer_version
 from unirl.stages.runtime.storage import join
 from unirl.stages.train.manifests import MANIFEST
 from unirl.stages.workers.group import die_with_parent
@@ -41,13 +40,12 @@ def rl_producer(recipe: InnerRecipe, run_name: str, poll_s: float = 0.05) -> dic
     updates ahead of the trainer."""
     logger = get_run_logger()
     storage = storage_of(recipe, run_name)
-    r = recipe.rollout
     produced = []
     try:
         for j in range(recipe.iterations):
             if storage.stage_manifest(j, "produce") is not None:
                 continue
-            version = behaviour_version(version_of(recipe, j), r.max_staleness, r.engine.sync.every)
+            version = producer_version(recipe, j)
             start = time.perf_counter()
             while not published(storage, recipe, version):
                 time.sleep(poll_s)

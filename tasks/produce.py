@@ -22,8 +22,17 @@ def produce(recipe: Recipe, run_name: str, iteration: int, version: int) -> dict
     storage = storage_of(recipe, run_name)
     requests = committed(storage, iteration, "requests", lambda: it.write_requests(storage, recipe, iteration))
 
+    carried = None
+    if getattr(recipe.rollout, "partial", None) is not None:  # partial rollouts: the previous batch's unfinished groups go on
+        before = storage.stage_manifest(iteration - 1, "produce") if iteration > 0 else {"carry": ""}
+        if before is None:
+            raise RuntimeError(f"{storage.url(iter_dir(iteration - 1))}: batch {iteration - 1} is not committed; with "
+                               "rollout.partial the producer samples batches in order (its unfinished groups go on in the next)")
+        carried = before["carry"]
+
     def make() -> dict[str, Any]:
         out_dir = join(iter_dir(iteration), "rollouts")
-        return engine_of(recipe, storage).generate(requests["files"][0], out_dir, iteration, policy_version=version)
+        return engine_of(recipe, storage).generate(requests["files"][0], out_dir, iteration, policy_version=version,
+                                                   carried=carried)
 
     return committed(storage, iteration, "produce", make)

@@ -57,16 +57,16 @@ class TokenPolicyGradient(Algorithm):
         if real:
             # Rows sampled by the weights being trained must replay to their record (the
             # on-policy check); rows of older versions are expected to differ and are only measured.
-            fresh = batch.fresh(ctx.trained_version)
+            fresh = batch.fresh(ctx.trained_version)  # per token: a partial rollout's tokens have versions of their own
             if bool(fresh.any()):
-                _, _, keep = check_behaviour(proximal, batch.behaviour, batch.mask * fresh[:, None], ctx=ctx,
+                _, _, keep = check_behaviour(proximal, batch.behaviour, fresh, ctx=ctx,
                                              sample_ids=batch.sample_ids, what="the response tokens")
             largest, mean = behaviour_mismatch(proximal, batch.behaviour, batch.mask)
             masked = 0.0 if keep is None else float(((1.0 - keep) * batch.mask).sum())
             metrics["behaviour_logp_abs_diff"] = mean
             metrics["behaviour_logp_max_abs_diff"] = largest
             metrics["behaviour_masked_frac"] = masked / max(float(batch.mask.sum()), 1.0)
-            metrics["stale_frac"] = float(1.0 - fresh.float().mean())
+            metrics["stale_frac"] = float(1.0 - fresh.sum() / batch.mask.sum().clamp(min=1.0))
         correction = self.recipe.rollout.correction
         if correction is not None:
             c = correction

@@ -41,8 +41,8 @@ class TextRequest:
 
     @property
     def key(self) -> tuple[Any, ...]:
-        """Requests with the same key are sampled in one batch."""
-        return (self.temperature, self.top_p, self.max_new_tokens, self.eos_id, self.lora)
+        """Requests with the same key are sampled in one batch (each to its own max_new_tokens)."""
+        return (self.temperature, self.top_p, self.eos_id, self.lora)
 
 
 def context_of(module: Any) -> int | None:
@@ -186,8 +186,9 @@ class TextBackend:
             policy = core.policy
             greedy = first.temperature == 0.0
             with core.adapter_scope(first.lora):
-                out = sample(core.module, [r.input_ids for r in batch], [r.seed for r in batch],
-                             max_new_tokens=first.max_new_tokens, temperature=1.0 if greedy else first.temperature,
+                caps = [r.max_new_tokens for r in batch]
+                out = sample(core.module, [r.input_ids for r in batch], [r.seed for r in batch], caps=caps,
+                             max_new_tokens=max(caps), temperature=1.0 if greedy else first.temperature,
                              top_p=first.top_p, eos_id=first.eos_id, pad_id=policy.tokenizer.pad_token_id,
                              device=core.device, greedy=greedy, prompt_logprobs=[r.prompt_logprobs for r in batch])
                 inputs = {id(r): lps for r, lps in zip(batch, out.prompt_logprobs or []) if lps is not None}

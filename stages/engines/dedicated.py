@@ -210,7 +210,10 @@ class DedicatedEngine(RolloutEngine):
 
     # -- sampling -----------------------------------------------------------------------------------
     def generate(self, requests: str, out_dir: str, iteration: int, policy_version: int, *,
-                 greedy: bool = False, seed_tag: str = "") -> dict[str, Any]:
+                 greedy: bool = False, seed_tag: str = "", carried: str | None = None) -> dict[str, Any]:
+        """Sample the requests' groups; with `carried` (the async producer of a run with
+        rollout.partial: the previous batch's carry file, "" for none) as partial rollouts
+        (stages/engines/partial.py)."""
         from unirl.stages.policies.text import token_prompts  # at call time: policies.text imports this module while it loads
 
         start = time.perf_counter()
@@ -221,8 +224,21 @@ class DedicatedEngine(RolloutEngine):
                                             req.column("metadata").to_pylist(), req.column("group_size").to_pylist()):
             samples += [(f"{gid}/{j}", gid, prompt, meta) for j in range(gsize)]
         samples.sort(key=lambda s: s[0])
-        transitions = algorithms.get(self.recipe.algorithm.name).replays_transitions
         extra = {"token_prompts": token_prompts(req)} if self.segment == "text" else {}
+        if carried is not None:
+            return self._partial(client, samples, extra.get("token_prompts") or {}, carried, out_dir, iteration,
+                                 policy_version, start)
+        rows = self._sample(client, samples, iteration=iteration, policy_version=policy_version, seed_tag=seed_tag,
+                            greedy=greedy, **extra)
+        rel = join(out_dir, "part-000.arrow")
+        write_shard(self.storage, rel, table_from_rows(rows, "rollouts", [self.segment]))
+        return {"files": [rel], "rows": len(rows), **self.wire.counters(rows), "policy_version": policy_version,
+                "engine": self.cfg.name, "seconds": time.perf_counter() - start}
+
+    def _sample(self, client: EngineClient, samples: list[tuple[str, str, str, Any]], *, iteration: int,
+                policy_version: int, seed_tag: str, greedy: bool, **extra: Any) -> list[dict[str, Any]]:
+        """The wire's rows of `samples`, each checked to be of `policy_version`."""
+        transitions = algorithms.get(self.recipe.algorithm.name).replays_transitions
         rows = self.wire.rollout(client, samples, iteration=iteration, seed_tag=seed_tag, greedy=greedy,
                                  lora=self.lora_name, transitions=transitions, **extra)
         for row in rows:
@@ -234,10 +250,47 @@ class DedicatedEngine(RolloutEngine):
                     f"{row['policy_version']}, not {policy_version} as loaded: its weights changed under the run "
                     "(another client, or a restart); rerun to resume")
             row.update(iteration=iteration, parts=[self.segment])
-        rel = join(out_dir, "part-000.arrow")
+        return rows
+
+    def _partial(self, client: EngineClient, samples: list[tuple[str, str, str, Any]], token_prompts: dict[str, list[int]],
+                 carried: str, out_dir: str, iteration: int, policy_version: int, start: float) -> dict[str, Any]:
+        """Batch `iteration` of a run with partial rollouts (stages/engines/partial.py): the carried
+        samples continue and the new ones start, cut at segment_tokens where the schedule allows,
+        in rounds until a group has finished; the finished groups are the batch, the rest its carry."""
+        from unirl.stages.engines.partial import CARRY, Partial, finished_groups, may_cut  # at call time: used by partial rollouts alone
+
+        c = self.recipe.rollout
+        seg, cap = c.partial.segment_tokens, c.max_new_tokens
+        pool = [Partial.of_row(r) for r in (read_shard(self.storage, carried, "rollouts").to_pylist() if carried else [])]
+        prompt_ids = self.wire.prompt_ids(samples, token_prompts)
+        pool += [Partial(sid, gid, prompt, meta, list(ids)) for (sid, gid, prompt, meta), ids in zip(samples, prompt_ids)]
+        where, rounds = f"rollout engine at {client.url}, batch {iteration}", 0
+        while True:
+            open_ = [p for p in pool if not p.done()]
+            budgets = {p.sample_id: p.budget(cap, seg, may_cut(self.recipe, iteration, min(p.token_versions, default=policy_version)))
+                       for p in open_}
+            rows = self._sample(client, [(p.sample_id, p.group_id, p.prompt, p.metadata) for p in open_],
+                                iteration=iteration, policy_version=policy_version, seed_tag=f"partial{rounds}", greedy=False,
+                                continuations={p.sample_id: (p.prompt_ids + p.response_ids, budgets[p.sample_id]) for p in open_})
+            for p, row in zip(open_, rows):
+                p.extend(row, cap, where)
+            rounds += 1
+            done, rest = finished_groups(pool)
+            if done:
+                break
+        cut_tokens = sum(len(p.response_ids) for p in rest)
+        decode, eos = (lambda ids: self.wire.tokenizer.decode(ids, skip_special_tokens=True)), self.wire.tokenizer.eos_token_id
+        rows = [{**p.row(decode, eos), "iteration": iteration, "parts": [self.segment]} for p in done]
+        rel, carry = join(out_dir, "part-000.arrow"), join(out_dir, CARRY)
         write_shard(self.storage, rel, table_from_rows(rows, "rollouts", [self.segment]))
-        return {"files": [rel], "rows": len(rows), **self.wire.counters(rows), "policy_version": policy_version,
-                "engine": self.cfg.name, "seconds": time.perf_counter() - start}
+        write_shard(self.storage, carry, table_from_rows(
+            [{**p.row(decode, eos), "iteration": iteration, "parts": [self.segment]} for p in rest], "rollouts", [self.segment]))
+        spans = [len(set(r["token_versions"])) for r in rows]
+        return {"files": [rel], "carry": carry, "rows": len(rows), **self.wire.counters(rows), "policy_version": policy_version,
+                "engine": self.cfg.name, "seconds": time.perf_counter() - start,
+                "metrics": {"rollout/partial_rounds": float(rounds), "rollout/partial_carried_samples": float(len(rest)),
+                            "rollout/partial_carried_tokens": float(cut_tokens),
+                            "rollout/partial_continued_frac": sum(s > 1 for s in spans) / max(len(spans), 1)}}
 
     # -- weights ------------------------------------------------------------------------------------
     def ensure(self, version: int) -> EngineClient:

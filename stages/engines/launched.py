@@ -126,12 +126,13 @@ class LaunchedEngine(DedicatedEngine):
         return log_tail(self.log_path, lines)
 
     def generate(self, requests: str, out_dir: str, iteration: int, policy_version: int, *,
-                 greedy: bool = False, seed_tag: str = "") -> dict[str, Any]:
+                 greedy: bool = False, seed_tag: str = "", carried: str | None = None) -> dict[str, Any]:
         """As DedicatedEngine.generate; a launched engine that died mid-generate is named, started
         again from the published weights and asked again (nothing was committed), up to `restarts`."""
         while True:
             try:
-                return super().generate(requests, out_dir, iteration, policy_version, greedy=greedy, seed_tag=seed_tag)
+                return super().generate(requests, out_dir, iteration, policy_version, greedy=greedy, seed_tag=seed_tag,
+                                        carried=carried)
             except EngineUnreachable as exc:
                 if self.cfg.url is None and self.proc is not None:
                     try:

@@ -41,23 +41,36 @@ class TextWire:
         return [list(given[gid]) if gid in given else ids for (_, gid, _, _), ids in zip(samples, encoded)]
 
     def sampling(self, samples: list[tuple[str, str, str, Any]], *, iteration: int, seed_tag: str, greedy: bool,
-                 length: str = "max_new_tokens", seed: str = "sampling_seed") -> list[dict[str, Any]]:
+                 length: str = "max_new_tokens", seed: str = "sampling_seed",
+                 budgets: dict[str, int] | None = None) -> list[dict[str, Any]]:
         """Each sample's sampling parameters, its seed derived as trainside sampling derives it
-        (`length`, `seed`: the engine's names for the length cap and the seed)."""
-        c = self.recipe.rollout
-        return [{"temperature": 0.0 if greedy else c.temperature, "top_p": c.top_p, length: c.max_new_tokens,
+        (`length`, `seed`: the engine's names for the length cap and the seed; `budgets`: a
+        sample's own length cap, where it has one)."""
+        c, budgets = self.recipe.rollout, budgets or {}
+        return [{"temperature": 0.0 if greedy else c.temperature, "top_p": c.top_p, length: budgets.get(sid, c.max_new_tokens),
                  "stop_token_ids": [self.tokenizer.eos_token_id], seed: derive_seed(self.recipe.seed, seed_tag, iteration, sid)}
                 for sid, _, _, _ in samples]
 
-    def rollout(self, client: EngineClient, samples: list[tuple[str, str, str, Any]], *, iteration: int, seed_tag: str,
-                greedy: bool, lora: str | None, transitions: bool,
-                token_prompts: dict[str, list[int]] | None = None) -> list[dict[str, Any]]:
-        """One row per (sample id, group id, prompt, metadata); `policy_version` is the version the
-        engine reports for each response."""
-        eos = self.tokenizer.eos_token_id
+    def inputs(self, samples: list[tuple[str, str, str, Any]], token_prompts: dict[str, list[int]] | None,
+               continuations: dict[str, tuple[list[int], int]] | None) -> tuple[list[list[int]], list[list[int]], dict[str, int]]:
+        """(each sample's prompt ids as its row records them, the ids the engine continues, the
+        samples' own length caps): a continued sample (`continuations`: sample id -> (its prompt
+        and the response so far, new tokens at most), stages/engines/partial.py) goes on from its prefix."""
         prompt_ids = self.prompt_ids(samples, token_prompts)
-        params = self.sampling(samples, iteration=iteration, seed_tag=seed_tag, greedy=greedy)
-        outs = client.generate(prompt_ids, params, lora_path=lora, rid=f"it{iteration:06d}-{seed_tag or 'rollout'}")
+        if not continuations:
+            return prompt_ids, prompt_ids, {}
+        fed = [list(continuations[sid][0]) if sid in continuations else ids for (sid, _, _, _), ids in zip(samples, prompt_ids)]
+        return prompt_ids, fed, {sid: n for sid, (_, n) in continuations.items()}
+
+    def rollout(self, client: EngineClient, samples: list[tuple[str, str, str, Any]], *, iteration: int, seed_tag: str,
+                greedy: bool, lora: str | None, transitions: bool, token_prompts: dict[str, list[int]] | None = None,
+                continuations: dict[str, tuple[list[int], int]] | None = None) -> list[dict[str, Any]]:
+        """One row per (sample id, group id, prompt, metadata); `policy_version` is the version the
+        engine reports for each response; a continued sample's row holds the new tokens alone."""
+        eos = self.tokenizer.eos_token_id
+        prompt_ids, fed, budgets = self.inputs(samples, token_prompts, continuations)
+        params = self.sampling(samples, iteration=iteration, seed_tag=seed_tag, greedy=greedy, budgets=budgets)
+        outs = client.generate(fed, params, lora_path=lora, rid=f"it{iteration:06d}-{seed_tag or 'rollout'}")
         if len(outs) != len(samples):
             raise EngineError(f"rollout engine at {client.url}: {len(outs)} responses for {len(samples)} prompts")
         rows = []

@@ -187,15 +187,15 @@ def batched_requests(samples: list[tuple[str, str, str, Any]], prompt_ids: list[
             requests.append(([prompt_ids[i] for i in positions], {**params[positions[0]], "n": 1}))
             order.append(positions)
         return requests, order
-    runs: dict[tuple[str, tuple[int, ...]], list[tuple[int, int]]] = {}  # (group, prompt) -> (k, position)
+    runs: dict[tuple[str, tuple[int, ...], Any], list[tuple[int, int]]] = {}  # (group, prompt, length cap) -> (k, position)
     for position, ((sid, gid, _, _), pids) in enumerate(zip(samples, prompt_ids)):
         k = sample_index(sid, gid)
         if k is None:
             requests.append(([pids], {**params[position], "n": 1}))
             order.append([position])
         else:
-            runs.setdefault((gid, tuple(pids)), []).append((k, position))
-    for (gid, prompt), members in runs.items():
+            runs.setdefault((gid, tuple(pids), params[position].get("max_tokens")), []).append((k, position))
+    for (gid, prompt, _), members in runs.items():
         members.sort()
         run = [members[0]]
         for member in [*members[1:], None]:
@@ -218,14 +218,16 @@ class VLLMWire(TextWire):
         return derive_seed(self.recipe.seed, seed_tag, iteration, gid) >> 16
 
     def rollout(self, client: Any, samples: list[tuple[str, str, str, Any]], *, iteration: int, seed_tag: str,
-                greedy: bool, lora: str | None, transitions: bool,
-                token_prompts: dict[str, list[int]] | None = None) -> list[dict[str, Any]]:
+                greedy: bool, lora: str | None, transitions: bool, token_prompts: dict[str, list[int]] | None = None,
+                continuations: dict[str, tuple[list[int], int]] | None = None) -> list[dict[str, Any]]:
         """One row per (sample id, group id, prompt, metadata). vLLM names no version per answer:
-        the version it serves is read before and after, and a change in between is an error."""
+        the version it serves is read before and after, and a change in between is an error. A
+        continued sample (its own prefix) goes in a request of its own."""
         eos = self.tokenizer.eos_token_id
-        prompt_ids = self.prompt_ids(samples, token_prompts)
-        params = self.sampling(samples, iteration=iteration, seed_tag=seed_tag, greedy=greedy, length="max_tokens", seed="seed")
-        requests, order = batched_requests(samples, prompt_ids, params, greedy=greedy,
+        prompt_ids, fed, budgets = self.inputs(samples, token_prompts, continuations)
+        params = self.sampling(samples, iteration=iteration, seed_tag=seed_tag, greedy=greedy, length="max_tokens", seed="seed",
+                               budgets=budgets)
+        requests, order = batched_requests(samples, fed, params, greedy=greedy,
                                            group_seed=lambda gid: self.group_seed(iteration, seed_tag, gid))
         answers, version = unchanged_version(client, iteration, lambda: client.complete_batched(requests, lora or client.model))
         outs: list[dict[str, Any]] = [{}] * len(samples)

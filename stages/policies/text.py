@@ -30,6 +30,7 @@ from pydantic import Field
 
 from unirl.stages.policies import Policy, RolloutBase, samples_table
 from unirl.stages.policies.text_sampling import log_probs, sample
+from unirl.stages.runtime.config_base import Section
 from unirl.stages.runtime.registry import families, policies
 from unirl.stages.runtime.seeds import derive_seed
 from unirl.stages.runtime.tokenizer import encode_prompt
@@ -39,6 +40,14 @@ if TYPE_CHECKING:
     import torch
 
 
+class PartialRollouts(Section):
+    """Partial rollouts (async runs, stages/engines/partial.py): a generation longer than a segment is
+    cut and continued, from its prefix, in the producer's next batch by the newer weights."""
+
+    segment_tokens: int = Field(..., ge=1, le=1 << 20, description="New tokens a sample gets per batch; a longer one is "
+                                "cut there and goes on in the next batch (below rollout.max_new_tokens).")
+
+
 class TextRollout(RolloutBase):
     """How text samples are generated."""
 
@@ -46,6 +55,40 @@ class TextRollout(RolloutBase):
     max_new_tokens: int = Field(8, ge=1, description="Generation length cap; longer answers finish as `length`.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used for training log-probs).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    partial: PartialRollouts | None = Field(
+        None, description="rollout.mode async: cut generations at partial.segment_tokens and finish them in the next "
+        "batch under the newer weights (each token records its version; a sample spans at most max_staleness batches, "
+        "which must be >= 2); empty: every batch waits for its longest generation.")
+
+
+def check_partial(recipe: Any) -> None:
+    """rollout.partial's rules: an async run on a dedicated engine whose staleness bound lets a cut
+    sample be trained one batch later."""
+    r = recipe.rollout
+    partial = getattr(r, "partial", None)
+    if partial is None:
+        return
+    if r.mode != "async":
+        raise ValueError("rollout.partial: partial rollouts are cut by the producer of an async run and finished in its next "
+                         "batch; set rollout.mode: async (on a dedicated engine) or drop rollout.partial")
+    if r.max_staleness < 2:
+        raise ValueError(f"rollout.partial: a cut sample is finished one batch later and trained two updates after its first "
+                         f"token, past max_staleness {r.max_staleness}; set rollout.max_staleness >= 2 (it bounds how many "
+                         "batches a sample spans)")
+    if partial.segment_tokens >= r.max_new_tokens:
+        raise ValueError(f"rollout.partial.segment_tokens: {partial.segment_tokens} cuts nothing of rollout.max_new_tokens "
+                         f"{r.max_new_tokens}; lower it or drop rollout.partial")
+    if r.engine.sync.every != 1:
+        raise ValueError(f"rollout.engine.sync.every: {r.engine.sync.every}; partial rollouts continue a cut sample with the "
+                         "next update's weights, so the engine loads every one: set sync.every 1")
+    if r.dynamic_sampling is not None:
+        raise ValueError("rollout.dynamic_sampling: refill rounds and partial rollouts both decide which groups a batch "
+                         "holds; use one of them")
+    if getattr(recipe, "agent", None) is not None:
+        raise ValueError("rollout.partial: an agent's trajectories are sampled turn by turn and not cut; drop rollout.partial")
+    if families.get(recipe.model.kind).takes_images:
+        raise ValueError(f"rollout.partial: model.kind {recipe.model.kind!r} shows its prompts' images, which a continued "
+                         "sample's request does not carry yet; drop rollout.partial")
 
 
 def token_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -199,8 +242,8 @@ class TextBatch:
     """A micro-batch of stored text segments. ids/attn (B, T); mask (B, T-1) over response
     tokens; behaviour (B, T-1): the log-probs recorded at sampling time (0 off the mask);
     advantage (B,), or (B, T-1) per token (on-policy distillation); inputs: the model's other inputs
-    (prompts with images), None for text; versions (B,): the
-    policy version that sampled each row (None: the trained one)."""
+    (prompts with images), None for text; versions (B, T-1): the
+    policy version that sampled each response token (None: the trained one)."""
 
     sample_ids: list[str]
     ids: torch.Tensor
@@ -212,12 +255,11 @@ class TextBatch:
     versions: torch.Tensor | None = None
 
     def fresh(self, version: int) -> torch.Tensor:
-        """(B,) bool: the rows sampled by policy `version` (all of them when versions are not known)."""
-        import torch  # start-up time: loaded on first use, not when a recipe is read
-
+        """(B, T-1) float: 1 at the response tokens policy `version` sampled (every response token
+        when versions are not known)."""
         if self.versions is None:
-            return torch.ones(len(self.sample_ids), dtype=torch.bool, device=self.mask.device)
-        return self.versions == version
+            return self.mask.clone()
+        return (self.versions == version).float() * self.mask
 
     def tokens(self) -> dict[str, torch.Tensor]:
         return {"ids": self.ids, "attn": self.attn, "mask": self.mask}
@@ -287,6 +329,7 @@ class TextPolicy(Policy):
         if recipe.train.logprob_chunk_tokens and family.policy != "text":
             raise ValueError(f"train.logprob_chunk_tokens: model.kind {recipe.model.kind!r}'s backbone has no transformers "
                              "output head to apply chunk by chunk; leave it empty")
+        check_partial(recipe)
         overlong = recipe.reward.overlong
         if overlong.truncated == "soft" and overlong.buffer > recipe.rollout.max_new_tokens:
             raise ValueError(
@@ -423,6 +466,9 @@ class TextPolicy(Policy):
         masked = "response_mask" in table.schema.names
         if masked:
             names.append("response_mask")
+        per_token = "token_versions" in table.schema.names  # partial rollouts: a version per response token
+        if per_token:
+            names.append("token_versions")
         if self.images is not None:
             names += ["images", "image_grids"]
             if "images" not in table.schema.names:
@@ -448,8 +494,11 @@ class TextPolicy(Policy):
                 self.images.decode(pngs, grids_of(grids), f"{where}: sample {sid!r}")
                 for sid, pngs, grids in zip(take("sample_id"), take("images"), take("image_grids"))]
             inputs = self._forward_inputs(t, shown)
+            versions = [tv if per_token and tv else [v] * len(r)
+                        for tv, v, r in zip(take("token_versions") if per_token else take("policy_version"),
+                                            take("policy_version"), take("response_ids"))]
             out.append(TextBatch(take("sample_id"), t["ids"], t["attn"], t["mask"], behaviour, adv, inputs,
-                                 torch.tensor(take("policy_version"), dtype=torch.int64, device=self.device)))
+                                 pad_like([[float(v) for v in vs] for vs in versions], t["mask"]).long()))
         return out
 
     def stand_in(self, template: Any) -> TextBatch:

@@ -99,13 +99,15 @@ def sample(
     inputs: Callable[[torch.Tensor, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]] | None = None,
     banned: torch.Tensor | None = None,
     prompt_logprobs: Sequence[bool] = (),
+    caps: Sequence[int] = (),
 ) -> SampleOutput:
     """Sample one response per prompt. The recorded log-prob of a token is
     log softmax(logits / temperature) at that token, in fp32 (the quantity training recomputes).
     `inputs(ids, attn)`: the prompts' other model inputs for the prefill (a VLM's pixel values)
     and their positions, (B, T) or M-RoPE's (3, B, T); default: 1-D positions of the text.
     `banned`: token ids never sampled (`log_probs`). `prompt_logprobs[i]`: row i's prompt log-probs
-    too (SampleOutput.prompt_logprobs), read off the prefill, which computes their logits anyway."""
+    too (SampleOutput.prompt_logprobs), read off the prefill, which computes their logits anyway.
+    `caps[i]`: row i's own length cap, at most max_new_tokens (a continued partial rollout's)."""
     import torch  # start-up time: torch loads on first use, not when a recipe is read
     import torch.distributed as dist  # start-up time: loaded on first use, not when a recipe is read
 
@@ -156,7 +158,8 @@ def sample(
             for k, i in enumerate(rows):
                 responses[i].append(int(tokens[k]))
                 logprobs[i].append(float(token_logp[k]))
-            going = [k for k in range(len(rows)) if int(tokens[k]) != eos_id]
+            going = [k for k in range(len(rows)) if int(tokens[k]) != eos_id
+                     and (not caps or len(responses[rows[k]]) < caps[rows[k]])]
         pending = torch.tensor([1 if going else 0], dtype=torch.int64, device=device)
         if distributed:
             dist.all_reduce(pending, op=dist.ReduceOp.MAX)

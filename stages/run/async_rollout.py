@@ -40,6 +40,15 @@ def behaviour_version(version: int, max_staleness: int, every: int = 1) -> int:
     return target - target % every
 
 
+def producer_version(recipe: Any, iteration: int) -> int:
+    """The policy version the async producer samples batch `iteration` with: `behaviour_version`,
+    or with partial rollouts (stages/engines/partial.py) one update ahead whatever max_staleness is
+    (max_staleness bounds how many batches a cut sample spans)."""
+    r = recipe.rollout
+    lead = 1 if getattr(r, "partial", None) is not None else r.max_staleness
+    return behaviour_version(version_of(recipe, iteration), lead, r.engine.sync.every)
+
+
 def admit(table: pa.Table, version: int, max_staleness: int) -> tuple[pa.Table, dict[str, float]]:
     """The rows of whole groups whose every row has policy_version >= version - max_staleness
     (`version`: the one the trainer trains them at), and what was dropped. table: a rollouts table
@@ -79,6 +88,7 @@ def collect(storage: RunStorage, recipe: Any, iteration: int, *, alive: Callable
         rel = join(iter_dir(iteration), "rollouts", "admitted.arrow")
         write_shard(storage, rel, kept.sort_by("sample_id"))
         files = [rel]
+    metrics.update(produced.get("metrics", {}))  # the producer's own (partial rollouts: what was cut and carried)
     metrics["time/wait_producer_s"] = waited
     return {"files": files, "rows": kept.num_rows, "policy_version": produced.get("policy_version"),
             "produced_s": produced.get("seconds", 0.0), "metrics": metrics, "seconds": waited}

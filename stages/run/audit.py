@@ -2,10 +2,12 @@
 committed iteration (`iter-NNNNNN/_SUCCESS`; one still running is not looked at):
 
 1. every rollout group was trained once: no sample twice in an iteration's trained rows, no group
-   in two iterations' trained rows, none that is not among the iteration's own requests, no rollout
+   in two iterations' trained rows, none that is not among the iteration's own requests (with
+   partial rollouts: or those of the max_staleness - 1 iterations before it), no rollout
    file of another iteration's folder, and in async RL no row the producer did not sample for the
    iteration (`manifests/produce.json`);
-2. every trained row's `policy_version` is no newer than the version the trainer held for its
+2. every trained row's `policy_version` (a partial rollout's: its oldest token's, every token's
+   version in `token_versions`) is no newer than the version the trainer held for its
    iteration (the iteration, or with rollout accumulation the windows before it,
    stages/runtime/accumulation.py) and at most as old as the run allows: `rollout.max_staleness`
    in async RL; in sync RL `rollout.engine.sync.every` - 1 on an engine with weights of its own, 0
@@ -183,11 +185,15 @@ class RunAudit:
         def problem(kind: str, text: str) -> None:
             found.setdefault(kind, []).append(f"{where}: {text}")
 
-        rows = self.trained_rows(i, manifests, problem)
+        newest: dict[str, int] = {}
+        rows = self.trained_rows(i, manifests, problem, newest)
         self.once(i, manifests, rows, problem)
         trained = version_of(self.recipe, i)  # i itself without rollout accumulation
         for sid, (_, version, _) in rows.items():
-            if version > trained:
+            if sid in newest and newest[sid] > trained:
+                problem("version", f"row {sid!r} has tokens of policy version {newest[sid]}, newer than the iteration "
+                                   f"(version {trained})")
+            elif version > trained:
                 problem("version", f"row {sid!r} policy_version {version} is newer than the iteration (version {trained})")
             elif trained - version > self.allowed:
                 problem("version", f"row {sid!r} policy_version {version} is {trained - version} older than the iteration "
@@ -205,23 +211,33 @@ class RunAudit:
                 line.problems.append(f"{where}: ... and {len(texts) - LIMIT} more like the one before")
         return line
 
-    def trained_rows(self, i: int, manifests: list[str], problem: Any) -> dict[str, tuple[str, int, str]]:
+    def trained_rows(self, i: int, manifests: list[str], problem: Any,
+                     newest: dict[str, int]) -> dict[str, tuple[str, int, str]]:
         """Sample id -> (group id, policy version, file) of what iteration i's train step read: the
         rows of its generate stages' files that have an advantage (the others were dropped: dynamic
-        sampling, the staleness bound). A row read twice, or a file of another iteration, is a problem."""
+        sampling, the staleness bound). A row read twice, or a file of another iteration, is a problem.
+        A partial rollout's row (`token_versions`) counts its oldest token's version, which its
+        policy_version must be; `newest` gets its newest token's."""
         d = iter_dir(i)
         advantaged = set(self.column(self.manifest(i, "advantage.json")["files"][0], "advantages", "sample_id"))
         rows: dict[str, tuple[str, int, str]] = {}
         for rel in self.generated(i, manifests):
             if not rel.startswith(d + "/"):
                 problem("file", f"trains {rel}, a rollout file of another iteration's folder")
-            table = read_shard(self.storage, rel, "rollouts").select(["sample_id", "group_id", "policy_version"])
-            for sid, gid, version in zip(*(table.column(c).to_pylist() for c in table.schema.names)):
+            table = read_shard(self.storage, rel, "rollouts")
+            tokens = table.column("token_versions").to_pylist() if "token_versions" in table.schema.names else None
+            table = table.select(["sample_id", "group_id", "policy_version"])
+            for n, (sid, gid, version) in enumerate(zip(*(table.column(c).to_pylist() for c in table.schema.names))):
                 if sid not in advantaged:
                     continue
                 if sid in rows:
                     problem("twice", f"row {sid!r} trained twice ({rows[sid][2]} and {rel})")
                     continue
+                if tokens is not None and tokens[n]:
+                    oldest, newest[sid] = min(tokens[n]), max(tokens[n])
+                    if version != oldest:
+                        problem("tokens", f"row {sid!r} policy_version {version} is not its oldest token's version {oldest}")
+                        version = oldest
                 rows[sid] = (gid, version, rel)
         return rows
 
@@ -251,9 +267,17 @@ class RunAudit:
         return [f for m in manifests if m.startswith("generate") and m.endswith(".json") for f in self.manifest(i, m)["files"]]
 
     def requested(self, i: int, manifests: list[str]) -> set[str] | None:
-        """The group ids of the iteration's committed requests (None: it has none to compare with)."""
+        """The group ids of the iteration's committed requests (None: it has none to compare with);
+        with partial rollouts also those of the iterations before it whose cut groups it may finish
+        (a sample spans at most max_staleness batches)."""
         files = [f for m in manifests if m.startswith("requests") and m.endswith(".json") for f in self.manifest(i, m)["files"]]
-        return {g for rel in files for g in self.column(rel, "requests", "group_id")} if files else None
+        if not files:
+            return None
+        if getattr(self.recipe.rollout, "partial", None) is not None:
+            for j in range(max(0, i - self.recipe.rollout.max_staleness + 1), i):
+                earlier = join(iter_dir(j), "manifests", "requests.json")
+                files += self.storage.read_json(earlier)["files"] if self.storage.exists(earlier) else []
+        return {g for rel in files for g in self.column(rel, "requests", "group_id")}
 
     def accumulation(self, i: int, problem: Any) -> None:
         """With rollout accumulation: the update at the window's last iteration, on the whole

@@ -56,6 +56,8 @@ REQUEST_COLUMNS: dict[str, pa.DataType] = {
 # an agent's next turn, stages/agent/), and a rollout's `response_mask` (1 where a response token is
 # the policy's own, 0 where it is a tool's or the template's: only the policy's tokens are trained).
 TOKEN_COLUMNS: dict[str, pa.DataType] = {"prompt_ids": pa.list_(pa.int32()), "response_mask": pa.list_(pa.int8()),
+                                         # partial rollouts (stages/engines/partial.py): the policy version of each response token
+                                         "token_versions": pa.list_(pa.int32()),
                                          # an agent's trajectory (stages/tools/agent.py): turns, tool calls, errors, why it stopped
                                          "agent_turns": pa.int32(), "agent_tool_calls": pa.int32(),
                                          "agent_tool_errors": pa.int32(), "agent_stop": pa.string(),

@@ -116,3 +116,77 @@ def test_an_async_flow_run_resumes_a_killed_producer_and_weighs_the_older_rows(t
     assert report.ok and [line.versions for line in report.lines] == [(0, 0), (0, 0), (1, 1)], report.text()
     resampled_equals_committed(load_recipe(str(REPO / FLOW_ASYNC[1]), [*FLOW_ASYNC[2:], f"storage.root={root}"]), root,
                                "diffusion-quickstart", ("sample_id", "latents", "sde_logprobs"))
+
+
+# The async quickstart with partial rollouts: answers of one or two digits and eos against a
+# segment of 2 tokens, so groups with a two-digit answer are cut and finish in the next batch.
+PARTIAL = ["iterations=4", "checkpoint_every=2", "sft.steps=100", "sft.noise=0", "rollout.prompts_per_iteration=8", "rollout.group_size=4",
+           "rollout.max_new_tokens=6", "rollout.max_staleness=2", "rollout.partial={segment_tokens: 2}", "eval.enabled=false"]
+
+
+def test_partial_rollouts_carry_cut_groups_with_their_token_versions_through_a_kill(tmp_path, unirl_env):
+    """Async GRPO with partial rollouts, the producer SIGKILLed as it commits batch 2: every batch
+    trains the groups that finished; a group cut in batch j finishes in batch j+1 with its first
+    tokens of version b(j) and the rest of b(j+1) (`token_versions`, policy_version the oldest);
+    the restarted producer commits what the killed one would have (batch 2 sampled again from its
+    requests and batch 1's carry); `unirl audit` passes, and fails a row whose oldest token is
+    older than max_staleness allows."""
+    import pyarrow as pa
+
+    from tests.conftest import REPO
+    from unirl.stages.recipe import load_recipe
+    from unirl.stages.run.audit import audit_run
+    from unirl.stages.runtime.registry import engines
+    from unirl.stages.runtime.sample import read_rollouts, read_shard, write_shard
+    from unirl.stages.runtime.storage import RunStorage
+
+    root = tmp_path / "runs"
+    recipe_path = str(REPO / "recipes/ar/async.yaml")
+    out = run_unirl(["run", recipe_path, *PARTIAL, f"storage.root={root}"], {**unirl_env, "UNIRL_FAULTS": "produce@2"})
+    assert "starting it again" in out.stdout + out.stderr
+    storage = RunStorage(str(root), "async")
+    continued = 0
+    for i in range(4):
+        produced = storage.stage_manifest(i, "produce")
+        assert produced["policy_version"] == max(0, i - 1)  # partial rollouts: one update ahead
+        rows = read_rollouts(storage, produced["files"]).to_pylist()
+        carry = read_shard(storage, produced["carry"], "rollouts").to_pylist()
+        for row in rows:
+            versions = row["token_versions"]
+            assert len(versions) == len(row["response_ids"]) == len(row["response_logprobs"]) and versions == sorted(versions)
+            assert row["policy_version"] == min(versions) and set(versions) <= {max(0, i - 2), max(0, i - 1)}
+            continued += len(set(versions)) > 1
+        carried = {r["group_id"] for r in carry}
+        assert carried.isdisjoint({r["group_id"] for r in rows})
+        if i < 3:  # what batch i cut, batch i+1 finishes: with its first tokens as they were
+            later = {r["sample_id"]: r for r in read_rollouts(storage, storage.stage_manifest(i + 1, "produce")["files"]).to_pylist()}
+            for r in carry:
+                assert later[r["sample_id"]]["response_ids"][:len(r["response_ids"])] == r["response_ids"]
+                assert later[r["sample_id"]]["token_versions"][:len(r["response_ids"])] == r["token_versions"]
+    assert continued > 0, "no sample was cut and continued: the test's segment cuts nothing"
+    report = audit_run(storage)
+    assert report.ok, report.text()
+
+    # batch 2 sampled again from scratch (version 1, batch 1's carry): what the restarted producer committed
+    recipe = load_recipe(recipe_path, [*PARTIAL, f"storage.root={root}"])
+    engine = engines.get("engine_server")(recipe, storage, None)
+    try:
+        again = engine.generate(storage.stage_manifest(2, "requests")["files"][0], "check/rollouts", 2, 1,
+                                carried=storage.stage_manifest(1, "produce")["carry"])
+    finally:
+        engine.close()
+    committed = read_rollouts(storage, storage.stage_manifest(2, "produce")["files"])
+    for column in ("sample_id", "response_ids", "response_logprobs", "token_versions"):
+        assert read_rollouts(storage, again["files"]).column(column).to_pylist() == committed.column(column).to_pylist()
+
+    # a trained row whose first token is older than the bound: the audit names it
+    rel = storage.stage_manifest(3, "produce")["files"][0]
+    table = read_shard(storage, rel, "rollouts")
+    versions = table.column("token_versions").to_pylist()
+    versions[0] = [0] + versions[0][1:]  # trained at version 3, max_staleness 2: version 0 is too old
+    table = table.set_column(table.schema.get_field_index("token_versions"), "token_versions",
+                             pa.array(versions, pa.list_(pa.int32())))
+    write_shard(storage, rel, table)
+    failed = audit_run(storage)
+    assert not failed.ok and any("oldest token" in v for v in failed.violations) \
+        and any("3 older than the iteration" in v for v in failed.violations), failed.text()

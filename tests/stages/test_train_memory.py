@@ -295,6 +295,12 @@ def test_the_sampler_drops_finished_rows_and_each_row_samples_as_it_would_alone(
         assert alone.response_ids[0] == together.response_ids[i]
         assert alone.finish_reasons[0] == together.finish_reasons[i]
         assert max(abs(a - b) for a, b in zip(alone.logprobs[0], together.logprobs[i])) < 1e-5
+    # each row to its own cap (a partial rollout's segment): the first tokens of what it samples uncapped
+    caps = [2, 12, 1, 3, 5]
+    capped = sample(model, prompts, seeds, **common, caps=caps)
+    for i, cap in enumerate(caps):
+        assert capped.response_ids[i] == together.response_ids[i][:cap]
+        assert capped.finish_reasons[i] == ("length" if len(together.response_ids[i]) > cap else together.finish_reasons[i])
 
 
 # -- the memory estimate ----------------------------------------------------------------------------
