@@ -54,3 +54,14 @@ def test_greedy_puts_many_prompts_in_a_request_one_answer_each():
                                        group_seed=group_seed)
     assert [len(r[0]) for r in requests] == [GREEDY_PROMPTS, 3] and all(r[1]["n"] == 1 for r in requests)
     assert sum(order, []) == list(range(len(samples)))
+
+
+def test_samples_of_one_prompt_with_other_length_caps_go_apart():
+    """Partial rollouts: new samples of a group share a request; samples with another cap (a
+    segment's rest) are asked apart, each to its own max_tokens, still with their own seeds."""
+    samples = [(f"a/{k}", "a", "q", None) for k in range(4)]
+    caps = [8, 8, 3, 8]
+    requests, order = batched_requests(samples, [[1, 2]] * 4, [{**p, "max_tokens": c} for p, c in zip(params(samples), caps)],
+                                       greedy=False, group_seed=group_seed)
+    assert sorted((r[1]["n"], r[1]["max_tokens"]) for r in requests) == [(1, 3), (1, 8), (2, 8)]
+    assert seeds_of(requests, order, 4) == [1000, 1001, 1002, 1003]
