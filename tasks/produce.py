@@ -8,6 +8,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from unirl.stages.engines.dedicated import DedicatedEngine
 from unirl.stages.recipe import Recipe
 from unirl.stages.run import iteration as it
 from unirl.stages.runtime.storage import iter_dir, join
@@ -32,7 +33,11 @@ def produce(recipe: Recipe, run_name: str, iteration: int, version: int) -> dict
 
     def make() -> dict[str, Any]:
         out_dir = join(iter_dir(iteration), "rollouts")
-        return engine_of(recipe, storage).generate(requests["files"][0], out_dir, iteration, policy_version=version,
-                                                   carried=carried)
+        engine = engine_of(recipe, storage)
+        if carried is None:
+            return engine.generate(requests["files"][0], out_dir, iteration, policy_version=version)
+        if not isinstance(engine, DedicatedEngine):  # validate refuses it: rollout.partial is for dedicated engines' text
+            raise TypeError(f"rollout.partial: engine {type(engine).__name__} does not sample partial rollouts")
+        return engine.generate(requests["files"][0], out_dir, iteration, policy_version=version, carried=carried)
 
     return committed(storage, iteration, "produce", make)
