@@ -1,0 +1,71 @@
+"""BAGEL's backbone (stages/models/modules/bagel.py) against the published modeling code.
+
+The fixture tests/fixtures/bagel_tiny.safetensors was made outside this repository with
+ByteDance-Seed/Bagel at commit 056b5fd (modeling/bagel/bagel.py, qwen2_navit.py, data/data_utils.py),
+run unchanged on CPU in fp32 with transformers 4.49.0 (its pinned version) and a stub `flash_attn`
+module (only its inference path calls flash_attn_varlen_func; this is its train path). The script:
+a tiny `Qwen2Config` (vocab 64, hidden 32, intermediate 48, 2 layers, 4 heads, 2 kv heads,
+qk_norm, layer_module Qwen2MoTDecoderLayer, rope_theta 1e4) in their `Qwen2ForCausalLM`, wrapped
+in their `Bagel` (visual_gen, no ViT, z_channels 4, latent_patch_size 2, max_latent_size 8);
+torch.manual_seed(0), then every parameter but the latent position table drawn N(0, 0.3) (norms
+1 + N(0, 0.1)); one sample of 5 text tokens (causal), a 2x3-patch noisy latent x_t = (1-t) x0 +
+t noise at t = 0.37 (split mode `noise`), 3 more text tokens; positions 0-4, 5 for every patch,
+6-8; the sequence embedded as `Bagel.forward` does (embed_tokens; vae2llm + time_embedder +
+latent_pos_embed), then `language_model.forward_train` with `create_sparse_mask`'s flex-attention
+block mask; saved: the state dict (their names, `weights/...`), the inputs, the last hidden
+states, `lm_head` on the text tokens and `llm2vae` on the latent tokens.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from unirl.stages.models.modules.bagel import BagelBackbone, BagelGeometry, Split, attention_mask, llm_config
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "bagel_tiny.safetensors"
+LLM = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+       "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 128,
+       "qk_norm": True, "layer_module": "Qwen2MoTDecoderLayer", "tie_word_embeddings": False}
+
+
+def test_text_logits_and_the_latent_velocity_match_the_published_code():
+    saved = load_file(str(FIXTURE))
+    model = BagelBackbone(llm_config(LLM), BagelGeometry(latent_patch_size=2, max_latent_size=8, latent_channels=4)).eval()
+    weights = {k.removeprefix("weights/"): v for k, v in saved.items() if k.startswith("weights/")}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and all("rotary_emb" in k for k in missing), (missing, unexpected)  # released names, all of them
+    # the fixed latent position table is ours, computed: it equals the published one
+    torch.testing.assert_close(model.latent_pos_embed.pos_embed, weights["latent_pos_embed.pos_embed"])
+
+    text = torch.cat([saved["in/text_a"], saved["in/text_b"]])
+    with torch.no_grad():
+        tokens = model.language_model.model.embed_tokens(text)
+        latents = model.embed_latents(saved["in/xt"], saved["in/t"], rows=2, cols=3)
+        embeds = torch.cat([tokens[:5], latents, tokens[5:]])[None]
+        gen = torch.zeros(1, 14, dtype=torch.bool)
+        gen[0, 5:11] = True
+        positions = torch.tensor([[0, 1, 2, 3, 4, 5, 5, 5, 5, 5, 5, 6, 7, 8]])
+        mask = attention_mask([Split(5, "causal"), Split(6, "noise"), Split(3, "causal")])[None]
+        hidden = model(embeds, gen, positions, mask)[0]
+    torch.testing.assert_close(hidden, saved["out/hidden"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.text_logits(hidden[~gen[0]]), saved["out/logits"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.velocity(hidden[gen[0]]), saved["out/velocity"], rtol=1e-5, atol=1e-5)
+
+
+def test_the_attention_pattern():
+    """Text is causal; a noisy image sees itself whole and what came before it, and nothing else sees it."""
+    m = attention_mask([Split(2, "causal"), Split(2, "noise"), Split(1, "causal"), Split(2, "full")], total=9)
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0, 0, 0],  # the noisy image: whole, and the text before it
+        [1, 1, 1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 0, 0],  # text after it does not see it
+        [1, 1, 0, 0, 1, 1, 1, 0, 0],  # a clean (full) image: whole, and all before it but the noise
+        [1, 1, 0, 0, 1, 1, 1, 0, 0],
+        [0, 0, 0, 0, 0, 0, 0, 1, 0],  # padding: itself alone
+        [0, 0, 0, 0, 0, 0, 0, 0, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(m, expected)
