@@ -69,3 +69,42 @@ def test_the_attention_pattern():
         [0, 0, 0, 0, 0, 0, 0, 0, 1],
     ], dtype=torch.bool)
     assert torch.equal(m, expected)
+
+
+def seeded_state(shapes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """The VAE fixture's weights, drawn as its script drew them: each tensor from its own generator."""
+    out = {}
+    for i, (name, shape) in enumerate(sorted(shapes.items())):
+        w = torch.randn(shape, generator=torch.Generator().manual_seed(1000 + i))
+        if name.endswith("norm.weight") or ".norm" in name and name.endswith("weight") and len(shape) == 1:
+            w = 1.0 + 0.1 * w
+        elif len(shape) == 1:
+            w = 0.1 * w
+        else:
+            w = w / (torch.tensor(shape[1:]).prod().float().sqrt())
+        out[name] = w
+    return out
+
+
+def test_the_vae_round_trip_matches_the_published_autoencoder():
+    """tests/fixtures/bagel_vae_tiny.safetensors: BAGEL's modeling/autoencoder.py (FLUX.1's AE) at
+    056b5fd, `AutoEncoder(AutoEncoderParams(resolution=16, in_channels=3, downsample=4, ch=32,
+    out_ch=3, ch_mult=[1, 2], num_res_blocks=1, z_channels=4, scale_factor=0.3611,
+    shift_factor=0.1159))`, weights `seeded_state` of its state dict's names and shapes (stored in
+    the file's metadata), `reg.sample = False`, an image drawn U(-1, 1) from
+    torch.Generator().manual_seed(7); saved: `encode(x)` and `decode(encode(x))`, CPU fp32."""
+    import json
+
+    from safetensors import safe_open
+
+    from unirl.stages.models.modules.bagel import AutoencoderGeometry, autoencoder, decode_latents, encode_latents
+
+    path = str(FIXTURE.with_name("bagel_vae_tiny.safetensors"))
+    with safe_open(path, "pt") as f:
+        shapes = json.loads(f.metadata()["shapes"])
+    saved = load_file(path)
+    vae = autoencoder(seeded_state(shapes), AutoencoderGeometry(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=4)).eval()
+    with torch.no_grad():
+        z = encode_latents(vae, saved["in/image"])
+        torch.testing.assert_close(z, saved["out/latent"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(decode_latents(vae, z), saved["out/decoded"], rtol=1e-5, atol=1e-5)

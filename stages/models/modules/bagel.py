@@ -284,3 +284,48 @@ def llm_config(raw: dict[str, Any]) -> Qwen2Config:
     config = Qwen2Config(**raw)
     config.qk_norm = qk_norm
     return config
+
+
+@dataclass
+class AutoencoderGeometry:
+    """BAGEL's VAE (FLUX.1's autoencoder, `ae.safetensors`): the released one is ch 128, ch_mult
+    (1, 2, 4, 4), 2 res blocks, 16 latent channels, scale 0.3611, shift 0.1159."""
+
+    ch: int = 128
+    ch_mult: tuple[int, ...] = (1, 2, 4, 4)
+    num_res_blocks: int = 2
+    z_channels: int = 16
+    scale_factor: float = 0.3611
+    shift_factor: float = 0.1159
+
+
+def autoencoder(state: dict[str, torch.Tensor], geometry: AutoencoderGeometry) -> Any:
+    """A diffusers AutoencoderKL holding the weights of BAGEL's `ae.safetensors` (original FLUX/LDM
+    tensor names, converted by diffusers' own single-file mapping), with its scale and shift: its
+    latents are `(mean - shift) * scale` as BAGEL's `AutoEncoder.encode` (without sampling) gives."""
+    from diffusers import AutoencoderKL  # start-up time: diffusers loads when a BAGEL VAE is built
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint  # start-up time: as above
+
+    levels = len(geometry.ch_mult)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * levels,
+                        up_block_types=["UpDecoderBlock2D"] * levels,
+                        block_out_channels=[geometry.ch * m for m in geometry.ch_mult], layers_per_block=geometry.num_res_blocks,
+                        latent_channels=geometry.z_channels, norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False,
+                        scaling_factor=geometry.scale_factor, shift_factor=geometry.shift_factor)
+    converted = convert_ldm_vae_checkpoint(dict(state), vae.config)
+    missing, unexpected = vae.load_state_dict(converted, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"ae.safetensors: {len(missing)} tensors missing (first: {sorted(missing)[:3]}), {len(unexpected)} "
+                         f"unexpected (first: {sorted(unexpected)[:3]}) for the VAE geometry {geometry}")
+    return vae
+
+
+def encode_latents(vae: Any, images: torch.Tensor) -> torch.Tensor:
+    """Images in [-1, 1] (B, 3, H, W) -> BAGEL's latents (the posterior mean, shifted and scaled)."""
+    mean = vae.encode(images).latent_dist.mean
+    return (mean - vae.config.shift_factor) * vae.config.scaling_factor
+
+
+def decode_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """BAGEL's latents -> images in about [-1, 1]."""
+    return vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor).sample
