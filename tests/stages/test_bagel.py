@@ -71,17 +71,18 @@ def test_the_attention_pattern():
     assert torch.equal(m, expected)
 
 
-def seeded_state(shapes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-    """The VAE fixture's weights, drawn as its script drew them: each tensor from its own generator."""
+def seeded_state(shapes: dict[str, list[int]], base: int) -> dict[str, torch.Tensor]:
+    """A fixture's weights, drawn as its script drew them: tensor i of the sorted names from a
+    generator seeded base + i; norm weights 1 + 0.1 N, other vectors 0.1 N, matrices N / sqrt(fan-in)."""
     out = {}
     for i, (name, shape) in enumerate(sorted(shapes.items())):
-        w = torch.randn(shape, generator=torch.Generator().manual_seed(1000 + i))
-        if name.endswith("norm.weight") or ".norm" in name and name.endswith("weight") and len(shape) == 1:
-            w = 1.0 + 0.1 * w
+        w = torch.randn(shape, generator=torch.Generator().manual_seed(base + i))
+        if len(shape) == 1 and "norm" in name:
+            w = 1.0 + 0.1 * w if name.endswith("weight") else 0.1 * w
         elif len(shape) == 1:
             w = 0.1 * w
         else:
-            w = w / (torch.tensor(shape[1:]).prod().float().sqrt())
+            w = w / torch.tensor(shape[1:]).prod().float().sqrt()
         out[name] = w
     return out
 
@@ -90,8 +91,8 @@ def test_the_vae_round_trip_matches_the_published_autoencoder():
     """tests/fixtures/bagel_vae_tiny.safetensors: BAGEL's modeling/autoencoder.py (FLUX.1's AE) at
     056b5fd, `AutoEncoder(AutoEncoderParams(resolution=16, in_channels=3, downsample=4, ch=32,
     out_ch=3, ch_mult=[1, 2], num_res_blocks=1, z_channels=4, scale_factor=0.3611,
-    shift_factor=0.1159))`, weights `seeded_state` of its state dict's names and shapes (stored in
-    the file's metadata), `reg.sample = False`, an image drawn U(-1, 1) from
+    shift_factor=0.1159))`, weights `seeded_state(.., 1000)` of its state dict's names and shapes
+    (stored in the file's metadata), `reg.sample = False`, an image drawn U(-1, 1) from
     torch.Generator().manual_seed(7); saved: `encode(x)` and `decode(encode(x))`, CPU fp32."""
     import json
 
@@ -103,8 +104,41 @@ def test_the_vae_round_trip_matches_the_published_autoencoder():
     with safe_open(path, "pt") as f:
         shapes = json.loads(f.metadata()["shapes"])
     saved = load_file(path)
-    vae = autoencoder(seeded_state(shapes), AutoencoderGeometry(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=4)).eval()
+    vae = autoencoder(seeded_state(shapes, 1000), AutoencoderGeometry(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=4)).eval()
     with torch.no_grad():
         z = encode_latents(vae, saved["in/image"])
         torch.testing.assert_close(z, saved["out/latent"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(decode_latents(vae, z), saved["out/decoded"], rtol=1e-5, atol=1e-5)
+
+
+def test_understanding_images_match_the_published_vit_and_connector():
+    """tests/fixtures/bagel_vit_tiny.safetensors: BAGEL's SigLIP NaViT (modeling/bagel/siglip_navit.py
+    at 056b5fd, `SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, image_size=8, patch_size=2, rope=False)`, its patch embedding converted to
+    linear as the released checkpoints are) and `MLPconnector(32, 48, "gelu_pytorch_tanh")`,
+    weights `seeded_state(.., 2000)`; two images (3x4x6, 3x8x4, U(-1, 1)
+    from manual_seed(9)) packed with `patchify` and `get_flattened_position_ids_extrapolate` (side
+    4); flash_attn_varlen_func stubbed by exact per-image attention and the bf16 casts before it
+    dropped (the only patch). Saved: the ViT's last hidden states and connector + vit_pos_embed."""
+    import json
+
+    from safetensors import safe_open
+
+    from unirl.stages.models.modules.bagel import BagelBackbone, BagelGeometry, llm_config
+
+    path = str(FIXTURE.with_name("bagel_vit_tiny.safetensors"))
+    with safe_open(path, "pt") as f:
+        shapes = json.loads(f.metadata()["shapes"])
+    saved = load_file(path)
+    vit = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 8,
+           "patch_size": 2, "layer_norm_eps": 1e-6, "rope": False}
+    model = BagelBackbone(llm_config({**LLM, "hidden_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2}),
+                          BagelGeometry(latent_channels=4, max_latent_size=8), vit=vit, vit_max_patches_per_side=4).eval()
+    state = seeded_state(shapes, 2000)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and not [k for k in missing if k.startswith(("vit_model", "connector"))], (missing, unexpected)
+    torch.testing.assert_close(model.vit_pos_embed.pos_embed, saved["pos_embed"])
+    with torch.no_grad():
+        tokens = model.embed_images([saved["in/image0"], saved["in/image1"]])
+    torch.testing.assert_close(torch.cat(tokens), saved["out/tokens"], rtol=1e-5, atol=1e-5)
+

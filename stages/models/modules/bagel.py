@@ -5,7 +5,7 @@ holds two experts of the same shape (mixture of transformers, MoT), one for unde
 patches), sharing one attention over the whole sequence. Module and parameter names follow the
 released checkpoint (`language_model.model.layers.N.self_attn.q_proj_moe_gen.weight`, `vae2llm`,
 `llm2vae`, `time_embedder.mlp.0.weight`, `latent_pos_embed.pos_embed`), so its `ema.safetensors`
-loads by name. Not yet here: the SigLIP NaViT understanding encoder and its connector, the VAE.
+loads by name; the SigLIP NaViT understanding encoder with its connector; the VAE (FLUX.1's).
 
     sequence   splits of a sample, each `causal` (text) or `noise` (one image's latent patches)
     attention  kv visible to q when (kv <= q, or both in the same noise split), and kv is not in
@@ -218,6 +218,103 @@ class PositionEmbedding(nn.Module):
         return self.pos_embed[index]
 
 
+class VisionEmbeddings(nn.Module):
+    """Patches (p*p*C, each (p, p, C) flattened, as the released checkpoint's linear patch
+    embedding reads them) plus a learned embedding of row * side + col."""
+
+    def __init__(self, channels: int, patch: int, width: int, side: int):
+        super().__init__()
+        self.patch_embedding = nn.Linear(channels * patch * patch, width)
+        self.position_embedding = nn.Embedding(side * side, width)
+
+    def forward(self, patches: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return self.patch_embedding(patches) + self.position_embedding(index)
+
+
+class VisionLayer(nn.Module):
+    """A SigLIP encoder layer: pre-LayerNorm attention over one image's patches, pre-LayerNorm
+    GELU (tanh) MLP."""
+
+    def __init__(self, width: int, intermediate: int, heads: int, eps: float):
+        super().__init__()
+        self.heads = heads
+        self.layer_norm1 = nn.LayerNorm(width, eps=eps)
+        self.layer_norm2 = nn.LayerNorm(width, eps=eps)
+        self.self_attn = nn.Module()
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            self.self_attn.add_module(name, nn.Linear(width, width))
+        self.mlp = nn.Module()
+        self.mlp.add_module("fc1", nn.Linear(width, intermediate))
+        self.mlp.add_module("fc2", nn.Linear(intermediate, width))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        h = self.layer_norm1(x)
+        attn = self.self_attn
+
+        def heads(name: str) -> torch.Tensor:
+            return expert(attn, name)(h).view(b, n, self.heads, d // self.heads).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(heads("q_proj"), heads("k_proj"), heads("v_proj"), attn_mask=mask[:, None])
+        x = x + expert(attn, "out_proj")(out.transpose(1, 2).reshape(b, n, d))
+        return x + expert(self.mlp, "fc2")(F.gelu(expert(self.mlp, "fc1")(self.layer_norm2(x)), approximate="tanh"))
+
+
+class SiglipNaViT(nn.Module):
+    """`vit_model`: SigLIP's vision transformer on images of any size (each its own sequence of
+    patches, no resizing to a square), with the released names under `vision_model`. BAGEL's
+    checkpoints use learned patch positions (their `rope: false`)."""
+
+    def __init__(self, config: dict[str, Any]):
+        super().__init__()
+        if config.get("rope", True):
+            raise ValueError("vit_config.json: rope true; unirl's BAGEL reads the released checkpoints' learned patch "
+                             "positions (rope false)")
+        width, patch = config["hidden_size"], config["patch_size"]
+        self.patch, self.side = patch, config["image_size"] // patch
+        self.vision_model = nn.Module()
+        self.vision_model.add_module("embeddings", VisionEmbeddings(config.get("num_channels", 3), patch, width, self.side))
+        encoder = nn.Module()
+        encoder.add_module("layers", nn.ModuleList(
+            VisionLayer(width, config["intermediate_size"], config["num_attention_heads"], config.get("layer_norm_eps", 1e-6))
+            for _ in range(config["num_hidden_layers"])))
+        self.vision_model.add_module("encoder", encoder)
+        self.vision_model.add_module("post_layernorm", nn.LayerNorm(width, eps=config.get("layer_norm_eps", 1e-6)))
+
+    def forward(self, patches: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """patches (B, N, p*p*C), index (B, N) patch positions, valid (B, N) bool -> (B, N, width)."""
+        vm = self.vision_model
+        x = expert(vm, "embeddings")(patches, index)
+        mask = valid[:, :, None] & valid[:, None, :]
+        mask = mask | torch.eye(mask.shape[-1], dtype=torch.bool, device=mask.device)  # padding sees itself
+        for layer in expert(expert(vm, "encoder"), "layers").children():
+            x = layer(x, mask)
+        return expert(vm, "post_layernorm")(x)
+
+
+class Connector(nn.Module):
+    """`connector`: ViT width -> LLM width (Linear, GELU tanh, Linear)."""
+
+    def __init__(self, vit_width: int, width: int):
+        super().__init__()
+        self.fc1 = nn.Linear(vit_width, width)
+        self.fc2 = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+def patchify(image: torch.Tensor, p: int) -> torch.Tensor:
+    """(C, H, W) -> (H/p * W/p, p*p*C): row-major patches, each (p, p, C) flattened."""
+    c, h, w = image.shape
+    return torch.einsum("chpwq->hwpqc", image.reshape(c, h // p, p, w // p, p)).reshape(-1, p * p * c)
+
+
+def grid_positions(rows: int, cols: int, side: int) -> torch.Tensor:
+    """Row-major indices row * side + col of a rows x cols grid in a table `side` wide."""
+    return (torch.arange(rows)[:, None] * side + torch.arange(cols)).flatten()
+
+
 @dataclass
 class BagelGeometry:
     """What of BAGEL's own config.json the generation path reads."""
@@ -231,7 +328,8 @@ class BagelGeometry:
 class BagelBackbone(nn.Module):
     """The language model with both experts, and the generation path's latent in/out layers."""
 
-    def __init__(self, llm: Qwen2Config, geometry: BagelGeometry):
+    def __init__(self, llm: Qwen2Config, geometry: BagelGeometry, vit: dict[str, Any] | None = None,
+                 vit_max_patches_per_side: int = 70):
         super().__init__()
         if not hasattr(llm, "qk_norm"):  # a plain Qwen2Config: BAGEL's checkpoints norm q and k
             llm.qk_norm = True
@@ -243,20 +341,40 @@ class BagelBackbone(nn.Module):
         self.vae2llm = nn.Linear(patch_dim, hidden)
         self.llm2vae = nn.Linear(hidden, patch_dim)
         self.latent_pos_embed = PositionEmbedding(geometry.max_latent_size, hidden)
+        self.vit_side = vit_max_patches_per_side
+        if vit is not None:  # understanding images: BAGEL's visual_und
+            self.vit_model = SiglipNaViT(vit)
+            self.connector = Connector(vit["hidden_size"], hidden)
+            self.vit_pos_embed = PositionEmbedding(vit_max_patches_per_side, hidden)
 
     def patchify(self, latent: torch.Tensor) -> torch.Tensor:
         """(C, H, W) latent -> (H/p * W/p, p*p*C) patches, row-major, each (p, p, C) flattened."""
-        p = self.geometry.latent_patch_size
-        c, h, w = latent.shape
-        return torch.einsum("chpwq->hwpqc", latent.reshape(c, h // p, p, w // p, p)).reshape(-1, p * p * c)
-
-    def latent_positions(self, rows: int, cols: int) -> torch.Tensor:
-        return (torch.arange(rows)[:, None] * self.geometry.max_latent_size + torch.arange(cols)).flatten()
+        return patchify(latent, self.geometry.latent_patch_size)
 
     def embed_latents(self, patches: torch.Tensor, t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         """The sequence entries of one image's noisy patches x_t (N, p*p*C) at noise level t."""
-        index = self.latent_positions(rows, cols).to(patches.device)
+        index = grid_positions(rows, cols, self.geometry.max_latent_size).to(patches.device)
         return self.vae2llm(patches) + self.time_embedder(t.reshape(1).expand(patches.shape[0])) + self.latent_pos_embed(index)
+
+    def embed_images(self, images: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The sequence entries of understanding images ((C, H, W) each, sides multiples of the ViT
+        patch): ViT patches through the connector, plus the 2-D sin-cos `vit_pos_embed`; one
+        (H/p * W/p, D) tensor per image."""
+        vit = self.vit_model
+        if not isinstance(vit, SiglipNaViT):
+            raise TypeError("this BAGEL was built without its ViT (vit_config): it draws, it does not see")
+        p = vit.patch
+        grids = [(im.shape[1] // p, im.shape[2] // p) for im in images]
+        n = max(r * c for r, c in grids)
+        patches = torch.zeros(len(images), n, images[0].shape[0] * p * p, device=images[0].device)
+        index = torch.zeros(len(images), n, dtype=torch.long, device=images[0].device)
+        valid = torch.zeros(len(images), n, dtype=torch.bool, device=images[0].device)
+        for i, (im, (r, c)) in enumerate(zip(images, grids)):
+            patches[i, :r * c] = patchify(im, p)
+            index[i, :r * c] = grid_positions(r, c, self.vit_side)
+            valid[i, :r * c] = True
+        tokens = expert(self, "connector")(vit(patches, index, valid)) + expert(self, "vit_pos_embed")(index)
+        return [tokens[i, :r * c] for i, (r, c) in enumerate(grids)]
 
     def forward(self, embeds: torch.Tensor, gen: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Last hidden states (B, T, D) of embedded sequences; gen (B, T) marks latent tokens,
