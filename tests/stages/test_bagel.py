@@ -17,12 +17,27 @@ states, `lm_head` on the text tokens and `llm2vae` on the latent tokens.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from unirl.stages.models.modules.bagel import BagelBackbone, BagelGeometry, Split, attention_mask, llm_config
+from unirl.stages.models.modules.bagel import (
+    AutoencoderGeometry,
+    BagelBackbone,
+    BagelGeometry,
+    Split,
+    attention_mask,
+    autoencoder,
+    decode_latents,
+    encode_latents,
+    llm_config,
+    load_folder,
+    save_folder,
+)
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "bagel_tiny.safetensors"
 LLM = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -94,11 +109,6 @@ def test_the_vae_round_trip_matches_the_published_autoencoder():
     shift_factor=0.1159))`, weights `seeded_state(.., 1000)` of its state dict's names and shapes
     (stored in the file's metadata), `reg.sample = False`, an image drawn U(-1, 1) from
     torch.Generator().manual_seed(7); saved: `encode(x)` and `decode(encode(x))`, CPU fp32."""
-    import json
-
-    from safetensors import safe_open
-
-    from unirl.stages.models.modules.bagel import AutoencoderGeometry, autoencoder, decode_latents, encode_latents
 
     path = str(FIXTURE.with_name("bagel_vae_tiny.safetensors"))
     with safe_open(path, "pt") as f:
@@ -120,11 +130,6 @@ def test_understanding_images_match_the_published_vit_and_connector():
     from manual_seed(9)) packed with `patchify` and `get_flattened_position_ids_extrapolate` (side
     4); flash_attn_varlen_func stubbed by exact per-image attention and the bf16 casts before it
     dropped (the only patch). Saved: the ViT's last hidden states and connector + vit_pos_embed."""
-    import json
-
-    from safetensors import safe_open
-
-    from unirl.stages.models.modules.bagel import BagelBackbone, BagelGeometry, llm_config
 
     path = str(FIXTURE.with_name("bagel_vit_tiny.safetensors"))
     with safe_open(path, "pt") as f:
@@ -142,3 +147,38 @@ def test_understanding_images_match_the_published_vit_and_connector():
         tokens = model.embed_images([saved["in/image0"], saved["in/image1"]])
     torch.testing.assert_close(torch.cat(tokens), saved["out/tokens"], rtol=1e-5, atol=1e-5)
 
+
+
+def test_a_folder_in_the_released_layout_loads_every_tensor_by_name(tmp_path):
+    """A tiny seeded BAGEL written as the released folder is (llm_config.json, vit_config.json with
+    the one layer BAGEL drops, ema.safetensors under the released names, ae.safetensors in FLUX's
+    original layout) loads back tensor for tensor, its VAE encoding as the VAE fixture's; a missing
+    file or a foreign tensor is named."""
+
+    vae_path = str(FIXTURE.with_name("bagel_vae_tiny.safetensors"))
+    with safe_open(vae_path, "pt") as f:
+        ae_state = seeded_state(json.loads(f.metadata()["shapes"]), 1000)
+    vit = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 140,
+           "patch_size": 2, "layer_norm_eps": 1e-6}
+    llm = {k: v for k, v in LLM.items() if k not in ("qk_norm", "layer_module")}
+    torch.manual_seed(0)
+    model = BagelBackbone(llm_config(LLM), BagelGeometry(latent_channels=4, max_latent_size=64), vit={**vit, "rope": False},
+                          vit_max_patches_per_side=70)
+    save_folder(tmp_path / "bagel", model, llm, vit, ae_state)
+    geometry = AutoencoderGeometry(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=4)
+    loaded, vae = load_folder(tmp_path / "bagel", geometry)
+    assert json.loads((tmp_path / "bagel/vit_config.json").read_text())["num_hidden_layers"] == 3  # BAGEL runs 2 of 3
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    with torch.no_grad():
+        torch.testing.assert_close(encode_latents(vae, load_file(vae_path)["in/image"]), load_file(vae_path)["out/latent"],
+                                   rtol=1e-5, atol=1e-5)
+
+    (tmp_path / "bagel/ae.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"not a BAGEL folder, missing ae.safetensors"):
+        load_folder(tmp_path / "bagel", geometry)
+    save_file(ae_state, str(tmp_path / "bagel/ae.safetensors"))
+    foreign = {**load_file(str(tmp_path / "bagel/ema.safetensors")), "language_model.model.layers.9.mlp.up_proj.weight": torch.ones(1)}
+    save_file(foreign, str(tmp_path / "bagel/ema.safetensors"))
+    with pytest.raises(ValueError, match=r"ema.safetensors: 0 tensors of the model missing .*, 1 not the model's"):
+        load_folder(tmp_path / "bagel", geometry)

@@ -23,13 +23,16 @@ against that code's on the same weights.
 """
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm, Qwen2RotaryEmbedding, apply_rotary_pos_emb
@@ -447,3 +450,57 @@ def encode_latents(vae: Any, images: torch.Tensor) -> torch.Tensor:
 def decode_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
     """BAGEL's latents -> images in about [-1, 1]."""
     return vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor).sample
+
+
+# The released folder (ByteDance-Seed/BAGEL-7B-MoT): what its own loader (app.py, inferencer)
+# reads, with the settings it applies on top of the files.
+FILES = ("llm_config.json", "vit_config.json", "ae.safetensors", "ema.safetensors")
+RELEASED = {"latent_patch_size": 2, "max_latent_size": 64, "vit_max_patches_per_side": 70}
+
+
+def folder_configs(folder: Any) -> tuple[Qwen2Config, dict[str, Any]]:
+    """The language model's and the ViT's configs of a BAGEL folder, as its loader sets them: the
+    MoT layers with q/k norms and an untied head; the ViT with learned positions and one layer
+    fewer than vit_config.json lists (BAGEL reads the penultimate SigLIP layer)."""
+    root = Path(folder)
+    missing = [name for name in FILES if not (root / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{root}: not a BAGEL folder, missing {', '.join(missing)} (the released layout: "
+                                f"{', '.join(FILES)} and the Qwen2 tokenizer files)")
+    raw = json.loads((root / "llm_config.json").read_text())
+    llm = llm_config({**raw, "qk_norm": True, "tie_word_embeddings": False, "layer_module": "Qwen2MoTDecoderLayer"})
+    vit = json.loads((root / "vit_config.json").read_text())
+    vit = {**vit, "rope": False, "num_hidden_layers": int(vit["num_hidden_layers"]) - 1}
+    return llm, vit
+
+
+def load_folder(folder: Any, ae: AutoencoderGeometry | None = None, device: Any = "cpu") -> tuple[BagelBackbone, Any]:
+    """BAGEL from its released folder: the backbone with every tensor of ema.safetensors loaded by
+    name (a tensor missing or left over is an error naming it), and the VAE of ae.safetensors."""
+    root = Path(folder)
+    llm, vit = folder_configs(root)
+    ae = ae or AutoencoderGeometry()
+    geometry = BagelGeometry(latent_patch_size=RELEASED["latent_patch_size"], max_latent_size=RELEASED["max_latent_size"],
+                             latent_channels=ae.z_channels)
+    model = BagelBackbone(llm, geometry, vit=vit, vit_max_patches_per_side=RELEASED["vit_max_patches_per_side"])
+    state = load_file(str(root / "ema.safetensors"), device=str(device))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if "rotary_emb" not in k]
+    if missing or unexpected:
+        raise ValueError(f"{root / 'ema.safetensors'}: {len(missing)} tensors of the model missing (first: {missing[:3]}), "
+                         f"{len(unexpected)} not the model's (first: {unexpected[:3]}); is it BAGEL's MoT checkpoint?")
+    vae = autoencoder(load_file(str(root / "ae.safetensors"), device=str(device)), ae)
+    return model.to(device), vae.to(device)
+
+
+def save_folder(folder: Any, model: BagelBackbone, llm: dict[str, Any], vit: dict[str, Any], ae_state: dict[str, torch.Tensor]) -> None:
+    """Write a BAGEL folder in the released layout (a tiny seeded one for tests): the configs as the
+    loader reads them (vit_config.json lists one layer more than the model runs), ema.safetensors
+    under the released names, ae.safetensors in the original FLUX layout."""
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "llm_config.json").write_text(json.dumps(llm, indent=2))
+    (root / "vit_config.json").write_text(json.dumps({**vit, "num_hidden_layers": int(vit["num_hidden_layers"]) + 1}, indent=2))
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if "rotary_emb" not in k}
+    save_file(state, str(root / "ema.safetensors"))
+    save_file({k: v.contiguous() for k, v in ae_state.items()}, str(root / "ae.safetensors"))
