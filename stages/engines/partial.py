@@ -13,7 +13,8 @@ The schedule, a function of the iteration alone (a resumed run repeats what a ki
   one update ahead of the trainer (max_staleness 1's lead), whatever max_staleness is;
 * a sample whose oldest token would still be within max_staleness of the iteration after this one
   is cut at `segment_tokens` new tokens this batch; one that would not is sampled to its end
-  (so a row is never dropped for staleness: a sample spans at most max_staleness batches);
+  (so a row is never dropped for staleness: its oldest token is at most max_staleness versions
+  older than the iteration that trains it);
 * batch j: the carried groups of batch j-1 (their samples continue) and iteration j's new prompt
   groups; rounds of the engine until at least one group has finished (one round unless every
   group was cut); finished groups are the batch (`rollouts/part-000.arrow`), the others its carry

@@ -57,7 +57,7 @@ class TextRollout(RolloutBase):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     partial: PartialRollouts | None = Field(
         None, description="rollout.mode async: cut generations at partial.segment_tokens and finish them in the next "
-        "batch under the newer weights (each token records its version; a sample spans at most max_staleness batches, "
+        "batch under the newer weights (each token records its version; a sample's oldest token at most max_staleness versions before its training, "
         "which must be >= 2); empty: every batch waits for its longest generation.")
 
 

@@ -3,7 +3,7 @@ committed iteration (`iter-NNNNNN/_SUCCESS`; one still running is not looked at)
 
 1. every rollout group was trained once: no sample twice in an iteration's trained rows, no group
    in two iterations' trained rows, none that is not among the iteration's own requests (with
-   partial rollouts: or those of the max_staleness - 1 iterations before it), no rollout
+   partial rollouts: or those of the max_staleness iterations before it), no rollout
    file of another iteration's folder, and in async RL no row the producer did not sample for the
    iteration (`manifests/produce.json`);
 2. every trained row's `policy_version` (a partial rollout's: its oldest token's, every token's
@@ -269,12 +269,12 @@ class RunAudit:
     def requested(self, i: int, manifests: list[str]) -> set[str] | None:
         """The group ids of the iteration's committed requests (None: it has none to compare with);
         with partial rollouts also those of the iterations before it whose cut groups it may finish
-        (a sample spans at most max_staleness batches)."""
+        (its oldest token within max_staleness of the iteration that trains it)."""
         files = [f for m in manifests if m.startswith("requests") and m.endswith(".json") for f in self.manifest(i, m)["files"]]
         if not files:
             return None
         if getattr(self.recipe.rollout, "partial", None) is not None:
-            for j in range(max(0, i - self.recipe.rollout.max_staleness + 1), i):
+            for j in range(max(0, i - self.recipe.rollout.max_staleness), i):
                 earlier = join(iter_dir(j), "manifests", "requests.json")
                 files += self.storage.read_json(earlier)["files"] if self.storage.exists(earlier) else []
         return {g for rel in files for g in self.column(rel, "requests", "group_id")}

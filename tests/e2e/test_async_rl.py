@@ -118,16 +118,18 @@ def test_an_async_flow_run_resumes_a_killed_producer_and_weighs_the_older_rows(t
                                "diffusion-quickstart", ("sample_id", "latents", "sde_logprobs"))
 
 
-# The async quickstart with partial rollouts: answers of one or two digits and eos against a
-# segment of 2 tokens, so groups with a two-digit answer are cut and finish in the next batch.
-PARTIAL = ["iterations=4", "checkpoint_every=2", "sft.steps=100", "sft.noise=0", "rollout.prompts_per_iteration=8", "rollout.group_size=4",
-           "rollout.max_new_tokens=6", "rollout.max_staleness=2", "rollout.partial={segment_tokens: 2}", "eval.enabled=false"]
+# The partial-rollout recipe (echo: write back the prompt's digits) shortened: strings of 1-2 digits,
+# a third of 3-6, against a segment of 2 tokens, so groups with a longer answer are cut and finish in
+# the next batch.
+PARTIAL = ["iterations=4", "checkpoint_every=2", "sft.steps=100", "sft.noise=0", "rollout.prompts_per_iteration=8",
+           "rollout.group_size=4", "data.short=2", "data.long=6", "data.long_frac=0.3", "data.heldout_size=10",
+           "rollout.max_new_tokens=7", "rollout.max_staleness=2", "rollout.partial={segment_tokens: 2}", "eval.enabled=false"]
 
 
 def test_partial_rollouts_carry_cut_groups_with_their_token_versions_through_a_kill(tmp_path, unirl_env):
     """Async GRPO with partial rollouts, the producer SIGKILLed as it commits batch 2: every batch
-    trains the groups that finished; a group cut in batch j finishes in batch j+1 with its first
-    tokens of version b(j) and the rest of b(j+1) (`token_versions`, policy_version the oldest);
+    trains the groups that finished; a group cut in batch j goes on in batch j+1 from its first
+    tokens of version b(j), the rest of later versions (`token_versions`, policy_version the oldest);
     the restarted producer commits what the killed one would have (batch 2 sampled again from its
     requests and batch 1's carry); `unirl audit` passes, and fails a row whose oldest token is
     older than max_staleness allows."""
@@ -141,10 +143,10 @@ def test_partial_rollouts_carry_cut_groups_with_their_token_versions_through_a_k
     from unirl.stages.runtime.storage import RunStorage
 
     root = tmp_path / "runs"
-    recipe_path = str(REPO / "recipes/ar/async.yaml")
+    recipe_path = str(REPO / "recipes/ar/partial.yaml")
     out = run_unirl(["run", recipe_path, *PARTIAL, f"storage.root={root}"], {**unirl_env, "UNIRL_FAULTS": "produce@2"})
     assert "starting it again" in out.stdout + out.stderr
-    storage = RunStorage(str(root), "async")
+    storage = RunStorage(str(root), "partial")
     continued = 0
     for i in range(4):
         produced = storage.stage_manifest(i, "produce")
@@ -158,8 +160,10 @@ def test_partial_rollouts_carry_cut_groups_with_their_token_versions_through_a_k
             continued += len(set(versions)) > 1
         carried = {r["group_id"] for r in carry}
         assert carried.isdisjoint({r["group_id"] for r in rows})
-        if i < 3:  # what batch i cut, batch i+1 finishes: with its first tokens as they were
-            later = {r["sample_id"]: r for r in read_rollouts(storage, storage.stage_manifest(i + 1, "produce")["files"]).to_pylist()}
+        if i < 3:  # what batch i cut, batch i+1 goes on with (finished, or cut again): its first tokens as they were
+            after = storage.stage_manifest(i + 1, "produce")
+            later = {r["sample_id"]: r for r in [*read_rollouts(storage, after["files"]).to_pylist(),
+                                                 *read_shard(storage, after["carry"], "rollouts").to_pylist()]}
             for r in carry:
                 assert later[r["sample_id"]]["response_ids"][:len(r["response_ids"])] == r["response_ids"]
                 assert later[r["sample_id"]]["token_versions"][:len(r["response_ids"])] == r["token_versions"]
